@@ -1,0 +1,1 @@
+// integration tests: one binary, one module per area
