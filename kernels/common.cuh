@@ -1,0 +1,74 @@
+// common.cuh: index types, grid-stride helpers and bf16 <-> f32 conversions shared by every kernel
+// family. Included, never compiled alone (build.rs compiles only kernels/*.cu).
+//
+// Conventions every kernel follows (STYLE.md rules 4 and 2):
+// - 64-bit index math everywhere: tensors reach 2^31 elements (one step's packed taps for a 27B
+//   target are ~2^30 bf16, and tests exercise > 2^31), so an `int` index silently wraps.
+// - bf16 rounding matches the CPU reference bit for bit: the CPU backend rounds with
+//   `half::bf16::from_f32`, reproduced here by `f32_to_bf16_bits_rne` (NaN payloads included).
+// - No fast-math: build.rs compiles without --use_fast_math, so f32 denormals are kept (-ftz=false)
+//   as on the CPU; where an expression must not be contracted into an FMA we say so with
+//   __fmul_rn / __fadd_rn.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+// Signed 64-bit element index / count. Signed so that `i < n` loops and differences behave, and
+// so that it matches the `long long` kernel arguments the Rust launchers pass (i64).
+typedef long long index_t;
+
+// Bytes in one vectorised global access (ld.global.v4.u32 / st.global.v4.u32).
+#define VEC_BYTES 16
+// bf16 elements in one VEC_BYTES access.
+#define BF16_PER_VEC 8
+
+// This thread's index in a 1-D grid, in 64 bits (blockIdx.x * blockDim.x overflows 32 bits for
+// grids of more than 2^31 threads).
+__device__ __forceinline__ index_t grid_thread_index() {
+  return (index_t)blockIdx.x * (index_t)blockDim.x + (index_t)threadIdx.x;
+}
+
+// Threads in a 1-D grid: the stride of a grid-stride loop, in 64 bits.
+__device__ __forceinline__ index_t grid_thread_count() {
+  return (index_t)gridDim.x * (index_t)blockDim.x;
+}
+
+// True when `p` may be accessed with VEC_BYTES-wide loads/stores.
+__device__ __forceinline__ bool is_vec_aligned(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) % VEC_BYTES) == 0;
+}
+
+// bf16 bits -> f32: exact (bf16 is the top half of an f32), NaN payloads kept.
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) {
+  return __uint_as_float(bits16 << 16);
+}
+
+__device__ __forceinline__ float bf16_to_f32(__nv_bfloat16 x) {
+  return bf16_bits_to_f32(__bfloat16_as_ushort(x));
+}
+
+// f32 -> bf16 bits, round to nearest, ties to even; a NaN stays a NaN with its sign and top
+// payload bits and the quiet bit set. This is exactly `half::bf16::from_f32` (the CPU reference),
+// so bit-equality tests hold even for NaN inputs; __float2bfloat16_rn does not promise that.
+__device__ __forceinline__ uint32_t f32_to_bf16_bits_rne(float f) {
+  const uint32_t x = __float_as_uint(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+    return (x >> 16) | 0x0040u;
+  }
+  // Adding 0x7FFF plus the lowest kept bit rounds to nearest with ties to even; a carry out of
+  // the mantissa correctly bumps the exponent (up to +inf).
+  const uint32_t lsb = (x >> 16) & 1u;
+  return (x + 0x7FFFu + lsb) >> 16;
+}
+
+__device__ __forceinline__ __nv_bfloat16 f32_to_bf16_rne(float f) {
+  return __ushort_as_bfloat16((unsigned short)f32_to_bf16_bits_rne(f));
+}
+
+// Two bf16 packed in one u32 (element 0 in the low half, as in memory) <-> two f32.
+__device__ __forceinline__ float bf16x2_lo_to_f32(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16x2_hi_to_f32(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ uint32_t pack_bf16x2_rne(float lo, float hi) {
+  return f32_to_bf16_bits_rne(lo) | (f32_to_bf16_bits_rne(hi) << 16);
+}
