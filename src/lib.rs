@@ -1,5 +1,9 @@
 //! dflash-engine: trains DFlash speculative-decoding drafters against a frozen target LLM.
 //!
 //! Module map (one line each; DESIGN.md section 3 is the long form):
-pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
+pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
+pub mod model; // target forward with taps; drafter forward and hand-written backward
+pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
+pub mod tensor; // DType and the bf16 rounding rule
+pub mod train;

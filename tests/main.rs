@@ -1,1 +1,10 @@
-// integration tests: one binary, one module per area
+//! The integration tests: one binary, one module per area.
+//!
+//! - `ops_fd`: every op's backward against f64 finite differences (CPU exact backend)
+//! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
+//! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
+
+mod common;
+mod drafter_fd;
+mod ops_fd;
+mod pitfalls;

@@ -1,0 +1,961 @@
+//! The CPU reference backend: plain loops, the oracle every CUDA kernel is tested against.
+//!
+//! `CpuBackend<f32>` is the product's CPU path: f32 math with bf16 storage rounded where the GPU
+//! rounds (every write into a bf16 buffer). `CpuBackend<f64>` with rounding off is the exact
+//! backend the finite-difference tests differentiate. Rows are split across threads with rayon;
+//! each output element is still computed by one thread in a fixed order, so results do not depend
+//! on the thread count.
+
+use std::marker::PhantomData;
+
+use rayon::prelude::*;
+
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use crate::rng;
+use crate::tensor::{round_bf16, DType};
+
+/// The scalar the reference computes in: f32 (product) or f64 (finite differences).
+pub trait Real:
+    Copy
+    + Send
+    + Sync
+    + 'static
+    + PartialOrd
+    + std::fmt::Debug
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + std::ops::AddAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn is_finite(self) -> bool;
+}
+
+macro_rules! impl_real {
+    ($t:ty) => {
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            #[inline]
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline]
+            fn from_f32(x: f32) -> Self {
+                x as $t
+            }
+            #[inline]
+            fn to_f32(self) -> f32 {
+                self as f32
+            }
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn is_finite(self) -> bool {
+                <$t>::is_finite(self)
+            }
+        }
+    };
+}
+impl_real!(f32);
+impl_real!(f64);
+
+/// A float buffer: values are kept as `F`; a bf16 buffer only ever holds bf16-representable values
+/// (when rounding is on).
+#[derive(Clone, Debug)]
+pub struct CpuBuf<F> {
+    pub dtype: DType,
+    pub data: Vec<F>,
+}
+
+/// The CPU has one in-order "stream"; the handle exists so model code is the same on every backend.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuStream;
+
+#[derive(Clone, Copy, Debug)]
+pub struct CpuBackend<F: Real = f32> {
+    round: bool,
+    _f: PhantomData<F>,
+}
+
+impl CpuBackend<f32> {
+    /// The product backend: f32 math, bf16 storage rounded like the GPU.
+    pub fn new() -> Self {
+        CpuBackend { round: true, _f: PhantomData }
+    }
+}
+
+impl Default for CpuBackend<f32> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend<f64> {
+    /// The exact backend for finite differences: f64 everywhere, no rounding.
+    pub fn exact() -> Self {
+        CpuBackend { round: false, _f: PhantomData }
+    }
+}
+
+fn dtype_err(op: &'static str, expected: DType, found: DType) -> BackendError {
+    BackendError::DType { op, expected: expected.name(), found: found.name() }
+}
+
+fn need_dtype<F>(op: &'static str, b: &CpuBuf<F>, dt: DType) -> Result<()> {
+    if b.dtype == dt {
+        Ok(())
+    } else {
+        Err(dtype_err(op, dt, b.dtype))
+    }
+}
+
+/// A dot product with 8 independent accumulators: a fixed order, and fast enough for the
+/// reference to train the tiny preset in seconds.
+#[inline]
+fn dot<F: Real>(a: &[F], b: &[F]) -> F {
+    let n = a.len().min(b.len());
+    let mut acc = [F::ZERO; 8];
+    let chunks = n / 8;
+    for c in 0..chunks {
+        let o = c * 8;
+        for l in 0..8 {
+            acc[l] += a[o + l] * b[o + l];
+        }
+    }
+    let mut tail = F::ZERO;
+    for i in chunks * 8..n {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+impl<F: Real> CpuBackend<F> {
+    /// Rounds a value for storage in a buffer of `dt`.
+    #[inline]
+    fn st(&self, dt: DType, v: F) -> F {
+        if !self.round {
+            return v;
+        }
+        match dt {
+            DType::BF16 => F::from_f32(round_bf16(v.to_f32())),
+            DType::F32 => F::from_f32(v.to_f32()),
+        }
+    }
+
+    fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+        // As Hugging Face computes it: 1 / theta^(2i / d) in f32.
+        (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect()
+    }
+}
+
+impl<F: Real> Backend for CpuBackend<F> {
+    type Buf = CpuBuf<F>;
+    type Ids = Vec<i32>;
+    type Stream = CpuStream;
+
+    fn name(&self) -> String {
+        if self.round {
+            format!("cpu ({} threads)", rayon::current_num_threads())
+        } else {
+            "cpu-exact (f64)".into()
+        }
+    }
+
+    fn compute_stream(&self) -> CpuStream {
+        CpuStream
+    }
+
+    fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
+        Ok(CpuBuf { dtype, data: vec![F::ZERO; len] })
+    }
+
+    fn alloc_ids(&self, _s: &CpuStream, len: usize) -> Result<Vec<i32>> {
+        Ok(vec![0; len])
+    }
+
+    fn len(&self, b: &CpuBuf<F>) -> usize {
+        b.data.len()
+    }
+
+    fn dtype(&self, b: &CpuBuf<F>) -> DType {
+        b.dtype
+    }
+
+    fn upload(&self, _s: &CpuStream, host: &[f32], dst: &mut CpuBuf<F>, off: usize) -> Result<()> {
+        check_len("upload", "dst", dst.data.len(), off, host.len())?;
+        let dt = dst.dtype;
+        for (d, &h) in dst.data[off..off + host.len()].iter_mut().zip(host) {
+            *d = self.st(dt, F::from_f32(h));
+        }
+        Ok(())
+    }
+
+    fn upload_ids(&self, _s: &CpuStream, host: &[i32], dst: &mut Vec<i32>) -> Result<()> {
+        check_len("upload_ids", "dst", dst.len(), 0, host.len())?;
+        dst[..host.len()].copy_from_slice(host);
+        Ok(())
+    }
+
+    fn download(&self, _s: &CpuStream, src: &CpuBuf<F>) -> Result<Vec<f32>> {
+        Ok(src.data.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn download_ids(&self, _s: &CpuStream, src: &Vec<i32>) -> Result<Vec<i32>> {
+        Ok(src.clone())
+    }
+
+    fn copy(
+        &self,
+        _s: &CpuStream,
+        src: &CpuBuf<F>,
+        src_off: usize,
+        dst: &mut CpuBuf<F>,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        check_len("copy", "src", src.data.len(), src_off, n)?;
+        check_len("copy", "dst", dst.data.len(), dst_off, n)?;
+        let dt = dst.dtype;
+        for i in 0..n {
+            dst.data[dst_off + i] = self.st(dt, src.data[src_off + i]);
+        }
+        Ok(())
+    }
+
+    fn fill(&self, _s: &CpuStream, dst: &mut CpuBuf<F>, value: f32) -> Result<()> {
+        let v = self.st(dst.dtype, F::from_f32(value));
+        dst.data.iter_mut().for_each(|x| *x = v);
+        Ok(())
+    }
+
+    fn gemm(
+        &self,
+        _s: &CpuStream,
+        g: &Gemm,
+        a: &CpuBuf<F>,
+        a_off: usize,
+        b: &CpuBuf<F>,
+        b_off: usize,
+        c: &mut CpuBuf<F>,
+        c_off: usize,
+    ) -> Result<()> {
+        let (m, n, k) = (g.m, g.n, g.k);
+        check_len("gemm", "A", a.data.len(), a_off, m * k)?;
+        check_len("gemm", "B", b.data.len(), b_off, k * n)?;
+        check_len("gemm", "C", c.data.len(), c_off, m * n)?;
+        let a = &a.data[a_off..a_off + m * k];
+        let b = &b.data[b_off..b_off + k * n];
+        // Bring both operands to "rows of k" so every output is one contiguous dot product.
+        let at: Vec<F>;
+        let a_rows: &[F] = if g.ta {
+            at = transpose(a, k, m);
+            &at
+        } else {
+            a
+        };
+        let bt: Vec<F>;
+        let b_rows: &[F] = if g.tb {
+            b
+        } else {
+            bt = transpose(b, k, n);
+            &bt
+        };
+        let (alpha, beta) = (F::from_f32(g.alpha), F::from_f32(g.beta));
+        let dt = c.dtype;
+        let cs = &mut c.data[c_off..c_off + m * n];
+        cs.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, crow)| {
+            let ar = &a_rows[i * k..(i + 1) * k];
+            for (j, cv) in crow.iter_mut().enumerate() {
+                let acc = dot(ar, &b_rows[j * k..(j + 1) * k]);
+                let prev = if g.beta == 0.0 { F::ZERO } else { beta * *cv };
+                *cv = self.st(dt, alpha * acc + prev);
+            }
+        });
+        Ok(())
+    }
+
+    fn add_inplace(&self, _s: &CpuStream, x: &mut CpuBuf<F>, y: &CpuBuf<F>) -> Result<()> {
+        check_len("add_inplace", "y", y.data.len(), 0, x.data.len())?;
+        let dt = x.dtype;
+        for (a, &b) in x.data.iter_mut().zip(&y.data) {
+            *a = self.st(dt, *a + b);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm_fwd(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        w_off: usize,
+        y: &mut CpuBuf<F>,
+        rstd: &mut CpuBuf<F>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rmsnorm_fwd", "x", x.data.len(), 0, rows * dim)?;
+        check_len("rmsnorm_fwd", "w", w.data.len(), w_off, dim)?;
+        check_len("rmsnorm_fwd", "y", y.data.len(), 0, rows * dim)?;
+        check_len("rmsnorm_fwd", "rstd", rstd.data.len(), 0, rows)?;
+        need_dtype("rmsnorm_fwd", rstd, DType::F32)?;
+        let w = &w.data[w_off..w_off + dim];
+        let (ydt, rdt) = (y.dtype, rstd.dtype);
+        let eps = F::from_f32(eps);
+        y.data[..rows * dim].par_chunks_mut(dim).zip(rstd.data[..rows].par_iter_mut()).enumerate().for_each(
+            |(r, (yr, rs))| {
+                let xr = &x.data[r * dim..(r + 1) * dim];
+                let ms = dot(xr, xr) / F::from_f64(dim as f64);
+                let inv = self.st(rdt, F::ONE / (ms + eps).sqrt());
+                *rs = inv;
+                for c in 0..dim {
+                    yr[c] = self.st(ydt, xr[c] * inv * w[c]);
+                }
+            },
+        );
+        Ok(())
+    }
+
+    fn rmsnorm_bwd(
+        &self,
+        _s: &CpuStream,
+        dy: &CpuBuf<F>,
+        x: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        w_off: usize,
+        rstd: &CpuBuf<F>,
+        dx: &mut CpuBuf<F>,
+        accumulate_dx: bool,
+        dw: &mut CpuBuf<F>,
+        dw_off: usize,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        for (name, len) in [("dy", dy.data.len()), ("x", x.data.len()), ("dx", dx.data.len())] {
+            check_len("rmsnorm_bwd", name, len, 0, rows * dim)?;
+        }
+        check_len("rmsnorm_bwd", "w", w.data.len(), w_off, dim)?;
+        check_len("rmsnorm_bwd", "dw", dw.data.len(), dw_off, dim)?;
+        check_len("rmsnorm_bwd", "rstd", rstd.data.len(), 0, rows)?;
+        need_dtype("rmsnorm_bwd", dw, DType::F32)?;
+        let w = &w.data[w_off..w_off + dim];
+        let dt = dx.dtype;
+        let inv_dim = F::ONE / F::from_f64(dim as f64);
+        dx.data[..rows * dim].par_chunks_mut(dim).enumerate().for_each(|(r, dxr)| {
+            let xr = &x.data[r * dim..(r + 1) * dim];
+            let dyr = &dy.data[r * dim..(r + 1) * dim];
+            let inv = rstd.data[r];
+            let mut gx = F::ZERO;
+            for c in 0..dim {
+                gx += dyr[c] * w[c] * xr[c];
+            }
+            let coef = gx * inv * inv * inv * inv_dim;
+            for c in 0..dim {
+                let g = inv * dyr[c] * w[c] - xr[c] * coef;
+                dxr[c] = self.st(dt, if accumulate_dx { dxr[c] + g } else { g });
+            }
+        });
+        // dw: column sums over rows, one column per task, rows in order.
+        let dws = &mut dw.data[dw_off..dw_off + dim];
+        dws.par_iter_mut().enumerate().for_each(|(c, dwc)| {
+            let mut acc = F::ZERO;
+            for r in 0..rows {
+                acc += dy.data[r * dim + c] * x.data[r * dim + c] * rstd.data[r];
+            }
+            *dwc = self.st(DType::F32, *dwc + acc);
+        });
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        _s: &CpuStream,
+        x: &mut CpuBuf<F>,
+        pos: &Vec<i32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()> {
+        let width = heads * head_dim;
+        check_len("rope", "x", x.data.len(), 0, rows * width)?;
+        check_len("rope", "pos", pos.len(), 0, rows)?;
+        if head_dim % 2 != 0 {
+            return Err(BackendError::Shape { op: "rope", what: format!("head_dim {head_dim} is odd") });
+        }
+        let inv_freq = Self::rope_inv_freq(head_dim, theta);
+        let half = head_dim / 2;
+        let dt = x.dtype;
+        x.data[..rows * width].par_chunks_mut(width).enumerate().for_each(|(r, xr)| {
+            let p = pos[r] as f32;
+            for i in 0..half {
+                let ang = p * inv_freq[i];
+                let (c, mut sn) = (F::from_f32(ang.cos()), F::from_f32(ang.sin()));
+                if inverse {
+                    sn = -sn;
+                }
+                for h in 0..heads {
+                    let o = h * head_dim;
+                    let (a, b) = (xr[o + i], xr[o + i + half]);
+                    xr[o + i] = self.st(dt, a * c - b * sn);
+                    xr[o + i + half] = self.st(dt, b * c + a * sn);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn swiglu_fwd(&self, _s: &CpuStream, gu: &CpuBuf<F>, out: &mut CpuBuf<F>, rows: usize, inter: usize) -> Result<()> {
+        check_len("swiglu_fwd", "gu", gu.data.len(), 0, rows * 2 * inter)?;
+        check_len("swiglu_fwd", "out", out.data.len(), 0, rows * inter)?;
+        let dt = out.dtype;
+        out.data[..rows * inter].par_chunks_mut(inter).enumerate().for_each(|(r, or)| {
+            let row = &gu.data[r * 2 * inter..(r + 1) * 2 * inter];
+            for c in 0..inter {
+                let g = row[c];
+                let silu = g / (F::ONE + (-g).exp());
+                or[c] = self.st(dt, silu * row[inter + c]);
+            }
+        });
+        Ok(())
+    }
+
+    fn swiglu_bwd(
+        &self,
+        _s: &CpuStream,
+        dout: &CpuBuf<F>,
+        gu: &CpuBuf<F>,
+        dgu: &mut CpuBuf<F>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        check_len("swiglu_bwd", "dout", dout.data.len(), 0, rows * inter)?;
+        check_len("swiglu_bwd", "gu", gu.data.len(), 0, rows * 2 * inter)?;
+        check_len("swiglu_bwd", "dgu", dgu.data.len(), 0, rows * 2 * inter)?;
+        let dt = dgu.dtype;
+        dgu.data[..rows * 2 * inter].par_chunks_mut(2 * inter).enumerate().for_each(|(r, dr)| {
+            let row = &gu.data[r * 2 * inter..(r + 1) * 2 * inter];
+            for c in 0..inter {
+                let (g, u, d) = (row[c], row[inter + c], dout.data[r * inter + c]);
+                let sig = F::ONE / (F::ONE + (-g).exp());
+                let silu = g * sig;
+                dr[c] = self.st(dt, d * u * sig * (F::ONE + g * (F::ONE - sig)));
+                dr[inter + c] = self.st(dt, d * silu);
+            }
+        });
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        _s: &CpuStream,
+        table: &CpuBuf<F>,
+        off: usize,
+        ids: &Vec<i32>,
+        out: &mut CpuBuf<F>,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        check_len("embed", "ids", ids.len(), 0, rows)?;
+        check_len("embed", "out", out.data.len(), 0, rows * dim)?;
+        let dt = out.dtype;
+        for r in 0..rows {
+            let id = usize::try_from(ids[r])
+                .map_err(|_| BackendError::Shape { op: "embed", what: format!("negative id {} at row {r}", ids[r]) })?;
+            check_len("embed", "table", table.data.len(), off + id * dim, dim)?;
+            for c in 0..dim {
+                out.data[r * dim + c] = self.st(dt, table.data[off + id * dim + c]);
+            }
+        }
+        Ok(())
+    }
+
+    fn pack_taps(
+        &self,
+        _s: &CpuStream,
+        taps: &[&CpuBuf<F>],
+        out: &mut CpuBuf<F>,
+        rows: usize,
+        hidden: usize,
+        n_valid: usize,
+        noise_std: f32,
+        seed: u64,
+        step: u32,
+    ) -> Result<()> {
+        let nt = taps.len();
+        let width = nt * hidden;
+        check_len("pack_taps", "out", out.data.len(), 0, rows * width)?;
+        for (k, t) in taps.iter().enumerate() {
+            check_len("pack_taps", &format!("tap {k}"), t.data.len(), 0, rows * hidden)?;
+        }
+        let dt = out.dtype;
+        out.data[..rows * width].par_chunks_mut(width).enumerate().for_each(|(t, orow)| {
+            for k in 0..nt {
+                for c in 0..hidden {
+                    let j = k * hidden + c;
+                    orow[j] = if t >= n_valid {
+                        F::ZERO
+                    } else if noise_std == 0.0 {
+                        taps[k].data[t * hidden + c]
+                    } else {
+                        // f32 add of the f32 noise value, one rounding to bf16: as the kernel does.
+                        let idx = (t * width + j) as u64;
+                        let x = taps[k].data[t * hidden + c].to_f32() + rng::noise_at(seed, step, idx, noise_std);
+                        self.st(dt, F::from_f32(x))
+                    };
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn attn_causal_fwd(
+        &self,
+        _s: &CpuStream,
+        q: &CpuBuf<F>,
+        k: &CpuBuf<F>,
+        v: &CpuBuf<F>,
+        o: &mut CpuBuf<F>,
+        seq_starts: &Vec<i32>,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+        check_len("attn_causal_fwd", "q", q.data.len(), 0, rows * qw)?;
+        check_len("attn_causal_fwd", "k", k.data.len(), 0, rows * kw)?;
+        check_len("attn_causal_fwd", "v", v.data.len(), 0, rows * kw)?;
+        check_len("attn_causal_fwd", "o", o.data.len(), 0, rows * qw)?;
+        if heads % kv_heads != 0 {
+            return Err(BackendError::Shape {
+                op: "attn_causal_fwd",
+                what: format!("{heads} heads over {kv_heads} kv heads"),
+            });
+        }
+        // Row -> start of its sequence.
+        let mut start_of = vec![0usize; rows];
+        for w in seq_starts.windows(2) {
+            let (a, b) = (w[0] as usize, (w[1] as usize).min(rows));
+            for r in a..b {
+                start_of[r] = a;
+            }
+        }
+        let group = heads / kv_heads;
+        let scale = F::from_f64(1.0 / (head_dim as f64).sqrt());
+        let dt = o.dtype;
+        o.data[..rows * qw].par_chunks_mut(qw).enumerate().for_each(|(i, orow)| {
+            let s0 = start_of[i];
+            let mut sc = vec![F::ZERO; i + 1 - s0];
+            for h in 0..heads {
+                let g = h / group;
+                let qh = &q.data[i * qw + h * head_dim..][..head_dim];
+                let mut mx = F::from_f64(f64::NEG_INFINITY);
+                for (t, s) in sc.iter_mut().enumerate() {
+                    *s = scale * dot(qh, &k.data[(s0 + t) * kw + g * head_dim..][..head_dim]);
+                    if *s > mx {
+                        mx = *s;
+                    }
+                }
+                let mut sum = F::ZERO;
+                for s in sc.iter_mut() {
+                    *s = (*s - mx).exp();
+                    sum += *s;
+                }
+                let oh = &mut orow[h * head_dim..(h + 1) * head_dim];
+                for c in 0..head_dim {
+                    let mut acc = F::ZERO;
+                    for (t, &p) in sc.iter().enumerate() {
+                        acc += p * v.data[(s0 + t) * kw + g * head_dim + c];
+                    }
+                    oh[c] = self.st(dt, acc / sum);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn attn_draft_fwd(
+        &self,
+        _s: &CpuStream,
+        sh: &DraftAttnShape,
+        q: &CpuBuf<F>,
+        kc: &CpuBuf<F>,
+        vc: &CpuBuf<F>,
+        kb: &CpuBuf<F>,
+        vb: &CpuBuf<F>,
+        anchors: &Vec<i32>,
+        ctx_start: &Vec<i32>,
+        o: &mut CpuBuf<F>,
+        lse: &mut CpuBuf<F>,
+    ) -> Result<()> {
+        let g = DraftGeom::new("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        check_len("attn_draft_fwd", "o", o.data.len(), 0, sh.q_rows() * g.qw)?;
+        check_len("attn_draft_fwd", "lse", lse.data.len(), 0, sh.q_rows() * sh.heads)?;
+        need_dtype("attn_draft_fwd", lse, DType::F32)?;
+        let (odt, ldt) = (o.dtype, lse.dtype);
+        let bs = sh.block_size;
+        let scale = F::from_f64(g.scale);
+        o.data[..sh.q_rows() * g.qw]
+            .par_chunks_mut(bs * g.qw)
+            .zip(lse.data[..sh.q_rows() * sh.heads].par_chunks_mut(bs * sh.heads))
+            .enumerate()
+            .for_each(|(j, (oblk, lblk))| {
+                let keys = g.keys(j, sh);
+                for r in 0..bs {
+                    let row = j * bs + r;
+                    for h in 0..sh.heads {
+                        let oh = &mut oblk[r * g.qw + h * sh.head_dim..][..sh.head_dim];
+                        if keys.is_empty() {
+                            // Padded block: it attends to nothing, and says so with exact zeros.
+                            oh.iter_mut().for_each(|x| *x = F::ZERO);
+                            lblk[r * sh.heads + h] = F::ZERO;
+                            continue;
+                        }
+                        let qh = &q.data[row * g.qw + h * sh.head_dim..][..sh.head_dim];
+                        let kvh = h / g.group;
+                        let sc: Vec<F> = keys.iter().map(|&key| scale * dot(qh, g.k(key, kvh, kc, kb))).collect();
+                        let mx = sc.iter().copied().fold(sc[0], |a, b| if b > a { b } else { a });
+                        let p: Vec<F> = sc.iter().map(|&s| (s - mx).exp()).collect();
+                        let sum = p.iter().fold(F::ZERO, |a, &b| a + b);
+                        for c in 0..sh.head_dim {
+                            let mut acc = F::ZERO;
+                            for (t, &key) in keys.iter().enumerate() {
+                                acc += p[t] * g.v(key, kvh, vc, vb)[c];
+                            }
+                            oh[c] = self.st(odt, acc / sum);
+                        }
+                        lblk[r * sh.heads + h] = self.st(ldt, mx + sum.ln());
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    fn attn_draft_bwd(
+        &self,
+        _s: &CpuStream,
+        sh: &DraftAttnShape,
+        q: &CpuBuf<F>,
+        kc: &CpuBuf<F>,
+        vc: &CpuBuf<F>,
+        kb: &CpuBuf<F>,
+        vb: &CpuBuf<F>,
+        anchors: &Vec<i32>,
+        ctx_start: &Vec<i32>,
+        o: &CpuBuf<F>,
+        lse: &CpuBuf<F>,
+        d_o: &CpuBuf<F>,
+        grads: [&mut CpuBuf<F>; 5],
+    ) -> Result<()> {
+        let g = DraftGeom::new("attn_draft_bwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        let [dq, dkc, dvc, dkb, dvb] = grads;
+        let qn = sh.q_rows() * g.qw;
+        for (name, len) in [("o", o.data.len()), ("d_o", d_o.data.len()), ("dq", dq.data.len())] {
+            check_len("attn_draft_bwd", name, len, 0, qn)?;
+        }
+        check_len("attn_draft_bwd", "dkc", dkc.data.len(), 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dvc", dvc.data.len(), 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dkb", dkb.data.len(), 0, sh.q_rows() * g.kw)?;
+        check_len("attn_draft_bwd", "dvb", dvb.data.len(), 0, sh.q_rows() * g.kw)?;
+        let (bs, hd) = (sh.block_size, sh.head_dim);
+        let scale = F::from_f64(g.scale);
+        // Accumulate in F and round once per output element, like the kernels.
+        let mut acc_kc = vec![F::ZERO; sh.ctx_rows * g.kw];
+        let mut acc_vc = vec![F::ZERO; sh.ctx_rows * g.kw];
+        // Blocks in order: every accumulation into a context row happens in block order.
+        for j in 0..sh.num_blocks {
+            let keys = g.keys(j, sh);
+            let base_q = j * bs * g.qw;
+            let base_k = j * bs * g.kw;
+            let mut blk_dq = vec![F::ZERO; bs * g.qw];
+            let mut blk_dk = vec![F::ZERO; bs * g.kw];
+            let mut blk_dv = vec![F::ZERO; bs * g.kw];
+            if !keys.is_empty() {
+                for r in 0..bs {
+                    let row = j * bs + r;
+                    for h in 0..sh.heads {
+                        let kvh = h / g.group;
+                        let qh = &q.data[row * g.qw + h * hd..][..hd];
+                        let doh = &d_o.data[row * g.qw + h * hd..][..hd];
+                        let oh = &o.data[row * g.qw + h * hd..][..hd];
+                        let l = lse.data[row * sh.heads + h];
+                        let dsum = dot(doh, oh);
+                        for &key in &keys {
+                            let kk = g.k(key, kvh, kc, kb);
+                            let vv = g.v(key, kvh, vc, vb);
+                            let p = (scale * dot(qh, kk) - l).exp();
+                            let ds = p * (dot(doh, vv) - dsum) * scale;
+                            for c in 0..hd {
+                                blk_dq[r * g.qw + h * hd + c] += ds * kk[c];
+                            }
+                            let (dk, dv) = match key {
+                                Key::Ctx(t) => {
+                                    (&mut acc_kc[t * g.kw + kvh * hd..][..hd], &mut acc_vc[t * g.kw + kvh * hd..][..hd])
+                                }
+                                Key::Blk(t) => {
+                                    let lo = (t - j * bs) * g.kw + kvh * hd;
+                                    (&mut blk_dk[lo..lo + hd], &mut blk_dv[lo..lo + hd])
+                                }
+                            };
+                            for c in 0..hd {
+                                dk[c] += ds * qh[c];
+                                dv[c] += p * doh[c];
+                            }
+                        }
+                    }
+                }
+            }
+            for i in 0..bs * g.qw {
+                dq.data[base_q + i] = self.st(dq.dtype, blk_dq[i]);
+            }
+            for i in 0..bs * g.kw {
+                dkb.data[base_k + i] = self.st(dkb.dtype, blk_dk[i]);
+                dvb.data[base_k + i] = self.st(dvb.dtype, blk_dv[i]);
+            }
+        }
+        for i in 0..sh.ctx_rows * g.kw {
+            dkc.data[i] = self.st(dkc.dtype, acc_kc[i]);
+            dvc.data[i] = self.st(dvc.dtype, acc_vc[i]);
+        }
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        _s: &CpuStream,
+        logits: &mut CpuBuf<F>,
+        labels: &Vec<i32>,
+        weights: &CpuBuf<F>,
+        w_off: usize,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        loss: &mut CpuBuf<F>,
+        loss_off: usize,
+        argmax: &mut Vec<i32>,
+        argmax_off: usize,
+    ) -> Result<()> {
+        check_len("cross_entropy", "logits", logits.data.len(), 0, rows * vocab)?;
+        check_len("cross_entropy", "labels", labels.len(), w_off, rows)?;
+        check_len("cross_entropy", "weights", weights.data.len(), w_off, rows)?;
+        check_len("cross_entropy", "loss", loss.data.len(), loss_off, rows)?;
+        check_len("cross_entropy", "argmax", argmax.len(), argmax_off, rows)?;
+        let (ldt, gdt) = (loss.dtype, logits.dtype);
+        let gs = F::from_f32(grad_scale);
+        let loss_out = &mut loss.data[loss_off..loss_off + rows];
+        let am_out = &mut argmax[argmax_off..argmax_off + rows];
+        logits.data[..rows * vocab]
+            .par_chunks_mut(vocab)
+            .zip(loss_out.par_iter_mut())
+            .zip(am_out.par_iter_mut())
+            .enumerate()
+            .for_each(|(r, ((lr, lo), am))| {
+                let w = weights.data[w_off + r];
+                let label = labels[w_off + r];
+                let mut mx = lr[0];
+                let mut arg = 0usize;
+                for (c, &x) in lr.iter().enumerate() {
+                    if x > mx {
+                        mx = x;
+                        arg = c;
+                    }
+                }
+                *am = arg as i32;
+                let sum = lr.iter().fold(F::ZERO, |a, &x| a + (x - mx).exp());
+                let lse = mx + sum.ln();
+                let supervised = w != F::ZERO && label >= 0 && (label as usize) < vocab;
+                if supervised {
+                    *lo = self.st(ldt, w * (lse - lr[label as usize]));
+                    let coef = gs * w;
+                    for (c, x) in lr.iter_mut().enumerate() {
+                        let p = (*x - lse).exp();
+                        let onehot = if c == label as usize { F::ONE } else { F::ZERO };
+                        *x = self.st(gdt, coef * (p - onehot));
+                    }
+                } else {
+                    *lo = F::ZERO;
+                    lr.iter_mut().for_each(|x| *x = F::ZERO);
+                }
+            });
+        Ok(())
+    }
+
+    fn sum_squares(&self, _s: &CpuStream, x: &CpuBuf<F>, out: &mut CpuBuf<F>) -> Result<()> {
+        check_len("sum_squares", "out", out.data.len(), 0, 1)?;
+        // Fixed-size chunks summed in order: the same value for any thread count.
+        const CHUNK: usize = 1 << 14;
+        let parts: Vec<F> = x.data.par_chunks(CHUNK).map(|c| dot(c, c)).collect();
+        let total = parts.iter().fold(F::ZERO, |a, &b| a + b);
+        out.data[0] = self.st(out.dtype, total);
+        Ok(())
+    }
+
+    fn adamw(
+        &self,
+        _s: &CpuStream,
+        master: &mut CpuBuf<F>,
+        grad: &CpuBuf<F>,
+        m: &mut CpuBuf<F>,
+        v: &mut CpuBuf<F>,
+        weights: &mut CpuBuf<F>,
+        hp: &AdamStep,
+    ) -> Result<()> {
+        let n = master.data.len();
+        for (name, len) in
+            [("grad", grad.data.len()), ("m", m.data.len()), ("v", v.data.len()), ("weights", weights.data.len())]
+        {
+            check_len("adamw", name, len, 0, n)?;
+        }
+        // Bias corrections in f64 on the host side of the formula, as the kernel receives them.
+        let bc1 = F::from_f64(1.0 - f64::from(hp.beta1).powi(hp.t as i32));
+        let bc2 = F::from_f64(1.0 - f64::from(hp.beta2).powi(hp.t as i32));
+        let (b1, b2) = (F::from_f32(hp.beta1), F::from_f32(hp.beta2));
+        let (lr, eps, wd, gs) =
+            (F::from_f32(hp.lr), F::from_f32(hp.eps), F::from_f32(hp.weight_decay), F::from_f32(hp.grad_scale));
+        let wdt = weights.dtype;
+        master
+            .data
+            .par_iter_mut()
+            .zip(m.data.par_iter_mut())
+            .zip(v.data.par_iter_mut())
+            .zip(weights.data.par_iter_mut())
+            .zip(grad.data.par_iter())
+            .for_each(|((((p, mm), vv), w), &g)| {
+                let g = g * gs;
+                *mm = self.st(DType::F32, b1 * *mm + (F::ONE - b1) * g);
+                *vv = self.st(DType::F32, b2 * *vv + (F::ONE - b2) * g * g);
+                let upd = (*mm / bc1) / ((*vv / bc2).sqrt() + eps) + wd * *p;
+                *p = self.st(DType::F32, *p - lr * upd);
+                *w = self.st(wdt, *p);
+            });
+        Ok(())
+    }
+
+    fn count_nonfinite(&self, _s: &CpuStream, x: &CpuBuf<F>) -> Result<u64> {
+        Ok(x.data.iter().filter(|v| !v.is_finite()).count() as u64)
+    }
+}
+
+fn transpose<F: Copy>(x: &[F], rows: usize, cols: usize) -> Vec<F> {
+    let mut t = Vec::with_capacity(rows * cols);
+    for c in 0..cols {
+        for r in 0..rows {
+            t.push(x[r * cols + c]);
+        }
+    }
+    t
+}
+
+/// Which key a drafter query sees: a context row (global index) or a block row (global index).
+#[derive(Clone, Copy, Debug)]
+enum Key {
+    Ctx(usize),
+    Blk(usize),
+}
+
+/// Validated drafter-attention geometry shared by the forward and backward reference.
+struct DraftGeom<'a> {
+    qw: usize,
+    kw: usize,
+    group: usize,
+    scale: f64,
+    anchors: &'a [i32],
+    ctx_start: &'a [i32],
+    hd: usize,
+}
+
+impl<'a> DraftGeom<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new<F>(
+        op: &'static str,
+        sh: &DraftAttnShape,
+        q: &CpuBuf<F>,
+        kc: &CpuBuf<F>,
+        vc: &CpuBuf<F>,
+        kb: &CpuBuf<F>,
+        vb: &CpuBuf<F>,
+        anchors: &'a [i32],
+        ctx_start: &'a [i32],
+    ) -> Result<Self> {
+        if sh.kv_heads == 0 || sh.heads % sh.kv_heads != 0 {
+            return Err(BackendError::Shape { op, what: format!("{} heads over {} kv heads", sh.heads, sh.kv_heads) });
+        }
+        let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+        check_len(op, "q", q.data.len(), 0, sh.q_rows() * qw)?;
+        check_len(op, "kc", kc.data.len(), 0, sh.ctx_rows * kw)?;
+        check_len(op, "vc", vc.data.len(), 0, sh.ctx_rows * kw)?;
+        check_len(op, "kb", kb.data.len(), 0, sh.q_rows() * kw)?;
+        check_len(op, "vb", vb.data.len(), 0, sh.q_rows() * kw)?;
+        check_len(op, "anchors", anchors.len(), 0, sh.num_blocks)?;
+        check_len(op, "ctx_start", ctx_start.len(), 0, sh.num_blocks)?;
+        for j in 0..sh.num_blocks {
+            if anchors[j] >= 0 && ctx_start[j] as i64 + anchors[j] as i64 > sh.ctx_rows as i64 {
+                return Err(BackendError::Shape {
+                    op,
+                    what: format!("block {j}: context {}..+{} past {} rows", ctx_start[j], anchors[j], sh.ctx_rows),
+                });
+            }
+        }
+        Ok(DraftGeom {
+            qw,
+            kw,
+            group: sh.heads / sh.kv_heads,
+            scale: 1.0 / (sh.head_dim as f64).sqrt(),
+            anchors,
+            ctx_start,
+            hd: sh.head_dim,
+        })
+    }
+
+    /// The keys block `j` sees: context `[start, start + anchor)` (strictly before the anchor),
+    /// then its own block rows. Nothing for a padded block.
+    fn keys(&self, j: usize, sh: &DraftAttnShape) -> Vec<Key> {
+        let a = self.anchors[j];
+        if a < 0 {
+            return Vec::new();
+        }
+        let start = self.ctx_start[j] as usize;
+        let mut keys: Vec<Key> = (start..start + a as usize).map(Key::Ctx).collect();
+        keys.extend((j * sh.block_size..(j + 1) * sh.block_size).map(Key::Blk));
+        keys
+    }
+
+    fn k<'b, F>(&self, key: Key, kvh: usize, kc: &'b CpuBuf<F>, kb: &'b CpuBuf<F>) -> &'b [F] {
+        match key {
+            Key::Ctx(t) => &kc.data[t * self.kw + kvh * self.hd..][..self.hd],
+            Key::Blk(t) => &kb.data[t * self.kw + kvh * self.hd..][..self.hd],
+        }
+    }
+
+    fn v<'b, F>(&self, key: Key, kvh: usize, vc: &'b CpuBuf<F>, vb: &'b CpuBuf<F>) -> &'b [F] {
+        self.k(key, kvh, vc, vb)
+    }
+}

@@ -1,0 +1,345 @@
+//! The ops the models need, as one trait with a CPU reference and (later) a CUDA implementation.
+//!
+//! Shaped for the GPU from the start (DESIGN.md section 4):
+//! - every op writes into output buffers the caller passes: no op allocates behind the caller;
+//! - every op takes the stream it runs on (a no-op handle on the CPU);
+//! - the model never waits for the device: only `download*` returns data to the host, and only the
+//!   pipeline and tests call it.
+//!
+//! Layouts are row-major. A "rows x dim" tensor is a buffer of `rows * dim` elements. Weight
+//! tensors live inside one flat parameter buffer and are addressed by element offsets.
+
+pub mod cpu;
+
+use crate::tensor::DType;
+
+/// Errors an op reports before it runs (shapes, lengths) or while it runs (device errors).
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{op}: {what}")]
+    Shape { op: &'static str, what: String },
+    #[error("{op}: buffer is {found}, expected {expected}")]
+    DType { op: &'static str, expected: &'static str, found: &'static str },
+    #[error("device: {0}")]
+    Device(String),
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// Checks that a buffer holds at least `need` elements from `off`; the message names the op and
+/// the operand so a shape bug reads as one.
+pub fn check_len(op: &'static str, operand: &str, have: usize, off: usize, need: usize) -> Result<()> {
+    match off.checked_add(need) {
+        Some(end) if end <= have => Ok(()),
+        _ => Err(BackendError::Shape {
+            op,
+            what: format!("{operand}: needs elements {off}..{} but the buffer has {have}", off + need),
+        }),
+    }
+}
+
+/// `C[m, n] = alpha * op(A) op(B) + beta * C`, `op(A)` is `m x k` (stored `[k, m]` when `ta`),
+/// `op(B)` is `k x n` (stored `[n, k]` when `tb`). f32 accumulation on every backend.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub ta: bool,
+    pub tb: bool,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+impl Gemm {
+    /// `Y[m, n] = X[m, k] W[n, k]^T` (a linear layer).
+    pub fn linear(m: usize, n: usize, k: usize) -> Self {
+        Gemm { m, n, k, ta: false, tb: true, alpha: 1.0, beta: 0.0 }
+    }
+    /// `dX[m, k] (+)= dY[m, n] W[n, k]`.
+    pub fn linear_dx(m: usize, n: usize, k: usize, accumulate: bool) -> Self {
+        Gemm { m, n: k, k: n, ta: false, tb: false, alpha: 1.0, beta: if accumulate { 1.0 } else { 0.0 } }
+    }
+    /// `dW[n, k] += dY[m, n]^T X[m, k]` (weight gradients always accumulate).
+    pub fn linear_dw(m: usize, n: usize, k: usize) -> Self {
+        Gemm { m: n, n: k, k: m, ta: true, tb: false, alpha: 1.0, beta: 1.0 }
+    }
+}
+
+/// The drafter attention's block geometry (DFLASH.md section 3): block `j` has `block_size`
+/// query rows starting at row `j * block_size`; it sees context rows `ctx_start[j] + [0, anchor[j])`
+/// and its own block's keys. `anchor[j] < 0` marks a padded block: zero output, zero gradient.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftAttnShape {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub ctx_rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl DraftAttnShape {
+    pub fn q_rows(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// One AdamW update on f32 masters (DFLASH.md section 4).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count for bias correction.
+    pub t: u32,
+    /// Multiplies the gradient first (the global-norm clip factor).
+    pub grad_scale: f32,
+}
+
+/// Everything the target and drafter need from a device. Implemented by `cpu::CpuBackend` (the
+/// reference) and by the CUDA backend.
+pub trait Backend: Send + Sync + 'static {
+    /// Float storage (f32 or bf16) on the device.
+    type Buf: Send + Sync;
+    /// i32 storage (token ids, positions, anchors, offsets, labels).
+    type Ids: Send + Sync;
+    /// A stream handle; ops on one stream run in order.
+    type Stream: Clone + Send + Sync;
+
+    fn name(&self) -> String;
+    fn compute_stream(&self) -> Self::Stream;
+
+    // ---- memory ----
+    /// A zero-filled buffer of `len` elements owned by `s`.
+    fn alloc(&self, s: &Self::Stream, dtype: DType, len: usize) -> Result<Self::Buf>;
+    fn alloc_ids(&self, s: &Self::Stream, len: usize) -> Result<Self::Ids>;
+    fn len(&self, b: &Self::Buf) -> usize;
+    fn dtype(&self, b: &Self::Buf) -> DType;
+    /// Host f32 -> device buffer at `off` (rounded to the buffer's dtype).
+    fn upload(&self, s: &Self::Stream, host: &[f32], dst: &mut Self::Buf, off: usize) -> Result<()>;
+    fn upload_ids(&self, s: &Self::Stream, host: &[i32], dst: &mut Self::Ids) -> Result<()>;
+    /// Device -> host; the host waits for `s`.
+    fn download(&self, s: &Self::Stream, src: &Self::Buf) -> Result<Vec<f32>>;
+    fn download_ids(&self, s: &Self::Stream, src: &Self::Ids) -> Result<Vec<i32>>;
+    /// `dst[dst_off..+n] = src[src_off..+n]` (with rounding to dst's dtype).
+    #[allow(clippy::too_many_arguments)]
+    fn copy(
+        &self,
+        s: &Self::Stream,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()>;
+    fn fill(&self, s: &Self::Stream, dst: &mut Self::Buf, value: f32) -> Result<()>;
+
+    // ---- dense math ----
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        s: &Self::Stream,
+        g: &Gemm,
+        a: &Self::Buf,
+        a_off: usize,
+        b: &Self::Buf,
+        b_off: usize,
+        c: &mut Self::Buf,
+        c_off: usize,
+    ) -> Result<()>;
+    /// `x += y` elementwise over `x`'s length.
+    fn add_inplace(&self, s: &Self::Stream, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
+
+    // ---- normalisation ----
+    /// `y = x * rstd * w`, `rstd = 1 / sqrt(mean(x^2) + eps)` per row of `dim`; saves `rstd` (f32).
+    /// With `rows = tokens * heads`, `dim = head_dim` this is the per-head QK-norm.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_fwd(
+        &self,
+        s: &Self::Stream,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        y: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `dx (+)= d/dx`, `dw[w_off..] += sum over rows of dy * x * rstd` (f32 gradient buffer).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_bwd(
+        &self,
+        s: &Self::Stream,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        rstd: &Self::Buf,
+        dx: &mut Self::Buf,
+        accumulate_dx: bool,
+        dw: &mut Self::Buf,
+        dw_off: usize,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    // ---- position ----
+    /// Rotate-half RoPE in place on `x[rows, heads * head_dim]`, row `i` at position `pos[i]`;
+    /// `inverse` rotates back (the backward).
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        s: &Self::Stream,
+        x: &mut Self::Buf,
+        pos: &Self::Ids,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()>;
+
+    // ---- MLP ----
+    /// `out[r, c] = silu(gu[r, c]) * gu[r, inter + c]` (gate and up side by side).
+    fn swiglu_fwd(
+        &self,
+        s: &Self::Stream,
+        gu: &Self::Buf,
+        out: &mut Self::Buf,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()>;
+    fn swiglu_bwd(
+        &self,
+        s: &Self::Stream,
+        dout: &Self::Buf,
+        gu: &Self::Buf,
+        dgu: &mut Self::Buf,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()>;
+
+    // ---- embedding, packing ----
+    /// `out[r] = table[off + ids[r] * dim ..][..dim]`.
+    fn embed(
+        &self,
+        s: &Self::Stream,
+        table: &Self::Buf,
+        off: usize,
+        ids: &Self::Ids,
+        out: &mut Self::Buf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// `out[t, k*H + c] = t < n_valid ? bf16(tap_k[t, c] + noise) : 0` (DFLASH.md section 2).
+    #[allow(clippy::too_many_arguments)]
+    fn pack_taps(
+        &self,
+        s: &Self::Stream,
+        taps: &[&Self::Buf],
+        out: &mut Self::Buf,
+        rows: usize,
+        hidden: usize,
+        n_valid: usize,
+        noise_std: f32,
+        seed: u64,
+        step: u32,
+    ) -> Result<()>;
+
+    // ---- attention ----
+    /// Causal GQA over sequences `seq_starts[b]..seq_starts[b+1]` (target forward, no backward).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_causal_fwd(
+        &self,
+        s: &Self::Stream,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        o: &mut Self::Buf,
+        seq_starts: &Self::Ids,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Drafter block attention forward; saves the log-sum-exp per (row, head) in `lse` (f32).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_draft_fwd(
+        &self,
+        s: &Self::Stream,
+        sh: &DraftAttnShape,
+        q: &Self::Buf,
+        kc: &Self::Buf,
+        vc: &Self::Buf,
+        kb: &Self::Buf,
+        vb: &Self::Buf,
+        anchors: &Self::Ids,
+        ctx_start: &Self::Ids,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+    /// Its backward: writes (not accumulates) every gradient. `grads = [dq, dkc, dvc, dkb, dvb]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_draft_bwd(
+        &self,
+        s: &Self::Stream,
+        sh: &DraftAttnShape,
+        q: &Self::Buf,
+        kc: &Self::Buf,
+        vc: &Self::Buf,
+        kb: &Self::Buf,
+        vb: &Self::Buf,
+        anchors: &Self::Ids,
+        ctx_start: &Self::Ids,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        d_o: &Self::Buf,
+        grads: [&mut Self::Buf; 5],
+    ) -> Result<()>;
+
+    // ---- loss ----
+    /// Weighted cross-entropy over a chunk of logits `[rows, vocab]`, forward and backward in one
+    /// pass: `loss[r] = w[r] * (lse - logit[label])`, `argmax[r]`, and the logits are overwritten
+    /// with `grad_scale * w[r] * (softmax - onehot)` (zero where `w[r] == 0`).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy(
+        &self,
+        s: &Self::Stream,
+        logits: &mut Self::Buf,
+        labels: &Self::Ids,
+        weights: &Self::Buf,
+        w_off: usize,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        loss: &mut Self::Buf,
+        loss_off: usize,
+        argmax: &mut Self::Ids,
+        argmax_off: usize,
+    ) -> Result<()>;
+
+    // ---- optimizer ----
+    /// `out[0] = sum(x^2)` in a fixed order (deterministic).
+    fn sum_squares(&self, s: &Self::Stream, x: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+    /// AdamW on f32 masters; refreshes the bf16 weights from the masters.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw(
+        &self,
+        s: &Self::Stream,
+        master: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        weights: &mut Self::Buf,
+        hp: &AdamStep,
+    ) -> Result<()>;
+    /// Number of non-finite elements (the NaN checks).
+    fn count_nonfinite(&self, s: &Self::Stream, x: &Self::Buf) -> Result<u64>;
+}

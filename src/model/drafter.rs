@@ -1,0 +1,559 @@
+//! The DFlash drafter: Qwen3-style layers whose keys and values also see the target's context
+//! (KV injection), trained with a hand-written backward (DFLASH.md section 3).
+//!
+//! Parameters live in two groups so that split-FC can move one of them to the target side without
+//! changing a single bit of the arithmetic: the `fc` group (`fc.weight`, `[H, K*H]`) and the `body`
+//! group (everything else). The global grad norm is always `sumsq(fc) + sumsq(body)`, and AdamW
+//! is elementwise, so where a group lives does not change the result.
+
+use super::target::push_layer;
+use super::ParamTable;
+use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
+use crate::rng::{self, Philox};
+use crate::tensor::DType;
+
+/// The drafter's dimensions: the target's head geometry, its own depth and block size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DrafterShape {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub num_taps: usize,
+    pub block_size: usize,
+    pub eps: f32,
+    pub rope_theta: f32,
+    pub mask_token_id: u32,
+    /// Rows of logits materialised at once by the chunked lm_head + cross-entropy.
+    pub logits_chunk_rows: usize,
+}
+
+/// `hidden_norm` and the final `norm` use this epsilon (DFLASH.md section 2).
+pub const FC_NORM_EPS: f32 = 1e-6;
+
+impl DrafterShape {
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    pub fn fc_in(&self) -> usize {
+        self.num_taps * self.hidden
+    }
+
+    pub fn fc_table(&self) -> ParamTable {
+        let mut t = ParamTable::default();
+        t.push("fc.weight", &[self.hidden, self.fc_in()]);
+        t
+    }
+
+    /// Names as public DFlash drafter checkpoints spell them.
+    pub fn body_table(&self) -> ParamTable {
+        let mut t = ParamTable::default();
+        t.push("hidden_norm.weight", &[self.hidden]);
+        for l in 0..self.layers {
+            push_layer(
+                &mut t,
+                &format!("layers.{l}."),
+                self.hidden,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                self.inter,
+            );
+        }
+        t.push("norm.weight", &[self.hidden]);
+        t
+    }
+}
+
+/// One group of trained parameters: bf16 weights for compute, f32 masters, f32 gradients and the
+/// two AdamW moments, all flat with the same layout.
+pub struct ParamGroup<B: Backend> {
+    pub table: ParamTable,
+    pub weights: B::Buf,
+    pub master: B::Buf,
+    pub grad: B::Buf,
+    pub m: B::Buf,
+    pub v: B::Buf,
+}
+
+impl<B: Backend> ParamGroup<B> {
+    pub fn new(be: &B, s: &B::Stream, table: ParamTable) -> Result<Self> {
+        let n = table.total();
+        Ok(ParamGroup {
+            weights: be.alloc(s, DType::BF16, n)?,
+            master: be.alloc(s, DType::F32, n)?,
+            grad: be.alloc(s, DType::F32, n)?,
+            m: be.alloc(s, DType::F32, n)?,
+            v: be.alloc(s, DType::F32, n)?,
+            table,
+        })
+    }
+
+    /// DFLASH.md init: linear weights ~ N(0, 0.02), norms = 1; each tensor its own Philox stream.
+    pub fn init_host(table: &ParamTable, seed: u64, stream_base: u32) -> Vec<f32> {
+        let mut host = vec![0.0f32; table.total()];
+        for (i, e) in table.entries().iter().enumerate() {
+            let dst = &mut host[e.offset..e.offset + e.numel];
+            if e.shape.len() == 1 {
+                dst.iter_mut().for_each(|x| *x = 1.0);
+            } else {
+                let mut r = Philox::new(seed, [stream_base + i as u32, rng::domain::INIT]);
+                dst.iter_mut().for_each(|x| *x = (0.02 * r.normal()) as f32);
+            }
+        }
+        host
+    }
+
+    /// Sets masters (and the bf16 weights from them); zeroes gradients and moments.
+    pub fn set_masters(&mut self, be: &B, s: &B::Stream, host: &[f32]) -> Result<()> {
+        be.upload(s, host, &mut self.master, 0)?;
+        be.upload(s, host, &mut self.weights, 0)?;
+        be.fill(s, &mut self.grad, 0.0)?;
+        be.fill(s, &mut self.m, 0.0)?;
+        be.fill(s, &mut self.v, 0.0)
+    }
+
+    pub fn zero_grad(&mut self, be: &B, s: &B::Stream) -> Result<()> {
+        be.fill(s, &mut self.grad, 0.0)
+    }
+
+    /// Sum of squared gradients into `out[0]`.
+    pub fn grad_sumsq(&self, be: &B, s: &B::Stream, out: &mut B::Buf) -> Result<()> {
+        be.sum_squares(s, &self.grad, out)
+    }
+
+    pub fn adamw(&mut self, be: &B, s: &B::Stream, hp: &AdamStep) -> Result<()> {
+        be.adamw(s, &mut self.master, &self.grad, &mut self.m, &mut self.v, &mut self.weights, hp)
+    }
+}
+
+/// `Y = X Wfc^T`: the context projection before `hidden_norm` (runs wherever the fc group lives).
+pub fn fc_forward<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    sh: &DrafterShape,
+    fc: &ParamGroup<B>,
+    x: &B::Buf,
+    y: &mut B::Buf,
+    rows: usize,
+) -> Result<()> {
+    be.gemm(s, &Gemm::linear(rows, sh.hidden, sh.fc_in()), x, 0, &fc.weights, fc.table.off("fc.weight"), y, 0)
+}
+
+/// `dWfc += dY^T X`.
+pub fn fc_backward<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    sh: &DrafterShape,
+    fc: &mut ParamGroup<B>,
+    dy: &B::Buf,
+    x: &B::Buf,
+    rows: usize,
+) -> Result<()> {
+    let off = fc.table.off("fc.weight");
+    be.gemm(s, &Gemm::linear_dw(rows, sh.hidden, sh.fc_in()), dy, 0, x, 0, &mut fc.grad, off)
+}
+
+/// Device-side inputs of one drafter micro-batch (built on the host by `train::batch`).
+pub struct DraftInputs<'a, B: Backend> {
+    pub ctx_rows: usize,
+    pub num_blocks: usize,
+    /// Position of each context row inside its sequence.
+    pub ctx_pos: &'a B::Ids,
+    /// Block slot tokens: the anchor token in slot 0, `mask_token_id` elsewhere.
+    pub block_ids: &'a B::Ids,
+    /// Absolute position `anchor + r` of each block slot.
+    pub block_pos: &'a B::Ids,
+    /// Anchor position inside its sequence, `-1` for a padded block.
+    pub anchors: &'a B::Ids,
+    /// First context row of the block's sequence.
+    pub ctx_start: &'a B::Ids,
+    /// Label of each block slot (`-1` where unsupervised) and its loss weight (f32).
+    pub labels: &'a B::Ids,
+    pub weights: &'a B::Buf,
+}
+
+/// Per-slot results a step hands back: weighted CE and the argmax token.
+pub struct DraftOutputs<B: Backend> {
+    pub loss: B::Buf,
+    pub argmax: B::Ids,
+}
+
+/// Activations one layer's backward needs, named, kept from its forward, dropped after its
+/// backward.
+struct LayerActs<B: Backend> {
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    xn: B::Buf,
+    q_pre: B::Buf,
+    q_rstd: B::Buf,
+    q: B::Buf,
+    kc_pre: B::Buf,
+    kc_rstd: B::Buf,
+    kc: B::Buf,
+    vc: B::Buf,
+    kb_pre: B::Buf,
+    kb_rstd: B::Buf,
+    kb: B::Buf,
+    vb: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+    x_mid: B::Buf,
+    rstd_post: B::Buf,
+    h2: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+}
+
+/// The drafter body plus the frozen tensors it borrows from the target.
+pub struct Drafter<B: Backend> {
+    pub shape: DrafterShape,
+    pub body: ParamGroup<B>,
+    /// `[vocab, hidden]` bf16, frozen (the target's `embed_tokens`).
+    pub embed: B::Buf,
+    /// `[vocab, hidden]` bf16, frozen (the target's `lm_head`).
+    pub lm_head: B::Buf,
+}
+
+impl<B: Backend> Drafter<B> {
+    fn attn_shape(&self, inp: &DraftInputs<'_, B>) -> DraftAttnShape {
+        let sh = &self.shape;
+        DraftAttnShape {
+            num_blocks: inp.num_blocks,
+            block_size: sh.block_size,
+            ctx_rows: inp.ctx_rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            head_dim: sh.head_dim,
+        }
+    }
+
+    /// Forward and backward of one micro-batch. `y` is the context projection `X Wfc^T`
+    /// (`[ctx_rows, hidden]`); on return `dy` holds its gradient, so the caller (or the target
+    /// side under split-FC) finishes with `fc_backward`. Body gradients accumulate into
+    /// `self.body.grad`; `grad_scale` is `1 / sum(w)` over the whole optimizer step.
+    pub fn forward_backward(
+        &mut self,
+        be: &B,
+        s: &B::Stream,
+        inp: &DraftInputs<'_, B>,
+        y: &B::Buf,
+        grad_scale: f32,
+        dy: &mut B::Buf,
+    ) -> Result<DraftOutputs<B>> {
+        let sh = self.shape.clone();
+        let (h, qw, kw, inter) = (sh.hidden, sh.q_width(), sh.kv_width(), sh.inter);
+        let (tc, tb) = (inp.ctx_rows, inp.num_blocks * sh.block_size);
+        let ash = self.attn_shape(inp);
+        let table = &self.body.table;
+        let w = &self.body.weights;
+
+        // Context: ctx = hidden_norm(Y), shared by every layer.
+        let mut ctx = be.alloc(s, DType::BF16, tc * h)?;
+        let mut rstd_h = be.alloc(s, DType::F32, tc)?;
+        be.rmsnorm_fwd(s, y, w, table.off("hidden_norm.weight"), &mut ctx, &mut rstd_h, tc, h, FC_NORM_EPS)?;
+
+        // Block stream: anchor token + mask tokens, embedded with the frozen target embedding.
+        let mut x = be.alloc(s, DType::BF16, tb * h)?;
+        be.embed(s, &self.embed, 0, inp.block_ids, &mut x, tb, h)?;
+
+        let mut saved: Vec<LayerActs<B>> = Vec::with_capacity(sh.layers);
+        for l in 0..sh.layers {
+            let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
+            let mut a = LayerActs::<B> {
+                rstd_in: be.alloc(s, DType::F32, tb)?,
+                xn: be.alloc(s, DType::BF16, tb * h)?,
+                q_pre: be.alloc(s, DType::BF16, tb * qw)?,
+                q_rstd: be.alloc(s, DType::F32, tb * sh.heads)?,
+                q: be.alloc(s, DType::BF16, tb * qw)?,
+                kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
+                kc_rstd: be.alloc(s, DType::F32, tc * sh.kv_heads)?,
+                kc: be.alloc(s, DType::BF16, tc * kw)?,
+                vc: be.alloc(s, DType::BF16, tc * kw)?,
+                kb_pre: be.alloc(s, DType::BF16, tb * kw)?,
+                kb_rstd: be.alloc(s, DType::F32, tb * sh.kv_heads)?,
+                kb: be.alloc(s, DType::BF16, tb * kw)?,
+                vb: be.alloc(s, DType::BF16, tb * kw)?,
+                o: be.alloc(s, DType::BF16, tb * qw)?,
+                lse: be.alloc(s, DType::F32, tb * sh.heads)?,
+                x_mid: be.alloc(s, DType::BF16, tb * h)?,
+                rstd_post: be.alloc(s, DType::F32, tb)?,
+                h2: be.alloc(s, DType::BF16, tb * h)?,
+                gu: be.alloc(s, DType::BF16, tb * 2 * inter)?,
+                act: be.alloc(s, DType::BF16, tb * inter)?,
+                x_in: x,
+            };
+            be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut a.xn, &mut a.rstd_in, tb, h, sh.eps)?;
+            // Queries from the block stream only.
+            be.gemm(s, &Gemm::linear(tb, qw, h), &a.xn, 0, w, off("self_attn.q_proj.weight"), &mut a.q_pre, 0)?;
+            be.rmsnorm_fwd(
+                s,
+                &a.q_pre,
+                w,
+                off("self_attn.q_norm.weight"),
+                &mut a.q,
+                &mut a.q_rstd,
+                tb * sh.heads,
+                sh.head_dim,
+                sh.eps,
+            )?;
+            be.rope(s, &mut a.q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
+            // Keys and values from [ctx ; xn] with the same Wk / Wv.
+            let (wk, wv) = (off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
+            be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.kc_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wv, &mut a.vc, 0)?;
+            be.gemm(s, &Gemm::linear(tb, kw, h), &a.xn, 0, w, wk, &mut a.kb_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tb, kw, h), &a.xn, 0, w, wv, &mut a.vb, 0)?;
+            let kn = off("self_attn.k_norm.weight");
+            be.rmsnorm_fwd(s, &a.kc_pre, w, kn, &mut a.kc, &mut a.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
+            be.rmsnorm_fwd(s, &a.kb_pre, w, kn, &mut a.kb, &mut a.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
+            be.rope(s, &mut a.kc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
+            be.rope(s, &mut a.kb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
+            be.attn_draft_fwd(
+                s,
+                &ash,
+                &a.q,
+                &a.kc,
+                &a.vc,
+                &a.kb,
+                &a.vb,
+                inp.anchors,
+                inp.ctx_start,
+                &mut a.o,
+                &mut a.lse,
+            )?;
+            // x_mid = x_in + o Wo^T
+            be.copy(s, &a.x_in, 0, &mut a.x_mid, 0, tb * h)?;
+            let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
+            be.gemm(s, &Gemm::linear(tb, h, qw), &a.o, 0, w, off("self_attn.o_proj.weight"), &mut tmp, 0)?;
+            be.add_inplace(s, &mut a.x_mid, &tmp)?;
+            // MLP
+            be.rmsnorm_fwd(
+                s,
+                &a.x_mid,
+                w,
+                off("post_attention_layernorm.weight"),
+                &mut a.h2,
+                &mut a.rstd_post,
+                tb,
+                h,
+                sh.eps,
+            )?;
+            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &a.h2, 0, w, off("mlp.gate_proj.weight"), &mut a.gu, 0)?;
+            be.swiglu_fwd(s, &a.gu, &mut a.act, tb, inter)?;
+            be.gemm(s, &Gemm::linear(tb, h, inter), &a.act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
+            x = be.alloc(s, DType::BF16, tb * h)?;
+            be.copy(s, &a.x_mid, 0, &mut x, 0, tb * h)?;
+            be.add_inplace(s, &mut x, &tmp)?;
+            saved.push(a);
+        }
+
+        // Final norm, then the chunked lm_head + cross-entropy, forward and backward per chunk.
+        let mut hn = be.alloc(s, DType::BF16, tb * h)?;
+        let mut rstd_f = be.alloc(s, DType::F32, tb)?;
+        be.rmsnorm_fwd(s, &x, w, table.off("norm.weight"), &mut hn, &mut rstd_f, tb, h, FC_NORM_EPS)?;
+        let mut out = DraftOutputs { loss: be.alloc(s, DType::F32, tb)?, argmax: be.alloc_ids(s, tb)? };
+        let mut dhn = be.alloc(s, DType::BF16, tb * h)?;
+        let chunk = sh.logits_chunk_rows.max(1).min(tb.max(1));
+        let mut logits = be.alloc(s, DType::BF16, chunk * sh.vocab)?;
+        let mut c0 = 0;
+        while c0 < tb {
+            let rows = chunk.min(tb - c0);
+            let g = Gemm::linear(rows, sh.vocab, h);
+            be.gemm(s, &g, &hn, c0 * h, &self.lm_head, 0, &mut logits, 0)?;
+            be.cross_entropy(
+                s,
+                &mut logits,
+                inp.labels,
+                inp.weights,
+                c0,
+                rows,
+                sh.vocab,
+                grad_scale,
+                &mut out.loss,
+                c0,
+                &mut out.argmax,
+                c0,
+            )?;
+            be.gemm(s, &Gemm::linear_dx(rows, sh.vocab, h, false), &logits, 0, &self.lm_head, 0, &mut dhn, c0 * h)?;
+            c0 += rows;
+        }
+        drop(logits);
+
+        // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's
+        // K/V-injection gradient.
+        let wgrad = &mut self.body.grad;
+        let mut dx = be.alloc(s, DType::BF16, tb * h)?;
+        be.rmsnorm_bwd(
+            s,
+            &dhn,
+            &x,
+            w,
+            table.off("norm.weight"),
+            &rstd_f,
+            &mut dx,
+            false,
+            wgrad,
+            table.off("norm.weight"),
+            tb,
+            h,
+        )?;
+        drop((dhn, hn, x));
+        let mut dctx = be.alloc(s, DType::BF16, tc * h)?;
+        for l in (0..sh.layers).rev() {
+            let a = saved.pop().expect("one saved layer per forward layer");
+            let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
+            // MLP: x_out = x_mid + act Wd^T
+            let wd = off("mlp.down_proj.weight");
+            let mut dact = be.alloc(s, DType::BF16, tb * inter)?;
+            be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
+            be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &a.act, 0, wgrad, wd)?;
+            let mut dgu = be.alloc(s, DType::BF16, tb * 2 * inter)?;
+            be.swiglu_bwd(s, &dact, &a.gu, &mut dgu, tb, inter)?;
+            drop(dact);
+            let wg = off("mlp.gate_proj.weight");
+            let mut dh2 = be.alloc(s, DType::BF16, tb * h)?;
+            be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
+            be.gemm(s, &Gemm::linear_dw(tb, 2 * inter, h), &dgu, 0, &a.h2, 0, wgrad, wg)?;
+            drop(dgu);
+            let pn = off("post_attention_layernorm.weight");
+            be.rmsnorm_bwd(s, &dh2, &a.x_mid, w, pn, &a.rstd_post, &mut dx, true, wgrad, pn, tb, h)?;
+            // Attention: x_mid = x_in + o Wo^T
+            let wo = off("self_attn.o_proj.weight");
+            let mut d_o = be.alloc(s, DType::BF16, tb * qw)?;
+            be.gemm(s, &Gemm::linear_dx(tb, h, qw, false), &dx, 0, w, wo, &mut d_o, 0)?;
+            be.gemm(s, &Gemm::linear_dw(tb, h, qw), &dx, 0, &a.o, 0, wgrad, wo)?;
+            let mut dq = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut dkc = be.alloc(s, DType::BF16, tc * kw)?;
+            let mut dvc = be.alloc(s, DType::BF16, tc * kw)?;
+            let mut dkb = be.alloc(s, DType::BF16, tb * kw)?;
+            let mut dvb = be.alloc(s, DType::BF16, tb * kw)?;
+            be.attn_draft_bwd(
+                s,
+                &ash,
+                &a.q,
+                &a.kc,
+                &a.vc,
+                &a.kb,
+                &a.vb,
+                inp.anchors,
+                inp.ctx_start,
+                &a.o,
+                &a.lse,
+                &d_o,
+                [&mut dq, &mut dkc, &mut dvc, &mut dkb, &mut dvb],
+            )?;
+            drop(d_o);
+            be.rope(s, &mut dq, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, true)?;
+            be.rope(s, &mut dkc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
+            be.rope(s, &mut dkb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
+            // QK-norm backward (the norm weights collect from queries, or from both key sources).
+            let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
+            let mut dq_pre = be.alloc(s, DType::BF16, tb * qw)?;
+            be.rmsnorm_bwd(
+                s,
+                &dq,
+                &a.q_pre,
+                w,
+                qn,
+                &a.q_rstd,
+                &mut dq_pre,
+                false,
+                wgrad,
+                qn,
+                tb * sh.heads,
+                sh.head_dim,
+            )?;
+            let mut dkc_pre = be.alloc(s, DType::BF16, tc * kw)?;
+            be.rmsnorm_bwd(
+                s,
+                &dkc,
+                &a.kc_pre,
+                w,
+                kn,
+                &a.kc_rstd,
+                &mut dkc_pre,
+                false,
+                wgrad,
+                kn,
+                tc * sh.kv_heads,
+                sh.head_dim,
+            )?;
+            let mut dkb_pre = be.alloc(s, DType::BF16, tb * kw)?;
+            be.rmsnorm_bwd(
+                s,
+                &dkb,
+                &a.kb_pre,
+                w,
+                kn,
+                &a.kb_rstd,
+                &mut dkb_pre,
+                false,
+                wgrad,
+                kn,
+                tb * sh.kv_heads,
+                sh.head_dim,
+            )?;
+            drop((dq, dkc, dkb));
+            // Projection weights: block rows and context rows share Wk / Wv.
+            let (wq, wk, wv) =
+                (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
+            be.gemm(s, &Gemm::linear_dw(tb, qw, h), &dq_pre, 0, &a.xn, 0, wgrad, wq)?;
+            be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dkc_pre, 0, &ctx, 0, wgrad, wk)?;
+            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dkb_pre, 0, &a.xn, 0, wgrad, wk)?;
+            be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dvc, 0, &ctx, 0, wgrad, wv)?;
+            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dvb, 0, &a.xn, 0, wgrad, wv)?;
+            // dxn = dq Wq + dkb Wk + dvb Wv ; dctx += dkc Wk + dvc Wv
+            let mut dxn = be.alloc(s, DType::BF16, tb * h)?;
+            be.gemm(s, &Gemm::linear_dx(tb, qw, h, false), &dq_pre, 0, w, wq, &mut dxn, 0)?;
+            be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dkb_pre, 0, w, wk, &mut dxn, 0)?;
+            be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dvb, 0, w, wv, &mut dxn, 0)?;
+            let first = l + 1 == sh.layers;
+            be.gemm(s, &Gemm::linear_dx(tc, kw, h, !first), &dkc_pre, 0, w, wk, &mut dctx, 0)?;
+            be.gemm(s, &Gemm::linear_dx(tc, kw, h, true), &dvc, 0, w, wv, &mut dctx, 0)?;
+            let inn = off("input_layernorm.weight");
+            be.rmsnorm_bwd(s, &dxn, &a.x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
+        }
+        // The input embedding is frozen: dx stops here. Context: Y -> hidden_norm -> ctx.
+        let hnorm = table.off("hidden_norm.weight");
+        be.rmsnorm_bwd(s, &dctx, y, w, hnorm, &rstd_h, dy, false, wgrad, hnorm, tc, h)?;
+        Ok(out)
+    }
+}
+
+impl<B: Backend> Drafter<B> {
+    /// A freshly initialised drafter (DFLASH.md init) and its fc group. `embed` and `lm_head` are
+    /// the frozen `[vocab, hidden]` tensors borrowed from the target.
+    pub fn new(
+        be: &B,
+        s: &B::Stream,
+        shape: DrafterShape,
+        embed: B::Buf,
+        lm_head: B::Buf,
+        seed: u64,
+    ) -> Result<(Self, ParamGroup<B>)> {
+        let mut fc = ParamGroup::new(be, s, shape.fc_table())?;
+        fc.set_masters(be, s, &ParamGroup::<B>::init_host(&fc.table, seed, 0))?;
+        let mut body = ParamGroup::new(be, s, shape.body_table())?;
+        // Streams 1.. for the body so no tensor shares the fc's stream.
+        body.set_masters(be, s, &ParamGroup::<B>::init_host(&body.table, seed, 1))?;
+        Ok((Drafter { shape, body, embed, lm_head }, fc))
+    }
+
+    /// Copies the frozen tensors out of a target on the same backend.
+    pub fn frozen_from_target(be: &B, s: &B::Stream, target: &super::target::Target<B>) -> Result<(B::Buf, B::Buf)> {
+        use super::target::names;
+        let n = target.shape.vocab * target.shape.hidden;
+        let mut embed = be.alloc(s, DType::BF16, n)?;
+        let mut lm_head = be.alloc(s, DType::BF16, n)?;
+        be.copy(s, &target.weights, target.table.off(names::EMBED), &mut embed, 0, n)?;
+        be.copy(s, &target.weights, target.table.off(names::LM_HEAD), &mut lm_head, 0, n)?;
+        Ok((embed, lm_head))
+    }
+}

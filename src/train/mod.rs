@@ -1,0 +1,5 @@
+//! Training: batches and anchors, the optimizer schedule, the step pieces.
+
+pub mod batch;
+pub mod optim;
+pub mod step;

@@ -1,0 +1,103 @@
+//! Shared helpers: small shapes, random inputs, gradient comparison.
+#![allow(dead_code)]
+
+use dflash_engine::backend::cpu::{CpuBackend, CpuBuf};
+use dflash_engine::model::drafter::{Drafter, DrafterShape, ParamGroup};
+use dflash_engine::rng::Philox;
+use dflash_engine::tensor::DType;
+use dflash_engine::train::batch::Sample;
+
+pub type Exact = CpuBackend<f64>;
+
+pub fn randn(n: usize, seed: u64, std: f64) -> Vec<f64> {
+    let mut r = Philox::new(seed, [77, 77]);
+    (0..n).map(|_| std * r.normal()).collect()
+}
+
+pub fn buf(v: Vec<f64>) -> CpuBuf<f64> {
+    CpuBuf { dtype: DType::BF16, data: v }
+}
+
+pub fn buf32(v: Vec<f64>) -> CpuBuf<f64> {
+    CpuBuf { dtype: DType::F32, data: v }
+}
+
+/// Central differences of `f` at `x`, one coordinate at a time.
+pub fn numeric_grad(x: &[f64], mut f: impl FnMut(&[f64]) -> f64) -> Vec<f64> {
+    let h = 1e-5;
+    let mut xp = x.to_vec();
+    (0..x.len())
+        .map(|i| {
+            let x0 = xp[i];
+            xp[i] = x0 + h;
+            let fp = f(&xp);
+            xp[i] = x0 - h;
+            let fm = f(&xp);
+            xp[i] = x0;
+            (fp - fm) / (2.0 * h)
+        })
+        .collect()
+}
+
+/// Max error relative to the tensor's largest gradient. f64 central differences with h = 1e-5 have
+/// a truncation error near 1e-10 relative; 1e-6 leaves room for rounding and still catches any
+/// wrong term (those show up at 1e-2 and above).
+pub fn assert_grad_close(what: &str, analytic: &[f64], numeric: &[f64]) {
+    assert_eq!(analytic.len(), numeric.len(), "{what}: lengths");
+    let scale = numeric.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    assert!(scale > 1e-9, "{what}: the numeric gradient is all zero, the check would be vacuous");
+    let err = analytic.iter().zip(numeric).fold(0.0f64, |m, (a, n)| m.max((a - n).abs()));
+    assert!(err / scale < 1e-6, "{what}: max |analytic - numeric| = {err:e}, relative {:e}", err / scale);
+}
+
+pub fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// A drafter small enough for finite differences over every parameter.
+pub fn fd_shape() -> DrafterShape {
+    DrafterShape {
+        hidden: 8,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        inter: 12,
+        vocab: 24,
+        num_taps: 2,
+        block_size: 4,
+        eps: 1e-6,
+        rope_theta: 10_000.0,
+        mask_token_id: 23,
+        logits_chunk_rows: 5,
+    }
+}
+
+/// A random sample of `len` tokens below the mask id, prompt of `prompt` tokens.
+pub fn random_sample(len: usize, prompt: usize, vocab_no_mask: u32, seed: u64) -> Sample {
+    let mut r = Philox::new(seed, [5, 5]);
+    Sample {
+        input_ids: (0..len).map(|_| r.below(u64::from(vocab_no_mask)) as u32).collect(),
+        loss_mask: (0..len).map(|i| u8::from(i >= prompt)).collect(),
+    }
+}
+
+/// Drafter + fc on the exact backend with weights larger than the default init (linear ~ N(0, 0.3),
+/// norms 1 + N(0, 0.1)) so the tiny model's gradients are far from zero and not symmetric.
+pub fn exact_drafter(shape: &DrafterShape, seed: u64) -> (Drafter<Exact>, ParamGroup<Exact>) {
+    let be = Exact::exact();
+    let s = dflash_engine::backend::cpu::CpuStream;
+    let n = shape.vocab * shape.hidden;
+    let embed = buf(randn(n, seed + 1, 1.0));
+    let lm_head = buf(randn(n, seed + 2, 0.5));
+    let (mut d, mut fc) = Drafter::new(&be, &s, shape.clone(), embed, lm_head, seed).unwrap();
+    for (gi, g) in [&mut d.body, &mut fc].into_iter().enumerate() {
+        for (ei, e) in g.table.entries().to_vec().iter().enumerate() {
+            let r = randn(e.numel, seed * 1000 + (gi * 100 + ei) as u64, 1.0);
+            let vals: Vec<f64> = r.iter().map(|x| if e.shape.len() == 1 { 1.0 + 0.1 * x } else { 0.3 * x }).collect();
+            g.master.data[e.offset..e.offset + e.numel].copy_from_slice(&vals);
+        }
+        g.weights.data = g.master.data.clone();
+    }
+    (d, fc)
+}

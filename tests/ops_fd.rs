@@ -1,0 +1,267 @@
+//! Every op's backward against f64 central differences of `L = sum(r * op(x))`.
+
+use crate::common::*;
+use dflash_engine::backend::cpu::{CpuBuf, CpuStream};
+use dflash_engine::backend::{Backend, DraftAttnShape, Gemm};
+
+const S: CpuStream = CpuStream;
+
+#[test]
+fn gemm_linear_forms() {
+    let be = Exact::exact();
+    let (m, n, k) = (5, 3, 7);
+    let x = randn(m * k, 1, 1.0);
+    let w = randn(n * k, 2, 1.0);
+    let r = randn(m * n, 3, 1.0);
+    let loss = |x: &[f64], w: &[f64]| {
+        let mut y = buf(vec![0.0; m * n]);
+        be.gemm(&S, &Gemm::linear(m, n, k), &buf(x.to_vec()), 0, &buf(w.to_vec()), 0, &mut y, 0).unwrap();
+        dot(&y.data, &r)
+    };
+    let mut dx = buf(vec![0.0; m * k]);
+    be.gemm(&S, &Gemm::linear_dx(m, n, k, false), &buf(r.clone()), 0, &buf(w.clone()), 0, &mut dx, 0).unwrap();
+    // dW accumulates: start from a known value and subtract it.
+    let mut dw = buf32(vec![0.5; n * k]);
+    be.gemm(&S, &Gemm::linear_dw(m, n, k), &buf(r.clone()), 0, &buf(x.clone()), 0, &mut dw, 0).unwrap();
+    let dw: Vec<f64> = dw.data.iter().map(|v| v - 0.5).collect();
+    assert_grad_close("gemm dX", &dx.data, &numeric_grad(&x, |x| loss(x, &w)));
+    assert_grad_close("gemm dW", &dw, &numeric_grad(&w, |w| loss(&x, w)));
+}
+
+#[test]
+fn rmsnorm_and_head_norm() {
+    let be = Exact::exact();
+    // rows x dim, plus the per-head form (rows = tokens * heads, dim = head_dim), with an offset weight.
+    for (rows, dim, w_off) in [(3, 5, 0), (6, 4, 3), (1, 9, 1)] {
+        let x = randn(rows * dim, 10 + rows as u64, 1.0);
+        let w = randn(w_off + dim, 11, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+        let r = randn(rows * dim, 12, 1.0);
+        let fwd = |x: &[f64], w: &[f64]| {
+            let mut y = buf(vec![0.0; rows * dim]);
+            let mut rs = buf32(vec![0.0; rows]);
+            be.rmsnorm_fwd(&S, &buf(x.to_vec()), &buf(w.to_vec()), w_off, &mut y, &mut rs, rows, dim, 1e-6).unwrap();
+            (y, rs)
+        };
+        let (_, rstd) = fwd(&x, &w);
+        let mut dx = buf(vec![0.0; rows * dim]);
+        let mut dw = buf32(vec![0.0; w_off + dim]);
+        be.rmsnorm_bwd(
+            &S,
+            &buf(r.clone()),
+            &buf(x.clone()),
+            &buf(w.clone()),
+            w_off,
+            &rstd,
+            &mut dx,
+            false,
+            &mut dw,
+            w_off,
+            rows,
+            dim,
+        )
+        .unwrap();
+        assert_grad_close("rmsnorm dx", &dx.data, &numeric_grad(&x, |x| dot(&fwd(x, &w).0.data, &r)));
+        let nw = numeric_grad(&w, |w| dot(&fwd(&x, w).0.data, &r));
+        assert_grad_close("rmsnorm dw", &dw.data[w_off..], &nw[w_off..]);
+        // accumulate_dx adds to what is there.
+        let mut dx2 = buf(vec![1.0; rows * dim]);
+        let mut dw2 = buf32(vec![0.0; w_off + dim]);
+        be.rmsnorm_bwd(
+            &S,
+            &buf(r.clone()),
+            &buf(x.clone()),
+            &buf(w.clone()),
+            w_off,
+            &rstd,
+            &mut dx2,
+            true,
+            &mut dw2,
+            w_off,
+            rows,
+            dim,
+        )
+        .unwrap();
+        for (a, b) in dx2.data.iter().zip(&dx.data) {
+            assert!((a - 1.0 - b).abs() < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn rope_backward_is_the_inverse_rotation() {
+    let be = Exact::exact();
+    let (rows, heads, hd) = (5, 3, 8);
+    let x = randn(rows * heads * hd, 20, 1.0);
+    let r = randn(rows * heads * hd, 21, 1.0);
+    let pos: Vec<i32> = vec![0, 3, 17, 1000, 40_000];
+    let fwd = |x: &[f64]| {
+        let mut b = buf(x.to_vec());
+        be.rope(&S, &mut b, &pos, rows, heads, hd, 1e6, false).unwrap();
+        dot(&b.data, &r)
+    };
+    let mut d = buf(r.clone());
+    be.rope(&S, &mut d, &pos, rows, heads, hd, 1e6, true).unwrap();
+    assert_grad_close("rope dx", &d.data, &numeric_grad(&x, fwd));
+    // Position 0 is the identity.
+    let mut b = buf(x.clone());
+    be.rope(&S, &mut b, &vec![0; rows], rows, heads, hd, 1e6, false).unwrap();
+    assert_eq!(b.data, x);
+}
+
+#[test]
+fn swiglu() {
+    let be = Exact::exact();
+    let (rows, inter) = (4, 7);
+    let gu = randn(rows * 2 * inter, 30, 2.0);
+    let r = randn(rows * inter, 31, 1.0);
+    let fwd = |gu: &[f64]| {
+        let mut o = buf(vec![0.0; rows * inter]);
+        be.swiglu_fwd(&S, &buf(gu.to_vec()), &mut o, rows, inter).unwrap();
+        dot(&o.data, &r)
+    };
+    let mut dgu = buf(vec![0.0; rows * 2 * inter]);
+    be.swiglu_bwd(&S, &buf(r.clone()), &buf(gu.clone()), &mut dgu, rows, inter).unwrap();
+    assert_grad_close("swiglu dgu", &dgu.data, &numeric_grad(&gu, fwd));
+}
+
+#[test]
+fn cross_entropy_weighted() {
+    let be = Exact::exact();
+    let (rows, vocab) = (6, 11);
+    let logits = randn(rows * vocab, 40, 2.0);
+    let labels: Vec<i32> = vec![3, -1, 10, 0, 5, 7];
+    let weights = vec![1.0, 0.0, 0.5, 0.25, 0.0, 2.0];
+    let gs = 1.0 / 3.75;
+    let run = |lg: &[f64]| {
+        let mut l = buf(lg.to_vec());
+        let mut loss = buf32(vec![0.0; rows]);
+        let mut am = vec![0; rows];
+        be.cross_entropy(
+            &S,
+            &mut l,
+            &labels,
+            &buf32(weights.clone()),
+            0,
+            rows,
+            vocab,
+            gs as f32,
+            &mut loss,
+            0,
+            &mut am,
+            0,
+        )
+        .unwrap();
+        (l, loss, am)
+    };
+    let (grad, loss, am) = run(&logits);
+    let n = numeric_grad(&logits, |lg| run(lg).1.data.iter().sum::<f64>() * gs);
+    assert_grad_close("cross-entropy dlogits", &grad.data, &n);
+    for r in 0..rows {
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        let best = (0..vocab).max_by(|&a, &b| row[a].partial_cmp(&row[b]).unwrap()).unwrap();
+        assert_eq!(am[r] as usize, best);
+        if weights[r] == 0.0 {
+            assert_eq!(loss.data[r], 0.0);
+            assert!(grad.data[r * vocab..(r + 1) * vocab].iter().all(|&g| g == 0.0));
+        }
+    }
+}
+
+/// Random drafter-attention inputs: 4 blocks of 3 slots over 2 sequences of 7 and 5 rows; one
+/// block padded, one anchored at 0 (empty context).
+struct AttnCase {
+    sh: DraftAttnShape,
+    anchors: Vec<i32>,
+    ctx_start: Vec<i32>,
+    t: [Vec<f64>; 5],
+}
+
+fn attn_case() -> AttnCase {
+    let sh = DraftAttnShape { num_blocks: 4, block_size: 3, ctx_rows: 12, heads: 4, kv_heads: 2, head_dim: 4 };
+    let (qn, kcn, kbn) = (sh.q_rows() * 16, 12 * 8, sh.q_rows() * 8);
+    AttnCase {
+        sh,
+        anchors: vec![4, 0, 3, -1],
+        ctx_start: vec![0, 0, 7, 7],
+        t: [randn(qn, 50, 1.0), randn(kcn, 51, 1.0), randn(kcn, 52, 1.0), randn(kbn, 53, 1.0), randn(kbn, 54, 1.0)],
+    }
+}
+
+fn attn_fwd(c: &AttnCase, t: &[Vec<f64>; 5]) -> (CpuBuf<f64>, CpuBuf<f64>) {
+    let be = Exact::exact();
+    let mut o = buf(vec![0.0; c.sh.q_rows() * 16]);
+    let mut lse = buf32(vec![0.0; c.sh.q_rows() * 4]);
+    let b: Vec<CpuBuf<f64>> = t.iter().map(|v| buf(v.clone())).collect();
+    be.attn_draft_fwd(&S, &c.sh, &b[0], &b[1], &b[2], &b[3], &b[4], &c.anchors, &c.ctx_start, &mut o, &mut lse)
+        .unwrap();
+    (o, lse)
+}
+
+#[test]
+fn drafter_attention_backward() {
+    let be = Exact::exact();
+    let c = attn_case();
+    let r = randn(c.sh.q_rows() * 16, 55, 1.0);
+    let (o, lse) = attn_fwd(&c, &c.t);
+    let b: Vec<CpuBuf<f64>> = c.t.iter().map(|v| buf(v.clone())).collect();
+    let mut g: Vec<CpuBuf<f64>> = c.t.iter().map(|v| buf(vec![f64::NAN; v.len()])).collect();
+    {
+        let [g0, g1, g2, g3, g4] = &mut g[..] else { unreachable!() };
+        be.attn_draft_bwd(
+            &S,
+            &c.sh,
+            &b[0],
+            &b[1],
+            &b[2],
+            &b[3],
+            &b[4],
+            &c.anchors,
+            &c.ctx_start,
+            &o,
+            &lse,
+            &buf(r.clone()),
+            [g0, g1, g2, g3, g4],
+        )
+        .unwrap();
+    }
+    for (i, name) in ["dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+        let n = numeric_grad(&c.t[i], |v| {
+            let mut t = c.t.clone();
+            t[i] = v.to_vec();
+            dot(&attn_fwd(&c, &t).0.data, &r)
+        });
+        assert_grad_close(name, &g[i].data, &n);
+    }
+    // The padded block (3): exact zeros out and back, never NaN.
+    let pad = 3 * 3;
+    assert!(o.data[pad * 16..].iter().all(|&x| x == 0.0));
+    assert!(g[0].data[pad * 16..].iter().all(|&x| x == 0.0));
+    assert!(g[3].data[pad * 8..].iter().all(|&x| x == 0.0) && g[4].data[pad * 8..].iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn causal_attention_matches_brute_force() {
+    let be = Exact::exact();
+    let (rows, heads, kvh, hd) = (9, 4, 2, 4);
+    let q = randn(rows * 16, 60, 1.0);
+    let k = randn(rows * 8, 61, 1.0);
+    let v = randn(rows * 8, 62, 1.0);
+    let starts = vec![0, 5, 9];
+    let mut o = buf(vec![0.0; rows * 16]);
+    be.attn_causal_fwd(&S, &buf(q.clone()), &buf(k.clone()), &buf(v.clone()), &mut o, &starts, rows, heads, kvh, hd)
+        .unwrap();
+    for i in 0..rows {
+        let s0 = if i < 5 { 0 } else { 5 };
+        for h in 0..heads {
+            let g = h / 2;
+            let sc: Vec<f64> =
+                (s0..=i).map(|t| dot(&q[i * 16 + h * 4..][..4], &k[t * 8 + g * 4..][..4]) / 2.0).collect();
+            let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
+            for c in 0..hd {
+                let want: f64 = (s0..=i).zip(&sc).map(|(t, s)| (s - mx).exp() / z * v[t * 8 + g * 4 + c]).sum();
+                assert!((o.data[i * 16 + h * 4 + c] - want).abs() < 1e-12);
+            }
+        }
+    }
+}
