@@ -2,8 +2,10 @@
 //!
 //! Module map (one line each; DESIGN.md section 3 is the long form):
 pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
+pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
 pub mod tensor; // DType and the bf16 rounding rule
 pub mod train;
+pub mod weights; // safetensors via memmap2, HF tensor names, atomic writes, random-init target
