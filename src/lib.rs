@@ -5,7 +5,8 @@ pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
 pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
+pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC protocol
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
 pub mod tensor; // DType and the bf16 rounding rule
-pub mod train;
+pub mod train; // anchors and batches, AdamW schedule, the step
 pub mod weights; // safetensors via memmap2, HF tensor names, atomic writes, random-init target

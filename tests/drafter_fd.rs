@@ -34,9 +34,9 @@ fn step_loss(side: &mut DrafterSide<Exact>, hb: &HostBatch, x: &[f64]) -> f64 {
     let mut y = buf(vec![0.0; hb.rows() * sh.hidden]);
     let mut dy = buf(vec![0.0; hb.rows() * sh.hidden]);
     let fc = side.fc.as_mut().unwrap();
-    fc_forward(&be, &S, &sh, fc, &x, &mut y, hb.rows()).unwrap();
+    fc_forward(&be, &S, fc, &x, &mut y, hb.rows()).unwrap();
     let out = side.drafter.forward_backward(&be, &S, &dev.inputs(), &y, (1.0 / hb.weight_sum) as f32, &mut dy).unwrap();
-    fc_backward(&be, &S, &sh, side.fc.as_mut().unwrap(), &dy, &x, hb.rows()).unwrap();
+    fc_backward(&be, &S, side.fc.as_mut().unwrap(), &dy, &x, hb.rows()).unwrap();
     out.loss.data.iter().sum::<f64>() / hb.weight_sum
 }
 

@@ -133,31 +133,36 @@ impl<B: Backend> ParamGroup<B> {
     }
 }
 
+/// `(offset, hidden, K*H)` of the fc group's one tensor.
+fn fc_dims<B: Backend>(fc: &ParamGroup<B>) -> (usize, usize, usize) {
+    let e = fc.table.get("fc.weight").expect("the fc group holds fc.weight");
+    (e.offset, e.shape[0], e.shape[1])
+}
+
 /// `Y = X Wfc^T`: the context projection before `hidden_norm` (runs wherever the fc group lives).
 pub fn fc_forward<B: Backend>(
     be: &B,
     s: &B::Stream,
-    sh: &DrafterShape,
     fc: &ParamGroup<B>,
     x: &B::Buf,
     y: &mut B::Buf,
     rows: usize,
 ) -> Result<()> {
-    be.gemm(s, &Gemm::linear(rows, sh.hidden, sh.fc_in()), x, 0, &fc.weights, fc.table.off("fc.weight"), y, 0)
+    let (off, h, k) = fc_dims(fc);
+    be.gemm(s, &Gemm::linear(rows, h, k), x, 0, &fc.weights, off, y, 0)
 }
 
 /// `dWfc += dY^T X`.
 pub fn fc_backward<B: Backend>(
     be: &B,
     s: &B::Stream,
-    sh: &DrafterShape,
     fc: &mut ParamGroup<B>,
     dy: &B::Buf,
     x: &B::Buf,
     rows: usize,
 ) -> Result<()> {
-    let off = fc.table.off("fc.weight");
-    be.gemm(s, &Gemm::linear_dw(rows, sh.hidden, sh.fc_in()), dy, 0, x, 0, &mut fc.grad, off)
+    let (off, h, k) = fc_dims(fc);
+    be.gemm(s, &Gemm::linear_dw(rows, h, k), dy, 0, x, 0, &mut fc.grad, off)
 }
 
 /// Device-side inputs of one drafter micro-batch (built on the host by `train::batch`).
@@ -555,5 +560,26 @@ impl<B: Backend> Drafter<B> {
         be.copy(s, &target.weights, target.table.off(names::EMBED), &mut embed, 0, n)?;
         be.copy(s, &target.weights, target.table.off(names::LM_HEAD), &mut lm_head, 0, n)?;
         Ok((embed, lm_head))
+    }
+}
+
+impl DrafterShape {
+    /// The drafter of a config, with the lm_head + CE chunk of `logits_chunk_rows` rows.
+    pub fn from_config(c: &crate::config::DrafterConfig, logits_chunk_rows: usize) -> Self {
+        DrafterShape {
+            hidden: c.hidden_size,
+            layers: c.num_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            inter: c.intermediate_size,
+            vocab: c.vocab_size,
+            num_taps: c.target_layer_ids.len(),
+            block_size: c.block_size,
+            eps: c.rms_norm_eps as f32,
+            rope_theta: c.rope_theta as f32,
+            mask_token_id: c.mask_token_id,
+            logits_chunk_rows,
+        }
     }
 }

@@ -6,7 +6,9 @@
 
 use super::ParamTable;
 use crate::backend::{Backend, Gemm, Result};
+use crate::config::LayerDims;
 use crate::tensor::DType;
+use crate::weights::LayerTensor;
 
 /// The shape numbers the forward needs, taken from a `config.json`.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,53 +34,16 @@ impl TargetShape {
     }
 }
 
-/// Hugging Face tensor names of a Qwen3 checkpoint.
+/// Hugging Face tensor names (one definition, in `weights`), plus the per-layer prefix helper.
 pub mod names {
-    pub const EMBED: &str = "model.embed_tokens.weight";
-    pub const FINAL_NORM: &str = "model.norm.weight";
-    pub const LM_HEAD: &str = "lm_head.weight";
+    pub use crate::weights::names::{EMBED_TOKENS as EMBED, FINAL_NORM, LM_HEAD};
     pub fn layer(i: usize, part: &str) -> String {
         format!("model.layers.{i}.{part}")
     }
-    /// Parts of one decoder layer, in the order they sit in the flat buffer. Gate and up are
-    /// adjacent so the MLP's first projection is one GEMM with `2 * inter` outputs.
-    pub const LAYER_PARTS: [&str; 11] = [
-        "input_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight",
-        "post_attention_layernorm.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ];
 }
 
-/// Shape of one decoder-layer tensor by its part name (shared by target and drafter layers).
-pub fn layer_part_shape(
-    part: &str,
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    inter: usize,
-) -> Vec<usize> {
-    match part {
-        "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![hidden],
-        "self_attn.q_proj.weight" => vec![heads * head_dim, hidden],
-        "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv_heads * head_dim, hidden],
-        "self_attn.o_proj.weight" => vec![hidden, heads * head_dim],
-        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![head_dim],
-        "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![inter, hidden],
-        "mlp.down_proj.weight" => vec![hidden, inter],
-        other => panic!("unknown layer part {other}"),
-    }
-}
-
-/// Appends one decoder layer's tensors named `{prefix}{part}`, with up right after gate.
+/// Appends one decoder layer's tensors named `{prefix}{suffix}` in `LayerTensor::ALL` order, with
+/// up right after gate so the MLP's first projection is one `[2 * inter, hidden]` GEMM.
 pub fn push_layer(
     t: &mut ParamTable,
     prefix: &str,
@@ -88,13 +53,19 @@ pub fn push_layer(
     head_dim: usize,
     inter: usize,
 ) {
-    for part in names::LAYER_PARTS {
-        let shape = layer_part_shape(part, hidden, heads, kv_heads, head_dim, inter);
-        let name = format!("{prefix}{part}");
-        if part == "mlp.up_proj.weight" {
-            t.push_adjacent(name, &shape);
+    let dims = LayerDims {
+        hidden_size: hidden,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: inter,
+    };
+    for part in LayerTensor::ALL {
+        let name = format!("{prefix}{}", part.suffix());
+        if part == LayerTensor::UpProj {
+            t.push_adjacent(name, &part.shape(&dims));
         } else {
-            t.push(name, &shape);
+            t.push(name, &part.shape(&dims));
         }
     }
 }
@@ -398,5 +369,22 @@ impl<B: Backend> Target<B> {
         }
         be.rmsnorm_fwd(s, &x, w, self.table.off(names::FINAL_NORM), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, self.table.off(names::LM_HEAD), logits, 0)
+    }
+}
+
+impl From<&crate::config::TargetConfig> for TargetShape {
+    fn from(c: &crate::config::TargetConfig) -> Self {
+        TargetShape {
+            hidden: c.hidden_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            inter: c.intermediate_size,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps as f32,
+            rope_theta: c.rope_theta as f32,
+            tied_embeddings: c.tie_word_embeddings,
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! Training: batches and anchors, the optimizer schedule, the step pieces.
 
 pub mod batch;
+pub mod generate;
 pub mod optim;
 pub mod step;

@@ -2,7 +2,7 @@
 //! target side (`TargetSide::produce`: forward with taps, pack + noise, FC under split-FC) and
 //! drafter side (`DrafterSide::consume` per micro-batch, `DrafterSide::finish_step` once).
 
-use crate::backend::{Backend, Result};
+use crate::backend::{AdamStep, Backend, Result};
 use crate::model::drafter::{fc_backward, fc_forward, DraftInputs, Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetInputs};
 use crate::tensor::DType;
@@ -198,9 +198,9 @@ impl<B: Backend> DrafterSide<B> {
             Context::Packed(x) => {
                 let fc = self.fc.as_mut().expect("packed context needs the fc group on the drafter side");
                 let mut y = be.alloc(s, DType::BF16, rows * h)?;
-                fc_forward(be, s, &self.drafter.shape, fc, x, &mut y, rows)?;
+                fc_forward(be, s, fc, x, &mut y, rows)?;
                 let out = self.drafter.forward_backward(be, s, &dev.inputs(), &y, grad_scale, &mut dy)?;
-                fc_backward(be, s, &self.drafter.shape, fc, &dy, x, rows)?;
+                fc_backward(be, s, fc, &dy, x, rows)?;
                 out
             }
             Context::Projected(y) => self.drafter.forward_backward(be, s, &dev.inputs(), y, grad_scale, &mut dy)?,
@@ -253,7 +253,8 @@ pub fn plan_update(optim: &OptimConfig, step: u32, loss: f64, grad_norm: f64) ->
     }
 }
 
-/// A whole synchronous step on one backend and one thread (the reference for every pipeline).
+/// A whole synchronous step on one backend and one thread (the reference every pipeline must
+/// reproduce bit for bit).
 #[allow(clippy::too_many_arguments)]
 pub fn sync_step<B: Backend>(
     be: &B,
@@ -275,33 +276,31 @@ pub fn sync_step<B: Backend>(
     }
     let (body, fc) = side.grad_sumsq(be, s)?;
     let norm = global_norm(fc.unwrap_or(0.0), body);
-    finish_metrics(be, s, side, None, sums, norm, optim, step)
+    let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
+    let hp = plan_update(optim, step, loss, norm);
+    apply_update(be, s, side, hp, sums, norm, optim, step)
 }
 
-/// Applies the update (both groups, or the body only when `fc` lives elsewhere and is updated by
-/// its owner with the returned step) and turns the sums into metrics.
+/// Applies a step's update to the body and the local fc group (a remote fc group is updated by
+/// its owner with the same `hp`), and turns the sums into metrics.
 #[allow(clippy::too_many_arguments)]
-pub fn finish_metrics<B: Backend>(
+pub fn apply_update<B: Backend>(
     be: &B,
     s: &B::Stream,
     side: &mut DrafterSide<B>,
-    remote_fc: Option<&mut ParamGroup<B>>,
+    hp: Option<AdamStep>,
     sums: MetricSums,
     norm: f64,
     optim: &OptimConfig,
     step: u32,
 ) -> Result<StepMetrics> {
-    let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
-    let upd = plan_update(optim, step, loss, norm);
-    if let Some(hp) = &upd {
+    if let Some(hp) = &hp {
         if let Some(fc) = &mut side.fc {
-            fc.adamw(be, s, hp)?;
-        }
-        if let Some(fc) = remote_fc {
             fc.adamw(be, s, hp)?;
         }
         side.drafter.body.adamw(be, s, hp)?;
     }
+    let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
     Ok(StepMetrics {
         step,
         loss,
@@ -309,7 +308,7 @@ pub fn finish_metrics<B: Backend>(
         accept_len: if sums.blocks > 0 { sums.accept / sums.blocks as f64 } else { 0.0 },
         grad_norm: norm,
         lr: optim.lr_at(step),
-        skipped: upd.is_none(),
+        skipped: hp.is_none(),
         tokens: sums.tokens,
         draft_positions: sums.draft_positions,
     })
