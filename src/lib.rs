@@ -3,6 +3,7 @@
 //! Module map (one line each; DESIGN.md section 3 is the long form):
 pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
 pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
+pub mod data; // pre-tokenized JSON Lines: parsing, validation, the order of samples per step
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
 pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC protocol
