@@ -1,6 +1,7 @@
 //! Training: batches and anchors, the optimizer schedule, the step pieces.
 
 pub mod batch;
+pub mod checkpoint;
 pub mod generate;
 pub mod optim;
 pub mod step;
