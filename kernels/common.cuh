@@ -72,3 +72,75 @@ __device__ __forceinline__ float bf16x2_hi_to_f32(uint32_t w) { return __uint_as
 __device__ __forceinline__ uint32_t pack_bf16x2_rne(float lo, float hi) {
   return f32_to_bf16_bits_rne(lo) | (f32_to_bf16_bits_rne(hi) << 16);
 }
+
+// ---- 8-wide bf16 chunks, non-finite tests, division-free row/column walks -----------------------
+// (used by elementwise, rmsnorm, rope, swiglu, cross_entropy)
+
+// One VEC_BYTES access of 8 bf16 -> 8 f32 (f[j] is element j in memory order). Exact.
+__device__ __forceinline__ void bf16x8_unpack(const uint4 v, float (&f)[8]) {
+  f[0] = bf16x2_lo_to_f32(v.x); f[1] = bf16x2_hi_to_f32(v.x);
+  f[2] = bf16x2_lo_to_f32(v.y); f[3] = bf16x2_hi_to_f32(v.y);
+  f[4] = bf16x2_lo_to_f32(v.z); f[5] = bf16x2_hi_to_f32(v.z);
+  f[6] = bf16x2_lo_to_f32(v.w); f[7] = bf16x2_hi_to_f32(v.w);
+}
+
+// 8 f32 -> 8 bf16 in one uint4, each rounded once like half::bf16::from_f32.
+__device__ __forceinline__ uint4 bf16x8_pack_rne(const float (&f)[8]) {
+  return make_uint4(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]),
+                    pack_bf16x2_rne(f[4], f[5]), pack_bf16x2_rne(f[6], f[7]));
+}
+
+// V consecutive bf16 at p as f32: V == 8 is one 16-byte load (p must be VEC_BYTES-aligned),
+// V == 1 one 2-byte load. Kernels pick V = 8 only after checking size % 8 and alignment.
+template <int V>
+__device__ __forceinline__ void bf16_chunk_load(const __nv_bfloat16* p, float (&f)[V]) {
+  if constexpr (V == 8) {
+    bf16x8_unpack(*reinterpret_cast<const uint4*>(p), f);
+  } else {
+    static_assert(V == 1, "bf16 chunks are 8 or 1 elements");
+    f[0] = bf16_to_f32(*p);
+  }
+}
+
+// The store matching bf16_chunk_load: each value rounded once (RNE, as the CPU reference).
+template <int V>
+__device__ __forceinline__ void bf16_chunk_store_rne(__nv_bfloat16* p, const float (&f)[V]) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = bf16x8_pack_rne(f);
+  } else {
+    static_assert(V == 1, "bf16 chunks are 8 or 1 elements");
+    *p = f32_to_bf16_rne(f[0]);
+  }
+}
+
+// NaN or +-Inf (exponent all ones), from the raw bits: no float compare, so no FTZ/NaN subtleties.
+__device__ __forceinline__ bool f32_bits_nonfinite(uint32_t bits) {
+  return (bits & 0x7F800000u) == 0x7F800000u;
+}
+__device__ __forceinline__ bool bf16_bits_nonfinite(uint32_t bits16) {
+  return (bits16 & 0x7F80u) == 0x7F80u;
+}
+
+// Position of flat index e in a [*, width] grid of items. A grid-stride loop splits its start
+// and its stride once (the only 64-bit divisions) and then walks with rowcol_advance.
+struct RowCol {
+  index_t row;
+  index_t col;
+};
+
+__device__ __forceinline__ RowCol rowcol_split(index_t e, index_t width) {
+  RowCol p;
+  p.row = e / width;
+  p.col = e - p.row * width;
+  return p;
+}
+
+// p += d (d = rowcol_split(stride)): one carry suffices because p.col, d.col < width.
+__device__ __forceinline__ void rowcol_advance(RowCol& p, const RowCol& d, index_t width) {
+  p.col += d.col;
+  if (p.col >= width) {
+    p.col -= width;
+    p.row += 1;
+  }
+  p.row += d.row;
+}

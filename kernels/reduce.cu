@@ -1,0 +1,94 @@
+// reduce.cu: deterministic sum of squares (the global gradient norm for clipping), in two kernels
+// with a fixed shape, so the f32 result is bit-identical run to run and on any GPU.
+//
+// Math:     out[0] = sum_i x[i]^2, f32 accumulation.
+// Order (fixed by constants, never by the launch or the pointer alignment):
+//   sum_squares_partial_f32: SUMSQ_PARTS blocks x SUMSQ_BLOCK threads = G threads. Thread
+//   t = block * SUMSQ_BLOCK + tid owns the 4-element groups q = t, t + G, t + 2G, ... (elements
+//   4q..4q+3, clipped to n) and accumulates acc = fmaf(x, x, acc) over them in increasing element
+//   order. The block's 256 sums: xor butterfly within each warp, then the 8 warp sums added in
+//   warp order -> partial[block].
+//   sum_partials_f32: thread tid sums partial[tid], partial[tid + 256], ... in order; the same
+//   butterfly-then-warp-order tree -> out[0].
+//   The CPU sums 16K-element chunks with 8 accumulators: a different order, so GPU vs CPU is
+//   compared with a tolerance; GPU vs GPU is bit-exact.
+// Layouts:  x: [n] f32, contiguous. partial: [SUMSQ_PARTS] f32 scratch. out: [1] f32.
+// Preconditions: n >= 0 (n == 0 gives out[0] = 0); x does not overlap partial or out.
+// Launch:   sum_squares_partial_f32: grid.x must be SUMSQ_PARTS = 1024 and blockDim.x must be
+//           SUMSQ_BLOCK = 256 (the kernel traps otherwise: the summation order depends on them).
+//           sum_partials_f32: grid.x must be 1 and blockDim.x must be SUMSQ_BLOCK (traps
+//           otherwise); parts = SUMSQ_PARTS for this pair (any parts >= 0 is accepted).
+//           No dynamic shared memory. Scratch: partial, SUMSQ_PARTS f32, owned by the launcher.
+// Bytes:    4 n + 4 * SUMSQ_PARTS * 2 + 4.
+// FLOPs:    2 n (one FMA per element).
+// Bound:    memory. Target >= 80% of the measured device-to-device copy bandwidth's read half
+//           (~4.1 TB/s read + write on an H200) for n >= 2^26 (a drafter's gradient); below
+//           ~2^20 elements the two launches dominate. Measured (H200, n = 2^28): 4.3 TB/s read.
+#include "common.cuh"
+
+// Blocks of the partial pass = entries of `partial`. 1024 x 256 threads is ~8 resident blocks
+// per SM on a 132-SM H200: one full wave, enough loads in flight to stream at HBM rate.
+#define SUMSQ_PARTS 1024
+// Threads per block, both kernels (8 warps).
+#define SUMSQ_BLOCK 256
+#define SUMSQ_WARPS (SUMSQ_BLOCK / 32)
+// Elements per group (one 16-byte access on the fast path).
+#define SUMSQ_GROUP 4
+
+// Fixed-tree block sum; every thread calls it; thread 0 gets the total.
+__device__ __forceinline__ float sumsq_block_sum(float v) {
+  __shared__ float warp_sum[SUMSQ_WARPS];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31u) == 0u) warp_sum[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = warp_sum[0];
+#pragma unroll
+  for (int i = 1; i < SUMSQ_WARPS; ++i) s += warp_sum[i];
+  return s;
+}
+
+extern "C" __global__ void __launch_bounds__(SUMSQ_BLOCK)
+    sum_squares_partial_f32(const float* __restrict__ x, long long n,
+                            float* __restrict__ partial) {
+  if (gridDim.x != SUMSQ_PARTS || blockDim.x != SUMSQ_BLOCK) __trap(); // fixed order
+  const index_t threads = (index_t)SUMSQ_PARTS * SUMSQ_BLOCK;
+  const index_t t = (index_t)blockIdx.x * SUMSQ_BLOCK + threadIdx.x;
+  const index_t full_groups = n > 0 ? n / SUMSQ_GROUP : 0;
+  float acc = 0.0f;
+  if (is_vec_aligned(x)) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (index_t q = t; q < full_groups; q += threads) {
+      const float4 v = x4[q];
+      acc = fmaf(v.x, v.x, acc);
+      acc = fmaf(v.y, v.y, acc);
+      acc = fmaf(v.z, v.z, acc);
+      acc = fmaf(v.w, v.w, acc);
+    }
+  } else {
+    // Same groups, same order, same bits: only the loads differ.
+    for (index_t q = t; q < full_groups; q += threads) {
+      const float* g = x + q * SUMSQ_GROUP;
+      acc = fmaf(g[0], g[0], acc);
+      acc = fmaf(g[1], g[1], acc);
+      acc = fmaf(g[2], g[2], acc);
+      acc = fmaf(g[3], g[3], acc);
+    }
+  }
+  // The last partial group (n % 4 elements) is group full_groups, owned by thread
+  // full_groups % threads, which visits it after all its full groups: increasing order holds.
+  if (n > 0 && t == full_groups % threads) {
+    for (index_t i = full_groups * SUMSQ_GROUP; i < n; ++i) acc = fmaf(x[i], x[i], acc);
+  }
+  const float s = sumsq_block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void __launch_bounds__(SUMSQ_BLOCK)
+    sum_partials_f32(const float* __restrict__ partial, int parts, float* __restrict__ out) {
+  if (gridDim.x != 1 || blockDim.x != SUMSQ_BLOCK) __trap(); // fixed order
+  float acc = 0.0f;
+  for (int i = threadIdx.x; i < parts; i += SUMSQ_BLOCK) acc += partial[i];
+  const float s = sumsq_block_sum(acc);
+  if (threadIdx.x == 0) out[0] = s;
+}

@@ -1,0 +1,343 @@
+// rmsnorm.cu: RMSNorm forward and a deterministic, atomic-free backward (hidden norms, dim ~ 1K-8K,
+// and the per-head QK-norm, dim = head_dim with rows = tokens * heads, up to ~4M rows).
+//
+// Math (per row of dim, f32 math, each bf16 write one RNE rounding, as cpu.rs):
+//   fwd:  ms = sum_c x^2 / dim; r = 1 / sqrtf(ms + eps) (IEEE div and sqrt, not rsqrtf);
+//         rstd[row] = r; y = bf16((x * r) * w).
+//   bwd:  gx = sum_c (dy * w) * x; coef = (((gx * r) * r) * r) * (1 / dim);
+//         g = ((r * dy) * w) - (x * coef); dx = bf16(g), or bf16(f32(dx_old) + g) if accumulate_dx;
+//         dw_partial[p, c] = sum over the rows of part p of (dy * x) * r        (f32, see Order)
+//   dw reduce: dw[c] = dw[c] + sum_p dw_partial[p, c]                           (f32, see Order)
+//   The element-wise expressions use __fmul_rn/__fadd_rn/__fsub_rn in cpu.rs's left-to-right order,
+//   so they match the CPU bit for bit given the same row sum; only the row sums (ms, gx, and the
+//   dw sums) are ordered differently from the CPU (fmaf per thread, then a fixed tree).
+// Layouts:  x, y, dy, dx: [rows, dim] bf16 row-major, contiguous. w: [dim] bf16 (the launcher
+//           passes w + w_off). rstd: [rows] f32. dw_partial: [parts, dim] f32 scratch, parts =
+//           ceil(rows / rows_per_part). dw: [dim] f32 (the launcher passes dw + dw_off).
+// Preconditions: dim >= 1, rows >= 0, rows_per_part >= 1 (else the kernels return without
+//           writing); eps >= 0; no output overlaps an input of the same kernel.
+//
+// Row teams. A row is handled by a team of T threads (a power of two), R = RMS_BLOCK / T rows per
+// block at a time. A lane owns chunks k = lane, lane + T, ... of the row; a chunk is 8 bf16 (one
+// 16-byte access) when dim % 8 == 0 and every bf16 pointer is 16-byte aligned, else 1 element.
+//   Tw(dim) = min(32, nextpow2(ceil(ceil(dim / 8) / RMS_CHUNKS_PER_LANE)))     (warp teams)
+//   forward:  T = Tw(dim)                       for every dim
+//   backward: T = dim <= 1024 ? Tw(dim) : 256   (above 1024 the whole block owns a row, so the
+//                                                dw accumulators of a block stay dim floats)
+//   e.g. dim 16 -> T 1, R 256; dim 64 -> T 2, R 128; dim 128 -> T 4, R 64; dim 256 -> T 8,
+//   R 32; dim >= 1024 -> T 32, R 8 (forward) and dim > 1024 -> T 256, R 1 (backward).
+//   Team sums: shuffle-xor butterflies within the team (T <= 32), or warp butterflies plus the
+//   8 warp sums added in warp order (T = 256). A row is read twice (sum, then output); the second
+//   read hits L1/L2, so HBM traffic is one read.
+//
+// Launch rules (blockDim.x must be RMS_BLOCK = 256 for all three kernels; they trap otherwise):
+//   rmsnorm_fwd_bf16:  grid.x = max(1, ceil(rows / R)), R = 256 / Tw(dim); any grid.x >= 1 is
+//                      valid (grid-stride over row groups); no dynamic shared memory.
+//   rmsnorm_bwd_bf16:  R = 256 / T with the backward's T. rows_per_part = max(R, ceil(rows /
+//                      RMS_BWD_TARGET_PARTS)) recommended (<= 1024 parts: enough blocks to fill
+//                      an H200, a small dw_partial); parts = ceil(rows / rows_per_part); grid.x =
+//                      max(1, parts) (any grid.x >= 1 is valid: grid-stride over parts); dynamic
+//                      shared memory = R * (dim + RMS_SLAB_PAD) * 4 bytes, RMS_SLAB_PAD = 4
+//                      (<= 40 KiB for dim <= 1024, (dim + 4) * 4 above: over 48 KiB, i.e.
+//                      dim > 12284, needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
+//   rmsnorm_dw_reduce_f32: grid.x = ceil(dim / 32) (any grid.x >= 1 is valid); no dynamic smem.
+// Order (fixed: the results depend on rows, dim and rows_per_part only, never on the grid):
+//   dw_partial[p, c]: team t of the block sums rows p*rpp + t, p*rpp + t + R, ... in increasing
+//   order (in shared memory), then the R team sums are added in increasing t. The reduce splits
+//   the parts into RMS_DW_SLICES contiguous slices, sums each slice in increasing p, adds the
+//   slice sums in increasing slice order, then adds that total to dw[c] (once, as the CPU does).
+// Bytes:    fwd: rows * dim * 4 + rows * 4 (+ dim * 2). bwd: rows * dim * 6 (+ 2 more per element
+//           with accumulate_dx) + rows * 4 + parts * dim * 4. reduce: parts * dim * 4 + dim * 8.
+// FLOPs:    fwd ~4 per element; bwd ~10 per element.
+// Bound:    memory. Target >= 80% of the measured device-to-device copy bandwidth (~4.1 TB/s on an
+//           H200) for rows * dim >= 2^24, for both the dim = 16..256 and the dim >= 1024 regimes.
+// Measured (H200, rows * dim = 2^26, bytes above): fwd 2.66 / 3.26 / 3.16 / 2.42 TB/s and bwd
+//           2.86 / 3.04 / 3.13 / 2.66 TB/s at dim 16 / 128 / 1024 / 5120 (65-80%; dim >= 5120 is
+//           the gap left to close); dw reduce ~10 us.
+#include "common.cuh"
+
+// Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).
+#define RMS_BLOCK 256
+#define RMS_WARPS (RMS_BLOCK / 32)
+// Largest dim whose backward uses warp teams; above it a whole block owns a row, so that a block's
+// dw accumulators (R * dim floats of shared memory) stay small.
+#define RMS_WARP_TEAM_MAX_DIM 1024
+// Floats of padding after each team's dw accumulator slab in the backward (rms_slab_stride).
+#define RMS_SLAB_PAD 4
+// Chunks of 8 a lane of a warp team owns (at most; fewer for dims that are not a power of two):
+// 4 independent 16-byte loads in flight per thread keep enough bytes in flight to cover HBM
+// latency even for dim = 16, where a team is a single thread.
+// (A constant, not a macro: nvcc does not expand macros inside #pragma unroll.)
+constexpr int RMS_CHUNKS_PER_LANE = 4;
+// Recommended upper bound on the backward's part count (see the launch rule).
+#define RMS_BWD_TARGET_PARTS 1024
+// Resident blocks per SM the register allocation must allow (__launch_bounds__): 5 x 256 threads
+// (<= 48 registers) forward, 4 x 256 (<= 64 registers) backward: enough loads in flight to cover
+// HBM latency in a memory-bound kernel, without spills.
+#define RMS_FWD_MIN_BLOCKS 5
+#define RMS_BWD_MIN_BLOCKS 4
+// Contiguous slices of parts summed in parallel by rmsnorm_dw_reduce_f32 (one warp each).
+#define RMS_DW_SLICES RMS_WARPS
+
+// Tw(dim) from the header: the forward's team, and the backward's for dim <= 1024.
+__device__ __forceinline__ int rms_warp_team_size(int dim) {
+  const int chunks = (dim + BF16_PER_VEC - 1) / BF16_PER_VEC;
+  const int lanes = (chunks + RMS_CHUNKS_PER_LANE - 1) / RMS_CHUNKS_PER_LANE;
+  int t = 1;
+  while (t < lanes && t < 32) t <<= 1;
+  return t;
+}
+
+// Tb(dim) from the header: the backward's team.
+__device__ __forceinline__ int rms_bwd_team_size(int dim) {
+  return dim > RMS_WARP_TEAM_MAX_DIM ? RMS_BLOCK : rms_warp_team_size(dim);
+}
+
+// Floats between two teams' dw accumulator slabs in the backward: dim + RMS_SLAB_PAD. The pad
+// (4 floats, keeping 16-byte alignment) staggers the slabs across shared-memory banks; without
+// it, at dim = 16 every team's slab starts in the same bank group (4-way conflicts).
+__device__ __forceinline__ index_t rms_slab_stride(int dim) { return (index_t)dim + RMS_SLAB_PAD; }
+
+// The lanes of this thread's team within its warp (teams of <= 32 are T-aligned in the warp).
+__device__ __forceinline__ unsigned rms_team_mask(int team_size) {
+  if (team_size >= 32) return 0xFFFFFFFFu;
+  const unsigned lane = threadIdx.x & 31u;
+  return ((1u << team_size) - 1u) << (lane & ~(unsigned)(team_size - 1));
+}
+
+// Sum of v over the team. Teams <= 32: xor butterfly (every lane ends with the same bits: each
+// step adds the same two values, in either order). Block team: warp butterflies, then every
+// thread adds the 8 warp sums in warp order. `red` alternates between two buffers per call, so
+// one barrier per call suffices: a buffer is rewritten only two calls later, after the barrier of
+// the call in between, which every reader of the old values has passed.
+__device__ __forceinline__ float rms_team_sum(float v, int team_size, unsigned mask,
+                                              float (&red)[2][RMS_WARPS], int& parity) {
+  if (team_size <= 32) {
+    for (int o = team_size >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
+    return v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31u) == 0u) red[parity][threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = red[parity][0];
+#pragma unroll
+  for (int i = 1; i < RMS_WARPS; ++i) s += red[parity][i];
+  parity ^= 1;
+  return s;
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+template <int V>
+__device__ __forceinline__ void rmsnorm_fwd_rows(const __nv_bfloat16* __restrict__ x,
+                                                 const __nv_bfloat16* __restrict__ w,
+                                                 __nv_bfloat16* __restrict__ y,
+                                                 float* __restrict__ rstd, index_t rows, int dim,
+                                                 float eps, int team_size,
+                                                 float (&red)[2][RMS_WARPS]) {
+  const int rows_per_block = RMS_BLOCK / team_size;
+  const int lane = threadIdx.x & (team_size - 1);
+  const int team = threadIdx.x / team_size;
+  const unsigned mask = rms_team_mask(team_size);
+  const index_t chunks = dim / V;
+  const float dim_f = (float)dim;
+  int parity = 0;
+  // Block teams: every thread of the block runs the same rows (the barrier in rms_team_sum).
+  for (index_t row = (index_t)blockIdx.x * rows_per_block + team; row < rows;
+       row += (index_t)gridDim.x * rows_per_block) {
+    const __nv_bfloat16* xr = x + row * dim;
+    float ss = 0.0f;
+    // First touch of the row (HBM): unrolled so a lane's loads are all in flight together.
+#pragma unroll RMS_CHUNKS_PER_LANE
+    for (index_t k = lane; k < chunks; k += team_size) {
+      float f[V];
+      bf16_chunk_load<V>(xr + k * V, f);
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss = fmaf(f[j], f[j], ss);
+    }
+    ss = rms_team_sum(ss, team_size, mask, red, parity);
+    const float ms = __fdiv_rn(ss, dim_f);
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+    if (lane == 0) rstd[row] = r;
+    __nv_bfloat16* yr = y + row * dim;
+    for (index_t k = lane; k < chunks; k += team_size) {
+      float f[V], wf[V];
+      bf16_chunk_load<V>(xr + k * V, f); // second read of the row: L1/L2 hit
+      bf16_chunk_load<V>(w + k * V, wf);
+#pragma unroll
+      for (int j = 0; j < V; ++j) f[j] = __fmul_rn(__fmul_rn(f[j], r), wf[j]);
+      bf16_chunk_store_rne<V>(yr + k * V, f);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_FWD_MIN_BLOCKS)
+    rmsnorm_fwd_bf16(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                     __nv_bfloat16* __restrict__ y, float* __restrict__ rstd, long long rows,
+                     int dim, float eps) {
+  if (blockDim.x != RMS_BLOCK) __trap(); // rows_per_block and the block sum assume it
+  if (rows <= 0 || dim <= 0) return;
+  __shared__ float red[2][RMS_WARPS];
+  const int team_size = rms_warp_team_size(dim);
+  // dim % 8 == 0 keeps every row start 16-byte aligned when the base pointers are.
+  if (dim % BF16_PER_VEC == 0 && is_vec_aligned(x) && is_vec_aligned(w) && is_vec_aligned(y)) {
+    rmsnorm_fwd_rows<BF16_PER_VEC>(x, w, y, rstd, rows, dim, eps, team_size, red);
+  } else {
+    rmsnorm_fwd_rows<1>(x, w, y, rstd, rows, dim, eps, team_size, red);
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+// acc[0..V) (shared memory) += add[0..V); V == 8 as two 16-byte accesses (acc is 32-byte aligned:
+// team slabs are dim * 4 bytes apart with dim % 8 == 0).
+template <int V>
+__device__ __forceinline__ void smem_chunk_add(float* acc, const float (&add)[V]) {
+  if constexpr (V == 8) {
+    float4* a4 = reinterpret_cast<float4*>(acc);
+    float4 lo = a4[0], hi = a4[1];
+    lo.x = __fadd_rn(lo.x, add[0]); lo.y = __fadd_rn(lo.y, add[1]);
+    lo.z = __fadd_rn(lo.z, add[2]); lo.w = __fadd_rn(lo.w, add[3]);
+    hi.x = __fadd_rn(hi.x, add[4]); hi.y = __fadd_rn(hi.y, add[5]);
+    hi.z = __fadd_rn(hi.z, add[6]); hi.w = __fadd_rn(hi.w, add[7]);
+    a4[0] = lo;
+    a4[1] = hi;
+  } else {
+    acc[0] = __fadd_rn(acc[0], add[0]);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void rmsnorm_bwd_parts(
+    const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
+    const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
+    __nv_bfloat16* __restrict__ dx, bool accumulate_dx, float* __restrict__ dw_partial,
+    index_t rows, int dim, index_t rows_per_part, int team_size, float* team_acc_all,
+    float (&red)[2][RMS_WARPS]) {
+  const int rows_per_block = RMS_BLOCK / team_size;
+  const int lane = threadIdx.x & (team_size - 1);
+  const int team = threadIdx.x / team_size;
+  const unsigned mask = rms_team_mask(team_size);
+  const index_t chunks = dim / V;
+  const float inv_dim = __fdiv_rn(1.0f, (float)dim); // cpu.rs: F::ONE / dim
+  const index_t parts = (rows + rows_per_part - 1) / rows_per_part;
+  // This team's dw accumulators: one f32 per column, touched only by the lane owning the column
+  // (so no barrier between zeroing and accumulating).
+  const index_t slab = rms_slab_stride(dim);
+  float* acc = team_acc_all + (index_t)team * slab;
+  int parity = 0;
+  for (index_t p = blockIdx.x; p < parts; p += gridDim.x) { // uniform over the block
+    const index_t r0 = p * rows_per_part;
+    const index_t r1 = min(rows, r0 + rows_per_part);
+    for (index_t k = lane; k < chunks; k += team_size) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[k * V + j] = 0.0f;
+    }
+    for (index_t row = r0 + team; row < r1; row += rows_per_block) {
+      const __nv_bfloat16* dyr = dy + row * dim;
+      const __nv_bfloat16* xr = x + row * dim;
+      float gx = 0.0f;
+      // First touch of the row (HBM): unrolled so a lane's loads are all in flight together.
+#pragma unroll RMS_CHUNKS_PER_LANE
+      for (index_t k = lane; k < chunks; k += team_size) {
+        float d[V], xf[V], wf[V];
+        bf16_chunk_load<V>(dyr + k * V, d);
+        bf16_chunk_load<V>(xr + k * V, xf);
+        bf16_chunk_load<V>(w + k * V, wf);
+#pragma unroll
+        for (int j = 0; j < V; ++j) gx = fmaf(__fmul_rn(d[j], wf[j]), xf[j], gx);
+      }
+      gx = rms_team_sum(gx, team_size, mask, red, parity);
+      const float r = rstd[row];
+      const float coef = __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(gx, r), r), r), inv_dim);
+      __nv_bfloat16* dxr = dx + row * dim;
+      for (index_t k = lane; k < chunks; k += team_size) {
+        float d[V], xf[V], wf[V], g[V], dwc[V];
+        bf16_chunk_load<V>(dyr + k * V, d); // second read of the row: L1/L2 hit
+        bf16_chunk_load<V>(xr + k * V, xf);
+        bf16_chunk_load<V>(w + k * V, wf);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          g[j] = __fsub_rn(__fmul_rn(__fmul_rn(r, d[j]), wf[j]), __fmul_rn(xf[j], coef));
+          dwc[j] = __fmul_rn(__fmul_rn(d[j], xf[j]), r);
+        }
+        if (accumulate_dx) {
+          float old[V];
+          bf16_chunk_load<V>(dxr + k * V, old);
+#pragma unroll
+          for (int j = 0; j < V; ++j) g[j] = __fadd_rn(old[j], g[j]);
+        }
+        bf16_chunk_store_rne<V>(dxr + k * V, g);
+        smem_chunk_add<V>(acc + k * V, dwc);
+      }
+    }
+    __syncthreads(); // every team's sums are in shared memory
+    for (int c = threadIdx.x; c < dim; c += RMS_BLOCK) {
+      float s = team_acc_all[c];
+      for (int t = 1; t < rows_per_block; ++t) s = __fadd_rn(s, team_acc_all[t * slab + c]);
+      dw_partial[p * dim + c] = s;
+    }
+    __syncthreads(); // the next part zeroes the accumulators only after they were read
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
+    rmsnorm_bwd_bf16(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
+                     const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
+                     __nv_bfloat16* __restrict__ dx, int accumulate_dx,
+                     float* __restrict__ dw_partial, long long rows, int dim,
+                     int rows_per_part) {
+  if (blockDim.x != RMS_BLOCK) __trap(); // rows_per_block and the block sum assume it
+  if (rows <= 0 || dim <= 0 || rows_per_part <= 0) return;
+  // [R][dim + RMS_SLAB_PAD] f32 dw accumulators, R = RMS_BLOCK / T: the launcher sizes it.
+  extern __shared__ float4 rms_dyn_smem[]; // float4: 16-byte aligned for the vector path
+  __shared__ float red[2][RMS_WARPS];
+  float* team_acc_all = reinterpret_cast<float*>(rms_dyn_smem);
+  const int team_size = rms_bwd_team_size(dim);
+  const bool acc_dx = accumulate_dx != 0;
+  if (dim % BF16_PER_VEC == 0 && is_vec_aligned(dy) && is_vec_aligned(x) && is_vec_aligned(w) &&
+      is_vec_aligned(dx)) {
+    rmsnorm_bwd_parts<BF16_PER_VEC>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
+                                    rows_per_part, team_size, team_acc_all, red);
+  } else {
+    rmsnorm_bwd_parts<1>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim, rows_per_part,
+                         team_size, team_acc_all, red);
+  }
+}
+
+// dw[c] += sum_p dw_partial[p, c]. Block = 32 columns x RMS_DW_SLICES warps; warp s sums its
+// contiguous slice of parts in increasing p (coalesced: 32 adjacent columns per load), then lane
+// c of warp 0 adds the slice sums in slice order and adds the total to dw[c].
+extern "C" __global__ void __launch_bounds__(RMS_BLOCK)
+    rmsnorm_dw_reduce_f32(const float* __restrict__ dw_partial, int parts, float* __restrict__ dw,
+                          int dim) {
+  if (blockDim.x != RMS_BLOCK) __trap(); // one warp per slice
+  if (dim <= 0) return;
+  __shared__ float slice_sum[RMS_DW_SLICES][32];
+  const int lane = threadIdx.x & 31;
+  const int slice = threadIdx.x >> 5;
+  const index_t n_parts = parts > 0 ? parts : 0;
+  const index_t per_slice = (n_parts + RMS_DW_SLICES - 1) / RMS_DW_SLICES;
+  const index_t p0 = min(n_parts, (index_t)slice * per_slice);
+  const index_t p1 = min(n_parts, p0 + per_slice);
+  const index_t groups = ((index_t)dim + 31) / 32;
+  for (index_t cg = blockIdx.x; cg < groups; cg += gridDim.x) { // uniform over the block
+    const index_t c = cg * 32 + lane;
+    float s = 0.0f;
+    if (c < dim) {
+      // The loads do not depend on s: unrolled, 8 are in flight per thread.
+#pragma unroll 8
+      for (index_t p = p0; p < p1; ++p) s = __fadd_rn(s, dw_partial[p * dim + c]);
+    }
+    slice_sum[slice][lane] = s;
+    __syncthreads();
+    if (slice == 0 && c < dim) {
+      float total = slice_sum[0][lane];
+#pragma unroll
+      for (int i = 1; i < RMS_DW_SLICES; ++i) total = __fadd_rn(total, slice_sum[i][lane]);
+      dw[c] = __fadd_rn(dw[c], total); // cpu.rs: *dwc + acc
+    }
+    __syncthreads(); // slice_sum is rewritten by the next column group
+  }
+}
