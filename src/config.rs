@@ -522,7 +522,7 @@ impl TargetConfig {
             mask_token_id: Some(vocab as u32 - 1),
         };
         let cfg = match name {
-            "tiny" => base(512, 64, 6, 4, 2, 16, 192),
+            "tiny" => base(256, 64, 6, 4, 2, 16, 192),
             "small" => base(4096, 256, 8, 8, 4, 32, 768),
             "qwen3-8b-shape" => TargetConfig {
                 max_position_embeddings: 40_960,
@@ -1081,11 +1081,11 @@ mod tests {
         let t = TargetConfig::preset("tiny").unwrap();
         assert_eq!(
             (t.vocab_size, t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads),
-            (512, 64, 6, 4, 2)
+            (256, 64, 6, 4, 2)
         );
         assert_eq!((t.head_dim, t.intermediate_size, t.max_position_embeddings), (16, 192, 4096));
         assert_eq!((t.rms_norm_eps, t.rope_theta, t.tie_word_embeddings), (1e-6, 1e6, false));
-        assert_eq!(t.mask_token_id, Some(511));
+        assert_eq!(t.mask_token_id, Some(255));
         let s = TargetConfig::preset("small").unwrap();
         assert_eq!(
             (s.vocab_size, s.hidden_size, s.num_hidden_layers, s.num_attention_heads, s.num_key_value_heads),
@@ -1312,7 +1312,7 @@ mod tests {
 
         let tiny = TargetConfig::preset("tiny").unwrap();
         let d = DrafterConfig::for_target(&tiny, 2, 8, Some(vec![1, 3, 5])).unwrap();
-        assert_eq!((d.num_taps(), d.gamma, d.mask_token_id), (3, 4.0, 511));
+        assert_eq!((d.num_taps(), d.gamma, d.mask_token_id), (3, 4.0, 255));
         assert_eq!(DrafterConfig::from_json_str(&d.to_json()).unwrap(), d);
         assert!(matches!(d.check_against_target(&target), Err(ConfigError::TargetMismatch { .. })));
     }

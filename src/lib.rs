@@ -8,6 +8,7 @@ pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
 pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC protocol
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
+pub mod session; // `run` top to bottom: target, data, both sides, resume, log, checkpoint, summary
 pub mod tensor; // DType and the bf16 rounding rule
 pub mod train; // anchors and batches, AdamW schedule, the step
 pub mod weights; // safetensors via memmap2, HF tensor names, atomic writes, random-init target

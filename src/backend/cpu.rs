@@ -270,7 +270,8 @@ impl<F: Real> Backend for CpuBackend<F> {
         check_len("gemm", "C", c.data.len(), c_off, m * n)?;
         let a = &a.data[a_off..a_off + m * k];
         let b = &b.data[b_off..b_off + k * n];
-        // Bring both operands to "rows of k" so every output is one contiguous dot product.
+        // A as rows of k; B as k rows of n, so each output row is a sum of scaled B rows (an axpy
+        // over contiguous memory that the compiler vectorises), accumulated over p in order.
         let at: Vec<F>;
         let a_rows: &[F] = if g.ta {
             at = transpose(a, k, m);
@@ -279,21 +280,27 @@ impl<F: Real> Backend for CpuBackend<F> {
             a
         };
         let bt: Vec<F>;
-        let b_rows: &[F] = if g.tb {
-            b
-        } else {
-            bt = transpose(b, k, n);
+        let b_kn: &[F] = if g.tb {
+            bt = transpose(b, n, k);
             &bt
+        } else {
+            b
         };
         let (alpha, beta) = (F::from_f32(g.alpha), F::from_f32(g.beta));
         let dt = c.dtype;
         let cs = &mut c.data[c_off..c_off + m * n];
         cs.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, crow)| {
             let ar = &a_rows[i * k..(i + 1) * k];
-            for (j, cv) in crow.iter_mut().enumerate() {
-                let acc = dot(ar, &b_rows[j * k..(j + 1) * k]);
+            let mut acc = vec![F::ZERO; n];
+            for (p, &av) in ar.iter().enumerate() {
+                let br = &b_kn[p * n..(p + 1) * n];
+                for (x, &bv) in acc.iter_mut().zip(br) {
+                    *x += av * bv;
+                }
+            }
+            for (cv, &x) in crow.iter_mut().zip(&acc) {
                 let prev = if g.beta == 0.0 { F::ZERO } else { beta * *cv };
-                *cv = self.st(dt, alpha * acc + prev);
+                *cv = self.st(dt, alpha * x + prev);
             }
         });
         Ok(())
@@ -685,66 +692,90 @@ impl<F: Real> Backend for CpuBackend<F> {
         check_len("attn_draft_bwd", "dvc", dvc.data.len(), 0, sh.ctx_rows * g.kw)?;
         check_len("attn_draft_bwd", "dkb", dkb.data.len(), 0, sh.q_rows() * g.kw)?;
         check_len("attn_draft_bwd", "dvb", dvb.data.len(), 0, sh.q_rows() * g.kw)?;
-        let (bs, hd) = (sh.block_size, sh.head_dim);
+        let (bs, hd, heads) = (sh.block_size, sh.head_dim, sh.heads);
         let scale = F::from_f64(g.scale);
-        // Accumulate in F and round once per output element, like the kernels.
-        let mut acc_kc = vec![F::ZERO; sh.ctx_rows * g.kw];
-        let mut acc_vc = vec![F::ZERO; sh.ctx_rows * g.kw];
-        // Blocks in order: every accumulation into a context row happens in block order.
-        for j in 0..sh.num_blocks {
-            let keys = g.keys(j, sh);
-            let base_q = j * bs * g.qw;
-            let base_k = j * bs * g.kw;
-            let mut blk_dq = vec![F::ZERO; bs * g.qw];
-            let mut blk_dk = vec![F::ZERO; bs * g.kw];
-            let mut blk_dv = vec![F::ZERO; bs * g.kw];
-            if !keys.is_empty() {
+        // D = rowsum(dO * O) per (row, head).
+        let dsum: Vec<F> = (0..sh.q_rows() * heads)
+            .map(|i| dot(&d_o.data[i * hd..(i + 1) * hd], &o.data[i * hd..(i + 1) * hd]))
+            .collect();
+        // p and ds of query (row, head) against one key; accumulated in F, rounded once per
+        // output element, like the kernels.
+        let p_ds = |row: usize, h: usize, key: Key| -> (F, F) {
+            let kvh = h / g.group;
+            let qh = &q.data[row * g.qw + h * hd..][..hd];
+            let doh = &d_o.data[row * g.qw + h * hd..][..hd];
+            let p = (scale * dot(qh, g.k(key, kvh, kc, kb)) - lse.data[row * heads + h]).exp();
+            (p, p * (dot(doh, g.v(key, kvh, vc, vb)) - dsum[row * heads + h]) * scale)
+        };
+        // Pass 1, one task per block: dq over every visible key; dk/dv of the block's own keys.
+        let (dqt, dkbt, dvbt) = (dq.dtype, dkb.dtype, dvb.dtype);
+        dq.data[..qn]
+            .par_chunks_mut(bs * g.qw)
+            .zip(dkb.data[..sh.q_rows() * g.kw].par_chunks_mut(bs * g.kw))
+            .zip(dvb.data[..sh.q_rows() * g.kw].par_chunks_mut(bs * g.kw))
+            .enumerate()
+            .for_each(|(j, ((dqj, dkj), dvj))| {
+                let keys = g.keys(j, sh);
+                let mut acc_q = vec![F::ZERO; bs * g.qw];
+                let mut acc_k = vec![F::ZERO; bs * g.kw];
+                let mut acc_v = vec![F::ZERO; bs * g.kw];
                 for r in 0..bs {
                     let row = j * bs + r;
-                    for h in 0..sh.heads {
+                    for h in 0..heads {
                         let kvh = h / g.group;
-                        let qh = &q.data[row * g.qw + h * hd..][..hd];
-                        let doh = &d_o.data[row * g.qw + h * hd..][..hd];
-                        let oh = &o.data[row * g.qw + h * hd..][..hd];
-                        let l = lse.data[row * sh.heads + h];
-                        let dsum = dot(doh, oh);
                         for &key in &keys {
+                            let (p, ds) = p_ds(row, h, key);
                             let kk = g.k(key, kvh, kc, kb);
-                            let vv = g.v(key, kvh, vc, vb);
-                            let p = (scale * dot(qh, kk) - l).exp();
-                            let ds = p * (dot(doh, vv) - dsum) * scale;
                             for c in 0..hd {
-                                blk_dq[r * g.qw + h * hd + c] += ds * kk[c];
+                                acc_q[r * g.qw + h * hd + c] += ds * kk[c];
                             }
-                            let (dk, dv) = match key {
-                                Key::Ctx(t) => {
-                                    (&mut acc_kc[t * g.kw + kvh * hd..][..hd], &mut acc_vc[t * g.kw + kvh * hd..][..hd])
+                            if let Key::Blk(t) = key {
+                                let lo = (t - j * bs) * g.kw + kvh * hd;
+                                let qh = &q.data[row * g.qw + h * hd..][..hd];
+                                let doh = &d_o.data[row * g.qw + h * hd..][..hd];
+                                for c in 0..hd {
+                                    acc_k[lo + c] += ds * qh[c];
+                                    acc_v[lo + c] += p * doh[c];
                                 }
-                                Key::Blk(t) => {
-                                    let lo = (t - j * bs) * g.kw + kvh * hd;
-                                    (&mut blk_dk[lo..lo + hd], &mut blk_dv[lo..lo + hd])
-                                }
-                            };
-                            for c in 0..hd {
-                                dk[c] += ds * qh[c];
-                                dv[c] += p * doh[c];
                             }
                         }
                     }
                 }
-            }
-            for i in 0..bs * g.qw {
-                dq.data[base_q + i] = self.st(dq.dtype, blk_dq[i]);
-            }
-            for i in 0..bs * g.kw {
-                dkb.data[base_k + i] = self.st(dkb.dtype, blk_dk[i]);
-                dvb.data[base_k + i] = self.st(dvb.dtype, blk_dv[i]);
-            }
-        }
-        for i in 0..sh.ctx_rows * g.kw {
-            dkc.data[i] = self.st(dkc.dtype, acc_kc[i]);
-            dvc.data[i] = self.st(dvc.dtype, acc_vc[i]);
-        }
+                dqj.iter_mut().zip(&acc_q).for_each(|(d, &x)| *d = self.st(dqt, x));
+                dkj.iter_mut().zip(&acc_k).for_each(|(d, &x)| *d = self.st(dkbt, x));
+                dvj.iter_mut().zip(&acc_v).for_each(|(d, &x)| *d = self.st(dvbt, x));
+            });
+        // Pass 2, one task per context row: the blocks that see it, in block order.
+        let (dkct, dvct) = (dkc.dtype, dvc.dtype);
+        dkc.data[..sh.ctx_rows * g.kw]
+            .par_chunks_mut(g.kw)
+            .zip(dvc.data[..sh.ctx_rows * g.kw].par_chunks_mut(g.kw))
+            .enumerate()
+            .for_each(|(t, (dkt, dvt))| {
+                let mut acc_k = vec![F::ZERO; g.kw];
+                let mut acc_v = vec![F::ZERO; g.kw];
+                for j in 0..sh.num_blocks {
+                    let (a, start) = (g.anchors[j], g.ctx_start[j] as usize);
+                    if a < 0 || t < start || t >= start + a as usize {
+                        continue;
+                    }
+                    for r in 0..bs {
+                        let row = j * bs + r;
+                        for h in 0..heads {
+                            let kvh = h / g.group;
+                            let (p, ds) = p_ds(row, h, Key::Ctx(t));
+                            let qh = &q.data[row * g.qw + h * hd..][..hd];
+                            let doh = &d_o.data[row * g.qw + h * hd..][..hd];
+                            for c in 0..hd {
+                                acc_k[kvh * hd + c] += ds * qh[c];
+                                acc_v[kvh * hd + c] += p * doh[c];
+                            }
+                        }
+                    }
+                }
+                dkt.iter_mut().zip(&acc_k).for_each(|(d, &x)| *d = self.st(dkct, x));
+                dvt.iter_mut().zip(&acc_v).for_each(|(d, &x)| *d = self.st(dvct, x));
+            });
         Ok(())
     }
 
