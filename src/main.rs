@@ -143,6 +143,12 @@ struct RunArgs {
     /// No progress bar, no per-step lines.
     #[arg(long)]
     quiet: bool,
+    /// Stop with a checkpoint after N completed steps (the LR schedule still spans --steps).
+    #[arg(long)]
+    stop_after: Option<u32>,
+    /// No pipeline: run target and drafter one after the other on one thread (reference mode).
+    #[arg(long)]
+    sync: bool,
 }
 
 #[derive(Args)]
@@ -195,6 +201,8 @@ impl RunArgs {
             logits_chunk: self.logits_chunk,
             quiet: self.quiet,
             faults: session::faults_from_env(),
+            stop_after: self.stop_after,
+            sync: self.sync,
         }
     }
 }

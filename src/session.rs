@@ -66,6 +66,10 @@ pub struct RunOptions {
     pub logits_chunk: usize,
     pub quiet: bool,
     pub faults: Faults,
+    /// Stop (with a checkpoint) after this many completed steps, keeping the schedule of `steps`.
+    pub stop_after: Option<u32>,
+    /// No pipeline: target and drafter alternate on one thread (the reference for bit-identity).
+    pub sync: bool,
 }
 
 impl RunOptions {
@@ -105,6 +109,8 @@ impl RunOptions {
             logits_chunk: 2048,
             quiet: false,
             faults: Faults::default(),
+            stop_after: None,
+            sync: false,
         }
     }
 }
@@ -408,7 +414,8 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
             );
         }
         history.push(m.clone());
-        let stop = interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+        let stop =
+            interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || opts.stop_after.is_some_and(|n| done >= n);
         if done % opts.save_every.max(1) == 0 || done == opts.steps || stop {
             let tensors = gather(be, &s, side, tside.fc.as_ref())?;
             let state = TrainerState {
@@ -421,7 +428,11 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         }
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
-    let stats = pipeline::run(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?;
+    let stats = if opts.sync {
+        sync_loop(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
+    } else {
+        pipeline::run(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
+    };
     pb.finish_and_clear();
     let summary = RunSummary {
         history,
@@ -439,6 +450,42 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
     Ok(summary)
 }
 
+/// Target and drafter alternating on the calling thread, one step at a time.
+#[allow(clippy::type_complexity)]
+fn sync_loop<B: Backend>(
+    be: &B,
+    tside: &TargetSide<B>,
+    side: &mut DrafterSide<B>,
+    source: &StepBatches,
+    pcfg: &PipelineConfig,
+    optim: &OptimConfig,
+    on_step: &mut dyn FnMut(
+        &StepMetrics,
+        &mut DrafterSide<B>,
+        &PipelineStats,
+    ) -> Result<Control, Box<dyn std::error::Error + Send + Sync>>,
+) -> Result<PipelineStats> {
+    let s = be.compute_stream();
+    let started = Instant::now();
+    let mut st = PipelineStats::default();
+    for step in pcfg.first_step..pcfg.end_step {
+        let micro = source.micro_batches(step).map_err(|e| anyhow::anyhow!("step {step}: {e}"))?;
+        let t0 = Instant::now();
+        let m = crate::train::step::sync_step(be, &s, &tside.target, side, &micro, pcfg.noise, optim, step)?;
+        st.drafter_busy += t0.elapsed();
+        st.steps += 1;
+        st.tokens += m.tokens as u64;
+        st.draft_positions += m.draft_positions as u64;
+        st.skipped += u32::from(m.skipped);
+        st.wall = started.elapsed();
+        if let Control::Stop = on_step(&m, side, &st).map_err(|e| anyhow::anyhow!("step {step}: {e}"))? {
+            break;
+        }
+    }
+    st.wall = started.elapsed();
+    Ok(st)
+}
+
 fn validate(o: &RunOptions) -> Result<()> {
     let bad = |m: &str| -> Result<()> { bail!("{m}") };
     if o.steps == 0 {
@@ -449,6 +496,9 @@ fn validate(o: &RunOptions) -> Result<()> {
     }
     if o.anchors == 0 {
         bad("--anchors must be at least 1")?;
+    }
+    if o.sync && o.split_fc {
+        bad("--sync runs the unsplit reference; drop --split-fc-layers (split-FC is checked against it)")?;
     }
     if o.max_inflight == 0 {
         bad("--max-inflight must be at least 1")?;

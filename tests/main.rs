@@ -3,8 +3,10 @@
 //! - `ops_fd`: every op's backward against f64 finite differences (CPU exact backend)
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
+//! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
 
 mod common;
 mod drafter_fd;
 mod ops_fd;
 mod pitfalls;
+mod run;

@@ -134,6 +134,11 @@ pub fn run<B: Backend>(
         }));
         let p = producer.join();
         match (consumer, p) {
+            // The consumer only saw the producer's channel close: the producer's error is the cause.
+            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Err(e))) => Err(e),
+            (Ok(Err(PipelineError::ProducerGone { .. })), Err(panic)) => {
+                Err(PipelineError::ProducerPanic { message: panic_message(&*panic) })
+            }
             // The consumer's own failure is the cause; the producer then only saw a closed channel.
             (Ok(Err(e)), _) => Err(e),
             (Err(panic), _) => Err(PipelineError::ConsumerPanic {

@@ -1,0 +1,218 @@
+//! `dflash-engine run` end to end on the CPU: learning, resume, crash safety, split-FC, async vs
+//! sync, failures at each stage boundary, data and target errors.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use dflash_engine::pipeline::Faults;
+use dflash_engine::session::{self, RunOptions, RunSummary};
+use dflash_engine::train::checkpoint;
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dflash-test-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// A small, fast configuration (seconds per run) for the equality tests.
+fn small(tag: &str) -> RunOptions {
+    RunOptions {
+        gen_samples: 32,
+        seq_len: 40,
+        steps: 8,
+        batch_size: 3,
+        anchors: 6,
+        block_size: 8,
+        save_every: 4,
+        quiet: true,
+        out: tmp(tag),
+        ..RunOptions::tiny_default()
+    }
+}
+
+fn losses(r: &RunSummary) -> Vec<u64> {
+    r.history.iter().map(|m| m.loss.to_bits()).collect()
+}
+
+fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
+    let ck = checkpoint::load_latest(dir).unwrap().expect("a checkpoint");
+    ck.tensors.iter().map(|t| (t.name.clone(), t.master.iter().map(|x| x.to_bits()).collect())).collect()
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = v.collect();
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+/// The default run, shortened: the loss falls below 0.7x its first value and the simulated
+/// acceptance length rises by at least 0.3 (both averaged over the last 10 steps: single steps
+/// are noisy with 8 sequences a batch).
+#[test]
+fn default_run_learns() {
+    let opts = RunOptions { steps: 200, quiet: true, out: tmp("learn"), ..RunOptions::tiny_default() };
+    let r = session::run(&opts, None).unwrap();
+    let first = &r.history[0];
+    let tail = &r.history[r.history.len() - 10..];
+    let (loss, accept) = (mean(tail.iter().map(|m| m.loss)), mean(tail.iter().map(|m| m.accept_len)));
+    assert!(loss < 0.7 * first.loss, "loss {:.3} -> {loss:.3}", first.loss);
+    assert!(accept >= first.accept_len + 0.3, "accept {:.3} -> {accept:.3}", first.accept_len);
+    assert!(r.history.iter().all(|m| !m.skipped));
+}
+
+/// Stopping at step 4 and resuming reproduces the uninterrupted run bit for bit: losses and the
+/// final weights.
+#[test]
+fn resume_reproduces_the_uninterrupted_run() {
+    let full = small("full");
+    let a = session::run(&full, None).unwrap();
+    let part = RunOptions { stop_after: Some(4), ..small("part") };
+    let b1 = session::run(&part, None).unwrap();
+    assert_eq!(b1.history.len(), 4);
+    let b2 = session::run(&RunOptions { resume: true, stop_after: None, ..part.clone() }, None).unwrap();
+    assert_eq!(b2.first_step, 4);
+    let mut joined = losses(&b1);
+    joined.extend(losses(&b2));
+    assert_eq!(joined, losses(&a));
+    assert_eq!(final_masters(&part.out), final_masters(&full.out));
+}
+
+/// The binary killed in the middle of writing a checkpoint (abort between the model file and the
+/// folder rename) leaves the previous checkpoint loadable, and resuming from it still reproduces
+/// the uninterrupted run.
+#[test]
+fn kill_during_save_keeps_the_last_checkpoint() {
+    let bin = env!("CARGO_BIN_EXE_dflash-engine");
+    let out = tmp("kill");
+    let args = |extra: &[&str]| {
+        let mut v: Vec<String> = [
+            "run",
+            "--quiet",
+            "--gen-samples",
+            "32",
+            "--seq-len",
+            "40",
+            "--steps",
+            "8",
+            "--batch-size",
+            "3",
+            "--anchors",
+            "6",
+            "--block-size",
+            "8",
+            "--save-every",
+            "4",
+            "--out",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.push(out.display().to_string());
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let ok = Command::new(bin).args(args(&["--stop-after", "4"])).status().unwrap();
+    assert!(ok.success());
+    let crashed =
+        Command::new(bin).args(args(&["--resume"])).env("DFLASH_FAULT", "checkpoint-mid-write").status().unwrap();
+    assert!(!crashed.success(), "the fault must kill the process");
+    let ck = checkpoint::load_latest(&out).unwrap().expect("the step-4 checkpoint survives");
+    assert_eq!(ck.state.step, 4);
+    let resumed = Command::new(bin).args(args(&["--resume"])).status().unwrap();
+    assert!(resumed.success());
+    let full = small("kill-ref");
+    session::run(&full, None).unwrap();
+    assert_eq!(final_masters(&out), final_masters(&full.out));
+}
+
+/// Split-FC (exact mode) gives the unsplit run's losses and weights bit for bit over 20 steps,
+/// with and without --pad-to-tokens.
+#[test]
+fn split_fc_is_exact() {
+    for pad in [None, Some(160)] {
+        let base = RunOptions { steps: 20, save_every: 20, pad_to_tokens: pad, ..small("unsplit") };
+        let a = session::run(&base, None).unwrap();
+        let split = RunOptions { split_fc: true, out: tmp("split"), ..base.clone() };
+        let b = session::run(&split, None).unwrap();
+        assert_eq!(losses(&a), losses(&b), "pad {pad:?}");
+        assert_eq!(final_masters(&base.out), final_masters(&split.out), "pad {pad:?}");
+    }
+}
+
+/// The pipeline at any depth gives the synchronous run's losses bit for bit.
+#[test]
+fn async_matches_sync() {
+    let sync = session::run(&RunOptions { sync: true, ..small("sync") }, None).unwrap();
+    for inflight in [1, 3] {
+        let r =
+            session::run(&RunOptions { max_inflight: inflight, grad_accum: 2, sync: false, ..small("async") }, None)
+                .unwrap();
+        let s2 = session::run(&RunOptions { sync: true, grad_accum: 2, ..small("sync2") }, None).unwrap();
+        assert_eq!(losses(&r), losses(&s2), "max_inflight {inflight}");
+    }
+    assert_eq!(sync.history.len(), 8);
+}
+
+/// A failure at each stage boundary ends the run with that stage's error, within seconds.
+#[test]
+fn failures_end_the_run_with_the_right_error() {
+    let cases: [(Faults, &str); 3] = [
+        (Faults { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 3"),
+        (Faults { publish_error_at: Some(2), ..Default::default() }, "could not publish step 2"),
+        (Faults { consumer_panic_at: Some(4), ..Default::default() }, "consumer) panicked at step 4"),
+    ];
+    for (faults, want) in cases {
+        let t0 = Instant::now();
+        let err =
+            session::run(&RunOptions { faults, ..small("fault") }, None).expect_err("the fault must fail the run");
+        let msg = format!("{err:#}");
+        assert!(msg.contains(want), "{msg}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+    }
+    // Split-FC adds a back channel: a consumer panic must not leave the target side waiting.
+    let err = session::run(
+        &RunOptions {
+            split_fc: true,
+            faults: Faults { consumer_panic_at: Some(2), ..Default::default() },
+            ..small("fault-split")
+        },
+        None,
+    )
+    .expect_err("fails");
+    assert!(format!("{err:#}").contains("panicked at step 2"), "{err:#}");
+}
+
+/// Bad input gets an error that names the problem.
+#[test]
+fn bad_input_is_named() {
+    let dir = tmp("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("d.jsonl");
+    std::fs::write(
+        &data,
+        "{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}\n{\"input_ids\": [1, 999], \"loss_mask\": [1, 1]}\n",
+    )
+    .unwrap();
+    let err = session::run(&RunOptions { data: Some(data), ..small("bad-data") }, None)
+        .expect_err("id 999 is outside the vocabulary");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("line 2") && msg.contains("999"), "{msg}");
+    let err = session::run(&RunOptions { target: dir.join("nope").display().to_string(), ..small("bad-target") }, None)
+        .expect_err("no such folder");
+    assert!(format!("{err:#}").contains("nope"), "{err:#}");
+    let err = session::run(&RunOptions { pad_to_tokens: Some(50), ..small("bad-pad") }, None)
+        .expect_err("3 x 40 tokens do not fit in 50");
+    assert!(format!("{err:#}").contains("--pad-to-tokens"), "{err:#}");
+}
+
+/// Data written by `gen-data` trains through `--data` (the JSONL path end to end).
+#[test]
+fn jsonl_data_trains() {
+    let dir = tmp("jsonl");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data.jsonl");
+    session::gen_data("tiny", 16, 40, session::TINY_INIT_STD, &path).unwrap();
+    let r = session::run(&RunOptions { data: Some(path), steps: 3, ..small("jsonl") }, None).unwrap();
+    assert_eq!(r.data_samples, 16);
+    assert!(r.history.iter().all(|m| m.loss.is_finite() && m.loss > 0.0));
+}
