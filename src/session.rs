@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
@@ -195,6 +196,7 @@ impl TargetSource {
                     );
                     let n: usize = dims.iter().product();
                     Ok((0..n as u64)
+                        .into_par_iter()
                         .map(|e| weights::init_value_bf16(spec.role, *seed, t as u32, e, *std).to_f32())
                         .collect())
                 })
@@ -260,11 +262,22 @@ fn bar(quiet: bool, len: u64, msg: &str) -> ProgressBar {
 /// Runs training as `opts` says. Ctrl-C (when `interrupt` is set) stops after the current step
 /// with a checkpoint.
 pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
+    use crate::backend::cuda::{alloc::Mode, CudaBackend};
     match opts.device {
-        Device::Cuda => bail!(
-            "--device cuda: this build has no CUDA backend yet (the kernels are compiled, the GPU runtime is not wired in). Use --device cpu or auto."
-        ),
-        Device::Cpu | Device::Auto => run_on(&CpuBackend::new(), opts, interrupt),
+        Device::Cpu => run_on(&CpuBackend::new(), opts, interrupt),
+        Device::Cuda => {
+            let be = CudaBackend::new(0, Mode::Normal).map_err(|why| anyhow::anyhow!("--device cuda: {why}"))?;
+            run_on(&be, opts, interrupt)
+        }
+        Device::Auto => match CudaBackend::new(0, Mode::Normal) {
+            Ok(be) => run_on(&be, opts, interrupt),
+            Err(why) => {
+                if !opts.quiet {
+                    eprintln!("note      no usable GPU ({why}); running on the CPU backend");
+                }
+                run_on(&CpuBackend::new(), opts, interrupt)
+            }
+        },
     }
 }
 

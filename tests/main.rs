@@ -7,6 +7,7 @@
 
 mod common;
 mod drafter_fd;
+mod gpu;
 mod ops_fd;
 mod pitfalls;
 mod run;

@@ -190,6 +190,19 @@ impl<F: Real> Backend for CpuBackend<F> {
         CpuStream
     }
 
+    fn new_stream(&self) -> Result<CpuStream> {
+        Ok(CpuStream)
+    }
+
+    /// One in-order host: nothing to order.
+    fn hand_over(&self, _from: &CpuStream, _to: &CpuStream, _bufs: &[&CpuBuf<F>]) -> Result<()> {
+        Ok(())
+    }
+
+    fn synchronize(&self, _s: &CpuStream) -> Result<()> {
+        Ok(())
+    }
+
     fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
         Ok(CpuBuf { dtype, data: vec![F::ZERO; len] })
     }

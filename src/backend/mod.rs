@@ -10,6 +10,7 @@
 //! tensors live inside one flat parameter buffer and are addressed by element offsets.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::tensor::DType;
 
@@ -114,6 +115,14 @@ pub trait Backend: Send + Sync + 'static {
 
     fn name(&self) -> String;
     fn compute_stream(&self) -> Self::Stream;
+    /// Another stream on the same device (the target side's, a copy stream).
+    fn new_stream(&self) -> Result<Self::Stream>;
+    /// Cross-stream hand-off (DESIGN.md rules 2-3): `to` waits for everything enqueued on `from`
+    /// so far, and each buffer records its use on `to`, so its memory is not reused before `to`
+    /// is done with it.
+    fn hand_over(&self, from: &Self::Stream, to: &Self::Stream, bufs: &[&Self::Buf]) -> Result<()>;
+    /// The host waits for everything enqueued on `s` (only the pipeline calls this).
+    fn synchronize(&self, s: &Self::Stream) -> Result<()>;
 
     // ---- memory ----
     /// A zero-filled buffer of `len` elements owned by `s`.

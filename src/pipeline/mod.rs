@@ -92,10 +92,12 @@ struct Msg<B: Backend> {
     n_micro: usize,
     hb: HostBatch,
     ctx: Context<B>,
+    /// The stream that wrote `ctx`: the consumer's stream waits on it before the first read.
+    from: B::Stream,
 }
 
 enum Back<B: Backend> {
-    Dy { dy: B::Buf },
+    Dy { dy: B::Buf, from: B::Stream },
     Update { hp: Option<AdamStep> },
 }
 
@@ -175,7 +177,8 @@ fn produce<B: Backend>(
     depth: &AtomicUsize,
     stats: &Mutex<PipelineStats>,
 ) -> Result<(), PipelineError> {
-    let s = be.compute_stream();
+    // The target side computes on its own stream; the drafter's stream waits on it per batch.
+    let s = be.new_stream().map_err(|e| PipelineError::Producer { step: cfg.first_step, source: Box::new(e) })?;
     let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, source: e };
     // Split-FC: the packed X of the previous step, kept for dWfc.
     let mut prev: Option<(u32, Vec<(HostBatch, B::Buf)>)> = None;
@@ -225,7 +228,7 @@ fn produce<B: Backend>(
             };
             let t2 = Instant::now();
             depth.fetch_add(1, Ordering::SeqCst);
-            if tx.send(Msg { step, micro, n_micro, hb, ctx }).is_err() {
+            if tx.send(Msg { step, micro, n_micro, hb, ctx, from: s.clone() }).is_err() {
                 depth.fetch_sub(1, Ordering::SeqCst);
                 return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
             }
@@ -272,7 +275,10 @@ fn finish_fc_step<B: Backend>(
     fc.zero_grad(be, s)?;
     for (hb, x) in batches {
         let dy = match back_rx.recv() {
-            Ok(Back::Dy { dy }) => dy,
+            Ok(Back::Dy { dy, from }) => {
+                be.hand_over(&from, s, &[&dy])?;
+                dy
+            }
             _ => return Err(FcError::Gone),
         };
         fc_backward(be, s, &mut fc, &dy, x, hb.rows())?;
@@ -289,7 +295,9 @@ fn finish_fc_step<B: Backend>(
         }
         _ => return Err(FcError::Gone),
     }
-    // Tell the drafter side the fc weights of this step are final (checkpoints read them).
+    // Tell the drafter side the fc weights of this step are final (checkpoints read them, from
+    // another stream: so the host waits for the update first).
+    be.synchronize(s)?;
     report_tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
     Ok(())
 }
@@ -345,9 +353,13 @@ fn consume<B: Backend>(
         let t1 = Instant::now();
         side.zero_grad(be, &s).map_err(|e| cerr(Box::new(e)))?;
         for msg in pending {
+            let buf = match &msg.ctx {
+                Context::Packed(b) | Context::Projected(b) => b,
+            };
+            be.hand_over(&msg.from, &s, &[buf]).map_err(|e| cerr(Box::new(e)))?;
             let dy = side.consume(be, &s, &msg.hb, &msg.ctx, grad_scale, &mut sums).map_err(|e| cerr(Box::new(e)))?;
             if let Some(dy) = dy {
-                back_tx.send(Back::Dy { dy }).map_err(|_| PipelineError::ProducerGone { step })?;
+                back_tx.send(Back::Dy { dy, from: s.clone() }).map_err(|_| PipelineError::ProducerGone { step })?;
             }
         }
         add_time(stats, |st| &mut st.drafter_busy, t1.elapsed());

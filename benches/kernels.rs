@@ -1,0 +1,244 @@
+//! Kernel throughput on the GPU, as a fraction of peaks measured in the same run: device-to-device
+//! copy bandwidth (memory-bound kernels) and a cuBLASLt bf16 8192^3 GEMM (compute-bound ones).
+//! Timings: warm-up excluded, median of repeated runs, inputs larger than L2 (so L2 stays out).
+//! `cargo bench` on a GPU machine (prints a note and exits 0 without one).
+
+use std::time::Instant;
+
+use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend};
+use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
+use dflash_engine::tensor::DType;
+
+/// Median seconds of `reps` runs of `f` (each synchronised), after 2 warm-ups.
+fn time(be: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
+    let s = be.compute_stream();
+    for _ in 0..2 {
+        f();
+    }
+    be.synchronize(&s).unwrap();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            be.synchronize(&s).unwrap();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[reps / 2]
+}
+
+struct Row {
+    name: String,
+    secs: f64,
+    value: f64,
+    unit: &'static str,
+    pct: f64,
+}
+
+fn main() {
+    let be = match CudaBackend::new(0, Mode::Normal) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("no GPU benchmark: {e}");
+            return;
+        }
+    };
+    let s = be.compute_stream();
+    let buf = |dt, n| be.alloc(&s, dt, n).unwrap();
+    let ids = |v: Vec<i32>| {
+        let mut b = be.alloc_ids(&s, v.len()).unwrap();
+        be.upload_ids(&s, &v, &mut b).unwrap();
+        b
+    };
+    let mut rows: Vec<Row> = Vec::new();
+
+    // Peaks.
+    let n_copy = 1usize << 29; // 1 GiB of bf16
+    let src = buf(DType::BF16, n_copy);
+    let mut dst = buf(DType::BF16, n_copy);
+    let t = time(&be, 10, || be.copy(&s, &src, 0, &mut dst, 0, n_copy).unwrap());
+    let peak_bw = 2.0 * (n_copy * 2) as f64 / t;
+    drop((src, dst));
+    let n = 8192;
+    let (a, b) = (buf(DType::BF16, n * n), buf(DType::BF16, n * n));
+    let mut c = buf(DType::BF16, n * n);
+    let g = Gemm::linear(n, n, n);
+    let t = time(&be, 10, || be.gemm(&s, &g, &a, 0, &b, 0, &mut c, 0).unwrap());
+    let peak_flops = 2.0 * (n as f64).powi(3) / t;
+    drop((a, b, c));
+    println!(
+        "measured peaks: copy {:.0} GB/s (read + write), cuBLASLt bf16 8192^3 {:.0} TFLOP/s",
+        peak_bw / 1e9,
+        peak_flops / 1e12
+    );
+    let mut mem = |name: &str, secs: f64, bytes: f64| {
+        rows.push(Row {
+            name: name.into(),
+            secs,
+            value: bytes / secs / 1e9,
+            unit: "GB/s",
+            pct: 100.0 * bytes / secs / peak_bw,
+        })
+    };
+
+    // Qwen3-8B shapes: 4 x 3072 target tokens, 512 anchors x 16 slots per sequence.
+    let (t_rows, h, k_taps) = (4 * 3072, 4096, 5);
+    let taps: Vec<_> = (0..k_taps).map(|_| buf(DType::BF16, t_rows * h)).collect();
+    let refs: Vec<_> = taps.iter().collect();
+    let mut packed = buf(DType::BF16, t_rows * k_taps * h);
+    let bytes = 2.0 * 2.0 * (t_rows * k_taps * h) as f64;
+    mem(
+        "pack (5 taps, 12288 x 4096)",
+        time(&be, 10, || be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.0, 1, 1).unwrap()),
+        bytes,
+    );
+    mem(
+        "pack + noise",
+        time(&be, 10, || be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.05, 1, 1).unwrap()),
+        bytes,
+    );
+    drop(refs);
+    drop(taps);
+
+    let rb = 32768;
+    let x = buf(DType::BF16, rb * h);
+    let w = buf(DType::BF16, h);
+    let mut y = buf(DType::BF16, rb * h);
+    let mut r = buf(DType::F32, rb);
+    mem(
+        "rmsnorm fwd (32768 x 4096)",
+        time(&be, 10, || be.rmsnorm_fwd(&s, &x, &w, 0, &mut y, &mut r, rb, h, 1e-6).unwrap()),
+        (rb * h * 4) as f64,
+    );
+    let mut dx = buf(DType::BF16, rb * h);
+    let mut dw = buf(DType::F32, h);
+    mem(
+        "rmsnorm bwd (32768 x 4096)",
+        time(&be, 10, || be.rmsnorm_bwd(&s, &y, &x, &w, 0, &r, &mut dx, false, &mut dw, 0, rb, h).unwrap()),
+        (rb * h * 6) as f64,
+    );
+    let pos = ids((0..rb as i32).map(|i| i % 3072).collect());
+    mem(
+        "rope (32768 x 32 x 128)",
+        time(&be, 10, || be.rope(&s, &mut y, &pos, rb, 32, 128, 1e6, false).unwrap()),
+        (rb * h * 4) as f64,
+    );
+    mem("add (32768 x 4096)", time(&be, 10, || be.add_inplace(&s, &mut y, &x).unwrap()), (rb * h * 6) as f64);
+    drop((x, y, dx));
+    let inter = 12288;
+    let rs = 8192;
+    let gu = buf(DType::BF16, rs * 2 * inter);
+    let mut act = buf(DType::BF16, rs * inter);
+    mem(
+        "swiglu fwd (8192 x 12288)",
+        time(&be, 10, || be.swiglu_fwd(&s, &gu, &mut act, rs, inter).unwrap()),
+        (rs * inter * 6) as f64,
+    );
+    let mut dgu = buf(DType::BF16, rs * 2 * inter);
+    mem(
+        "swiglu bwd (8192 x 12288)",
+        time(&be, 10, || be.swiglu_bwd(&s, &act, &gu, &mut dgu, rs, inter).unwrap()),
+        (rs * inter * 10) as f64,
+    );
+    drop((gu, act, dgu));
+    let (ce_rows, vocab) = (2048, 151_936);
+    let mut logits = buf(DType::BF16, ce_rows * vocab);
+    let labels = ids((0..ce_rows as i32).collect());
+    let wts = buf(DType::F32, ce_rows);
+    let mut loss = buf(DType::F32, ce_rows);
+    let mut am = be.alloc_ids(&s, ce_rows).unwrap();
+    mem(
+        "cross-entropy fwd+bwd (2048 x 151936)",
+        time(&be, 10, || {
+            be.cross_entropy(&s, &mut logits, &labels, &wts, 0, ce_rows, vocab, 1.0, &mut loss, 0, &mut am, 0).unwrap()
+        }),
+        (ce_rows * vocab * 4) as f64,
+    );
+    drop(logits);
+    let np = 1usize << 28;
+    let (mut p, gr, mut m, mut v) =
+        (buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np));
+    let mut wb = buf(DType::BF16, np);
+    let hp = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, t: 3, grad_scale: 1.0 };
+    mem(
+        "adamw (268M params)",
+        time(&be, 5, || be.adamw(&s, &mut p, &gr, &mut m, &mut v, &mut wb, &hp).unwrap()),
+        (np * (4 * 4 + 3 * 4 + 2)) as f64,
+    );
+    let mut out = buf(DType::F32, 1);
+    mem("sum of squares (268M)", time(&be, 10, || be.sum_squares(&s, &gr, &mut out).unwrap()), (np * 4) as f64);
+    drop((p, gr, m, v, wb));
+
+    // Compute-bound: attention (FLOPs counted for the visible keys only).
+    let mut flops = |name: &str, secs: f64, f: f64| {
+        rows.push(Row {
+            name: name.into(),
+            secs,
+            value: f / secs / 1e12,
+            unit: "TFLOP/s",
+            pct: 100.0 * f / secs / peak_flops,
+        })
+    };
+    let (heads, kvh, hd) = (32, 8, 128);
+    let q = buf(DType::BF16, t_rows * heads * hd);
+    let k = buf(DType::BF16, t_rows * kvh * hd);
+    let vv = buf(DType::BF16, t_rows * kvh * hd);
+    let mut o = buf(DType::BF16, t_rows * heads * hd);
+    let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
+    let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
+    flops(
+        "causal attention fwd (4 x 3072, 32/8, 128)",
+        time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()),
+        causal_f,
+    );
+    let nb = 4 * 512;
+    let sh = DraftAttnShape { num_blocks: nb, block_size: 16, ctx_rows: t_rows, heads, kv_heads: kvh, head_dim: hd };
+    let mut anchors = Vec::new();
+    let mut cs = Vec::new();
+    for b in 0..4 {
+        for j in 0..512 {
+            anchors.push((j * 6) as i32);
+            cs.push(b * 3072);
+        }
+    }
+    let visible: f64 = anchors.iter().map(|&a| f64::from(a) + 16.0).sum::<f64>() * 16.0;
+    let (an, cst) = (ids(anchors), ids(cs));
+    let qd = buf(DType::BF16, nb * 16 * heads * hd);
+    let kb = buf(DType::BF16, nb * 16 * kvh * hd);
+    let vb = buf(DType::BF16, nb * 16 * kvh * hd);
+    let mut od = buf(DType::BF16, nb * 16 * heads * hd);
+    let mut lse = buf(DType::F32, nb * 16 * heads);
+    flops(
+        "drafter attention fwd (2048 blocks x 16)",
+        time(&be, 5, || be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()),
+        4.0 * visible * heads as f64 * hd as f64,
+    );
+    let mut grads: Vec<_> =
+        [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
+            .iter()
+            .map(|&n| buf(DType::BF16, n))
+            .collect();
+    let dout = buf(DType::BF16, nb * 16 * heads * hd);
+    let t = time(&be, 5, || {
+        let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
+        be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4]).unwrap()
+    });
+    flops("drafter attention bwd", t, 10.0 * visible * heads as f64 * hd as f64);
+    // The FC projection at the recipe shape (cuBLASLt; our own FC kernel is not written yet).
+    let xp = buf(DType::BF16, t_rows * k_taps * h);
+    let wfc = buf(DType::BF16, h * k_taps * h);
+    let mut yp = buf(DType::BF16, t_rows * h);
+    let g = Gemm::linear(t_rows, h, k_taps * h);
+    flops(
+        "FC projection, cuBLASLt (12288 x 4096 x 20480)",
+        time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap()),
+        2.0 * (t_rows * h * k_taps * h) as f64,
+    );
+
+    println!("\n{:<48} {:>10} {:>12} {:>8}", "kernel", "time", "throughput", "% peak");
+    for r in &rows {
+        println!("{:<48} {:>8.3}ms {:>7.0} {:<7} {:>5.1}%", r.name, r.secs * 1e3, r.value, r.unit, r.pct);
+    }
+    println!("\nallocator: {:?}", be.allocator_stats());
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds everything that needs the GPU (release binary, the integration-test binary, the kernel
+# bench) with every kernel required, strips it, and collects it with a runner into the
+# git-ignored gpu-bundle/. On the GPU machine (no Rust there) run, from the repository root:
+#   bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b]     logs go to $OUT (or ./gpu-logs)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export DFLASH_REQUIRE_KERNELS=1
+cargo build --release -j2 --bin dflash-engine
+test_bin=$(cargo test --release -j2 --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "integration" and m.get("executable"):
+        print(m["executable"])')
+bench_bin=$(cargo bench -j2 --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernels" and m.get("executable"):
+        print(m["executable"])')
+rm -rf gpu-bundle && mkdir -p gpu-bundle
+cp target/release/dflash-engine gpu-bundle/dflash-engine
+cp "$test_bin" gpu-bundle/integration
+cp "$bench_bin" gpu-bundle/bench-kernels
+strip gpu-bundle/dflash-engine gpu-bundle/integration gpu-bundle/bench-kernels
+cp scripts/gpu-run.sh gpu-bundle/run.sh
+du -sh gpu-bundle/*

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b]...
+set -uo pipefail
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+B=gpu-bundle
+export DFLASH_REPO_ROOT=$PWD
+what=${*:-all}
+has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
+
+if has tests; then
+  echo "== GPU tests (every test, ignored ones included)"
+  $B/integration --include-ignored --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1 || status=1
+  grep -E "^test |test result|max rel err|bit-identical|cuda vs cpu|drafter loss|panicked" "$OUT/tests.log" | tail -150
+fi
+if has sanitize; then
+  echo "== compute-sanitizer over the kernel tests"
+  for tool in memcheck initcheck synccheck racecheck; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 gpu_pack gpu_norm gpu_loss > "$OUT/sanitize-$tool.log" 2>&1
+    rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+if has bench; then
+  echo "== kernel bench"
+  $B/bench-kernels 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if has run8b; then
+  echo "== Qwen3-8B-shaped run (random weights, random-token data)"
+  W=/tmp/q8b
+  [ -f $W/config.json ] || $B/dflash-engine init-model --preset qwen3-8b-shape --seed 0 --init-std 0.02 --out $W 2>&1 | tail -1
+  python3 -c '
+import json, random
+r = random.Random(0)
+with open("/tmp/q8b-data.jsonl", "w") as f:
+    for _ in range(64):
+        ids = [r.randrange(151000) for _ in range(3072)]
+        f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 256 + [1] * (3072 - 256)}) + "\n")'
+  $B/dflash-engine run --device cuda --target $W --data /tmp/q8b-data.jsonl --steps ${STEPS8B:-6} --batch-size 4 --seq-len 3072 \
+    --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4 --log-every 1 --save-every 1000 --out /tmp/q8b-run 2>&1 | tee "$OUT/run8b.log" || status=1
+fi
+exit $status

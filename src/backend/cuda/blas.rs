@@ -1,0 +1,176 @@
+//! cuBLASLt GEMMs: bf16 operands, f32 accumulation, bf16 or f32 output, one plan per shape with
+//! the algorithm fixed at first use (so a run's results are deterministic).
+//!
+//! Row-major `C[m, n] = op(A) op(B)` is computed as the column-major `C^T = op(B)^T op(A)^T`:
+//! our B is cuBLAS's first operand, our A its second.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::{result as lt, sys};
+
+use crate::backend::{BackendError, Gemm, Result};
+use crate::tensor::DType;
+
+/// cuBLASLt workspace per call (32 MiB: what Hopper's heuristics ask for at large shapes).
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    m: usize,
+    n: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    f32_out: bool,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+pub struct Lt {
+    handle: sys::cublasLtHandle_t,
+    plans: Mutex<HashMap<Key, Plan>>,
+}
+
+// SAFETY: the handle is used for matmuls from several threads; cuBLASLt handles are thread-safe
+// for that, and the plan cache is behind a mutex.
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+fn err(e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("cuBLASLt: {e:?}"))
+}
+
+impl Lt {
+    pub fn new() -> std::result::Result<Self, String> {
+        // SAFETY: checks whether libcublasLt can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcublasLt.so not found (install the CUDA 13 cuBLAS runtime)".into());
+        }
+        let handle = lt::create_handle().map_err(|e| format!("{e:?}"))?;
+        Ok(Lt { handle, plans: Mutex::new(HashMap::new()) })
+    }
+
+    fn plan(&self, key: Key) -> Result<Plan> {
+        let bf = sys::cudaDataType_t::CUDA_R_16BF;
+        let out_t = if key.f32_out { sys::cudaDataType_t::CUDA_R_32F } else { bf };
+        let desc =
+            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
+                .map_err(err)?;
+        // cuBLAS operand 1 = our B: (n x k) after its op.
+        // cublasOperation_t as i32: 0 = N, 1 = T.
+        let op1: i32 = i32::from(key.tb);
+        let op2: i32 = i32::from(key.ta);
+        // SAFETY: a fresh descriptor; attribute sizes match their types.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &op1 as *const _ as *const c_void,
+                std::mem::size_of_val(&op1),
+            )
+            .map_err(err)?;
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &op2 as *const _ as *const c_void,
+                std::mem::size_of_val(&op2),
+            )
+            .map_err(err)?;
+        }
+        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        // Stored shapes in column-major terms (rows, cols, ld).
+        let a = if key.tb {
+            lt::create_matrix_layout(bf, k, n, k as i64)
+        } else {
+            lt::create_matrix_layout(bf, n, k, n as i64)
+        }
+        .map_err(err)?;
+        let b = if key.ta {
+            lt::create_matrix_layout(bf, m, k, m as i64)
+        } else {
+            lt::create_matrix_layout(bf, k, m, k as i64)
+        }
+        .map_err(err)?;
+        let c = lt::create_matrix_layout(out_t, n, m, n as i64).map_err(err)?;
+        let pref = lt::create_matmul_pref().map_err(err)?;
+        let ws = WORKSPACE_BYTES as u64;
+        // Reductions that add partial results in place are excluded: determinism first.
+        let schemes: u32 = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32
+            | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32;
+        // SAFETY: a fresh preference; attribute sizes match.
+        let algo = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const _ as *const c_void,
+                8,
+            )
+            .map_err(err)?;
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                &schemes as *const _ as *const c_void,
+                4,
+            )
+            .map_err(err)?;
+            let h = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref).map_err(err);
+            let _ = lt::destroy_matmul_pref(pref);
+            h?.algo
+        };
+        Ok(Plan { desc, a, b, c, algo })
+    }
+
+    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        g: &Gemm,
+        a: u64,
+        b: u64,
+        c: u64,
+        c_dtype: DType,
+        ws: u64,
+        ws_bytes: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        let key = Key { m: g.m, n: g.n, k: g.k, ta: g.ta, tb: g.tb, f32_out: c_dtype == DType::F32 };
+        let mut plans = self.plans.lock().map_err(|_| err("plan cache lock poisoned"))?;
+        if !plans.contains_key(&key) {
+            let p = self.plan(key)?;
+            plans.insert(key, p);
+        }
+        let p = &plans[&key];
+        let (alpha, beta) = (g.alpha, g.beta);
+        // SAFETY: the plan matches these shapes; the pointers hold the checked extents; alpha and
+        // beta are host f32 (the default pointer mode); the workspace is ours for this call.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                p.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b as *const c_void,
+                p.a,
+                a as *const c_void,
+                p.b,
+                c as *const c_void,
+                p.c,
+                c as *mut c_void,
+                p.c,
+                &p.algo,
+                ws as *mut c_void,
+                ws_bytes,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(err)
+    }
+}

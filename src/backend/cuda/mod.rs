@@ -1,0 +1,1164 @@
+//! The CUDA backend: every op of `Backend` as a hand-written kernel (kernels/*.cu, embedded as
+//! sm_90a cubins by build.rs) or a cuBLASLt GEMM, memory from our stream-aware caching allocator.
+//!
+//! Start-up loads every cubin and resolves every kernel, so a missing symbol fails the first test,
+//! not step 40,000. Launchers validate shapes and return an error before launching. Buffers record
+//! their owner stream; a use on another stream is recorded (`hand_over`), so a freed block is not
+//! reused while that stream may still read it (DESIGN.md section 2).
+
+pub mod alloc;
+mod blas;
+mod device;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as cu, sys, CudaContext, CudaStream};
+
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use crate::tensor::DType;
+use alloc::{BlockId, CachingAllocator, Mode};
+pub use device::CudaMem;
+
+fn dev_err(what: impl std::fmt::Display) -> BackendError {
+    BackendError::Device(what.to_string())
+}
+
+/// Why the CUDA backend could not start, with what to do about it.
+pub fn probe() -> std::result::Result<(), String> {
+    // SAFETY: only asks the dynamic loader whether libcuda can be opened.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda.so) found: install the NVIDIA driver, or use --device cpu".into());
+    }
+    if !crate::kernels::built() {
+        return Err("this binary was built without CUDA kernels (no nvcc at build time): run scripts/install-cuda-toolchain.sh and rebuild, or use --device cpu".into());
+    }
+    cu::init().map_err(|e| format!("the CUDA driver failed to initialise ({e:?}): check nvidia-smi"))?;
+    let n = cu::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e:?})"))?;
+    if n == 0 {
+        return Err("no CUDA device visible: check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu".into());
+    }
+    Ok(())
+}
+
+/// A device buffer: a block of our allocator plus what it holds.
+pub struct CudaBuf {
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    block: BlockId,
+    pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
+}
+
+/// i32 device storage.
+pub struct CudaIds {
+    ptr: u64,
+    len: usize,
+    block: BlockId,
+    pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
+}
+
+impl Drop for CudaBuf {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.free(self.block);
+        }
+    }
+}
+
+impl Drop for CudaIds {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.free(self.block);
+        }
+    }
+}
+
+impl CudaBuf {
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// A stream handle (cheap to clone).
+#[derive(Clone)]
+pub struct Stream(pub Arc<CudaStream>);
+
+impl Stream {
+    fn raw(&self) -> sys::CUstream {
+        self.0.cu_stream()
+    }
+    fn id(&self) -> usize {
+        self.0.cu_stream() as usize
+    }
+}
+
+/// Every kernel, resolved at start-up.
+struct Kernels {
+    f: HashMap<&'static str, sys::CUfunction>,
+}
+
+// SAFETY: CUfunction handles are immutable after load and valid for the context's lifetime;
+// the driver allows launching them from any thread with the context bound.
+unsafe impl Send for Kernels {}
+unsafe impl Sync for Kernels {}
+
+const ELEMENTWISE: [&str; 8] = [
+    "fill_f32",
+    "fill_bf16",
+    "convert_f32_to_bf16",
+    "convert_bf16_to_f32",
+    "add_inplace_bf16",
+    "count_nonfinite_f32",
+    "count_nonfinite_bf16",
+    "embed_bf16",
+];
+const OTHERS: [&str; 12] = [
+    "pack_taps_noise_bf16",
+    "rmsnorm_fwd_bf16",
+    "rmsnorm_bwd_bf16",
+    "rmsnorm_dw_reduce_f32",
+    "rope_bf16",
+    "swiglu_fwd_bf16",
+    "swiglu_bwd_bf16",
+    "cross_entropy_bf16",
+    "adamw_f32",
+    "sum_squares_partial_f32",
+    "sum_partials_f32",
+    "count_nonfinite_f32",
+];
+const ATTN: [&str; 5] =
+    ["attn_causal_fwd", "attn_draft_fwd", "attn_draft_bwd_prep", "attn_draft_bwd_q", "attn_draft_bwd_kv"];
+const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Constants the kernels fix (see each .cu header).
+const RMS_BLOCK: u32 = 256;
+const RMS_CHUNKS_PER_LANE: usize = 4;
+const RMS_SLAB_PAD: usize = 4;
+const RMS_BWD_TARGET_PARTS: usize = 1024;
+const CE_BLOCK: u32 = 512;
+const SUMSQ_PARTS: u32 = 1024;
+const SUMSQ_BLOCK: u32 = 256;
+const MAX_TAPS: usize = 16;
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    main: Stream,
+    pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
+    kernels: Kernels,
+    blas: blas::Lt,
+    sm_count: u32,
+    name: String,
+    /// Cached RoPE inverse frequencies per (head_dim, theta bits).
+    inv_freq: Mutex<HashMap<(usize, u32), CudaBuf>>,
+}
+
+/// A pointer-sized kernel argument list builder: each value is boxed so its address is stable.
+struct Args(Vec<Box<dyn std::any::Any>>);
+
+impl Args {
+    fn new() -> Self {
+        Args(Vec::new())
+    }
+    fn p<T: Copy + 'static>(mut self, v: T) -> Self {
+        self.0.push(Box::new(v));
+        self
+    }
+    fn params(&mut self) -> Vec<*mut c_void> {
+        self.0.iter_mut().map(|b| (&mut **b) as *mut dyn std::any::Any as *mut c_void).collect()
+    }
+}
+
+fn i32c(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| BackendError::Shape { op: "launch", what: format!("{what} = {v} does not fit in i32") })
+}
+
+fn i64c(v: usize) -> i64 {
+    v as i64 // usize -> i64 cannot overflow for any buffer that fits in device memory
+}
+
+impl CudaBackend {
+    /// Starts the backend on device `ordinal`: checks the driver, the device's compute
+    /// capability (9.0 or newer: the kernels are sm_90a), loads every kernel.
+    pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, String> {
+        probe()?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e:?}"))?;
+        // Our allocator and streams do the bookkeeping; cudarc's per-slice events would only cost.
+        // SAFETY: we never use cudarc's CudaSlice cross-stream tracking.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+        if major < 9 {
+            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}; this engine's kernels need 9.0 (Hopper) or newer. Use --device cpu."));
+        }
+        if major != 9 {
+            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}: the embedded cubins are sm_90a only (Hopper). Rebuild with the target added in build.rs, or use --device cpu."));
+        }
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| format!("{e:?}"))? as u32;
+        let smem_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| format!("{e:?}"))?;
+        let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
+        let main = Stream(ctx.new_stream().map_err(|e| format!("{e:?}"))?);
+        let mut f = HashMap::new();
+        let mut wanted: Vec<String> = ELEMENTWISE.iter().chain(OTHERS.iter()).map(|s| s.to_string()).collect();
+        for a in ATTN {
+            for hd in HEAD_DIMS {
+                wanted.push(format!("{a}_bf16_hd{hd}"));
+            }
+        }
+        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let mut modules = Vec::new();
+        for (family, bytes) in crate::kernels::CUBINS {
+            // SAFETY: the bytes are a cubin nvcc produced at build time, kept alive for 'static.
+            let m = unsafe { cu::module::load_data(bytes.as_ptr() as *const c_void) }.map_err(|e| format!("loading kernels/{family}.cu's cubin failed ({e:?}): the driver may be too old for CUDA 13.0 cubins"))?;
+            modules.push((*family, m));
+        }
+        for name in &wanted {
+            let cname = std::ffi::CString::new(name.as_str()).expect("kernel names have no NUL");
+            let mut found = None;
+            for (_, m) in &modules {
+                // SAFETY: the module was just loaded and is never unloaded.
+                if let Ok(func) = unsafe { cu::module::get_function(*m, cname.clone()) } {
+                    found = Some(func);
+                    break;
+                }
+            }
+            let func = found.ok_or_else(|| {
+                format!("kernel {name} is missing from the embedded cubins (a kernels/*.cu was renamed?)")
+            })?;
+            let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
+            f.insert(leaked, func);
+        }
+        // Attention and the rmsnorm backward may use more than the default 48 KB of shared memory.
+        for (k, func) in &f {
+            if k.starts_with("attn_") || *k == "rmsnorm_bwd_bf16" {
+                // SAFETY: a valid function handle and a documented attribute.
+                unsafe {
+                    cu::function::set_function_attribute(
+                        *func,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem_optin,
+                    )
+                }
+                .map_err(|e| format!("{k}: {e:?}"))?;
+            }
+        }
+        let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
+        let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
+        Ok(CudaBackend {
+            ctx,
+            main,
+            pool,
+            kernels: Kernels { f },
+            blas,
+            sm_count,
+            name,
+            inv_freq: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn allocator_stats(&self) -> alloc::AllocStats {
+        self.pool.lock().map(|p| p.stats()).unwrap_or_default()
+    }
+
+    pub fn empty_cache(&self) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.empty_cache();
+        }
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(dev_err)
+    }
+
+    fn raw_alloc(&self, s: &Stream, bytes: usize) -> Result<(u64, BlockId)> {
+        self.bind()?;
+        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        let b = p.alloc(s.id(), bytes.max(1)).map_err(|e| dev_err(e.to_string()))?;
+        Ok((p.ptr(b), b))
+    }
+
+    fn func(&self, name: &str) -> Result<sys::CUfunction> {
+        self.kernels.f.get(name).copied().ok_or_else(|| dev_err(format!("kernel {name} not loaded")))
+    }
+
+    fn launch(&self, s: &Stream, name: &str, grid: u32, block: u32, smem: u32, mut args: Args) -> Result<()> {
+        let f = self.func(name)?;
+        let mut params = args.params();
+        self.bind()?;
+        // SAFETY: `params` point at boxed values of exactly the kernel's parameter types (each
+        // launcher below builds them in the kernel's order), alive until after the call; the
+        // device pointers come from live buffers the caller borrows for the call.
+        unsafe { cu::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, s.raw(), &mut params) }
+            .map_err(|e| dev_err(format!("launching {name}: {e:?}")))
+    }
+
+    /// Grid for a grid-stride elementwise kernel over `n` elements, 8 per thread.
+    fn ew_grid(&self, n: usize) -> u32 {
+        let want = n.div_ceil(8 * 256).max(1);
+        want.min(16 * self.sm_count as usize) as u32
+    }
+
+    fn inv_freq(&self, s: &Stream, head_dim: usize, theta: f32) -> Result<u64> {
+        let key = (head_dim, theta.to_bits());
+        let mut cache = self.inv_freq.lock().map_err(|_| dev_err("rope cache lock poisoned"))?;
+        if let Some(b) = cache.get(&key) {
+            return Ok(b.ptr);
+        }
+        // As Hugging Face (and cpu.rs) compute it: 1 / theta^(2i / d) in f32.
+        let host: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+        let mut b = self.alloc(s, DType::F32, host.len())?;
+        self.upload(s, &host, &mut b, 0)?;
+        let p = b.ptr;
+        cache.insert(key, b);
+        Ok(p)
+    }
+
+    /// Scratch f32 buffer for partial sums.
+    fn scratch(&self, s: &Stream, n: usize) -> Result<CudaBuf> {
+        self.alloc(s, DType::F32, n)
+    }
+
+    fn attn_name(base: &str, head_dim: usize) -> Result<String> {
+        if !HEAD_DIMS.contains(&head_dim) {
+            return Err(BackendError::Shape {
+                op: "attention",
+                what: format!("head_dim {head_dim} is not one of {HEAD_DIMS:?}"),
+            });
+        }
+        Ok(format!("{base}_bf16_hd{head_dim}"))
+    }
+
+    fn need_bf16(op: &'static str, b: &CudaBuf) -> Result<()> {
+        if b.dtype != DType::BF16 {
+            return Err(BackendError::DType { op, expected: "bf16", found: b.dtype.name() });
+        }
+        Ok(())
+    }
+
+    fn need_f32(op: &'static str, b: &CudaBuf) -> Result<()> {
+        if b.dtype != DType::F32 {
+            return Err(BackendError::DType { op, expected: "f32", found: b.dtype.name() });
+        }
+        Ok(())
+    }
+}
+
+fn off_ptr(b: &CudaBuf, off: usize) -> u64 {
+    b.ptr + (off * b.dtype.size_bytes()) as u64
+}
+
+/// rmsnorm's team size (see kernels/rmsnorm.cu).
+fn rms_warp_team(dim: usize) -> usize {
+    let chunks = dim.div_ceil(8).div_ceil(RMS_CHUNKS_PER_LANE).max(1);
+    chunks.next_power_of_two().min(32)
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Ids = CudaIds;
+    type Stream = Stream;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn compute_stream(&self) -> Stream {
+        self.main.clone()
+    }
+
+    fn new_stream(&self) -> Result<Stream> {
+        self.bind()?;
+        Ok(Stream(self.ctx.new_stream().map_err(dev_err)?))
+    }
+
+    fn hand_over(&self, from: &Stream, to: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
+        if from.id() == to.id() {
+            return Ok(());
+        }
+        self.bind()?;
+        let ev = device::Event::record(from.raw()).map_err(dev_err)?;
+        ev.wait_on(to.raw()).map_err(dev_err)?;
+        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        for b in bufs {
+            p.record_use(b.block, to.id());
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, s: &Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a live stream.
+        unsafe { cu::stream::synchronize(s.raw()) }.map_err(dev_err)
+    }
+
+    fn alloc(&self, s: &Stream, dtype: DType, len: usize) -> Result<CudaBuf> {
+        let (ptr, block) = self.raw_alloc(s, len * dtype.size_bytes())?;
+        let b = CudaBuf { ptr, len, dtype, block, pool: self.pool.clone() };
+        // Zero-filled, as the trait promises (an async memset on the owner stream).
+        // SAFETY: the block holds at least len * size bytes.
+        unsafe { cu::memset_d8_async(ptr, 0, (len * dtype.size_bytes()).max(1), s.raw()) }.map_err(dev_err)?;
+        Ok(b)
+    }
+
+    fn alloc_ids(&self, s: &Stream, len: usize) -> Result<CudaIds> {
+        let (ptr, block) = self.raw_alloc(s, len * 4)?;
+        // SAFETY: the block holds at least len * 4 bytes.
+        unsafe { cu::memset_d8_async(ptr, 0, (len * 4).max(1), s.raw()) }.map_err(dev_err)?;
+        Ok(CudaIds { ptr, len, block, pool: self.pool.clone() })
+    }
+
+    fn len(&self, b: &CudaBuf) -> usize {
+        b.len
+    }
+
+    fn dtype(&self, b: &CudaBuf) -> DType {
+        b.dtype
+    }
+
+    fn upload(&self, s: &Stream, host: &[f32], dst: &mut CudaBuf, off: usize) -> Result<()> {
+        check_len("upload", "dst", dst.len, off, host.len())?;
+        self.bind()?;
+        match dst.dtype {
+            DType::F32 => {
+                // SAFETY: dst has room (checked); the copy completes before returning (sync below)
+                // so `host` may be freed afterwards.
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }.map_err(dev_err)?;
+            }
+            DType::BF16 => {
+                let h: Vec<half::bf16> = host.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                // SAFETY: as above.
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }.map_err(dev_err)?;
+                self.synchronize(s)?;
+                return Ok(());
+            }
+        }
+        self.synchronize(s)
+    }
+
+    fn upload_ids(&self, s: &Stream, host: &[i32], dst: &mut CudaIds) -> Result<()> {
+        check_len("upload_ids", "dst", dst.len, 0, host.len())?;
+        self.bind()?;
+        // SAFETY: dst has room; synchronised before `host` can go away.
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)?;
+        self.synchronize(s)
+    }
+
+    fn download(&self, s: &Stream, src: &CudaBuf) -> Result<Vec<f32>> {
+        self.bind()?;
+        match src.dtype {
+            DType::F32 => {
+                let mut out = vec![0f32; src.len];
+                // SAFETY: out has src.len elements; synchronised before reading.
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                self.synchronize(s)?;
+                Ok(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![half::bf16::ZERO; src.len];
+                // SAFETY: as above.
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                self.synchronize(s)?;
+                Ok(out.iter().map(|x| x.to_f32()).collect())
+            }
+        }
+    }
+
+    fn download_ids(&self, s: &Stream, src: &CudaIds) -> Result<Vec<i32>> {
+        self.bind()?;
+        let mut out = vec![0i32; src.len];
+        // SAFETY: out has src.len elements; synchronised before reading.
+        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+        self.synchronize(s)?;
+        Ok(out)
+    }
+
+    fn copy(
+        &self,
+        s: &Stream,
+        src: &CudaBuf,
+        src_off: usize,
+        dst: &mut CudaBuf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        check_len("copy", "src", src.len, src_off, n)?;
+        check_len("copy", "dst", dst.len, dst_off, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        match (src.dtype, dst.dtype) {
+            (a, b) if a == b => {
+                // SAFETY: both ranges checked above.
+                unsafe {
+                    cu::memcpy_dtod_async(off_ptr(dst, dst_off), off_ptr(src, src_off), n * a.size_bytes(), s.raw())
+                }
+                .map_err(dev_err)
+            }
+            (DType::F32, DType::BF16) => self.launch(
+                s,
+                "convert_f32_to_bf16",
+                self.ew_grid(n),
+                256,
+                0,
+                Args::new().p(off_ptr(src, src_off)).p(off_ptr(dst, dst_off)).p(i64c(n)),
+            ),
+            (DType::BF16, DType::F32) => self.launch(
+                s,
+                "convert_bf16_to_f32",
+                self.ew_grid(n),
+                256,
+                0,
+                Args::new().p(off_ptr(src, src_off)).p(off_ptr(dst, dst_off)).p(i64c(n)),
+            ),
+            _ => unreachable!("two dtypes"),
+        }
+    }
+
+    fn fill(&self, s: &Stream, dst: &mut CudaBuf, value: f32) -> Result<()> {
+        let name = if dst.dtype == DType::F32 { "fill_f32" } else { "fill_bf16" };
+        self.launch(s, name, self.ew_grid(dst.len), 256, 0, Args::new().p(dst.ptr).p(i64c(dst.len)).p(value))
+    }
+
+    fn gemm(
+        &self,
+        s: &Stream,
+        g: &Gemm,
+        a: &CudaBuf,
+        a_off: usize,
+        b: &CudaBuf,
+        b_off: usize,
+        c: &mut CudaBuf,
+        c_off: usize,
+    ) -> Result<()> {
+        check_len("gemm", "A", a.len, a_off, g.m * g.k)?;
+        check_len("gemm", "B", b.len, b_off, g.k * g.n)?;
+        check_len("gemm", "C", c.len, c_off, g.m * g.n)?;
+        Self::need_bf16("gemm A", a)?;
+        Self::need_bf16("gemm B", b)?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let ws_bytes = blas::WORKSPACE_BYTES;
+        let ws = self.alloc(s, DType::F32, ws_bytes / 4)?;
+        self.blas.matmul(g, off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off), c.dtype, ws.ptr, ws_bytes, s.raw())
+    }
+
+    fn add_inplace(&self, s: &Stream, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
+        check_len("add_inplace", "y", y.len, 0, x.len)?;
+        Self::need_bf16("add_inplace", x)?;
+        Self::need_bf16("add_inplace", y)?;
+        self.launch(s, "add_inplace_bf16", self.ew_grid(x.len), 256, 0, Args::new().p(x.ptr).p(y.ptr).p(i64c(x.len)))
+    }
+
+    fn rmsnorm_fwd(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rmsnorm_fwd", "x", x.len, 0, rows * dim)?;
+        check_len("rmsnorm_fwd", "w", w.len, w_off, dim)?;
+        check_len("rmsnorm_fwd", "y", y.len, 0, rows * dim)?;
+        check_len("rmsnorm_fwd", "rstd", rstd.len, 0, rows)?;
+        Self::need_f32("rmsnorm_fwd rstd", rstd)?;
+        let r = RMS_BLOCK as usize / rms_warp_team(dim);
+        let grid = rows.div_ceil(r).max(1);
+        self.launch(
+            s,
+            "rmsnorm_fwd_bf16",
+            u32::try_from(grid).unwrap_or(u32::MAX),
+            RMS_BLOCK,
+            0,
+            Args::new().p(x.ptr).p(off_ptr(w, w_off)).p(y.ptr).p(rstd.ptr).p(i64c(rows)).p(i32c("dim", dim)?).p(eps),
+        )
+    }
+
+    fn rmsnorm_bwd(
+        &self,
+        s: &Stream,
+        dy: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        rstd: &CudaBuf,
+        dx: &mut CudaBuf,
+        accumulate_dx: bool,
+        dw: &mut CudaBuf,
+        dw_off: usize,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        for (n, l) in [("dy", dy.len), ("x", x.len), ("dx", dx.len)] {
+            check_len("rmsnorm_bwd", n, l, 0, rows * dim)?;
+        }
+        check_len("rmsnorm_bwd", "w", w.len, w_off, dim)?;
+        check_len("rmsnorm_bwd", "dw", dw.len, dw_off, dim)?;
+        check_len("rmsnorm_bwd", "rstd", rstd.len, 0, rows)?;
+        Self::need_f32("rmsnorm_bwd dw", dw)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let team = if dim > 1024 { RMS_BLOCK as usize } else { rms_warp_team(dim) };
+        let r = RMS_BLOCK as usize / team;
+        let rows_per_part = r.max(rows.div_ceil(RMS_BWD_TARGET_PARTS));
+        let parts = rows.div_ceil(rows_per_part);
+        let partial = self.scratch(s, parts * dim)?;
+        let smem = u32::try_from(r * (dim + RMS_SLAB_PAD) * 4)
+            .map_err(|_| BackendError::Shape { op: "rmsnorm_bwd", what: format!("dim {dim} too large") })?;
+        self.launch(
+            s,
+            "rmsnorm_bwd_bf16",
+            parts as u32,
+            RMS_BLOCK,
+            smem,
+            Args::new()
+                .p(dy.ptr)
+                .p(x.ptr)
+                .p(off_ptr(w, w_off))
+                .p(rstd.ptr)
+                .p(dx.ptr)
+                .p(i32::from(accumulate_dx))
+                .p(partial.ptr)
+                .p(i64c(rows))
+                .p(i32c("dim", dim)?)
+                .p(i32c("rows_per_part", rows_per_part)?),
+        )?;
+        self.launch(
+            s,
+            "rmsnorm_dw_reduce_f32",
+            dim.div_ceil(32) as u32,
+            RMS_BLOCK,
+            0,
+            Args::new().p(partial.ptr).p(i32c("parts", parts)?).p(off_ptr(dw, dw_off)).p(i32c("dim", dim)?),
+        )
+    }
+
+    fn rope(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        pos: &CudaIds,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()> {
+        check_len("rope", "x", x.len, 0, rows * heads * head_dim)?;
+        check_len("rope", "pos", pos.len, 0, rows)?;
+        if head_dim % 2 != 0 {
+            return Err(BackendError::Shape { op: "rope", what: format!("head_dim {head_dim} is odd") });
+        }
+        let inv = self.inv_freq(s, head_dim, theta)?;
+        let grid = (rows * heads * head_dim / 2).div_ceil(8 * 256).clamp(1, 16 * self.sm_count as usize) as u32;
+        self.launch(
+            s,
+            "rope_bf16",
+            grid,
+            256,
+            0,
+            Args::new()
+                .p(x.ptr)
+                .p(pos.ptr)
+                .p(inv)
+                .p(i64c(rows))
+                .p(i32c("heads", heads)?)
+                .p(i32c("head_dim", head_dim)?)
+                .p(i32::from(inverse)),
+        )
+    }
+
+    fn swiglu_fwd(&self, s: &Stream, gu: &CudaBuf, out: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
+        check_len("swiglu_fwd", "gu", gu.len, 0, rows * 2 * inter)?;
+        check_len("swiglu_fwd", "out", out.len, 0, rows * inter)?;
+        self.launch(
+            s,
+            "swiglu_fwd_bf16",
+            self.ew_grid(rows * inter),
+            256,
+            0,
+            Args::new().p(gu.ptr).p(out.ptr).p(i64c(rows)).p(i32c("inter", inter)?),
+        )
+    }
+
+    fn swiglu_bwd(
+        &self,
+        s: &Stream,
+        dout: &CudaBuf,
+        gu: &CudaBuf,
+        dgu: &mut CudaBuf,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        check_len("swiglu_bwd", "dout", dout.len, 0, rows * inter)?;
+        check_len("swiglu_bwd", "gu", gu.len, 0, rows * 2 * inter)?;
+        check_len("swiglu_bwd", "dgu", dgu.len, 0, rows * 2 * inter)?;
+        self.launch(
+            s,
+            "swiglu_bwd_bf16",
+            self.ew_grid(rows * inter),
+            256,
+            0,
+            Args::new().p(dout.ptr).p(gu.ptr).p(dgu.ptr).p(i64c(rows)).p(i32c("inter", inter)?),
+        )
+    }
+
+    fn embed(
+        &self,
+        s: &Stream,
+        table: &CudaBuf,
+        off: usize,
+        ids: &CudaIds,
+        out: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        check_len("embed", "ids", ids.len, 0, rows)?;
+        check_len("embed", "out", out.len, 0, rows * dim)?;
+        let vocab = table.len.saturating_sub(off) / dim.max(1);
+        let grid = (rows * dim.div_ceil(8)).div_ceil(256).clamp(1, 16 * self.sm_count as usize) as u32;
+        self.launch(
+            s,
+            "embed_bf16",
+            grid,
+            256,
+            0,
+            Args::new().p(off_ptr(table, off)).p(ids.ptr).p(out.ptr).p(i64c(rows)).p(i64c(dim)).p(i64c(vocab)),
+        )
+    }
+
+    fn pack_taps(
+        &self,
+        s: &Stream,
+        taps: &[&CudaBuf],
+        out: &mut CudaBuf,
+        rows: usize,
+        hidden: usize,
+        n_valid: usize,
+        noise_std: f32,
+        seed: u64,
+        step: u32,
+    ) -> Result<()> {
+        if taps.is_empty() || taps.len() > MAX_TAPS {
+            return Err(BackendError::Shape {
+                op: "pack_taps",
+                what: format!("{} taps (1..={MAX_TAPS} supported)", taps.len()),
+            });
+        }
+        if !(noise_std.is_finite() && noise_std >= 0.0) {
+            return Err(BackendError::Shape { op: "pack_taps", what: format!("noise std {noise_std}") });
+        }
+        check_len("pack_taps", "out", out.len, 0, rows * taps.len() * hidden)?;
+        let mut ptrs = [0u64; MAX_TAPS];
+        for (k, t) in taps.iter().enumerate() {
+            check_len("pack_taps", "tap", t.len, 0, n_valid.min(rows) * hidden)?;
+            ptrs[k] = t.ptr;
+        }
+        let grid = self.ew_grid(rows * taps.len() * hidden);
+        self.launch(
+            s,
+            "pack_taps_noise_bf16",
+            grid,
+            256,
+            0,
+            Args::new()
+                .p(ptrs)
+                .p(i32c("taps", taps.len())?)
+                .p(out.ptr)
+                .p(i64c(rows))
+                .p(i64c(hidden))
+                .p(i64c(n_valid))
+                .p(noise_std)
+                .p(seed)
+                .p(step),
+        )
+    }
+
+    fn attn_causal_fwd(
+        &self,
+        s: &Stream,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        o: &mut CudaBuf,
+        seq_starts: &CudaIds,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+        check_len("attn_causal_fwd", "q", q.len, 0, rows * qw)?;
+        check_len("attn_causal_fwd", "k", k.len, 0, rows * kw)?;
+        check_len("attn_causal_fwd", "v", v.len, 0, rows * kw)?;
+        check_len("attn_causal_fwd", "o", o.len, 0, rows * qw)?;
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(BackendError::Shape {
+                op: "attn_causal_fwd",
+                what: format!("{heads} heads over {kv_heads} kv heads"),
+            });
+        }
+        let name = Self::attn_name("attn_causal_fwd", head_dim)?;
+        let ld = head_dim + 8;
+        let smem = ((128 + 4 * 32) * ld * 2) as u32;
+        let grid = (rows.div_ceil(128) * heads) as u32;
+        let num_seqs = seq_starts.len - 1;
+        self.launch(
+            s,
+            &name,
+            grid,
+            128,
+            smem,
+            Args::new()
+                .p(q.ptr)
+                .p(k.ptr)
+                .p(v.ptr)
+                .p(o.ptr)
+                .p(seq_starts.ptr)
+                .p(i32c("sequences", num_seqs)?)
+                .p(i64c(rows))
+                .p(i32c("heads", heads)?)
+                .p(i32c("kv_heads", kv_heads)?)
+                .p(1.0f32 / (head_dim as f32).sqrt()),
+        )
+    }
+
+    fn attn_draft_fwd(
+        &self,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        kb: &CudaBuf,
+        vb: &CudaBuf,
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        o: &mut CudaBuf,
+        lse: &mut CudaBuf,
+    ) -> Result<()> {
+        let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
+        check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
+        let name = Self::attn_name("attn_draft_fwd", sh.head_dim)?;
+        let smem = ((16 * g.w + 256) * g.ld * 2) as u32;
+        let grid = (sh.num_blocks * sh.kv_heads) as u32;
+        self.launch(
+            s,
+            &name,
+            grid,
+            (32 * g.w) as u32,
+            smem,
+            g.args(q, kc, vc, kb, vb)
+                .p(o.ptr)
+                .p(lse.ptr)
+                .p(anchors.ptr)
+                .p(ctx_start.ptr)
+                .p(i32c("blocks", sh.num_blocks)?)
+                .p(i32c("block_size", sh.block_size)?)
+                .p(i64c(sh.ctx_rows))
+                .p(sh.heads as i32)
+                .p(sh.kv_heads as i32)
+                .p(sh.scale()),
+        )
+    }
+
+    fn attn_draft_bwd(
+        &self,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        kb: &CudaBuf,
+        vb: &CudaBuf,
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        o: &CudaBuf,
+        lse: &CudaBuf,
+        d_o: &CudaBuf,
+        grads: [&mut CudaBuf; 5],
+    ) -> Result<()> {
+        let g = draft_geom("attn_draft_bwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        let [dq, dkc, dvc, dkb, dvb] = grads;
+        let qn = sh.q_rows() * g.qw;
+        for (n, l) in [("o", o.len), ("d_o", d_o.len), ("dq", dq.len)] {
+            check_len("attn_draft_bwd", n, l, 0, qn)?;
+        }
+        check_len("attn_draft_bwd", "dkc", dkc.len, 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dvc", dvc.len, 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dkb", dkb.len, 0, sh.q_rows() * g.kw)?;
+        check_len("attn_draft_bwd", "dvb", dvb.len, 0, sh.q_rows() * g.kw)?;
+        if sh.block_size > 16 {
+            return Err(BackendError::Shape {
+                op: "attn_draft_bwd",
+                what: format!("block size {} (the kernel supports up to 16)", sh.block_size),
+            });
+        }
+        let hd = sh.head_dim;
+        let dsum = self.scratch(s, sh.q_rows() * sh.heads)?;
+        let prep = Self::attn_name("attn_draft_bwd_prep", hd)?;
+        let grid = (qn / 8).div_ceil(256).max(1) as u32;
+        self.launch(
+            s,
+            &prep,
+            grid,
+            256,
+            0,
+            Args::new().p(o.ptr).p(d_o.ptr).p(dsum.ptr).p(i64c(sh.q_rows())).p(sh.heads as i32),
+        )?;
+        let nq = Self::attn_name("attn_draft_bwd_q", hd)?;
+        let smem = ((32 * g.w + 256) * g.ld * 2 + 128 * g.w * 4) as u32;
+        self.launch(
+            s,
+            &nq,
+            (sh.num_blocks * sh.kv_heads) as u32,
+            (32 * g.w) as u32,
+            smem,
+            g.args(q, kc, vc, kb, vb)
+                .p(lse.ptr)
+                .p(dsum.ptr)
+                .p(d_o.ptr)
+                .p(dq.ptr)
+                .p(dkb.ptr)
+                .p(dvb.ptr)
+                .p(anchors.ptr)
+                .p(ctx_start.ptr)
+                .p(sh.num_blocks as i32)
+                .p(sh.block_size as i32)
+                .p(i64c(sh.ctx_rows))
+                .p(sh.heads as i32)
+                .p(sh.kv_heads as i32)
+                .p(sh.scale()),
+        )?;
+        // Each context row's range of candidate blocks: blocks are laid out sequence by sequence,
+        // so the blocks sharing its sequence's ctx_start form one contiguous range.
+        let starts = self.download_ids(s, ctx_start)?;
+        let (mut begin, mut end) = (vec![0i32; sh.ctx_rows], vec![0i32; sh.ctx_rows]);
+        let mut j = 0;
+        while j < sh.num_blocks {
+            let st = starts[j];
+            let mut e = j;
+            while e < sh.num_blocks && starts[e] == st {
+                e += 1;
+            }
+            let next_start = if e < sh.num_blocks { starts[e] as usize } else { sh.ctx_rows };
+            for t in (st as usize)..next_start.min(sh.ctx_rows) {
+                begin[t] = j as i32;
+                end[t] = e as i32;
+            }
+            j = e;
+        }
+        let mut db = self.alloc_ids(s, sh.ctx_rows)?;
+        let mut de = self.alloc_ids(s, sh.ctx_rows)?;
+        self.upload_ids(s, &begin, &mut db)?;
+        self.upload_ids(s, &end, &mut de)?;
+        let nkv = Self::attn_name("attn_draft_bwd_kv", hd)?;
+        let m = sh.block_size * (sh.heads / sh.kv_heads);
+        let mp = 32 * m.div_ceil(32);
+        let smem = ((128 + 4 * mp) * g.ld * 2 + 16 * mp) as u32;
+        self.launch(
+            s,
+            &nkv,
+            (sh.ctx_rows.div_ceil(64).max(1) * sh.kv_heads) as u32,
+            128,
+            smem,
+            Args::new()
+                .p(q.ptr)
+                .p(kc.ptr)
+                .p(vc.ptr)
+                .p(lse.ptr)
+                .p(dsum.ptr)
+                .p(d_o.ptr)
+                .p(dkc.ptr)
+                .p(dvc.ptr)
+                .p(anchors.ptr)
+                .p(ctx_start.ptr)
+                .p(sh.num_blocks as i32)
+                .p(sh.block_size as i32)
+                .p(i64c(sh.ctx_rows))
+                .p(sh.heads as i32)
+                .p(sh.kv_heads as i32)
+                .p(sh.scale())
+                .p(db.ptr)
+                .p(de.ptr),
+        )
+    }
+
+    fn cross_entropy(
+        &self,
+        s: &Stream,
+        logits: &mut CudaBuf,
+        labels: &CudaIds,
+        weights: &CudaBuf,
+        w_off: usize,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        loss: &mut CudaBuf,
+        loss_off: usize,
+        argmax: &mut CudaIds,
+        argmax_off: usize,
+    ) -> Result<()> {
+        check_len("cross_entropy", "logits", logits.len, 0, rows * vocab)?;
+        check_len("cross_entropy", "labels", labels.len, w_off, rows)?;
+        check_len("cross_entropy", "weights", weights.len, w_off, rows)?;
+        check_len("cross_entropy", "loss", loss.len, loss_off, rows)?;
+        check_len("cross_entropy", "argmax", argmax.len, argmax_off, rows)?;
+        Self::need_bf16("cross_entropy logits", logits)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.launch(
+            s,
+            "cross_entropy_bf16",
+            rows as u32,
+            CE_BLOCK,
+            0,
+            Args::new()
+                .p(logits.ptr)
+                .p(labels.ptr + 4 * w_off as u64)
+                .p(off_ptr(weights, w_off))
+                .p(i64c(rows))
+                .p(i32c("vocab", vocab)?)
+                .p(grad_scale)
+                .p(off_ptr(loss, loss_off))
+                .p(argmax.ptr + 4 * argmax_off as u64),
+        )
+    }
+
+    fn sum_squares(&self, s: &Stream, x: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        Self::need_f32("sum_squares", x)?;
+        check_len("sum_squares", "out", out.len, 0, 1)?;
+        let partial = self.scratch(s, SUMSQ_PARTS as usize)?;
+        self.launch(
+            s,
+            "sum_squares_partial_f32",
+            SUMSQ_PARTS,
+            SUMSQ_BLOCK,
+            0,
+            Args::new().p(x.ptr).p(i64c(x.len)).p(partial.ptr),
+        )?;
+        self.launch(
+            s,
+            "sum_partials_f32",
+            1,
+            SUMSQ_BLOCK,
+            0,
+            Args::new().p(partial.ptr).p(SUMSQ_PARTS as i32).p(out.ptr),
+        )
+    }
+
+    fn adamw(
+        &self,
+        s: &Stream,
+        master: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        weights: &mut CudaBuf,
+        hp: &AdamStep,
+    ) -> Result<()> {
+        let n = master.len;
+        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
+            check_len("adamw", name, len, 0, n)?;
+        }
+        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
+        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
+        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count as usize) as u32;
+        self.launch(
+            s,
+            "adamw_f32",
+            grid,
+            256,
+            0,
+            Args::new()
+                .p(master.ptr)
+                .p(grad.ptr)
+                .p(m.ptr)
+                .p(v.ptr)
+                .p(weights.ptr)
+                .p(i64c(n))
+                .p(hp.lr)
+                .p(hp.beta1)
+                .p(hp.beta2)
+                .p(hp.eps)
+                .p(hp.weight_decay)
+                .p(bc1)
+                .p(bc2)
+                .p(hp.grad_scale),
+        )
+    }
+
+    fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
+        let (ptr, block) = self.raw_alloc(s, 8)?;
+        let counter = CudaIds { ptr, len: 2, block, pool: self.pool.clone() };
+        // SAFETY: 8 bytes allocated.
+        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }.map_err(dev_err)?;
+        let name = if x.dtype == DType::F32 { "count_nonfinite_f32" } else { "count_nonfinite_bf16" };
+        self.launch(s, name, self.ew_grid(x.len), 256, 0, Args::new().p(x.ptr).p(i64c(x.len)).p(counter.ptr))?;
+        let words = self.download_ids(s, &counter)?;
+        Ok(u64::from(words[0] as u32) | (u64::from(words[1] as u32) << 32))
+    }
+}
+
+/// Validated drafter-attention geometry and the launch numbers the kernels fix.
+struct DraftGeom {
+    qw: usize,
+    kw: usize,
+    ld: usize,
+    w: usize,
+}
+
+impl DraftGeom {
+    fn args(&self, q: &CudaBuf, kc: &CudaBuf, vc: &CudaBuf, kb: &CudaBuf, vb: &CudaBuf) -> Args {
+        Args::new().p(q.ptr).p(kc.ptr).p(vc.ptr).p(kb.ptr).p(vb.ptr)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn draft_geom(
+    op: &'static str,
+    sh: &DraftAttnShape,
+    q: &CudaBuf,
+    kc: &CudaBuf,
+    vc: &CudaBuf,
+    kb: &CudaBuf,
+    vb: &CudaBuf,
+    anchors: &CudaIds,
+    ctx_start: &CudaIds,
+) -> Result<DraftGeom> {
+    if sh.kv_heads == 0 || sh.heads % sh.kv_heads != 0 {
+        return Err(BackendError::Shape { op, what: format!("{} heads over {} kv heads", sh.heads, sh.kv_heads) });
+    }
+    let m = sh.block_size * (sh.heads / sh.kv_heads);
+    if m > 128 {
+        return Err(BackendError::Shape { op, what: format!("block_size x group = {m} > 128") });
+    }
+    let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+    check_len(op, "q", q.len, 0, sh.q_rows() * qw)?;
+    check_len(op, "kc", kc.len, 0, sh.ctx_rows * kw)?;
+    check_len(op, "vc", vc.len, 0, sh.ctx_rows * kw)?;
+    check_len(op, "kb", kb.len, 0, sh.q_rows() * kw)?;
+    check_len(op, "vb", vb.len, 0, sh.q_rows() * kw)?;
+    check_len(op, "anchors", anchors.len, 0, sh.num_blocks)?;
+    check_len(op, "ctx_start", ctx_start.len, 0, sh.num_blocks)?;
+    Ok(DraftGeom { qw, kw, ld: sh.head_dim + 8, w: m.div_ceil(16) })
+}
