@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 B=gpu-bundle
-export DFLASH_REPO_ROOT=$PWD
+export DFLASH_REPO_ROOT=$PWD DFLASH_BIN=$PWD/gpu-bundle/dflash-engine
 what=${*:-all}
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 status=0
@@ -13,13 +13,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 
 if has tests; then
   echo "== GPU tests (every test, ignored ones included)"
-  $B/integration --include-ignored --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1 || status=1
+  $B/integration --include-ignored --test-threads=1 --nocapture ${TESTS:-} > "$OUT/tests.log" 2>&1 || status=1
   grep -E "^test |test result|max rel err|bit-identical|cuda vs cpu|drafter loss|panicked" "$OUT/tests.log" | tail -150
 fi
 if has sanitize; then
   echo "== compute-sanitizer over the kernel tests"
-  for tool in memcheck initcheck synccheck racecheck; do
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 gpu_pack gpu_norm gpu_loss > "$OUT/sanitize-$tool.log" 2>&1
+  for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 gpu_pack gpu_norm gpu_loss gpu_attention gpu_gemm > "$OUT/sanitize-$tool.log" 2>&1
     rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || status=1
   done

@@ -82,7 +82,8 @@ fn resume_reproduces_the_uninterrupted_run() {
 /// the uninterrupted run.
 #[test]
 fn kill_during_save_keeps_the_last_checkpoint() {
-    let bin = env!("CARGO_BIN_EXE_dflash-engine");
+    // DFLASH_BIN: where the binary is when the tests run on another machine (the GPU bundle).
+    let bin = std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string());
     let out = tmp("kill");
     let args = |extra: &[&str]| {
         let mut v: Vec<String> = [
@@ -111,14 +112,14 @@ fn kill_during_save_keeps_the_last_checkpoint() {
         v.extend(extra.iter().map(|s| s.to_string()));
         v
     };
-    let ok = Command::new(bin).args(args(&["--stop-after", "4"])).status().unwrap();
+    let ok = Command::new(&bin).args(args(&["--stop-after", "4"])).status().unwrap();
     assert!(ok.success());
     let crashed =
-        Command::new(bin).args(args(&["--resume"])).env("DFLASH_FAULT", "checkpoint-mid-write").status().unwrap();
+        Command::new(&bin).args(args(&["--resume"])).env("DFLASH_FAULT", "checkpoint-mid-write").status().unwrap();
     assert!(!crashed.success(), "the fault must kill the process");
     let ck = checkpoint::load_latest(&out).unwrap().expect("the step-4 checkpoint survives");
     assert_eq!(ck.state.step, 4);
-    let resumed = Command::new(bin).args(args(&["--resume"])).status().unwrap();
+    let resumed = Command::new(&bin).args(args(&["--resume"])).status().unwrap();
     assert!(resumed.success());
     let full = small("kill-ref");
     session::run(&full, None).unwrap();

@@ -114,7 +114,7 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 12] = [
+const OTHERS: [&str; 11] = [
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
     "rmsnorm_bwd_bf16",
@@ -126,7 +126,6 @@ const OTHERS: [&str; 12] = [
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
-    "count_nonfinite_f32",
 ];
 const ATTN: [&str; 5] =
     ["attn_causal_fwd", "attn_draft_fwd", "attn_draft_bwd_prep", "attn_draft_bwd_q", "attn_draft_bwd_kv"];
@@ -218,30 +217,29 @@ impl CudaBackend {
             modules.push((*family, m));
         }
         for name in &wanted {
+            let family = kernel_family(name);
+            let module = modules.iter().find(|(f, _)| *f == family).map(|(_, m)| *m).ok_or_else(|| format!("kernels/{family}.cu was not embedded in this binary"))?;
             let cname = std::ffi::CString::new(name.as_str()).expect("kernel names have no NUL");
-            let mut found = None;
-            for (_, m) in &modules {
-                // SAFETY: the module was just loaded and is never unloaded.
-                if let Ok(func) = unsafe { cu::module::get_function(*m, cname.clone()) } {
-                    found = Some(func);
-                    break;
-                }
-            }
-            let func = found.ok_or_else(|| {
-                format!("kernel {name} is missing from the embedded cubins (a kernels/*.cu was renamed?)")
-            })?;
+            // SAFETY: the module was just loaded and is never unloaded.
+            let func = unsafe { cu::module::get_function(module, cname) }.map_err(|e| format!("kernel {name} is missing from kernels/{family}.cu's cubin ({e:?})"))?;
             let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
             f.insert(leaked, func);
         }
         // Attention and the rmsnorm backward may use more than the default 48 KB of shared memory.
         for (k, func) in &f {
             if k.starts_with("attn_") || *k == "rmsnorm_bwd_bf16" {
-                // SAFETY: a valid function handle and a documented attribute.
+                // The opt-in limit covers static + dynamic shared memory.
+                // SAFETY: a valid function handle and documented attributes.
+                let static_smem = unsafe {
+                    cu::function::get_function_attribute(*func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                }
+                .map_err(|e| format!("{k}: {e:?}"))?;
+                // SAFETY: as above.
                 unsafe {
                     cu::function::set_function_attribute(
                         *func,
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem_optin,
+                        smem_optin - static_smem,
                     )
                 }
                 .map_err(|e| format!("{k}: {e:?}"))?;
@@ -349,6 +347,21 @@ impl CudaBackend {
             return Err(BackendError::DType { op, expected: "f32", found: b.dtype.name() });
         }
         Ok(())
+    }
+}
+
+/// The kernels/*.cu file (cubin family) that defines a kernel.
+fn kernel_family(name: &str) -> &'static str {
+    match name {
+        n if n.starts_with("attn_") => "attention",
+        n if n.starts_with("rmsnorm_") => "rmsnorm",
+        n if n.starts_with("swiglu_") => "swiglu",
+        n if n.starts_with("sum_") => "reduce",
+        "pack_taps_noise_bf16" => "pack",
+        "rope_bf16" => "rope",
+        "cross_entropy_bf16" => "cross_entropy",
+        "adamw_f32" => "adamw",
+        _ => "elementwise",
     }
 }
 
@@ -925,7 +938,7 @@ impl Backend for CudaBackend {
             Args::new().p(o.ptr).p(d_o.ptr).p(dsum.ptr).p(i64c(sh.q_rows())).p(sh.heads as i32),
         )?;
         let nq = Self::attn_name("attn_draft_bwd_q", hd)?;
-        let smem = ((32 * g.w + 256) * g.ld * 2 + 128 * g.w * 4) as u32;
+        let smem = ((32 * g.w + 256) * g.ld * 2 + 2 * 16 * g.w * 16 * 4) as u32;
         self.launch(
             s,
             &nq,
