@@ -133,6 +133,11 @@ pub struct RunSummary {
     pub peak_rss_bytes: Option<u64>,
     pub data_samples: usize,
     pub gen_seconds: f64,
+    /// Wall time of each step as the drafter side saw it (checkpoint writes excluded).
+    pub step_ms: Vec<f64>,
+    pub checkpoint_seconds: f64,
+    /// The backend's device-memory report (the CUDA allocator's peak and reserved bytes).
+    pub device_memory: Option<String>,
 }
 
 /// Where a run's target comes from.
@@ -400,6 +405,8 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         line(&pb, header.to_string());
     }
     let mut last_t = Instant::now();
+    let mut step_ms: Vec<f64> = Vec::new();
+    let mut ckpt_secs = 0.0f64;
     let mut on_step = |m: &StepMetrics,
                        side: &mut DrafterSide<B>,
                        _st: &PipelineStats|
@@ -429,7 +436,9 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         history.push(m.clone());
         let stop =
             interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || opts.stop_after.is_some_and(|n| done >= n);
+        step_ms.push(ms);
         if done % opts.save_every.max(1) == 0 || done == opts.steps || stop {
+            let t_ck = Instant::now();
             let tensors = gather(be, &s, side, tside.fc.as_ref())?;
             let state = TrainerState {
                 step: done,
@@ -438,7 +447,9 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
                 extra: serde_json::json!({ "loss": m.loss, "accept_len": m.accept_len }),
             };
             last_ckpt = Some(checkpoint::save(&opts.out, &state, &config_json, &tensors, opts.keep_last)?);
+            ckpt_secs += t_ck.elapsed().as_secs_f64();
         }
+        last_t = Instant::now();
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
     let stats = if opts.sync {
@@ -456,6 +467,9 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         peak_rss_bytes: peak_rss_bytes(),
         data_samples: source.data.len(),
         gen_seconds,
+        step_ms,
+        checkpoint_seconds: ckpt_secs,
+        device_memory: be.memory_report(),
     };
     if !opts.quiet {
         print_summary(&summary);
@@ -601,13 +615,25 @@ pub fn print_summary(r: &RunSummary) {
         eprintln!("accuracy       {:.3} -> {:.3}", first.accuracy, last.accuracy);
         eprintln!("accept length  {:.3} -> {:.3}", first.accept_len, last.accept_len);
     }
+    // Training time excludes checkpoint writes; the median step is the steady state (the first
+    // steps also pay for plan selection and the allocator's first segments).
+    let train = (wall - r.checkpoint_seconds).max(1e-9);
+    let mut ms = r.step_ms.clone();
+    ms.sort_by(|a, b| a.total_cmp(b));
+    let median = ms.get(ms.len() / 2).copied().unwrap_or(0.0);
+    let steps = f64::from(st.steps.max(1));
     eprintln!(
-        "throughput     {:.0} tokens/s, {:.0} draft positions/s, {:.1} ms/step",
-        st.tokens as f64 / wall,
-        st.draft_positions as f64 / wall,
-        1e3 * wall / f64::from(st.steps.max(1))
+        "throughput     {:.0} tokens/s, {:.0} draft positions/s; {:.1} ms/step mean, {:.1} ms/step median ({:.0} tokens/s at the median)",
+        st.tokens as f64 / train,
+        st.draft_positions as f64 / train,
+        1e3 * train / steps,
+        median,
+        st.tokens as f64 / steps / (median / 1e3).max(1e-9)
     );
-    eprintln!("time           wall {:.1} s; data generation {:.1} s", wall, r.gen_seconds);
+    eprintln!(
+        "time           wall {:.1} s: training {:.1} s, checkpoints {:.1} s; data generation {:.1} s (before)",
+        wall, train, r.checkpoint_seconds, r.gen_seconds
+    );
     eprintln!(
         "  target       forward+pack {:.1} s, blocked on full queue {:.1} s, split-FC sync {:.1} s -> idle {:.1}%",
         secs(st.target_busy),
@@ -629,6 +655,9 @@ pub fn print_summary(r: &RunSummary) {
     );
     if let Some(b) = r.peak_rss_bytes {
         eprintln!("peak memory    {:.1} MiB resident (host)", b as f64 / (1 << 20) as f64);
+    }
+    if let Some(d) = &r.device_memory {
+        eprintln!("device memory  {d}");
     }
     if let Some(c) = &r.checkpoint {
         eprintln!("checkpoint     {}", c.display());

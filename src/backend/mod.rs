@@ -123,6 +123,10 @@ pub trait Backend: Send + Sync + 'static {
     fn hand_over(&self, from: &Self::Stream, to: &Self::Stream, bufs: &[&Self::Buf]) -> Result<()>;
     /// The host waits for everything enqueued on `s` (only the pipeline calls this).
     fn synchronize(&self, s: &Self::Stream) -> Result<()>;
+    /// Device memory in use, for the run summary (None where the host's resident set says it).
+    fn memory_report(&self) -> Option<String> {
+        None
+    }
 
     // ---- memory ----
     /// A zero-filled buffer of `len` elements owned by `s`.

@@ -218,10 +218,15 @@ impl CudaBackend {
         }
         for name in &wanted {
             let family = kernel_family(name);
-            let module = modules.iter().find(|(f, _)| *f == family).map(|(_, m)| *m).ok_or_else(|| format!("kernels/{family}.cu was not embedded in this binary"))?;
+            let module = modules
+                .iter()
+                .find(|(f, _)| *f == family)
+                .map(|(_, m)| *m)
+                .ok_or_else(|| format!("kernels/{family}.cu was not embedded in this binary"))?;
             let cname = std::ffi::CString::new(name.as_str()).expect("kernel names have no NUL");
             // SAFETY: the module was just loaded and is never unloaded.
-            let func = unsafe { cu::module::get_function(module, cname) }.map_err(|e| format!("kernel {name} is missing from kernels/{family}.cu's cubin ({e:?})"))?;
+            let func = unsafe { cu::module::get_function(module, cname) }
+                .map_err(|e| format!("kernel {name} is missing from kernels/{family}.cu's cubin ({e:?})"))?;
             let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
             f.insert(leaked, func);
         }
@@ -231,7 +236,10 @@ impl CudaBackend {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
-                    cu::function::get_function_attribute(*func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                    cu::function::get_function_attribute(
+                        *func,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                    )
                 }
                 .map_err(|e| format!("{k}: {e:?}"))?;
                 // SAFETY: as above.
@@ -405,6 +413,12 @@ impl Backend for CudaBackend {
             p.record_use(b.block, to.id());
         }
         Ok(())
+    }
+
+    fn memory_report(&self) -> Option<String> {
+        let st = self.allocator_stats();
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        Some(format!("{:.2} GiB peak allocated, {:.2} GiB reserved now ({} segments; {} cache hits, {} misses, {} deferred frees)", gib(st.peak_allocated), gib(st.reserved), st.segments, st.hits, st.misses, st.deferred_frees))
     }
 
     fn synchronize(&self, s: &Stream) -> Result<()> {
