@@ -10,5 +10,7 @@ pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
 pub mod session; // `run` top to bottom: target, data, both sides, resume, log, checkpoint, summary
 pub mod tensor; // DType and the bf16 rounding rule
+#[cfg(test)]
+mod testutil; // TempDir for the unit tests
 pub mod train; // anchors and batches, AdamW schedule, the step
 pub mod weights; // safetensors via memmap2, HF tensor names, atomic writes, random-init target
