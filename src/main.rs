@@ -149,6 +149,9 @@ struct RunArgs {
     /// No pipeline: run target and drafter one after the other on one thread (reference mode).
     #[arg(long)]
     sync: bool,
+    /// Write a Chrome/Perfetto trace of the pipeline (one track per thread) to this file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -203,6 +206,7 @@ impl RunArgs {
             faults: session::faults_from_env(),
             stop_after: self.stop_after,
             sync: self.sync,
+            trace: self.trace,
         }
     }
 }

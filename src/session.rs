@@ -71,6 +71,8 @@ pub struct RunOptions {
     pub stop_after: Option<u32>,
     /// No pipeline: target and drafter alternate on one thread (the reference for bit-identity).
     pub sync: bool,
+    /// Write a Chrome/Perfetto trace of the pipeline here.
+    pub trace: Option<PathBuf>,
 }
 
 impl RunOptions {
@@ -112,6 +114,7 @@ impl RunOptions {
             faults: Faults::default(),
             stop_after: None,
             sync: false,
+            trace: None,
         }
     }
 }
@@ -384,6 +387,7 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         end_step: opts.steps,
         noise: NoiseSpec { std: opts.noise_std, seed: opts.seed },
         faults: opts.faults,
+        trace: opts.trace.as_ref().map(|_| Arc::new(pipeline::Trace::default())),
     };
 
     std::fs::create_dir_all(&opts.out).with_context(|| format!("creating the output folder {}", opts.out.display()))?;
@@ -458,6 +462,18 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         pipeline::run(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
     };
     pb.finish_and_clear();
+    if let (Some(path), Some(tr)) = (&opts.trace, &pcfg.trace) {
+        let text = serde_json::to_string(&tr.to_json())?;
+        weights::write_file_atomic(path, text.as_bytes())
+            .with_context(|| format!("writing the trace {}", path.display()))?;
+        if !opts.quiet {
+            eprintln!(
+                "trace          {} ({} spans; open in ui.perfetto.dev or chrome://tracing)",
+                path.display(),
+                tr.len()
+            );
+        }
+    }
     let summary = RunSummary {
         history,
         stats,

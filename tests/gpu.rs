@@ -582,7 +582,8 @@ fn gpu_taps_match_hugging_face() {
             )
             .unwrap();
         let hf = dflash_engine::weights::TensorStore::open_file(dir.join("out.safetensors")).unwrap();
-        let hf_taps: Vec<Vec<f32>> = taps.iter().map(|l| hf.tensor_f32(&format!("tap_{l}"), &[b, s, cfg.hidden_size]).unwrap()).collect();
+        let hf_taps: Vec<Vec<f32>> =
+            taps.iter().map(|l| hf.tensor_f32(&format!("tap_{l}"), &[b, s, cfg.hidden_size]).unwrap()).collect();
         for (k, &l) in taps.iter().enumerate() {
             let ours = get(&g, &outs[k]);
             // Two bf16 forwards that round at different points (fused vs separate ops): each layer

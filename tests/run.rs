@@ -217,3 +217,31 @@ fn jsonl_data_trains() {
     assert_eq!(r.data_samples, 16);
     assert!(r.history.iter().all(|m| m.loss.is_finite() && m.loss > 0.0));
 }
+
+/// `--trace` writes a Chrome trace with a track per thread, and the target's spans overlap the
+/// drafter's (the pipeline runs them concurrently).
+#[test]
+fn trace_shows_the_overlap() {
+    let opts = small("trace");
+    let path = opts.out.join("trace.json");
+    std::fs::create_dir_all(&opts.out).unwrap();
+    session::run(&RunOptions { trace: Some(path.clone()), steps: 6, ..opts }, None).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let names: Vec<&str> =
+        events.iter().filter(|e| e["ph"] == "M").map(|e| e["args"]["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"target") && names.contains(&"drafter"), "{names:?}");
+    let spans = |track: &str| -> Vec<(f64, f64)> {
+        let tid =
+            events.iter().find(|e| e["ph"] == "M" && e["args"]["name"] == track).unwrap()["tid"].as_i64().unwrap();
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"].as_i64() == Some(tid))
+            .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    let (t, d) = (spans("target"), spans("drafter"));
+    assert_eq!(t.len(), 6, "one target span per step");
+    let overlap: f64 = t.iter().flat_map(|a| d.iter().map(move |b| (a.1.min(b.1) - a.0.max(b.0)).max(0.0))).sum();
+    assert!(overlap > 0.0, "target and drafter never ran at the same time");
+}

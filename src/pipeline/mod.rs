@@ -27,7 +27,7 @@ use crate::train::optim::OptimConfig;
 use crate::train::step::{
     global_norm, plan_update, target_pack, Context, DrafterSide, MetricSums, NoiseSpec, StepMetrics,
 };
-pub use stats::PipelineStats;
+pub use stats::{PipelineStats, Trace};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -71,6 +71,8 @@ pub struct PipelineConfig {
     pub end_step: u32,
     pub noise: NoiseSpec,
     pub faults: Faults,
+    /// Spans of every stage, for `--trace`.
+    pub trace: Option<std::sync::Arc<stats::Trace>>,
 }
 
 /// The target side: the frozen target, and the fc group under split-FC.
@@ -194,6 +196,9 @@ fn produce<B: Backend>(
             packed.push((hb, x));
         }
         add_time(stats, |st| &mut st.target_busy, t0.elapsed());
+        if let Some(tr) = &cfg.trace {
+            tr.span("target", format!("step {step}: target forward + pack"), t0);
+        }
         if let Some(fc) = &tside.fc {
             // Exact split-FC: finish the previous step's fc update before projecting this step.
             if let Some((pstep, pbatches)) = prev.take() {
@@ -203,6 +208,9 @@ fn produce<B: Backend>(
                     FcError::Gone => PipelineError::ProducerGone { step: pstep },
                 })?;
                 add_time(stats, |st| &mut st.target_wait_fc, t1.elapsed());
+                if let Some(tr) = &cfg.trace {
+                    tr.span("target", format!("step {pstep}: split-FC dW + update"), t1);
+                }
             }
         }
         let n_micro = packed.len();
@@ -233,6 +241,9 @@ fn produce<B: Backend>(
                 return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
             }
             add_time(stats, |st| &mut st.target_blocked, t2.elapsed());
+            if let Some(tr) = &cfg.trace {
+                tr.span("target (queue)", format!("step {step}.{micro}: publish (blocked while full)"), t2);
+            }
             if let Ok(mut st) = stats.lock() {
                 st.queue_depth.push(depth.load(Ordering::SeqCst) as u32);
             }
@@ -340,6 +351,9 @@ fn consume<B: Backend>(
             let msg = rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
             depth.fetch_sub(1, Ordering::SeqCst);
             add_time(stats, |st| &mut st.drafter_wait, t0.elapsed());
+            if let Some(tr) = &cfg.trace {
+                tr.span("drafter (waiting)", format!("step {step}: wait for batch"), t0);
+            }
             if cfg.faults.consumer_panic_at == Some(msg.step) {
                 panic!("injected fault: consumer panic at step {}", msg.step);
             }
@@ -363,6 +377,9 @@ fn consume<B: Backend>(
             }
         }
         add_time(stats, |st| &mut st.drafter_busy, t1.elapsed());
+        if let Some(tr) = &cfg.trace {
+            tr.span("drafter", format!("step {step}: drafter forward + backward"), t1);
+        }
         let t2 = Instant::now();
         let (body, local_fc) = side.grad_sumsq(be, &s).map_err(|e| cerr(Box::new(e)))?;
         let fc_sumsq = if split {
@@ -383,6 +400,9 @@ fn consume<B: Backend>(
             report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
         }
         add_time(stats, |st| &mut st.optimizer, t2.elapsed());
+        if let Some(tr) = &cfg.trace {
+            tr.span("drafter", format!("step {step}: grad norm + AdamW"), t2);
+        }
         let snapshot = {
             let mut st = stats.lock().map_err(|_| PipelineError::Stopped("stats lock poisoned".into()))?;
             st.steps += 1;

@@ -51,3 +51,82 @@ impl PipelineStats {
         }
     }
 }
+
+/// A Chrome / Perfetto trace of the pipeline (`--trace FILE`): one track per thread, one span per
+/// stage, so a user sees in a browser (chrome://tracing, ui.perfetto.dev) whether the target
+/// computes while the drafter trains.
+#[derive(Debug)]
+pub struct Trace {
+    start: std::time::Instant,
+    spans: std::sync::Mutex<Vec<Span>>,
+}
+
+#[derive(Clone, Debug)]
+struct Span {
+    track: &'static str,
+    name: String,
+    start_us: f64,
+    dur_us: f64,
+}
+
+impl Default for Trace {
+    fn default() -> Self {
+        Trace { start: std::time::Instant::now(), spans: std::sync::Mutex::new(Vec::new()) }
+    }
+}
+
+impl Trace {
+    /// Records `name` on `track`, from `t0` until now.
+    pub fn span(&self, track: &'static str, name: impl Into<String>, t0: std::time::Instant) {
+        let start_us = t0.saturating_duration_since(self.start).as_secs_f64() * 1e6;
+        let dur_us = t0.elapsed().as_secs_f64() * 1e6;
+        if let Ok(mut s) = self.spans.lock() {
+            s.push(Span { track, name: name.into(), start_us, dur_us });
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.spans.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The trace in Chrome's JSON trace-event format.
+    pub fn to_json(&self) -> serde_json::Value {
+        let spans = self.spans.lock().map(|s| s.clone()).unwrap_or_default();
+        let mut tracks: Vec<&'static str> = Vec::new();
+        for s in &spans {
+            if !tracks.contains(&s.track) {
+                tracks.push(s.track);
+            }
+        }
+        let mut events: Vec<serde_json::Value> = tracks
+            .iter()
+            .enumerate()
+            .map(|(tid, t)| serde_json::json!({ "name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": { "name": t } }))
+            .collect();
+        for s in &spans {
+            let tid = tracks.iter().position(|t| *t == s.track).unwrap_or(0);
+            events.push(serde_json::json!({ "name": s.name, "ph": "X", "pid": 0, "tid": tid, "ts": s.start_us, "dur": s.dur_us }));
+        }
+        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+    }
+
+    /// Total time two tracks were busy at the same time (the overlap the pipeline exists for).
+    pub fn overlap_us(&self, a: &str, b: &str) -> f64 {
+        let spans = self.spans.lock().map(|s| s.clone()).unwrap_or_default();
+        let (xs, ys): (Vec<&Span>, Vec<&Span>) =
+            (spans.iter().filter(|s| s.track == a).collect(), spans.iter().filter(|s| s.track == b).collect());
+        let mut total = 0.0;
+        for x in &xs {
+            for y in &ys {
+                let lo = x.start_us.max(y.start_us);
+                let hi = (x.start_us + x.dur_us).min(y.start_us + y.dur_us);
+                total += (hi - lo).max(0.0);
+            }
+        }
+        total
+    }
+}
