@@ -23,6 +23,11 @@ if has sanitize; then
     rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || status=1
   done
+  echo "== stream-ordered race check: the run tests on CUDA with every free mapped to cuMemFreeAsync"
+  DFLASH_ALLOC_MODE=free-async timeout 300 compute-sanitizer --tool memcheck --track-stream-ordered-races all --error-exitcode 9 \
+    $B/integration --include-ignored --test-threads=1 run::async run::split > "$OUT/sanitize-stream-order.log" 2>&1
+  rc=$?; echo "stream-ordered races: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-stream-order.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || status=1
 fi
 if has bench; then
   echo "== kernel bench"

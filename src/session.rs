@@ -271,13 +271,23 @@ fn bar(quiet: bool, len: u64, msg: &str) -> ProgressBar {
 /// with a checkpoint.
 pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
     use crate::backend::cuda::{alloc::Mode, CudaBackend};
+    // Debug modes of the CUDA allocator (DESIGN.md rule 6): poison freed blocks with NaN, skip
+    // the cross-stream deferral (test-only: reproduces the corruption), or map every free to
+    // cuMemFreeAsync so compute-sanitizer can check the stream bookkeeping.
+    let mode = match std::env::var("DFLASH_ALLOC_MODE").as_deref() {
+        Ok("poison") => Mode::PoisonOnFree,
+        Ok("unsafe-reuse") => Mode::UnsafeReuse,
+        Ok("free-async") => Mode::FreeAsync,
+        Ok("normal") | Err(_) => Mode::Normal,
+        Ok(other) => bail!("DFLASH_ALLOC_MODE={other}: use normal, poison, unsafe-reuse or free-async"),
+    };
     match opts.device {
         Device::Cpu => run_on(&CpuBackend::new(), opts, interrupt),
         Device::Cuda => {
-            let be = CudaBackend::new(0, Mode::Normal).map_err(|why| anyhow::anyhow!("--device cuda: {why}"))?;
+            let be = CudaBackend::new(0, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"))?;
             run_on(&be, opts, interrupt)
         }
-        Device::Auto => match CudaBackend::new(0, Mode::Normal) {
+        Device::Auto => match CudaBackend::new(0, mode) {
             Ok(be) => run_on(&be, opts, interrupt),
             Err(why) => {
                 if !opts.quiet {
