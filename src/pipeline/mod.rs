@@ -11,6 +11,7 @@
 //! Failure on either side ends the run with that side's error: the other side sees its channel
 //! close and stops; nothing waits forever.
 
+pub mod slots;
 pub mod stats;
 
 use std::panic::AssertUnwindSafe;
