@@ -166,6 +166,23 @@ pub trait Backend: Send + Sync + 'static {
         c: &mut Self::Buf,
         c_off: usize,
     ) -> Result<()>;
+    /// The FC projection (DFLASH.md section 2): `y[rows, h] = x[rows, k] w[w_off..][h, k]^T`, bf16
+    /// in and out, f32 accumulation. The CUDA backend runs its own kernel (kernels/fc.cu); the
+    /// default is the GEMM.
+    #[allow(clippy::too_many_arguments)]
+    fn fc_project(
+        &self,
+        s: &Self::Stream,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        y: &mut Self::Buf,
+        rows: usize,
+        h: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemm(s, &Gemm::linear(rows, h, k), x, 0, w, w_off, y, 0)
+    }
     /// `x += y` elementwise over `x`'s length.
     fn add_inplace(&self, s: &Self::Stream, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
 

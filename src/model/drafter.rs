@@ -149,7 +149,7 @@ pub fn fc_forward<B: Backend>(
     rows: usize,
 ) -> Result<()> {
     let (off, h, k) = fc_dims(fc);
-    be.gemm(s, &Gemm::linear(rows, h, k), x, 0, &fc.weights, off, y, 0)
+    be.fc_project(s, x, &fc.weights, off, y, rows, h, k)
 }
 
 /// `dWfc += dY^T X`.

@@ -9,6 +9,7 @@
 pub mod alloc;
 mod blas;
 mod device;
+mod fc;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -579,6 +580,20 @@ impl Backend for CudaBackend {
         let ws_bytes = blas::WORKSPACE_BYTES;
         let ws = self.alloc(s, DType::F32, ws_bytes / 4)?;
         self.blas.matmul(g, off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off), c.dtype, ws.ptr, ws_bytes, s.raw())
+    }
+
+    fn fc_project(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        h: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.fc_kernel(s, x, w, w_off, y, rows, h, k)
     }
 
     fn add_inplace(&self, s: &Stream, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
