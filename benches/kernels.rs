@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend};
+use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend, FcPath};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
@@ -60,8 +60,25 @@ fn main() {
     let t = time(&be, 10, || be.copy(&s, &src, 0, &mut dst, 0, n_copy).unwrap());
     let peak_bw = 2.0 * (n_copy * 2) as f64 / t;
     drop((src, dst));
+    // GEMM operands are random: all-zero inputs draw less power, so the clocks (and a GEMM's
+    // TFLOP/s) would be flattered. Uniform in [-1, 1) from a 64-bit LCG, uploaded in chunks.
+    let random = |n: usize, seed: u64| {
+        let mut b = be.alloc(&s, DType::BF16, n).unwrap();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let chunk = 1usize << 24;
+        for off in (0..n).step_by(chunk) {
+            let host: Vec<f32> = (0..chunk.min(n - off))
+                .map(|_| {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect();
+            be.upload(&s, &host, &mut b, off).unwrap();
+        }
+        b
+    };
     let n = 8192;
-    let (a, b) = (buf(DType::BF16, n * n), buf(DType::BF16, n * n));
+    let (a, b) = (random(n * n, 1), random(n * n, 2));
     let mut c = buf(DType::BF16, n * n);
     let g = Gemm::linear(n, n, n);
     let t = time(&be, 10, || be.gemm(&s, &g, &a, 0, &b, 0, &mut c, 0).unwrap());
@@ -225,16 +242,20 @@ fn main() {
         be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4]).unwrap()
     });
     flops("drafter attention bwd", t, 10.0 * visible * heads as f64 * hd as f64);
-    // The FC projection at the recipe shape (cuBLASLt; our own FC kernel is not written yet).
-    let xp = buf(DType::BF16, t_rows * k_taps * h);
-    let wfc = buf(DType::BF16, h * k_taps * h);
+    // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel
+    // (kernels/fc.cu, the fast path forced so a fallback cannot hide in the number).
+    let xp = random(t_rows * k_taps * h, 3);
+    let wfc = random(h * k_taps * h, 4);
     let mut yp = buf(DType::BF16, t_rows * h);
     let g = Gemm::linear(t_rows, h, k_taps * h);
-    flops(
-        "FC projection, cuBLASLt (12288 x 4096 x 20480)",
-        time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap()),
-        2.0 * (t_rows * h * k_taps * h) as f64,
-    );
+    let fc_flops = 2.0 * (t_rows * h * k_taps * h) as f64;
+    let t_lt = time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap());
+    let t_fc = time(&be, 10, || {
+        be.fc_project_with(&s, &xp, &wfc, 0, &mut yp, t_rows, h, k_taps * h, FcPath::Fast).unwrap()
+    });
+    flops("FC projection, cuBLASLt (12288 x 4096 x 20480)", t_lt, fc_flops);
+    flops("FC projection, fc_wgmma_bf16 (12288 x 4096 x 20480)", t_fc, fc_flops);
+    println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
 
     println!("\n{:<48} {:>10} {:>12} {:>8}", "kernel", "time", "throughput", "% peak");
     for r in &rows {

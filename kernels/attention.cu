@@ -1110,3 +1110,36 @@ ATTN_EXPORT(16)
 ATTN_EXPORT(32)
 ATTN_EXPORT(64)
 ATTN_EXPORT(128)
+
+// attn_draft_kv_ranges: for every context row t, the range [begin, end) of blocks that may see it
+// (the input of attn_draft_bwd_kv), computed on the device so the backward never waits for the
+// host. Blocks are laid out sequence by sequence, so ctx_start is non-decreasing:
+//   end   = #{ j : ctx_start[j] <= t }                  (upper bound)
+//   begin = #{ j : ctx_start[j] <  ctx_start[end - 1] }  (first block of that sequence), 0 if end == 0.
+// Rows past the last block of their sequence get that sequence's blocks; the bwd_kv kernel still
+// checks each block's anchor, so those rows receive exact zeros.
+// Launch: any 1-D grid and block (grid-stride over ctx_rows); ceil(ctx_rows / 256) x 256.
+extern "C" __global__ void attn_draft_kv_ranges(const int* __restrict__ ctx_start, int num_blocks,
+                                                long long ctx_rows, int* __restrict__ ctx_block_begin,
+                                                int* __restrict__ ctx_block_end) {
+  for (index_t t = grid_thread_index(); t < ctx_rows; t += grid_thread_count()) {
+    int lo = 0, hi = num_blocks;  // upper bound of t
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if ((index_t)ctx_start[mid] <= t) lo = mid + 1; else hi = mid;
+    }
+    const int end = lo;
+    int begin = 0;
+    if (end > 0) {
+      const int st = ctx_start[end - 1];
+      int a = 0, b = end - 1;  // lower bound of st
+      while (a < b) {
+        const int mid = (a + b) >> 1;
+        if (ctx_start[mid] < st) a = mid + 1; else b = mid;
+      }
+      begin = a;
+    }
+    ctx_block_begin[t] = begin;
+    ctx_block_end[t] = end;
+  }
+}

@@ -73,6 +73,19 @@ __device__ __forceinline__ uint32_t pack_bf16x2_rne(float lo, float hi) {
   return f32_to_bf16_bits_rne(lo) | (f32_to_bf16_bits_rne(hi) << 16);
 }
 
+// Two f32 -> two packed bf16 (lo in the low half) with the hardware's cvt.rn.bf16x2.f32: one
+// instruction instead of ~14 integer ones. Round to nearest even, subnormals kept, overflow to
+// +-Inf: the same bits as pack_bf16x2_rne (half::bf16::from_f32) for every non-NaN input. A NaN
+// comes out as a NaN, but PTX does not promise its payload, so kernels whose NaN bits must match
+// the CPU (pack) test for NaN first; kernels compared with a tolerance (a NaN fails it anyway)
+// use this directly.
+__device__ __forceinline__ uint32_t pack_bf16x2_rn_fast(float lo, float hi) {
+  uint32_t d;
+  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower half.
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
 // ---- 8-wide bf16 chunks, non-finite tests, division-free row/column walks -----------------------
 // (used by elementwise, rmsnorm, rope, swiglu, cross_entropy)
 
@@ -88,6 +101,30 @@ __device__ __forceinline__ void bf16x8_unpack(const uint4 v, float (&f)[8]) {
 __device__ __forceinline__ uint4 bf16x8_pack_rne(const float (&f)[8]) {
   return make_uint4(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]),
                     pack_bf16x2_rne(f[4], f[5]), pack_bf16x2_rne(f[6], f[7]));
+}
+
+// bf16x8_pack_rne with the hardware conversion (pack_bf16x2_rn_fast: NaN payloads not kept).
+__device__ __forceinline__ uint4 bf16x8_pack_rn_fast(const float (&f)[8]) {
+  return make_uint4(pack_bf16x2_rn_fast(f[0], f[1]), pack_bf16x2_rn_fast(f[2], f[3]),
+                    pack_bf16x2_rn_fast(f[4], f[5]), pack_bf16x2_rn_fast(f[6], f[7]));
+}
+
+// True when any of the 8 bf16 in v is a NaN or an Inf. Four bf16x2 FMAs v * 0 + acc (on the FMA
+// pipe, not the integer pipe): a finite value times 0 is +-0 and +-0 + +-0 stays a zero, while a
+// NaN or an Inf times 0 is a NaN, which the chain carries to the end; then one mask test.
+__device__ __forceinline__ bool bf16x8_any_nonfinite(const uint4 v) {
+  uint32_t acc;
+  asm("{\n\t"
+      ".reg .b32 z;\n\t"
+      "mov.b32 z, 0;\n\t"
+      "fma.rn.bf16x2 %0, %1, z, z;\n\t"
+      "fma.rn.bf16x2 %0, %2, z, %0;\n\t"
+      "fma.rn.bf16x2 %0, %3, z, %0;\n\t"
+      "fma.rn.bf16x2 %0, %4, z, %0;\n\t"
+      "}"
+      : "=&r"(acc)
+      : "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+  return (acc & 0x7FFF7FFFu) != 0u;
 }
 
 // V consecutive bf16 at p as f32: V == 8 is one 16-byte load (p must be VEC_BYTES-aligned),

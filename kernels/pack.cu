@@ -12,23 +12,44 @@
 //           survive). s > 0: u from Philox4x32-10 exactly as rng::noise_at, the noise product
 //           and the add each rounded once in f32 (__fmul_rn / __fadd_rn, never an FMA), then one
 //           RNE rounding to bf16 as half::bf16::from_f32. Bit-identical to the CPU reference for
-//           every launch configuration.
+//           every launch configuration: which thread computes an element never changes its
+//           Philox counter, word or arithmetic.
 // Preconditions (the Rust launcher checks them and errors before launching):
 //           1 <= num_taps <= MAX_TAPS (else the kernel traps); rows, hidden, n_valid >= 0
 //           (n_valid > rows acts as rows); noise_std finite and >= 0; taps and out do not overlap.
 //           Any grid / block shape is correct (grid-stride loops); sizes need not be multiples of
 //           anything.
-// Fast path: hidden % 8 == 0 and every pointer 16-byte aligned -> each thread moves 8 bf16
-//           (16 bytes) per iteration with one load and one store, and the 8 noise values come
-//           from 2 Philox blocks (one block serves 4 elements). Otherwise (ragged hidden sizes,
-//           offset views) a scalar path: each thread owns 4 consecutive elements, which share one
-//           Philox block, so the bits are the same as the fast path's.
+// Fast path (hidden % 8 == 0, hidden <= PACK_VEC_MAX_HIDDEN, every pointer 16-byte aligned):
+//           a unit is 8 bf16 (one 16-byte load and store). A work item is one tile of one
+//           (row t, tap k) segment: H/8 units split into tiles of blockDim.x * PACK_UNITS units;
+//           thread i owns units i, i + blockDim.x, ... of the tile (coalesced per warp). All its
+//           PACK_UNITS loads are issued before any noise is computed, so each thread keeps 64 bytes
+//           in flight, and the Philox work of one unit (2 blocks: one block serves 4 elements)
+//           overlaps the loads of the others. Items are numbered w = t * (K * tiles) + k * tiles
+//           + tile, so consecutive blocks write consecutive output. The noise path's bf16 rounding
+//           is the hardware cvt.rn.bf16x2.f32 (same bits as half::bf16::from_f32 for every
+//           non-NaN value), unless the unit's input holds a NaN or Inf (then the software
+//           rounding, which also keeps NaN payloads: same bits as before, whatever the add did).
+//           Otherwise (ragged hidden sizes, offset views) a scalar path: each thread owns 4
+//           consecutive elements, which share one Philox block, so the bits are the same.
+// Launch:   blockDim.x any (suggested: round_up(ceil(H / 8 / PACK_UNITS), 32) clamped to
+//           [32, 256], so one tile covers a row segment for H <= 8192: 128 threads at H = 4096);
+//           grid.x any >= 1 (suggested: rows * K * ceil(H / 8 / (blockDim.x * PACK_UNITS)), one
+//           item per block, so the block scheduler balances the tail). No shared memory.
 // Bytes:    read n_valid*K*H*2 (= rows*K*H*2 without padding) + write rows*K*H*2 per call.
-// FLOPs:    0 for the copy; with noise 4 f32 ops per element (2u, -1, *s, +x) plus 10 Philox
-//           rounds (4 integer multiplies each) per 4 elements.
+// FLOPs:    0 for the copy; with noise 3 f32 ops per element (the exact FMA (r >> 8) * 2^-23 - 1,
+//           *s, +x) plus 10 Philox rounds (2 wide integer multiplies, 2 three-input XORs each)
+//           per 4 elements.
 // Bound:    memory. Target >= 80% of the device-to-device copy bandwidth measured on the device
-//           (~4.1 TB/s read + write on an H200) for both paths; the Philox integer work fits in
-//           the issue slots left over at that rate.
+//           (~4.1 TB/s read + write on an H200) for both paths. The noise path is limited by the
+//           integer pipe (half rate on sm_90): per unit of 8 elements about 40 LOP3 (Philox) + 16
+//           (u -> f32) + ~15 (addresses, unpacking, the NaN test) integer instructions and ~40
+//           wide multiplies (FMA pipe), against ~320 issue cycles per warp-unit available at 80%
+//           of copy bandwidth.
+// Previous measurement (H200, 12288 x 4096 x 5 taps, zero-filled taps, the flat 1-unit-per-
+//           thread fast path with software bf16 rounding): copy 3.51 TB/s (84%), noise 2.46 TB/s
+//           (59%: ~250 instructions and ~150 integer-pipe instructions per warp-unit, one 16-byte
+//           load in flight per thread). Not re-measured since this version.
 #include "common.cuh"
 #include "philox.cuh"
 
@@ -87,45 +108,103 @@ __device__ __forceinline__ uint32_t add_noise_bf16(uint32_t bits16, uint32_t r, 
   return f32_to_bf16_bits_rne(__fadd_rn(x, philox_noise_from_bits(r, noise_std)));
 }
 
-// Two packed bf16 (element order lo, hi) plus the noise of random words r_lo, r_hi.
-__device__ __forceinline__ uint32_t add_noise_bf16x2(uint32_t w, uint32_t r_lo, uint32_t r_hi,
-                                                     float noise_std) {
-  const float lo = __fadd_rn(bf16x2_lo_to_f32(w), philox_noise_from_bits(r_lo, noise_std));
-  const float hi = __fadd_rn(bf16x2_hi_to_f32(w), philox_noise_from_bits(r_hi, noise_std));
-  return pack_bf16x2_rne(lo, hi);
+// Units (8 bf16, 16 bytes) each thread of the fast path owns per work item: their loads are all
+// in flight together (64 bytes per thread).
+constexpr int PACK_UNITS = 4;
+// Largest hidden size of the fast path: unit indices within a row stay in 32-bit ints. (Larger
+// sizes take the scalar path, which is correct for any size.)
+#define PACK_VEC_MAX_HIDDEN (1LL << 30)
+
+// Split w into q = w / d and w - q * d; 32-bit division while w fits (every launch the launcher
+// makes), so no 64-bit division runs per work item.
+__device__ __forceinline__ index_t pack_divmod(index_t w, index_t d, index_t& rem) {
+  index_t q;
+  if (w <= 0xFFFFFFFFLL && d <= 0xFFFFFFFFLL) {
+    q = (index_t)((uint32_t)w / (uint32_t)d);
+  } else {
+    q = w / d;
+  }
+  rem = w - q * d;
+  return q;
 }
 
-// Fast path: 8 bf16 (one 16-byte access) per thread per iteration. hidden % 8 == 0, so a group
-// of 8 never straddles two taps or two rows, and e % 8 == 0, so its noise is exactly Philox
-// blocks e/4 and e/4 + 1.
+// Fast path: see the header. hidden % 8 == 0, so a unit never straddles two taps or two rows, and
+// every unit starts at an element index e % 8 == 0, so its noise is exactly Philox blocks e/4 and
+// e/4 + 1 (e/4 even: e/4 + 1 == e/4 | 1, no carry).
 template <bool kNoise>
-__device__ __forceinline__ void pack_vec8(const TapPtrs& taps, index_t num_taps,
-                                          __nv_bfloat16* out, index_t rows, index_t hidden,
-                                          index_t n_valid, float noise_std,
-                                          unsigned long long seed, unsigned int step) {
-  const index_t total = rows * num_taps * hidden;
-  const index_t stride = grid_thread_count() * BF16_PER_VEC;
-  index_t e = grid_thread_index() * BF16_PER_VEC;
-  PackPos pos = pack_split(e, num_taps, hidden);
-  const PackPos d = pack_split(stride, num_taps, hidden);
-  for (; e < total; e += stride, pack_advance(pos, d, num_taps, hidden)) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u); // padding rows: +0.0
-    if (pos.t < n_valid) {
+__device__ __forceinline__ void pack_tiles_vec8(const TapPtrs& taps, index_t num_taps,
+                                                __nv_bfloat16* out, index_t rows, index_t hidden,
+                                                index_t n_valid, float noise_std,
+                                                unsigned long long seed, unsigned int step) {
+  const int units_per_seg = (int)(hidden / BF16_PER_VEC);
+  const int tile_units = (int)blockDim.x * PACK_UNITS;
+  const index_t tiles = (units_per_seg + tile_units - 1) / tile_units;
+  const index_t items_per_row = num_taps * tiles;
+  const index_t items = rows * items_per_row;
+  for (index_t w = blockIdx.x; w < items; w += gridDim.x) { // uniform over the block
+    index_t rest;
+    const index_t t = pack_divmod(w, items_per_row, rest);
+    index_t tile;
+    const index_t k = pack_divmod(rest, tiles, tile);
+    const bool valid = t < n_valid; // else a padding row: zeros, taps not read
+    const index_t seg = t * num_taps + k; // output row segment: elements seg*H .. seg*H + H
+    const uint4* src = reinterpret_cast<const uint4*>(taps.p[k] + t * hidden);
+    uint4* dst = reinterpret_cast<uint4*>(out + seg * hidden);
+    const int u0 = (int)tile * tile_units + (int)threadIdx.x;
+    uint4 v[PACK_UNITS];
+#pragma unroll
+    for (int j = 0; j < PACK_UNITS; ++j) {
+      const int u = u0 + j * (int)blockDim.x;
+      v[j] = make_uint4(0u, 0u, 0u, 0u); // padding rows: +0.0
       // Streaming load: each tap element is read exactly once, so keep it from evicting lines
       // the next kernels (FC GEMM, the target's next layers) want in L2.
-      v = __ldcs(reinterpret_cast<const uint4*>(pack_src(taps, pos, hidden)));
-      if (kNoise) {
-        const unsigned long long block = (unsigned long long)e >> 2;
+      if (valid && u < units_per_seg) v[j] = __ldcs(src + u);
+    }
+    if (kNoise && valid) { // uniform over the block
+      // Straight-line over the units (no per-unit branch), so the compiler can run the Philox
+      // rounds of every unit while the loads are in flight. The noise of unit j, elements
+      // e .. e+7 (e = seg * H + 8u): the 4 words of Philox block e/4, then those of e/4 + 1.
+      // seg * H / 4 is exact (H % 8 == 0) and e/4 is even, so e/4 + 1 == e/4 | 1.
+      const unsigned long long seg_block =
+          (unsigned long long)seg * (unsigned long long)(hidden >> 2);
+      float f[PACK_UNITS][8];
+#pragma unroll
+      for (int j = 0; j < PACK_UNITS; ++j) {
+        const int u = u0 + j * (int)blockDim.x; // past the segment: computed, never stored
+        const unsigned long long block = seg_block + 2ull * (unsigned long long)(unsigned)u;
         const uint4 b0 = philox_block(seed, step, PHILOX_DOMAIN_NOISE, block);
-        const uint4 b1 = philox_block(seed, step, PHILOX_DOMAIN_NOISE, block + 1);
-        v.x = add_noise_bf16x2(v.x, b0.x, b0.y, noise_std);
-        v.y = add_noise_bf16x2(v.y, b0.z, b0.w, noise_std);
-        v.z = add_noise_bf16x2(v.z, b1.x, b1.y, noise_std);
-        v.w = add_noise_bf16x2(v.w, b1.z, b1.w, noise_std);
+        const uint4 b1 = philox_block(seed, step, PHILOX_DOMAIN_NOISE, block | 1ull);
+        const uint32_t r[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[j][e] = philox_noise_from_bits(r[e], noise_std);
+      }
+      bool nonfinite = false;
+#pragma unroll
+      for (int j = 0; j < PACK_UNITS; ++j) {
+        nonfinite |= bf16x8_any_nonfinite(v[j]); // no short-circuit: no branch
+        float x[8];
+        bf16x8_unpack(v[j], x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[j][e] = __fadd_rn(x[e], f[j][e]); // add_noise_bf16's sum
+      }
+      // The hardware RNE gives half::bf16::from_f32's bits for every non-NaN sum. A NaN sum
+      // needs a NaN input (the noise is finite), and its payload is what the software rounding
+      // keeps (as before this path existed); Inf inputs take the same, rare, branch.
+      if (!nonfinite) {
+#pragma unroll
+        for (int j = 0; j < PACK_UNITS; ++j) v[j] = bf16x8_pack_rn_fast(f[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < PACK_UNITS; ++j) v[j] = bf16x8_pack_rne(f[j]);
       }
     }
-    // Plain store (write-back): the FC GEMM reads `out` next, and for small steps it is still in L2.
-    *reinterpret_cast<uint4*>(out + e) = v;
+#pragma unroll
+    for (int j = 0; j < PACK_UNITS; ++j) {
+      const int u = u0 + j * (int)blockDim.x;
+      // Plain store (write-back): the FC GEMM reads `out` next, and for small steps it is still
+      // in L2.
+      if (u < units_per_seg) dst[u] = v[j];
+    }
   }
 }
 
@@ -179,7 +258,7 @@ extern "C" __global__ void pack_taps_noise_bf16(const __grid_constant__ TapPtrs 
   if (rows <= 0 || hidden <= 0) return;
   const index_t k_taps = num_taps;
 
-  bool vec = (hidden % BF16_PER_VEC) == 0 && is_vec_aligned(out);
+  bool vec = (hidden % BF16_PER_VEC) == 0 && hidden <= PACK_VEC_MAX_HIDDEN && is_vec_aligned(out);
   for (int k = 0; k < num_taps; ++k) vec = vec && is_vec_aligned(taps.p[k]);
 
   // noise_std == 0 takes the no-add path so the copy is exact bit for bit (x + 0 would turn
@@ -187,9 +266,9 @@ extern "C" __global__ void pack_taps_noise_bf16(const __grid_constant__ TapPtrs 
   const bool noise = noise_std != 0.0f;
   if (vec) {
     if (noise) {
-      pack_vec8<true>(taps, k_taps, out, rows, hidden, n_valid, noise_std, seed, step);
+      pack_tiles_vec8<true>(taps, k_taps, out, rows, hidden, n_valid, noise_std, seed, step);
     } else {
-      pack_vec8<false>(taps, k_taps, out, rows, hidden, n_valid, noise_std, seed, step);
+      pack_tiles_vec8<false>(taps, k_taps, out, rows, hidden, n_valid, noise_std, seed, step);
     }
   } else {
     if (noise) {

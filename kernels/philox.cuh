@@ -71,11 +71,12 @@ __device__ __forceinline__ float philox_u32_to_unit_f32(uint32_t r) {
   return (float)(r >> 8) * (1.0f / 16777216.0f);
 }
 
-// Uniform noise in [-std, std) from 32 random bits: rng::noise_at = std * (2u - 1). 2u - 1 is
-// exact in f32 (u has 24 bits); the product is the one rounding, done with __fmul_rn so nvcc can
-// never fuse it into an FMA with the caller's add (the CPU rounds the product, then the sum).
+// Uniform noise in [-std, std) from 32 random bits: rng::noise_at = std * (2u - 1). With m = r >> 8
+// (24 bits, exact in f32) 2u - 1 = m * 2^-23 - 1 exactly: an integer in [-2^23, 2^23) times 2^-23
+// is representable, so one FMA (exact product and sum, one rounding of a representable value)
+// gives the CPU's value. The product with std is the one rounding, done with __fmul_rn so nvcc
+// can never fuse it into an FMA with the caller's add (the CPU rounds the product, then the sum).
 __device__ __forceinline__ float philox_noise_from_bits(uint32_t r, float std) {
-  const float u = philox_u32_to_unit_f32(r);
-  const float centred = __fsub_rn(__fmul_rn(2.0f, u), 1.0f); // both steps exact
+  const float centred = __fmaf_rn((float)(r >> 8), 1.0f / 8388608.0f, -1.0f); // exact
   return __fmul_rn(std, centred);
 }

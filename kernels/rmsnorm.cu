@@ -69,6 +69,9 @@
 // latency even for dim = 16, where a team is a single thread.
 // (A constant, not a macro: nvcc does not expand macros inside #pragma unroll.)
 constexpr int RMS_CHUNKS_PER_LANE = 4;
+// Most 16-byte chunks per thread the register-resident block-team paths hold (dim <= 8 * 256 * 4 =
+// 8192); larger dims take the two-pass loops.
+constexpr int RMS_REG_CHUNKS = 4;
 // Recommended upper bound on the backward's part count (see the launch rule).
 #define RMS_BWD_TARGET_PARTS 1024
 // Resident blocks per SM the register allocation must allow (__launch_bounds__): 5 x 256 threads
@@ -76,6 +79,8 @@ constexpr int RMS_CHUNKS_PER_LANE = 4;
 // HBM latency in a memory-bound kernel, without spills.
 #define RMS_FWD_MIN_BLOCKS 5
 #define RMS_BWD_MIN_BLOCKS 4
+// Loads rmsnorm_dw_reduce_f32 issues together per thread before adding them.
+constexpr int RMS_DW_BATCH = 32;
 // Contiguous slices of parts summed in parallel by rmsnorm_dw_reduce_f32 (one warp each).
 #define RMS_DW_SLICES RMS_WARPS
 
@@ -88,8 +93,8 @@ __device__ __forceinline__ int rms_warp_team_size(int dim) {
   return t;
 }
 
-// Tb(dim) from the header: the backward's team.
-__device__ __forceinline__ int rms_bwd_team_size(int dim) {
+// T(dim) from the header, forward and backward: warp teams up to dim 1024, then the whole block.
+__device__ __forceinline__ int rms_team_size(int dim) {
   return dim > RMS_WARP_TEAM_MAX_DIM ? RMS_BLOCK : rms_warp_team_size(dim);
 }
 
@@ -172,6 +177,85 @@ __device__ __forceinline__ void rmsnorm_fwd_rows(const __nv_bfloat16* __restrict
   }
 }
 
+// Thread threadIdx.x's <= CPL chunks (threadIdx.x + j * RMS_BLOCK) of a row, as 16-byte words;
+// zeros past the row. row_tid = the row's first chunk + threadIdx.x.
+template <int CPL>
+__device__ __forceinline__ void rms_block_row_load(const uint4* row_tid, int chunks,
+                                                   uint4 (&v)[CPL]) {
+#pragma unroll
+  for (int j = 0; j < CPL; ++j) {
+    v[j] = make_uint4(0u, 0u, 0u, 0u);
+    if ((int)threadIdx.x + j * RMS_BLOCK < chunks) v[j] = row_tid[j * RMS_BLOCK];
+  }
+}
+
+// Block teams with the row in registers (8-wide path, 1024 < dim <= 8 * RMS_BLOCK * CPL): thread
+// i owns chunks i, i + RMS_BLOCK, ... (as rmsnorm_fwd_rows<8> with T = RMS_BLOCK) and reads each
+// chunk of the row once, into registers; the output is computed from them. The two-pass loop
+// instead re-read the row after the sum, one dependent L1/L2 round trip per chunk. Software
+// pipelined: the loads of the block's next row are issued before this row's sum, barrier and
+// stores, so a block always has a row in flight (the launcher runs one block per resident slot,
+// grid-striding over rows). The team size is a compile-time constant here, so chunk j's address
+// is the thread's base plus an immediate. Same operations in the same order as
+// rmsnorm_fwd_rows<8> with the same team, so the same bits.
+template <int CPL>
+__device__ __forceinline__ void rmsnorm_fwd_rows_block(const __nv_bfloat16* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ w,
+                                                       __nv_bfloat16* __restrict__ y,
+                                                       float* __restrict__ rstd, index_t rows,
+                                                       int dim, float eps,
+                                                       float (&red)[2][RMS_WARPS]) {
+  const int tid = threadIdx.x;
+  const int chunks = dim / BF16_PER_VEC;
+  const float dim_f = (float)dim;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w) + tid;
+  int parity = 0;
+  index_t row = blockIdx.x;
+  uint4 xv[CPL];
+  if (row < rows) rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(x + row * dim) + tid,
+                                          chunks, xv);
+  for (; row < rows; row += gridDim.x) { // uniform over the block
+    const index_t next = row + gridDim.x;
+    uint4 nv[CPL];
+    if (next < rows) {
+      rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(x + next * dim) + tid, chunks, nv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < CPL; ++j) nv[j] = make_uint4(0u, 0u, 0u, 0u); // never used
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+      if (tid + j * RMS_BLOCK < chunks) {
+        float f[8];
+        bf16x8_unpack(xv[j], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+      }
+    }
+    ss = rms_team_sum(ss, RMS_BLOCK, 0xFFFFFFFFu, red, parity);
+    const float ms = __fdiv_rn(ss, dim_f);
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+    if (tid == 0) rstd[row] = r;
+    uint4* yr = reinterpret_cast<uint4*>(y + row * dim) + tid;
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+      if (tid + j * RMS_BLOCK < chunks) {
+        float f[8], wf[8];
+        bf16x8_unpack(xv[j], f);
+        // w here, not kept in registers across rows: the same 2 * dim bytes for every row, so
+        // L1 hits.
+        bf16x8_unpack(w4[j * RMS_BLOCK], wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(__fmul_rn(f[e], r), wf[e]);
+        yr[j * RMS_BLOCK] = bf16x8_pack_rn_fast(f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) xv[j] = nv[j];
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_FWD_MIN_BLOCKS)
     rmsnorm_fwd_bf16(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                      __nv_bfloat16* __restrict__ y, float* __restrict__ rstd, long long rows,
@@ -179,10 +263,17 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_FWD_MIN_BLOCKS)
   if (blockDim.x != RMS_BLOCK) __trap(); // rows_per_block and the block sum assume it
   if (rows <= 0 || dim <= 0) return;
   __shared__ float red[2][RMS_WARPS];
-  const int team_size = rms_warp_team_size(dim);
+  const int team_size = rms_team_size(dim);
   // dim % 8 == 0 keeps every row start 16-byte aligned when the base pointers are.
   if (dim % BF16_PER_VEC == 0 && is_vec_aligned(x) && is_vec_aligned(w) && is_vec_aligned(y)) {
-    rmsnorm_fwd_rows<BF16_PER_VEC>(x, w, y, rstd, rows, dim, eps, team_size, red);
+    const int chunks = dim / BF16_PER_VEC;
+    if (team_size == RMS_BLOCK && chunks <= 2 * RMS_BLOCK) {
+      rmsnorm_fwd_rows_block<2>(x, w, y, rstd, rows, dim, eps, red);
+    } else if (team_size == RMS_BLOCK && chunks <= RMS_REG_CHUNKS * RMS_BLOCK) {
+      rmsnorm_fwd_rows_block<RMS_REG_CHUNKS>(x, w, y, rstd, rows, dim, eps, red);
+    } else {
+      rmsnorm_fwd_rows<BF16_PER_VEC>(x, w, y, rstd, rows, dim, eps, team_size, red);
+    }
   } else {
     rmsnorm_fwd_rows<1>(x, w, y, rstd, rows, dim, eps, team_size, red);
   }
@@ -282,6 +373,123 @@ __device__ __forceinline__ void rmsnorm_bwd_parts(
   }
 }
 
+// Block teams with the rows in registers (8-wide path, 1024 < dim <= 8 * RMS_BLOCK * CPL):
+// rmsnorm_bwd_parts<8> with T = RMS_BLOCK (one row at a time, R = 1), each thread's dy and x
+// chunks read once, into registers, and the second phase computed from them instead of
+// re-reading the row. Software pipelined within a part (CPL <= 2): the dy and x loads of the next
+// row are issued before this row's sum and barrier, so a block always has a row in flight.
+// Accumulating into dx, the old dx chunks are loaded at the top of the row. Same operations in
+// the same order as rmsnorm_bwd_parts<8>, so the same dx and dw_partial bits.
+template <int CPL>
+__device__ __forceinline__ void rmsnorm_bwd_parts_block(
+    const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
+    const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
+    __nv_bfloat16* __restrict__ dx, bool accumulate_dx, float* __restrict__ dw_partial,
+    index_t rows, int dim, index_t rows_per_part, float* acc, float (&red)[2][RMS_WARPS]) {
+  // At CPL 4 the prefetch and the early old dx would need 32 more registers and spill: the row's
+  // loads are then issued after the previous row's stores, and the old dx where it is added.
+  constexpr bool kPrefetch = CPL <= 2;
+  constexpr bool kEarlyOld = CPL <= 2;
+  const int tid = threadIdx.x;
+  const int chunks = dim / BF16_PER_VEC;
+  const float inv_dim = __fdiv_rn(1.0f, (float)dim); // cpu.rs: F::ONE / dim
+  const index_t parts = (rows + rows_per_part - 1) / rows_per_part;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w) + tid;
+  // The block's dw accumulators (one team: dim floats), thread tid's columns only, so no barrier
+  // between zeroing and accumulating.
+  float4* acc4 = reinterpret_cast<float4*>(acc) + 2 * tid;
+  int parity = 0;
+  for (index_t p = blockIdx.x; p < parts; p += gridDim.x) { // uniform over the block
+    const index_t r0 = p * rows_per_part;
+    const index_t r1 = min(rows, r0 + rows_per_part);
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+      if (tid + j * RMS_BLOCK < chunks) {
+        acc4[2 * j * RMS_BLOCK] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        acc4[2 * j * RMS_BLOCK + 1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    uint4 dv[CPL], xv[CPL]; // r0 < r1: a part holds at least one row
+    rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(dy + r0 * dim) + tid, chunks, dv);
+    rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(x + r0 * dim) + tid, chunks, xv);
+    for (index_t row = r0; row < r1; ++row) { // uniform over the block
+      uint4* dxr = reinterpret_cast<uint4*>(dx + row * dim) + tid;
+      uint4 ov[CPL];
+#pragma unroll
+      for (int j = 0; j < CPL; ++j) {
+        ov[j] = make_uint4(0u, 0u, 0u, 0u);
+        if (kEarlyOld && accumulate_dx && tid + j * RMS_BLOCK < chunks) ov[j] = dxr[j * RMS_BLOCK];
+      }
+      uint4 ndv[CPL], nxv[CPL];
+      if (kPrefetch && row + 1 < r1) {
+        rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(dy + (row + 1) * dim) + tid,
+                                chunks, ndv);
+        rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(x + (row + 1) * dim) + tid,
+                                chunks, nxv);
+      } else {
+#pragma unroll
+        for (int j = 0; j < CPL; ++j) {
+          ndv[j] = make_uint4(0u, 0u, 0u, 0u); // never used
+          nxv[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      const float r = rstd[row];
+      float gx = 0.0f;
+#pragma unroll
+      for (int j = 0; j < CPL; ++j) {
+        if (tid + j * RMS_BLOCK < chunks) {
+          float d[8], xf[8], wf[8];
+          bf16x8_unpack(dv[j], d);
+          bf16x8_unpack(xv[j], xf);
+          bf16x8_unpack(w4[j * RMS_BLOCK], wf); // the same 2 * dim bytes every row: L1 hits
+#pragma unroll
+          for (int e = 0; e < 8; ++e) gx = fmaf(__fmul_rn(d[e], wf[e]), xf[e], gx);
+        }
+      }
+      gx = rms_team_sum(gx, RMS_BLOCK, 0xFFFFFFFFu, red, parity);
+      const float coef = __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(gx, r), r), r), inv_dim);
+#pragma unroll
+      for (int j = 0; j < CPL; ++j) {
+        if (tid + j * RMS_BLOCK < chunks) {
+          float d[8], xf[8], wf[8], g[8], dwc[8];
+          bf16x8_unpack(dv[j], d);
+          bf16x8_unpack(xv[j], xf);
+          bf16x8_unpack(w4[j * RMS_BLOCK], wf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            g[e] = __fsub_rn(__fmul_rn(__fmul_rn(r, d[e]), wf[e]), __fmul_rn(xf[e], coef));
+            dwc[e] = __fmul_rn(__fmul_rn(d[e], xf[e]), r);
+          }
+          if (accumulate_dx) {
+            float old[8];
+            bf16x8_unpack(kEarlyOld ? ov[j] : dxr[j * RMS_BLOCK], old);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) g[e] = __fadd_rn(old[e], g[e]);
+          }
+          dxr[j * RMS_BLOCK] = bf16x8_pack_rn_fast(g);
+          smem_chunk_add<BF16_PER_VEC>(reinterpret_cast<float*>(acc4 + 2 * j * RMS_BLOCK), dwc);
+        }
+      }
+      if (kPrefetch) {
+#pragma unroll
+        for (int j = 0; j < CPL; ++j) {
+          dv[j] = ndv[j];
+          xv[j] = nxv[j];
+        }
+      } else if (row + 1 < r1) {
+        rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(dy + (row + 1) * dim) + tid,
+                                chunks, dv);
+        rms_block_row_load<CPL>(reinterpret_cast<const uint4*>(x + (row + 1) * dim) + tid,
+                                chunks, xv);
+      }
+    }
+    __syncthreads(); // every thread's sums are in shared memory
+    // One team: dw_partial[p, c] = acc[c] (rmsnorm_bwd_parts' team loop adds nothing more).
+    for (int c = tid; c < dim; c += RMS_BLOCK) dw_partial[p * dim + c] = acc[c];
+    __syncthreads(); // the next part zeroes the accumulators only after they were read
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
     rmsnorm_bwd_bf16(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
                      const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
@@ -294,12 +502,21 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
   extern __shared__ float4 rms_dyn_smem[]; // float4: 16-byte aligned for the vector path
   __shared__ float red[2][RMS_WARPS];
   float* team_acc_all = reinterpret_cast<float*>(rms_dyn_smem);
-  const int team_size = rms_bwd_team_size(dim);
+  const int team_size = rms_team_size(dim);
   const bool acc_dx = accumulate_dx != 0;
   if (dim % BF16_PER_VEC == 0 && is_vec_aligned(dy) && is_vec_aligned(x) && is_vec_aligned(w) &&
       is_vec_aligned(dx)) {
-    rmsnorm_bwd_parts<BF16_PER_VEC>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
-                                    rows_per_part, team_size, team_acc_all, red);
+    const int chunks = dim / BF16_PER_VEC;
+    if (team_size == RMS_BLOCK && chunks <= 2 * RMS_BLOCK) {
+      rmsnorm_bwd_parts_block<2>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
+                                 rows_per_part, team_acc_all, red);
+    } else if (team_size == RMS_BLOCK && chunks <= RMS_REG_CHUNKS * RMS_BLOCK) {
+      rmsnorm_bwd_parts_block<RMS_REG_CHUNKS>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
+                                              rows_per_part, team_acc_all, red);
+    } else {
+      rmsnorm_bwd_parts<BF16_PER_VEC>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
+                                      rows_per_part, team_size, team_acc_all, red);
+    }
   } else {
     rmsnorm_bwd_parts<1>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim, rows_per_part,
                          team_size, team_acc_all, red);
@@ -309,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
 // dw[c] += sum_p dw_partial[p, c]. Block = 32 columns x RMS_DW_SLICES warps; warp s sums its
 // contiguous slice of parts in increasing p (coalesced: 32 adjacent columns per load), then lane
 // c of warp 0 adds the slice sums in slice order and adds the total to dw[c].
-extern "C" __global__ void __launch_bounds__(RMS_BLOCK)
+extern "C" __global__ void __launch_bounds__(RMS_BLOCK, 1)
     rmsnorm_dw_reduce_f32(const float* __restrict__ dw_partial, int parts, float* __restrict__ dw,
                           int dim) {
   if (blockDim.x != RMS_BLOCK) __trap(); // one warp per slice
@@ -326,9 +543,19 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK)
     const index_t c = cg * 32 + lane;
     float s = 0.0f;
     if (c < dim) {
-      // The loads do not depend on s: unrolled, 8 are in flight per thread.
-#pragma unroll 8
-      for (index_t p = p0; p < p1; ++p) s = __fadd_rn(s, dw_partial[p * dim + c]);
+      // The loads do not depend on s: batches of RMS_DW_BATCH loads are issued before their adds
+      // (at 1024 parts a slice is 128 of them: 8 round trips to memory instead of ~32 with the
+      // compiler's own interleaving; dim / 32 blocks are too few to hide latency with more warps).
+      // The adds stay in increasing p.
+      index_t p = p0;
+      for (; p + RMS_DW_BATCH <= p1; p += RMS_DW_BATCH) {
+        float v[RMS_DW_BATCH];
+#pragma unroll
+        for (int i = 0; i < RMS_DW_BATCH; ++i) v[i] = dw_partial[(p + i) * dim + c];
+#pragma unroll
+        for (int i = 0; i < RMS_DW_BATCH; ++i) s = __fadd_rn(s, v[i]);
+      }
+      for (; p < p1; ++p) s = __fadd_rn(s, dw_partial[p * dim + c]);
     }
     slice_sum[slice][lane] = s;
     __syncthreads();

@@ -25,4 +25,5 @@ cp "$test_bin" gpu-bundle/integration
 cp "$bench_bin" gpu-bundle/bench-kernels
 strip gpu-bundle/dflash-engine gpu-bundle/integration gpu-bundle/bench-kernels
 cp scripts/gpu-run.sh gpu-bundle/run.sh
+cp scripts/sanitize.sh gpu-bundle/sanitize.sh
 du -sh gpu-bundle/*

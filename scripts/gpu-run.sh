@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2]...
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -17,34 +17,43 @@ if has tests; then
   grep -E "^test |test result|max rel err|bit-identical|cuda vs cpu|drafter loss|panicked" "$OUT/tests.log" | tail -150
 fi
 if has sanitize; then
-  echo "== compute-sanitizer over the kernel tests"
-  for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 gpu_pack gpu_norm gpu_loss gpu_attention gpu_gemm > "$OUT/sanitize-$tool.log" 2>&1
-    rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
-    [ $rc -eq 0 ] || status=1
-  done
-  echo "== stream-ordered race check: the run tests on CUDA with every free mapped to cuMemFreeAsync"
-  DFLASH_ALLOC_MODE=free-async timeout 300 compute-sanitizer --tool memcheck --track-stream-ordered-races all --error-exitcode 9 \
-    $B/integration --include-ignored --test-threads=1 run::async run::split > "$OUT/sanitize-stream-order.log" 2>&1
-  rc=$?; echo "stream-ordered races: exit $rc; $(grep -E 'ERROR SUMMARY|test result' "$OUT/sanitize-stream-order.log" | tr '\n' ' ')"
-  [ $rc -eq 0 ] || status=1
+  echo "== compute-sanitizer (scripts/sanitize.sh)"
+  OUT=$OUT bash $B/sanitize.sh $B || status=1
 fi
 if has bench; then
   echo "== kernel bench"
   $B/bench-kernels 2>&1 | tee "$OUT/bench.log" || status=1
 fi
-if has run8b; then
-  echo "== Qwen3-8B-shaped run (random weights, random-token data)"
-  W=/tmp/q8b
+W=/tmp/q8b
+make8b() {
   [ -f $W/config.json ] || $B/dflash-engine init-model --preset qwen3-8b-shape --seed 0 --init-std 0.02 --out $W 2>&1 | tail -1
-  python3 -c '
+  [ -f /tmp/q8b-data.jsonl ] || python3 -c '
 import json, random
 r = random.Random(0)
 with open("/tmp/q8b-data.jsonl", "w") as f:
     for _ in range(64):
         ids = [r.randrange(151000) for _ in range(3072)]
         f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 256 + [1] * (3072 - 256)}) + "\n")'
-  $B/dflash-engine run --device cuda --target $W --data /tmp/q8b-data.jsonl --steps ${STEPS8B:-6} --batch-size 4 --seq-len 3072 \
-    --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4 --log-every 1 --save-every 1000 --out /tmp/q8b-run 2>&1 | tee "$OUT/run8b.log" || status=1
+}
+Q8B="--target $W --data /tmp/q8b-data.jsonl --batch-size 4 --seq-len 3072 --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4"
+if has run8b; then
+  echo "== Qwen3-8B-shaped run (random weights, random-token data)"
+  make8b
+  $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-6} --log-every 1 --save-every 1000 --out /tmp/q8b-run \
+    2>&1 | tee "$OUT/run8b.log" || status=1
+fi
+if has pipe8b; then
+  echo "== pipeline bench at the Qwen3-8B shape, one GPU"
+  make8b
+  $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --out /tmp/q8b-bench 2>&1 | tee "$OUT/pipe8b.log" || status=1
+fi
+if has pipe8b2; then
+  echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"
+  make8b
+  $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --drafter-gpus 1 --out /tmp/q8b-bench2 2>&1 | tee "$OUT/pipe8b2.log" || status=1
+fi
+if has tiny; then
+  echo "== the default run on CUDA (tiny preset)"
+  $B/dflash-engine run --device cuda --out /tmp/tiny-run 2>&1 | tail -25 | tee "$OUT/tiny.log" || status=1
 fi
 exit $status

@@ -2,6 +2,7 @@
 //!
 //! Module map (one line each; DESIGN.md section 3 is the long form):
 pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
+pub mod bench; // `bench-pipeline`: sync vs async per transport, target idle, peer copy rate
 pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
 pub mod data; // pre-tokenized JSON Lines: parsing, validation, the order of samples per step
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded

@@ -22,6 +22,9 @@ struct Cli {
 enum Cmd {
     /// Train a drafter. With no flags: the embedded tiny target, data it generates itself, CPU or GPU.
     Run(RunArgs),
+    /// Tokens/s of the synchronous reference vs the async pipeline on each transport (same flags
+    /// as `run`; add --drafter-gpus 1 for the two-GPU rows and the peer copy baseline).
+    BenchPipeline(RunArgs),
     /// Write a randomly initialised target in Hugging Face layout (config.json + model.safetensors).
     InitModel(InitArgs),
     /// Print a checkpoint folder's config and tensors.
@@ -110,6 +113,16 @@ struct RunArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// How batches cross from the target to the drafter: auto (same GPU: hand-off; peer GPUs:
+    /// p2p; otherwise host), same, p2p (device-to-device copy), host (through pinned memory).
+    #[arg(long, default_value = "auto")]
+    transport: String,
+    /// CUDA device running the target (comma list; one device per side in this version).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    target_gpus: Vec<usize>,
+    /// CUDA device training the drafter (default: the target's).
+    #[arg(long, value_delimiter = ',')]
+    drafter_gpus: Vec<usize>,
     /// Seed of the drafter init, anchors, noise and data order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -170,8 +183,8 @@ struct InitArgs {
 }
 
 impl RunArgs {
-    fn into_options(self) -> RunOptions {
-        RunOptions {
+    fn into_options(self) -> anyhow::Result<RunOptions> {
+        Ok(RunOptions {
             target: self.target,
             target_seed: self.target_seed,
             init_std: self.init_std,
@@ -192,6 +205,10 @@ impl RunArgs {
             pad_to_tokens: self.pad_to_tokens,
             max_inflight: self.max_inflight,
             device: self.device,
+            alloc_mode: None,
+            transport: dflash_engine::pipeline::Transport::parse(&self.transport).map_err(anyhow::Error::msg)?,
+            target_gpus: self.target_gpus,
+            drafter_gpus: self.drafter_gpus,
             seed: self.seed,
             out: self.out,
             resume: self.resume,
@@ -207,7 +224,7 @@ impl RunArgs {
             stop_after: self.stop_after,
             sync: self.sync,
             trace: self.trace,
-        }
+        })
     }
 }
 
@@ -226,7 +243,7 @@ fn main() -> Result<()> {
                 eprintln!("\nstopping after this step (Ctrl-C again to quit now)");
             })
             .context("installing the Ctrl-C handler")?;
-            session::run(&args.into_options(), Some(stop))?;
+            session::run(&args.into_options()?, Some(stop))?;
         }
         Cmd::InitModel(a) => {
             let cfg = TargetConfig::preset(&a.preset)?;
@@ -248,6 +265,9 @@ fn main() -> Result<()> {
                 a.seed,
                 a.init_std
             );
+        }
+        Cmd::BenchPipeline(args) => {
+            dflash_engine::bench::bench_pipeline(&args.into_options()?)?;
         }
         Cmd::Inspect { dir } => session::inspect(&dir)?,
         Cmd::GenData { target, samples, seq_len, init_std, out } => {

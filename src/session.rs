@@ -16,7 +16,7 @@ use crate::config::{DrafterConfig, TargetConfig};
 use crate::data::Dataset;
 use crate::model::drafter::{Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetShape};
-use crate::pipeline::{self, BatchSource, Control, Faults, PipelineConfig, PipelineStats, TargetSide};
+use crate::pipeline::{self, BatchSource, Control, Faults, PipelineConfig, PipelineStats, TargetSide, Transport};
 use crate::train::batch::{build_batch, BatchSpec, HostBatch, Sample};
 use crate::train::checkpoint::{self, TensorState, TrainerState};
 use crate::train::generate::{generate, GenSpec};
@@ -73,6 +73,13 @@ pub struct RunOptions {
     pub sync: bool,
     /// Write a Chrome/Perfetto trace of the pipeline here.
     pub trace: Option<PathBuf>,
+    /// The CUDA allocator's mode (None: `DFLASH_ALLOC_MODE`, else normal). Debug modes only.
+    pub alloc_mode: Option<crate::backend::cuda::alloc::Mode>,
+    /// How batches cross from the target to the drafter (None: auto).
+    pub transport: Option<Transport>,
+    /// CUDA devices of the target and of the drafter (empty drafter list: the target's).
+    pub target_gpus: Vec<usize>,
+    pub drafter_gpus: Vec<usize>,
 }
 
 impl RunOptions {
@@ -115,6 +122,10 @@ impl RunOptions {
             stop_after: None,
             sync: false,
             trace: None,
+            alloc_mode: None,
+            transport: None,
+            target_gpus: vec![0],
+            drafter_gpus: Vec::new(),
         }
     }
 }
@@ -270,48 +281,103 @@ fn bar(quiet: bool, len: u64, msg: &str) -> ProgressBar {
 /// Runs training as `opts` says. Ctrl-C (when `interrupt` is set) stops after the current step
 /// with a checkpoint.
 pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
-    use crate::backend::cuda::{alloc::Mode, CudaBackend};
+    use crate::backend::cuda::CudaBackend;
     // Debug modes of the CUDA allocator (DESIGN.md rule 6): poison freed blocks with NaN, skip
     // the cross-stream deferral (test-only: reproduces the corruption), or map every free to
     // cuMemFreeAsync so compute-sanitizer can check the stream bookkeeping.
-    let mode = match std::env::var("DFLASH_ALLOC_MODE").as_deref() {
-        Ok("poison") => Mode::PoisonOnFree,
-        Ok("unsafe-reuse") => Mode::UnsafeReuse,
-        Ok("free-async") => Mode::FreeAsync,
-        Ok("normal") | Err(_) => Mode::Normal,
-        Ok(other) => bail!("DFLASH_ALLOC_MODE={other}: use normal, poison, unsafe-reuse or free-async"),
+    let mode = match opts.alloc_mode {
+        Some(m) => m,
+        None => alloc_mode_from_env()?,
+    };
+    let (t_gpu, d_gpu) = gpus(opts)?;
+    let cuda = |ordinal: usize| CudaBackend::new(ordinal, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"));
+    let on_cuda = |bt: CudaBackend| -> Result<RunSummary> {
+        if d_gpu == t_gpu {
+            run_on(&bt, &bt, opts, interrupt.clone())
+        } else {
+            let bd = cuda(d_gpu)?;
+            run_on(&bt, &bd, opts, interrupt.clone())
+        }
     };
     match opts.device {
-        Device::Cpu => run_on(&CpuBackend::new(), opts, interrupt),
-        Device::Cuda => {
-            let be = CudaBackend::new(0, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"))?;
-            run_on(&be, opts, interrupt)
+        Device::Cpu => {
+            let be = CpuBackend::new();
+            run_on(&be, &be, opts, interrupt)
         }
-        Device::Auto => match CudaBackend::new(0, mode) {
-            Ok(be) => run_on(&be, opts, interrupt),
+        Device::Cuda => on_cuda(cuda(t_gpu)?),
+        Device::Auto => match CudaBackend::new(t_gpu, mode) {
+            Ok(be) => on_cuda(be),
             Err(why) => {
                 if !opts.quiet {
                     eprintln!("note      no usable GPU ({why}); running on the CPU backend");
                 }
-                run_on(&CpuBackend::new(), opts, interrupt)
+                let be = CpuBackend::new();
+                run_on(&be, &be, opts, interrupt)
             }
         },
     }
 }
 
-fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
+/// `DFLASH_ALLOC_MODE`: the CUDA allocator's debug modes (DESIGN.md rule 6).
+fn alloc_mode_from_env() -> Result<crate::backend::cuda::alloc::Mode> {
+    use crate::backend::cuda::alloc::Mode;
+    Ok(match std::env::var("DFLASH_ALLOC_MODE").as_deref() {
+        Ok("poison") => Mode::PoisonOnFree,
+        Ok("unsafe-reuse") => Mode::UnsafeReuse,
+        Ok("free-async") => Mode::FreeAsync,
+        Ok("normal") | Err(_) => Mode::Normal,
+        Ok(other) => bail!("DFLASH_ALLOC_MODE={other}: use normal, poison, unsafe-reuse or free-async"),
+    })
+}
+
+/// Bytes of one micro-batch's packed taps (rows x taps x hidden, bf16) for these flags.
+pub fn micro_batch_bytes(opts: &RunOptions) -> Result<usize> {
+    let src = TargetSource::resolve(&opts.target, opts.target_seed, opts.init_std)?;
+    let tcfg = src.config().clone();
+    let dcfg = DrafterConfig::for_target(&tcfg, opts.drafter_layers, opts.block_size, opts.taps.clone())?;
+    let rows = (opts.batch_size * opts.seq_len).max(opts.pad_to_tokens.unwrap_or(0));
+    Ok(rows * dcfg.target_layer_ids.len() * tcfg.hidden_size * 2)
+}
+
+/// The target's and the drafter's CUDA device from `--target-gpus` / `--drafter-gpus`.
+fn gpus(o: &RunOptions) -> Result<(usize, usize)> {
+    let t = match o.target_gpus.as_slice() {
+        [] => 0,
+        [t] => *t,
+        many => bail!(
+            "--target-gpus {many:?}: this version runs the target on one GPU; give one device (e.g. --target-gpus 0)"
+        ),
+    };
+    let d = match o.drafter_gpus.as_slice() {
+        [] => t,
+        [d] => *d,
+        many => bail!(
+            "--drafter-gpus {many:?}: this version trains the drafter on one GPU; give one device (e.g. --drafter-gpus 1)"
+        ),
+    };
+    Ok((t, d))
+}
+
+/// Trains with the target on `bt` and the drafter on `bd` (the same backend on one device).
+fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
     validate(opts)?;
+    let one_device = std::ptr::eq(bt, bd);
+    if opts.sync && !one_device {
+        bail!("--sync runs target and drafter on one device: drop --drafter-gpus (or use the same GPU)");
+    }
     let say = |m: String| {
         if !opts.quiet {
             eprintln!("{m}");
         }
     };
-    let s = be.compute_stream();
+    let s = bt.compute_stream();
+    let sd = bd.compute_stream();
     let src = TargetSource::resolve(&opts.target, opts.target_seed, opts.init_std)?;
     let tcfg = src.config().clone();
     let dcfg = DrafterConfig::for_target(&tcfg, opts.drafter_layers, opts.block_size, opts.taps.clone())
         .context("drafter configuration")?;
-    say(format!("backend   {}", be.name()));
+    let backend_name = if one_device { bt.name() } else { format!("target on {}, drafter on {}", bt.name(), bd.name()) };
+    say(format!("backend   {backend_name}"));
     say(format!("target    {}", src.describe()));
     say(format!(
         "drafter   {} layers, block {}, taps {:?}, mask token {}",
@@ -320,7 +386,7 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
 
     // Data: a JSONL file, or sequences the target writes itself (needs every layer).
     let generated = opts.data.is_none();
-    let target = src.load(be, dcfg.target_layer_ids.clone(), generated)?;
+    let target = src.load(bt, dcfg.target_layer_ids.clone(), generated)?;
     let t_gen = Instant::now();
     let data = match &opts.data {
         Some(path) => Dataset::from_jsonl(path, tcfg.vocab_size, opts.seq_len)?,
@@ -336,7 +402,7 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
                 ordinary_vocab: ordinary,
                 batch: 64,
             };
-            let samples = generate(be, &s, &target, &spec, |done| pb.set_position(done as u64))?;
+            let samples = generate(bt, &s, &target, &spec, |done| pb.set_position(done as u64))?;
             pb.finish_and_clear();
             Dataset::from_samples(samples)?
         }
@@ -351,9 +417,10 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
 
     // Both sides.
     let dshape = DrafterShape::from_config(&dcfg, opts.logits_chunk);
-    let (embed, lm_head) = Drafter::frozen_from_target(be, &s, &target)?;
-    let (drafter, fc) = Drafter::new(be, &s, dshape.clone(), embed, lm_head, opts.seed)?;
-    let mut side = DrafterSide::new(be, &s, drafter, Some(fc))?;
+    let (embed, lm_head) = Drafter::frozen_from_target(bt, &s, &target)?;
+    let (embed, lm_head) = (move_buf(bt, bd, &sd, embed)?, move_buf(bt, bd, &sd, lm_head)?);
+    let (drafter, fc) = Drafter::new(bd, &sd, dshape.clone(), embed, lm_head, opts.seed)?;
+    let mut side = DrafterSide::new(bd, &sd, drafter, Some(fc))?;
     let fingerprint = run_fingerprint(opts, &opts.target);
     let mut first_step = 0;
     if opts.resume {
@@ -362,14 +429,22 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
                 if ck.state.run_fingerprint != fingerprint {
                     bail!("--resume: the checkpoint in {} was written by a different run configuration.\n  checkpoint: {}\n  this run:   {}\nUse the same flags, or another --out.", ck.dir.display(), ck.state.run_fingerprint, fingerprint);
                 }
-                restore(be, &s, &mut side, &ck.tensors)?;
+                restore(bd, &sd, &mut side, &ck.tensors)?;
                 first_step = ck.state.step;
                 say(format!("resume    from {} (step {first_step})", ck.dir.display()));
             }
             None => say(format!("resume    no checkpoint in {}: starting from step 0", opts.out.display())),
         }
     }
-    let tside = TargetSide { target, fc: if opts.split_fc { side.fc.take().map(Mutex::new) } else { None } };
+    // Split-FC: the fc group lives with the target (on the target's device).
+    let fc = match side.fc.take() {
+        Some(fc) if opts.split_fc => Some(Mutex::new(fc.move_to(bd, bt, &s)?)),
+        other => {
+            side.fc = other;
+            None
+        }
+    };
+    let tside = TargetSide { target, fc };
     let source = StepBatches {
         data,
         spec: BatchSpec {
@@ -398,6 +473,8 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         noise: NoiseSpec { std: opts.noise_std, seed: opts.seed },
         faults: opts.faults,
         trace: opts.trace.as_ref().map(|_| Arc::new(pipeline::Trace::default())),
+        transport: opts.transport.unwrap_or_else(|| Transport::auto(bt, bd)),
+        max_rows: (opts.batch_size * opts.seq_len).max(opts.pad_to_tokens.unwrap_or(0)),
     };
 
     std::fs::create_dir_all(&opts.out).with_context(|| format!("creating the output folder {}", opts.out.display()))?;
@@ -453,7 +530,7 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         step_ms.push(ms);
         if done % opts.save_every.max(1) == 0 || done == opts.steps || stop {
             let t_ck = Instant::now();
-            let tensors = gather(be, &s, side, tside.fc.as_ref())?;
+            let tensors = gather(bt, &s, bd, &sd, side, tside.fc.as_ref())?;
             let state = TrainerState {
                 step: done,
                 seed: opts.seed,
@@ -466,10 +543,19 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         last_t = Instant::now();
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
+    let mem_before = (bt.allocated_bytes(), bd.allocated_bytes());
     let stats = if opts.sync {
-        sync_loop(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
+        sync_loop(bt, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
     } else {
-        pipeline::run(be, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
+        let (result, stats) = pipeline::run(bt, bd, &tside, &mut side, &source, &pcfg, &optim, &mut on_step);
+        // Whatever the outcome: no pinned slot may still be held and every transient device
+        // buffer must be back (DESIGN.md rule 5; the fault tests check this line).
+        let leaks = leak_check(one_device, mem_before, (bt.allocated_bytes(), bd.allocated_bytes()), &stats);
+        if !opts.quiet {
+            eprintln!("leak check     {leaks}");
+        }
+        result.map_err(|e| anyhow::Error::new(e).context(format!("the run stopped ({leaks})")))?;
+        stats
     };
     pb.finish_and_clear();
     if let (Some(path), Some(tr)) = (&opts.trace, &pcfg.trace) {
@@ -489,13 +575,20 @@ fn run_on<B: Backend>(be: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBoo
         stats,
         first_step,
         checkpoint: last_ckpt,
-        backend: be.name(),
+        backend: backend_name.clone(),
         peak_rss_bytes: peak_rss_bytes(),
         data_samples: source.data.len(),
         gen_seconds,
         step_ms,
         checkpoint_seconds: ckpt_secs,
-        device_memory: be.memory_report(),
+        device_memory: if one_device {
+            bt.memory_report()
+        } else {
+            match (bt.memory_report(), bd.memory_report()) {
+                (Some(a), Some(b)) => Some(format!("target: {a}; drafter: {b}")),
+                _ => None,
+            }
+        },
     };
     if !opts.quiet {
         print_summary(&summary);
@@ -565,15 +658,55 @@ fn validate(o: &RunOptions) -> Result<()> {
     Ok(())
 }
 
+/// What is still held after the pipeline ended: pinned slots, and device bytes beyond those held
+/// before it started (weights, optimizer state).
+fn leak_check(
+    one_device: bool,
+    before: (Option<usize>, Option<usize>),
+    after: (Option<usize>, Option<usize>),
+    st: &PipelineStats,
+) -> String {
+    let mut parts = vec![format!("{} pinned slots held", st.slots_in_flight_at_end)];
+    let mut leaked = st.slots_in_flight_at_end > 0;
+    let sides: &[(&str, Option<usize>, Option<usize>)] =
+        if one_device { &[("device", before.0, after.0)] } else { &[("target", before.0, after.0), ("drafter", before.1, after.1)] };
+    for (name, b, a) in sides {
+        if let (Some(b), Some(a)) = (b, a) {
+            if a > b {
+                leaked = true;
+                parts.push(format!("{name} memory {} bytes above its start", a - b));
+            } else {
+                parts.push(format!("{name} memory back to its start"));
+            }
+        }
+    }
+    format!("{}: {}", if leaked { "LEAK" } else { "no leaked slot or block" }, parts.join(", "))
+}
+
+/// `buf` of `from`'s device as a buffer of `to`'s device (itself on one device).
+fn move_buf<B: Backend>(from: &B, to: &B, s_to: &B::Stream, buf: B::Buf) -> crate::backend::Result<B::Buf> {
+    if std::ptr::eq(from, to) {
+        return Ok(buf);
+    }
+    let mut out = to.alloc(s_to, from.dtype(&buf), from.len(&buf))?;
+    from.synchronize(&from.compute_stream())?;
+    to.copy_from_peer(s_to, from, &buf, &mut out)?;
+    // The source may go once the copy is done.
+    to.synchronize(s_to)?;
+    Ok(out)
+}
+
 /// Host copies of every trained tensor (masters and moments) for a checkpoint.
 fn gather<B: Backend>(
-    be: &B,
-    s: &B::Stream,
+    bt: &B,
+    st: &B::Stream,
+    bd: &B,
+    sd: &B::Stream,
     side: &DrafterSide<B>,
     remote_fc: Option<&Mutex<ParamGroup<B>>>,
 ) -> Result<Vec<TensorState>, Box<dyn std::error::Error + Send + Sync>> {
     let mut out = Vec::new();
-    let mut take = |g: &ParamGroup<B>| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let mut take = |be: &B, s: &B::Stream, g: &ParamGroup<B>| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let (master, m, v) = (be.download(s, &g.master)?, be.download(s, &g.m)?, be.download(s, &g.v)?);
         for e in g.table.entries() {
             let r = e.offset..e.offset + e.numel;
@@ -588,11 +721,11 @@ fn gather<B: Backend>(
         Ok(())
     };
     match (&side.fc, remote_fc) {
-        (Some(fc), _) => take(fc)?,
-        (None, Some(fc)) => take(&*fc.lock().map_err(|_| "fc group lock poisoned")?)?,
+        (Some(fc), _) => take(bd, sd, fc)?,
+        (None, Some(fc)) => take(bt, st, &*fc.lock().map_err(|_| "fc group lock poisoned")?)?,
         (None, None) => return Err("no fc group on either side".into()),
     }
-    take(&side.drafter.body)?;
+    take(bd, sd, &side.drafter.body)?;
     Ok(out)
 }
 
@@ -679,6 +812,24 @@ pub fn print_summary(r: &RunSummary) {
         st.mean_queue_depth(),
         st.queue_depth.iter().max().copied().unwrap_or(0)
     );
+    if !st.transport.is_empty() {
+        eprintln!(
+            "  transport    {}: {:.2} GB moved ({:.2} GB/s over the run), publisher waited {:.2} s for copies, {} waits for a pinned slot",
+            st.transport,
+            st.bytes_moved as f64 / 1e9,
+            st.bytes_moved as f64 / 1e9 / wall,
+            secs(st.publisher_wait_copy),
+            st.slot_waits
+        );
+    }
+    if let (Some((busy, span)), Some(idle)) = (st.target_gpu, st.target_gpu_idle_fraction()) {
+        eprintln!(
+            "  target GPU   busy {:.2} s of {:.2} s on its stream (device timestamps) -> idle {:.1}%",
+            secs(busy),
+            secs(span),
+            100.0 * idle
+        );
+    }
     if let Some(b) = r.peak_rss_bytes {
         eprintln!("peak memory    {:.1} MiB resident (host)", b as f64 / (1 << 20) as f64);
     }
@@ -701,6 +852,7 @@ pub fn faults_from_env() -> Faults {
                 "producer-error" => f.producer_error_at = step,
                 "publish-error" => f.publish_error_at = step,
                 "consumer-panic" => f.consumer_panic_at = step,
+                "copy-error" => f.copy_error_at = step,
                 _ => {}
             }
         }

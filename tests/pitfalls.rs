@@ -196,13 +196,11 @@ fn f32_grads(sh: &DrafterShape, micro: &[HostBatch], x: &[Vec<f32>], per_micro_n
     let (mut side, be) = f32_side(sh);
     let total: f64 = micro.iter().map(|b| b.weight_sum).sum();
     side.zero_grad(&be, &S).unwrap();
-    let mut sums = dflash_engine::train::step::MetricSums::default();
     for (hb, xh) in micro.iter().zip(x) {
         let mut xb = be.alloc(&S, DType::BF16, xh.len()).unwrap();
         be.upload(&S, xh, &mut xb, 0).unwrap();
         let w = if per_micro_norm { hb.weight_sum } else { total };
-        side.consume(&be, &S, hb, &dflash_engine::train::step::Context::Packed(xb), (1.0 / w) as f32, &mut sums)
-            .unwrap();
+        side.consume(&be, &S, hb, &dflash_engine::train::step::Context::Packed(xb), (1.0 / w) as f32).unwrap();
     }
     (be.download(&S, &side.drafter.body.grad).unwrap(), be.download(&S, &side.fc.as_ref().unwrap().grad).unwrap())
 }

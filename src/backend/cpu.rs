@@ -11,6 +11,7 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 
 use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use crate::pipeline::slots::{SlotError, SlotMemory};
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
 
@@ -95,6 +96,27 @@ pub struct CpuBuf<F> {
 /// The CPU has one in-order "stream"; the handle exists so model code is the same on every backend.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuStream;
+
+/// "Pinned" host slots of the CPU backend: plain vectors holding values exactly (f64 holds every
+/// f32 and f64 bit pattern), so staged transports copy bit for bit. CPU copies complete at once,
+/// so its events are always done.
+#[derive(Debug, Default)]
+pub struct CpuHostMem;
+
+impl SlotMemory for CpuHostMem {
+    type Slot = Vec<f64>;
+    type Event = ();
+    fn alloc_slot(&self, bytes: usize) -> std::result::Result<Vec<f64>, SlotError> {
+        // Room for `bytes / 2` elements: every device dtype is at least 2 bytes wide.
+        Ok(vec![0.0; bytes / 2])
+    }
+    fn done(&self, _ev: &()) -> bool {
+        true
+    }
+    fn wait(&self, _ev: &()) -> std::result::Result<(), SlotError> {
+        Ok(())
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct CpuBackend<F: Real = f32> {
@@ -201,6 +223,47 @@ impl<F: Real> Backend for CpuBackend<F> {
 
     fn synchronize(&self, _s: &CpuStream) -> Result<()> {
         Ok(())
+    }
+
+    type Event = ();
+    type HostMem = CpuHostMem;
+
+    fn record_event(&self, _s: &CpuStream) -> Result<()> {
+        Ok(())
+    }
+    fn wait_event(&self, _s: &CpuStream, _ev: &()) -> Result<()> {
+        Ok(())
+    }
+    fn sync_event(&self, _ev: &()) -> Result<()> {
+        Ok(())
+    }
+    fn record_use(&self, _s: &CpuStream, _bufs: &[&CpuBuf<F>]) -> Result<()> {
+        Ok(())
+    }
+    fn host_mem(&self) -> std::sync::Arc<CpuHostMem> {
+        std::sync::Arc::new(CpuHostMem)
+    }
+    fn copy_to_host(&self, _s: &CpuStream, src: &CpuBuf<F>, dst: &mut Vec<f64>) -> Result<()> {
+        check_len("copy_to_host", "slot", dst.len(), 0, src.data.len())?;
+        for (d, x) in dst.iter_mut().zip(&src.data) {
+            *d = x.to_f64();
+        }
+        Ok(())
+    }
+    fn copy_from_host(&self, _s: &CpuStream, src: &Vec<f64>, dst: &mut CpuBuf<F>) -> Result<()> {
+        check_len("copy_from_host", "slot", src.len(), 0, dst.data.len())?;
+        for (d, &x) in dst.data.iter_mut().zip(src.iter()) {
+            *d = F::from_f64(x);
+        }
+        Ok(())
+    }
+    fn copy_from_peer(&self, _s: &CpuStream, _src_be: &Self, src: &CpuBuf<F>, dst: &mut CpuBuf<F>) -> Result<()> {
+        check_len("copy_from_peer", "dst", dst.data.len(), 0, src.data.len())?;
+        dst.data[..src.data.len()].copy_from_slice(&src.data);
+        Ok(())
+    }
+    fn is_peer(&self, _other: &Self) -> bool {
+        true
     }
 
     fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {

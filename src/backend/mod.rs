@@ -12,6 +12,9 @@
 pub mod cpu;
 pub mod cuda;
 
+use std::sync::Arc;
+
+use crate::pipeline::slots::SlotMemory;
 use crate::tensor::DType;
 
 /// Errors an op reports before it runs (shapes, lengths) or while it runs (device errors).
@@ -125,6 +128,56 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self, s: &Self::Stream) -> Result<()>;
     /// Device memory in use, for the run summary (None where the host's resident set says it).
     fn memory_report(&self) -> Option<String> {
+        None
+    }
+
+    // ---- events and transports (DESIGN.md sections 1-2) ----
+    /// A point in a stream's work (a CUDA event); the host or another stream can wait for it.
+    type Event: Clone + Send + Sync + 'static;
+    /// Pinned host memory for the host-staged transport, with this backend's events
+    /// (`pipeline::slots`).
+    type HostMem: SlotMemory<Event = Self::Event>;
+
+    /// Records the work enqueued on `s` so far.
+    fn record_event(&self, s: &Self::Stream) -> Result<Self::Event>;
+    /// `s` waits, on the device, until `ev` completed; `ev` may come from another device.
+    fn wait_event(&self, s: &Self::Stream, ev: &Self::Event) -> Result<()>;
+    /// The host waits until `ev` completed.
+    fn sync_event(&self, ev: &Self::Event) -> Result<()>;
+    /// Records that `bufs` are used on `s` (DESIGN.md rule 2): their memory is not reused before
+    /// `s` is done with them.
+    fn record_use(&self, s: &Self::Stream, bufs: &[&Self::Buf]) -> Result<()>;
+    /// The pinned host memory provider for slot pools.
+    fn host_mem(&self) -> Arc<Self::HostMem>;
+    /// Async device -> pinned host copy of all of `src` on `s` (the slot must be large enough).
+    fn copy_to_host(
+        &self,
+        s: &Self::Stream,
+        src: &Self::Buf,
+        dst: &mut <Self::HostMem as SlotMemory>::Slot,
+    ) -> Result<()>;
+    /// Async pinned host -> device copy filling all of `dst` on `s`.
+    fn copy_from_host(
+        &self,
+        s: &Self::Stream,
+        src: &<Self::HostMem as SlotMemory>::Slot,
+        dst: &mut Self::Buf,
+    ) -> Result<()>;
+    /// Async copy of all of `src`, which lives on `src_be`'s device (this one or a peer), into
+    /// `dst` on this device, on `s` (a stream of this backend).
+    fn copy_from_peer(&self, s: &Self::Stream, src_be: &Self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
+    /// Whether this device reads `other`'s memory directly (NVLink / PCIe peer access).
+    fn is_peer(&self, other: &Self) -> bool;
+    /// An event that also takes a device timestamp (None where the backend has no device clock).
+    fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {
+        Ok(None)
+    }
+    /// Seconds between two completed timed events (the host waits for `end`).
+    fn elapsed_secs(&self, _start: &Self::Event, _end: &Self::Event) -> Option<f64> {
+        None
+    }
+    /// Device memory currently handed out by the allocator, in bytes (None on the CPU).
+    fn allocated_bytes(&self) -> Option<usize> {
         None
     }
 

@@ -13,6 +13,7 @@
 
 pub mod slots;
 pub mod stats;
+pub mod transport;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,10 +26,9 @@ use crate::model::drafter::{fc_backward, fc_forward, ParamGroup};
 use crate::model::target::Target;
 use crate::train::batch::HostBatch;
 use crate::train::optim::OptimConfig;
-use crate::train::step::{
-    global_norm, plan_update, target_pack, Context, DrafterSide, MetricSums, NoiseSpec, StepMetrics,
-};
+use crate::train::step::{global_norm, plan_update, target_pack, Context, DrafterSide, NoiseSpec, StepMetrics};
 pub use stats::{PipelineStats, Trace};
+pub use transport::{Link, Parcel, Transport};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -44,6 +44,8 @@ pub enum PipelineError {
     Publish { step: u32, micro: usize, reason: String },
     #[error("the target side stopped before step {step} arrived")]
     ProducerGone { step: u32 },
+    #[error("setting up the {transport} transport failed: {source}")]
+    Setup { transport: &'static str, source: BackendError },
     #[error("stopped by the step callback: {0}")]
     Stopped(String),
 }
@@ -59,10 +61,13 @@ pub trait BatchSource: Sync {
 pub struct Faults {
     /// The producer returns an error before running the target of this step.
     pub producer_error_at: Option<u32>,
-    /// Publishing this step's first micro-batch fails (as a failed copy/put would).
+    /// Publishing this step's first micro-batch fails (as a failed put would).
     pub publish_error_at: Option<u32>,
     /// The consumer panics on receiving this step.
     pub consumer_panic_at: Option<u32>,
+    /// The transport's copy of this step's first micro-batch fails, after its slot or buffer was
+    /// taken (tests that nothing leaks).
+    pub copy_error_at: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -74,6 +79,10 @@ pub struct PipelineConfig {
     pub faults: Faults,
     /// Spans of every stage, for `--trace`.
     pub trace: Option<std::sync::Arc<stats::Trace>>,
+    /// How batches cross from the target to the drafter.
+    pub transport: Transport,
+    /// The most context rows a micro-batch can have (sizes the pinned slots).
+    pub max_rows: usize,
 }
 
 /// The target side: the frozen target, and the fc group under split-FC.
@@ -89,18 +98,18 @@ pub enum Control {
     Stop,
 }
 
+/// One micro-batch in flight from the target side to the drafter side.
 struct Msg<B: Backend> {
     step: u32,
     micro: usize,
     n_micro: usize,
     hb: HostBatch,
-    ctx: Context<B>,
-    /// The stream that wrote `ctx`: the consumer's stream waits on it before the first read.
-    from: B::Stream,
+    /// `X` (packed) or, under split-FC, `Y` (projected).
+    parcel: Parcel<B>,
 }
 
 enum Back<B: Backend> {
-    Dy { dy: B::Buf, from: B::Stream },
+    Dy(Parcel<B>),
     Update { hp: Option<AdamStep> },
 }
 
@@ -113,34 +122,77 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Runs steps `first_step..end_step`. `on_step` sees each finished step's metrics (and may
-/// checkpoint); it runs on the calling thread, after the step's update.
+/// The GPU-side start and end of each stretch of target work (timed events on the target's
+/// compute stream): the target's idle fraction is measured on the device, not on the host.
+type TimedSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event)>;
+
+/// Runs steps `first_step..end_step`: the target on `bt` (its own stream), the drafter on `bd`'s
+/// compute stream, batches crossing by `cfg.transport` (`bt` and `bd` are the same backend on one
+/// GPU). `on_step` sees each finished step's metrics (and may checkpoint); it runs on the calling
+/// thread, after the step's update.
+#[allow(clippy::too_many_arguments)]
 pub fn run<B: Backend>(
-    be: &B,
+    bt: &B,
+    bd: &B,
     tside: &TargetSide<B>,
     side: &mut DrafterSide<B>,
     source: &dyn BatchSource,
     cfg: &PipelineConfig,
     optim: &OptimConfig,
     on_step: &mut dyn FnMut(&StepMetrics, &mut DrafterSide<B>, &PipelineStats) -> Result<Control, BoxErr>,
-) -> Result<PipelineStats, PipelineError> {
+) -> (Result<(), PipelineError>, PipelineStats) {
     let split = tside.fc.is_some();
-    let (tx, rx) = mpsc::sync_channel::<Msg<B>>(cfg.max_inflight.max(1));
+    let hidden = tside.target.shape.hidden;
+    let width = if split { hidden } else { hidden * tside.target.taps.len() };
+    let slots = cfg.max_inflight.max(1) + 3;
+    let setup = |e| PipelineError::Setup { transport: cfg.transport.name(), source: e };
+    let links = Link::new(cfg.transport, bt, bd, cfg.max_rows * width * 2, slots)
+        .and_then(|f| Ok((f, Link::new(cfg.transport, bd, bt, cfg.max_rows * hidden * 2, slots)?)));
+    let (fwd, back) = match links {
+        Ok(l) => l,
+        Err(e) => return (Err(setup(e)), PipelineStats::default()),
+    };
+    let (tx, pub_rx) = mpsc::sync_channel::<Msg<B>>(0);
+    let (pub_tx, rx) = mpsc::sync_channel::<Msg<B>>(cfg.max_inflight.max(1));
     let (back_tx, back_rx) = mpsc::channel::<Back<B>>();
     let (report_tx, report_rx) = mpsc::channel::<f64>();
     let depth = AtomicUsize::new(0);
     let stats = Mutex::new(PipelineStats::default());
     let started = Instant::now();
 
-    let result = std::thread::scope(|scope| {
-        let producer = scope.spawn(|| produce(be, tside, source, cfg, tx, back_rx, report_tx, &depth, &stats));
+    let (result, spans) = std::thread::scope(|scope| {
+        let producer =
+            scope.spawn(|| produce(bt, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats));
+        let publisher = scope.spawn(|| publish(&fwd, cfg, pub_rx, pub_tx, &depth, &stats));
         let consumer = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            consume(be, side, cfg, optim, split, rx, back_tx, report_rx, &depth, &stats, started, on_step)
+            consume(bd, side, cfg, optim, split, &fwd, &back, rx, back_tx, report_rx, &depth, &stats, started, on_step)
         }));
+        // The drafter side failed on its own: nobody may stay blocked on a pinned slot. (When it
+        // only saw the target side stop, the target side's own error is the one to report.)
+        if !matches!(consumer, Ok(Ok(())) | Ok(Err(PipelineError::ProducerGone { .. }))) {
+            fwd.shutdown();
+            back.shutdown();
+        }
         let p = producer.join();
-        match (consumer, p) {
-            // The consumer only saw the producer's channel close: the producer's error is the cause.
-            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Err(e))) => Err(e),
+        let pb = publisher.join();
+        let (p, spans) = match p {
+            Ok((r, spans)) => (Ok(r), spans),
+            Err(panic) => (Err(panic), Vec::new()),
+        };
+        let pb = match pb {
+            Ok(r) => r,
+            Err(panic) => Err(PipelineError::ProducerPanic { message: panic_message(&*panic) }),
+        };
+        let stopped_early = stats.lock().map(|s| s.stopped_early).unwrap_or(false);
+        let r = match (consumer, p) {
+            // The consumer only saw the producer's channel close: the producer's (or publisher's)
+            // error is the cause.
+            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Err(e))) => match (e, pb) {
+                // The producer only saw the publisher stop: the publisher's error is the cause.
+                (PipelineError::Publish { .. }, Err(pe)) => Err(pe),
+                (e, _) => Err(e),
+            },
+            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Ok(()))) => pb.and(Ok(())),
             (Ok(Err(PipelineError::ProducerGone { .. })), Err(panic)) => {
                 Err(PipelineError::ProducerPanic { message: panic_message(&*panic) })
             }
@@ -153,19 +205,77 @@ pub fn run<B: Backend>(
             (Ok(Ok(())), Err(panic)) => Err(PipelineError::ProducerPanic { message: panic_message(&*panic) }),
             (Ok(Ok(())), Ok(Err(e))) => match e {
                 // The consumer stopped early on purpose: the producer's send failed, that is fine.
-                PipelineError::Publish { .. } | PipelineError::ProducerGone { .. }
-                    if stats.lock().map(|s| s.stopped_early).unwrap_or(false) =>
-                {
-                    Ok(())
-                }
+                PipelineError::Publish { .. } | PipelineError::ProducerGone { .. } if stopped_early => Ok(()),
                 e => Err(e),
             },
-            (Ok(Ok(())), Ok(Ok(()))) => Ok(()),
-        }
+            (Ok(Ok(())), Ok(Ok(()))) => match pb {
+                Err(PipelineError::Publish { .. }) if stopped_early => Ok(()),
+                other => other,
+            },
+        };
+        (r, spans)
     });
     let mut st = stats.into_inner().unwrap_or_default();
     st.wall = started.elapsed();
-    result.map(|_| st)
+    st.transport = cfg.transport.name();
+    st.bytes_moved = fwd.bytes_moved() + back.bytes_moved();
+    st.copy_seconds = match (fwd.copy_seconds(), back.copy_seconds()) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+    };
+    // The target's device timeline: busy = sum of its stretches, span = first start to last end.
+    if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
+        let busy: Option<f64> = spans.iter().map(|(a, b)| bt.elapsed_secs(a, b)).sum();
+        if let (Some(busy), Some(span)) = (busy, bt.elapsed_secs(&first.0, &last.1)) {
+            st.target_gpu = Some((Duration::from_secs_f64(busy), Duration::from_secs_f64(span)));
+        }
+    }
+    // Every parcel is gone by now: no slot may still be held (rule 5).
+    for link in [&fwd, &back] {
+        if let Some(s) = link.slot_stats() {
+            st.slots_in_flight_at_end += s.in_flight;
+            st.slot_waits += s.waits;
+        }
+    }
+    if result.is_err() {
+        side.discard_outputs();
+    }
+    (result, st)
+}
+
+/// Forwards parcels from the target side to the drafter side: the host waits for each copy to
+/// complete (so the drafter only ever sees finished copies and the sources are released early),
+/// then blocks on the bounded queue.
+fn publish<B: Backend>(
+    link: &Link<'_, B>,
+    cfg: &PipelineConfig,
+    rx: Receiver<Msg<B>>,
+    tx: SyncSender<Msg<B>>,
+    depth: &AtomicUsize,
+    stats: &Mutex<PipelineStats>,
+) -> Result<(), PipelineError> {
+    for mut msg in rx {
+        let (step, micro) = (msg.step, msg.micro);
+        if cfg.faults.publish_error_at == Some(step) {
+            return Err(PipelineError::Publish { step, micro, reason: "injected fault: publish failed".into() });
+        }
+        let t0 = Instant::now();
+        link.settle(&mut msg.parcel)
+            .map_err(|e| PipelineError::Publish { step, micro, reason: format!("waiting for the copy: {e}") })?;
+        add_time(stats, |st| &mut st.publisher_wait_copy, t0.elapsed());
+        if let Some(tr) = &cfg.trace {
+            tr.span("publisher", format!("step {step}.{micro}: {} copy", link.kind.name()), t0);
+        }
+        depth.fetch_add(1, Ordering::SeqCst);
+        if tx.send(msg).is_err() {
+            depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
+        }
+        if let Ok(mut st) = stats.lock() {
+            st.queue_depth.push(depth.load(Ordering::SeqCst) as u32);
+        }
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -174,15 +284,36 @@ fn produce<B: Backend>(
     tside: &TargetSide<B>,
     source: &dyn BatchSource,
     cfg: &PipelineConfig,
+    fwd: &Link<'_, B>,
+    back: &Link<'_, B>,
     tx: SyncSender<Msg<B>>,
     back_rx: Receiver<Back<B>>,
     report_tx: Sender<f64>,
-    depth: &AtomicUsize,
     stats: &Mutex<PipelineStats>,
+) -> (Result<(), PipelineError>, TimedSpans<B>) {
+    let mut spans = Vec::new();
+    let r = produce_steps(be, tside, source, cfg, fwd, back, tx, back_rx, report_tx, stats, &mut spans);
+    (r, spans)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn produce_steps<B: Backend>(
+    be: &B,
+    tside: &TargetSide<B>,
+    source: &dyn BatchSource,
+    cfg: &PipelineConfig,
+    fwd: &Link<'_, B>,
+    back: &Link<'_, B>,
+    tx: SyncSender<Msg<B>>,
+    back_rx: Receiver<Back<B>>,
+    report_tx: Sender<f64>,
+    stats: &Mutex<PipelineStats>,
+    spans: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
-    // The target side computes on its own stream; the drafter's stream waits on it per batch.
+    // The target side computes on its own stream; copies run on the links' copy streams.
     let s = be.new_stream().map_err(|e| PipelineError::Producer { step: cfg.first_step, source: Box::new(e) })?;
     let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, source: e };
+    let berr = |step: u32| move |e: BackendError| PipelineError::Producer { step, source: Box::new(e) };
     // Split-FC: the packed X of the previous step, kept for dWfc.
     let mut prev: Option<(u32, Vec<(HostBatch, B::Buf)>)> = None;
     for step in cfg.first_step..cfg.end_step {
@@ -191,62 +322,66 @@ fn produce<B: Backend>(
         }
         let t0 = Instant::now();
         let hbs = source.micro_batches(step).map_err(perr(step))?;
+        let t_start = be.record_timed(&s).map_err(berr(step))?;
         let mut packed = Vec::with_capacity(hbs.len());
         for hb in hbs {
-            let x = target_pack(be, &s, &tside.target, &hb, cfg.noise, step).map_err(|e| perr(step)(Box::new(e)))?;
+            let x = target_pack(be, &s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
             packed.push((hb, x));
         }
         add_time(stats, |st| &mut st.target_busy, t0.elapsed());
         if let Some(tr) = &cfg.trace {
             tr.span("target", format!("step {step}: target forward + pack"), t0);
         }
+        let mut t_start = t_start;
         if let Some(fc) = &tside.fc {
             // Exact split-FC: finish the previous step's fc update before projecting this step.
             if let Some((pstep, pbatches)) = prev.take() {
+                // The wait for dY is not target work: close this stretch of the device timeline.
+                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(&s).map_err(berr(step))?) {
+                    spans.push((a, b));
+                }
                 let t1 = Instant::now();
-                finish_fc_step(be, &s, fc, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
-                    FcError::Backend(e) => perr(pstep)(Box::new(e)),
+                finish_fc_step(be, &s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
+                    FcError::Backend(e) => berr(pstep)(e),
                     FcError::Gone => PipelineError::ProducerGone { step: pstep },
                 })?;
                 add_time(stats, |st| &mut st.target_wait_fc, t1.elapsed());
                 if let Some(tr) = &cfg.trace {
                     tr.span("target", format!("step {pstep}: split-FC dW + update"), t1);
                 }
+                t_start = be.record_timed(&s).map_err(berr(step))?;
             }
         }
         let n_micro = packed.len();
         let mut keep = Vec::new();
         for (micro, (hb, x)) in packed.into_iter().enumerate() {
-            if cfg.faults.publish_error_at == Some(step) {
-                return Err(PipelineError::Publish { step, micro, reason: "injected fault: publish failed".into() });
-            }
-            let ctx = match &tside.fc {
+            let out = match &tside.fc {
                 Some(fc) => {
                     let fc = fc
                         .lock()
                         .map_err(|_| PipelineError::ProducerPanic { message: "fc group lock poisoned".into() })?;
                     let hidden = tside.target.shape.hidden;
-                    let mut y = be
-                        .alloc(&s, crate::tensor::DType::BF16, hb.rows() * hidden)
-                        .map_err(|e| perr(step)(Box::new(e)))?;
-                    fc_forward(be, &s, &fc, &x, &mut y, hb.rows()).map_err(|e| perr(step)(Box::new(e)))?;
+                    let mut y = be.alloc(&s, crate::tensor::DType::BF16, hb.rows() * hidden).map_err(berr(step))?;
+                    fc_forward(be, &s, &fc, &x, &mut y, hb.rows()).map_err(berr(step))?;
                     keep.push((hb.clone(), x));
-                    Context::Projected(y)
+                    y
                 }
-                None => Context::Packed(x),
+                None => x,
             };
+            if micro + 1 == n_micro {
+                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(&s).map_err(berr(step))?) {
+                    spans.push((a, b));
+                }
+            }
+            let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
+            let parcel = fwd.send(&s, out, fault).map_err(berr(step))?;
             let t2 = Instant::now();
-            depth.fetch_add(1, Ordering::SeqCst);
-            if tx.send(Msg { step, micro, n_micro, hb, ctx, from: s.clone() }).is_err() {
-                depth.fetch_sub(1, Ordering::SeqCst);
+            if tx.send(Msg { step, micro, n_micro, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
             }
             add_time(stats, |st| &mut st.target_blocked, t2.elapsed());
             if let Some(tr) = &cfg.trace {
                 tr.span("target (queue)", format!("step {step}.{micro}: publish (blocked while full)"), t2);
-            }
-            if let Ok(mut st) = stats.lock() {
-                st.queue_depth.push(depth.load(Ordering::SeqCst) as u32);
             }
         }
         if tside.fc.is_some() {
@@ -254,8 +389,8 @@ fn produce<B: Backend>(
         }
     }
     if let (Some(fc), Some((pstep, pbatches))) = (&tside.fc, prev.take()) {
-        finish_fc_step(be, &s, fc, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
-            FcError::Backend(e) => perr(pstep)(Box::new(e)),
+        finish_fc_step(be, &s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
+            FcError::Backend(e) => berr(pstep)(e),
             FcError::Gone => PipelineError::ProducerGone { step: pstep },
         })?;
     }
@@ -279,6 +414,7 @@ fn finish_fc_step<B: Backend>(
     be: &B,
     s: &B::Stream,
     fc: &Mutex<ParamGroup<B>>,
+    back: &Link<'_, B>,
     batches: &[(HostBatch, B::Buf)],
     back_rx: &Receiver<Back<B>>,
     report_tx: &Sender<f64>,
@@ -287,10 +423,7 @@ fn finish_fc_step<B: Backend>(
     fc.zero_grad(be, s)?;
     for (hb, x) in batches {
         let dy = match back_rx.recv() {
-            Ok(Back::Dy { dy, from }) => {
-                be.hand_over(&from, s, &[&dy])?;
-                dy
-            }
+            Ok(Back::Dy(parcel)) => back.receive(s, parcel)?,
             _ => return Err(FcError::Gone),
         };
         fc_backward(be, s, &mut fc, &dy, x, hb.rows())?;
@@ -327,6 +460,8 @@ fn consume<B: Backend>(
     cfg: &PipelineConfig,
     optim: &OptimConfig,
     split: bool,
+    fwd: &Link<'_, B>,
+    back: &Link<'_, B>,
     rx: Receiver<Msg<B>>,
     back_tx: Sender<Back<B>>,
     report_rx: Receiver<f64>,
@@ -341,12 +476,13 @@ fn consume<B: Backend>(
             st.current_step = step;
         }
         let cerr = |e: BoxErr| PipelineError::Consumer { step, source: e };
-        let mut sums = MetricSums::default();
-        let mut pending: Vec<Msg<B>> = Vec::new();
+        let berr = |e: BackendError| PipelineError::Consumer { step, source: Box::new(e) };
+        let mut pending: Vec<(HostBatch, B::Buf)> = Vec::new();
         let mut micro = 0;
         let mut n_micro = 1;
         // All micro-batches of a step are needed before the first backward: the loss is
-        // normalised by the weight sum of the whole step (DFLASH.md pitfall 8).
+        // normalised by the weight sum of the whole step (DFLASH.md pitfall 8). Each one's H2D
+        // (host transport) is enqueued as soon as it arrives.
         while micro < n_micro {
             let t0 = Instant::now();
             let msg = rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
@@ -361,28 +497,28 @@ fn consume<B: Backend>(
             debug_assert_eq!((msg.step, msg.micro), (step, micro));
             n_micro = msg.n_micro;
             micro += 1;
-            pending.push(msg);
+            let buf = fwd.receive(&s, msg.parcel).map_err(berr)?;
+            pending.push((msg.hb, buf));
         }
-        let total_w: f64 = pending.iter().map(|m| m.hb.weight_sum).sum();
+        let total_w: f64 = pending.iter().map(|(hb, _)| hb.weight_sum).sum();
         let grad_scale = if total_w > 0.0 { (1.0 / total_w) as f32 } else { 0.0 };
         let t1 = Instant::now();
-        side.zero_grad(be, &s).map_err(|e| cerr(Box::new(e)))?;
-        for msg in pending {
-            let buf = match &msg.ctx {
-                Context::Packed(b) | Context::Projected(b) => b,
-            };
-            be.hand_over(&msg.from, &s, &[buf]).map_err(|e| cerr(Box::new(e)))?;
-            let dy = side.consume(be, &s, &msg.hb, &msg.ctx, grad_scale, &mut sums).map_err(|e| cerr(Box::new(e)))?;
+        side.zero_grad(be, &s).map_err(berr)?;
+        for (hb, buf) in pending {
+            let ctx = if split { Context::Projected(buf) } else { Context::Packed(buf) };
+            let dy = side.consume(be, &s, &hb, &ctx, grad_scale).map_err(berr)?;
             if let Some(dy) = dy {
-                back_tx.send(Back::Dy { dy, from: s.clone() }).map_err(|_| PipelineError::ProducerGone { step })?;
+                let parcel = back.send(&s, dy, false).map_err(berr)?;
+                back_tx.send(Back::Dy(parcel)).map_err(|_| PipelineError::ProducerGone { step })?;
             }
         }
+        let sums = side.take_metrics(be, &s).map_err(berr)?;
         add_time(stats, |st| &mut st.drafter_busy, t1.elapsed());
         if let Some(tr) = &cfg.trace {
             tr.span("drafter", format!("step {step}: drafter forward + backward"), t1);
         }
         let t2 = Instant::now();
-        let (body, local_fc) = side.grad_sumsq(be, &s).map_err(|e| cerr(Box::new(e)))?;
+        let (body, local_fc) = side.grad_sumsq(be, &s).map_err(berr)?;
         let fc_sumsq = if split {
             report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?
         } else {
@@ -394,8 +530,7 @@ fn consume<B: Backend>(
         if split {
             back_tx.send(Back::Update { hp }).map_err(|_| PipelineError::ProducerGone { step })?;
         }
-        let metrics = crate::train::step::apply_update(be, &s, side, hp, sums, norm, optim, step)
-            .map_err(|e| cerr(Box::new(e)))?;
+        let metrics = crate::train::step::apply_update(be, &s, side, hp, sums, norm, optim, step).map_err(berr)?;
         if split {
             // Wait until the target side applied the same update to the fc group.
             report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;

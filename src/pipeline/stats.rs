@@ -25,6 +25,21 @@ pub struct PipelineStats {
     pub optimizer: Duration,
     /// Queue depth right after each publish.
     pub queue_depth: Vec<u32>,
+    /// The transport used (`same`, `p2p`, `host`).
+    pub transport: &'static str,
+    /// Bytes the transports moved (both directions; 0 for a same-GPU hand-off).
+    pub bytes_moved: u64,
+    /// Device seconds the transports' copies took (None without device timestamps).
+    pub copy_seconds: Option<f64>,
+    /// The publisher waiting for copies to complete.
+    pub publisher_wait_copy: Duration,
+    /// The target's device timeline from timed events: (busy, span from its first start to its
+    /// last end). None on the CPU.
+    pub target_gpu: Option<(Duration, Duration)>,
+    /// Pinned slots still held after the run (must be 0: DESIGN.md rule 5).
+    pub slots_in_flight_at_end: usize,
+    /// Times a sender found no free pinned slot and had to wait.
+    pub slot_waits: u64,
 }
 
 impl PipelineStats {
@@ -38,6 +53,10 @@ impl PipelineStats {
     /// Fraction of the wall time the target side did not compute.
     pub fn target_idle_fraction(&self) -> f64 {
         1.0 - Self::frac(self.target_busy, self.wall).min(1.0)
+    }
+    /// Fraction of its device timeline the target's stream had no work (None without timed events).
+    pub fn target_gpu_idle_fraction(&self) -> Option<f64> {
+        self.target_gpu.map(|(busy, span)| 1.0 - Self::frac(busy, span).min(1.0))
     }
     /// Fraction of the wall time the drafter side waited for data.
     pub fn drafter_idle_fraction(&self) -> f64 {

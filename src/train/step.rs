@@ -168,19 +168,23 @@ pub struct DrafterSide<B: Backend> {
     pub drafter: Drafter<B>,
     pub fc: Option<ParamGroup<B>>,
     sumsq: B::Buf,
+    /// Per micro-batch loss and argmax of this step, read back once per step (`take_metrics`) so
+    /// the host never waits for the device between micro-batches.
+    outputs: Vec<(HostBatch, B::Buf, B::Ids)>,
 }
 
 impl<B: Backend> DrafterSide<B> {
     pub fn new(be: &B, s: &B::Stream, drafter: Drafter<B>, fc: Option<ParamGroup<B>>) -> Result<Self> {
-        Ok(DrafterSide { drafter, fc, sumsq: be.alloc(s, DType::F32, 1)? })
+        Ok(DrafterSide { drafter, fc, sumsq: be.alloc(s, DType::F32, 1)?, outputs: Vec::new() })
     }
 
     pub fn shape(&self) -> &DrafterShape {
         &self.drafter.shape
     }
 
-    /// Forward + backward of one micro-batch; gradients accumulate. Returns the per-slot loss and
-    /// argmax on the host, and under split-FC the `dY` the target side needs.
+    /// Forward + backward of one micro-batch; gradients accumulate. Keeps the per-slot loss and
+    /// argmax on the device for `take_metrics`; returns under split-FC the `dY` the target side
+    /// needs. Enqueues work only: the host does not wait for the device here.
     pub fn consume(
         &mut self,
         be: &B,
@@ -188,7 +192,6 @@ impl<B: Backend> DrafterSide<B> {
         hb: &HostBatch,
         ctx: &Context<B>,
         grad_scale: f32,
-        sums: &mut MetricSums,
     ) -> Result<Option<B::Buf>> {
         let dev = DeviceDraftBatch::upload(be, s, hb)?;
         let rows = hb.rows();
@@ -205,13 +208,28 @@ impl<B: Backend> DrafterSide<B> {
             }
             Context::Projected(y) => self.drafter.forward_backward(be, s, &dev.inputs(), y, grad_scale, &mut dy)?,
         };
-        let loss = be.download(s, &out.loss)?;
-        let argmax = be.download_ids(s, &out.argmax)?;
-        sums.add(hb, self.drafter.shape.block_size, &loss, &argmax);
+        self.outputs.push((hb.clone(), out.loss, out.argmax));
         Ok(match ctx {
             Context::Packed(_) => None,
             Context::Projected(_) => Some(dy),
         })
+    }
+
+    /// Reads back the loss and argmax of every micro-batch consumed since the last call (the one
+    /// place per step where the host waits for the drafter's forward passes).
+    pub fn take_metrics(&mut self, be: &B, s: &B::Stream) -> Result<MetricSums> {
+        let mut sums = MetricSums::default();
+        for (hb, loss, argmax) in self.outputs.drain(..) {
+            let loss = be.download(s, &loss)?;
+            let argmax = be.download_ids(s, &argmax)?;
+            sums.add(&hb, self.drafter.shape.block_size, &loss, &argmax);
+        }
+        Ok(sums)
+    }
+
+    /// Drops the outputs of a step that will not finish (a failed run).
+    pub fn discard_outputs(&mut self) {
+        self.outputs.clear();
     }
 
     /// Sum of squared body (and local fc) gradients.
@@ -268,12 +286,12 @@ pub fn sync_step<B: Backend>(
 ) -> Result<StepMetrics> {
     let total_w: f64 = micro.iter().map(|b| b.weight_sum).sum();
     let grad_scale = if total_w > 0.0 { (1.0 / total_w) as f32 } else { 0.0 };
-    let mut sums = MetricSums::default();
     side.zero_grad(be, s)?;
     for hb in micro {
         let x = target_pack(be, s, target, hb, noise, step)?;
-        side.consume(be, s, hb, &Context::Packed(x), grad_scale, &mut sums)?;
+        side.consume(be, s, hb, &Context::Packed(x), grad_scale)?;
     }
+    let sums = side.take_metrics(be, s)?;
     let (body, fc) = side.grad_sumsq(be, s)?;
     let norm = global_norm(fc.unwrap_or(0.0), body);
     let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };

@@ -9,8 +9,10 @@ use super::alloc::{AllocError, DeviceMem};
 /// A recorded CUDA event, destroyed on drop (the driver releases it once it completes).
 pub struct Event(sys::CUevent);
 
-// SAFETY: a CUevent is a driver handle usable from any thread with the context bound.
+// SAFETY: a CUevent is a driver handle usable from any thread with the context bound; record,
+// query, wait and synchronize are thread-safe driver calls.
 unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
 
 impl Event {
     /// Records an event on `stream` now.
@@ -21,10 +23,30 @@ impl Event {
         Ok(Event(ev))
     }
 
+    /// Records an event that also takes a GPU timestamp (for `elapsed`).
+    pub fn record_timed(stream: sys::CUstream) -> Result<Event, DriverError> {
+        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+        // SAFETY: a fresh event and a live stream.
+        unsafe { cu::event::record(ev, stream) }?;
+        Ok(Event(ev))
+    }
+
+    /// Milliseconds between two completed timed events.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32, DriverError> {
+        // SAFETY: two live events.
+        unsafe { cu::event::elapsed(start.0, end.0) }
+    }
+
     /// Makes `stream` wait (on the GPU) until this event completes.
     pub fn wait_on(&self, stream: sys::CUstream) -> Result<(), DriverError> {
         // SAFETY: a live event and stream.
         unsafe { cu::stream::wait_event(stream, self.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+    }
+
+    /// The host blocks until the event completed.
+    pub fn synchronize(&self) -> Result<(), DriverError> {
+        // SAFETY: a live event.
+        unsafe { cu::event::synchronize(self.0) }
     }
 
     pub fn done(&self) -> bool {

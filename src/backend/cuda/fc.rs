@@ -1,11 +1,102 @@
-//! The FC projection `Y = X W^T` as our own kernel (kernels/fc.cu).
+//! The FC projection `y[rows, h] = x[rows, k] W[h, k]^T` as our own kernels (kernels/fc.cu).
 //!
-//! Placeholder until kernels/fc.cu lands: runs the cuBLASLt GEMM.
+//! Two paths: `fc_wgmma_bf16` (TMA + wgmma, warp-specialised, persistent; the one training runs)
+//! whenever the shape and the pointers allow it, and `fc_simple_bf16` (a plain tiled kernel on CUDA
+//! cores) for everything else. The choice is [`fast_path_blocker`]; falling back is logged once.
+//! [`CudaBackend::fc_project_with`] forces either path, so tests and benches can run both.
 
-use super::{CudaBackend, CudaBuf, Stream};
-use crate::backend::{Backend, Gemm, Result};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys;
+
+use super::{dev_err, i32c, i64c, off_ptr, Args, CudaBackend, CudaBuf, Stream};
+use crate::backend::{check_len, BackendError, Result};
+
+/// Which kernel of kernels/fc.cu computes the projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FcPath {
+    /// `fc_wgmma_bf16`: k and h multiples of 8, x and W 16-byte aligned, y 4-byte aligned, k >= 1
+    /// (anything else is an error when this path is forced).
+    Fast,
+    /// `fc_simple_bf16`: any shape and alignment, on CUDA cores (slow).
+    Simple,
+}
+
+/// The kernels of kernels/fc.cu, resolved at start-up with all the others (mod.rs).
+pub(super) const FC_KERNELS: [&str; 2] = ["fc_wgmma_bf16", "fc_simple_bf16"];
+
+// fc_wgmma_bf16's fixed launch (kernels/fc.cu THREADS, SMEM_BYTES, BM, BN, BK; it traps on a
+// different block size or less shared memory).
+const FAST_THREADS: u32 = 384;
+const FAST_SMEM_BYTES: u32 = 197_696;
+const FAST_BM: u32 = 128;
+const FAST_BN: u32 = 256;
+const FAST_BK: u32 = 64;
+// fc_simple_bf16's fixed launch (kernels/fc.cu S_THREADS, S_TILE).
+const SIMPLE_THREADS: u32 = 256;
+const SIMPLE_TILE: usize = 64;
+/// The bulk tensor copy engine wants 16-byte aligned base addresses and row pitches.
+const TMA_ALIGN: u64 = 16;
+
+/// Set once the automatic choice has fallen back to the slow kernel (STYLE.md rule 8: log once).
+static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Why `fc_wgmma_bf16` cannot run on these operands (`None`: it can). Pointers are byte addresses
+/// of x, of W's first element (offset already applied) and of y.
+fn fast_path_blocker(x: u64, w: u64, y: u64, w_off: usize, h: usize, k: usize) -> Option<String> {
+    if k == 0 {
+        Some("k = 0 (nothing to load)".into())
+    } else if k % 8 != 0 {
+        Some(format!("k = {k} is not a multiple of 8 (TMA rows must be a multiple of 16 bytes)"))
+    } else if h % 8 != 0 {
+        Some(format!("h = {h} is not a multiple of 8"))
+    } else if x % TMA_ALIGN != 0 {
+        Some(format!("x at {x:#x} is not 16-byte aligned"))
+    } else if w % TMA_ALIGN != 0 {
+        Some(format!("W at element offset {w_off} is not 16-byte aligned"))
+    } else if y % 4 != 0 {
+        Some(format!("y at {y:#x} is not 4-byte aligned"))
+    } else {
+        None
+    }
+}
+
+/// A 2-D TMA descriptor over a row-major bf16 matrix `[outer, inner]` at `ptr`, read in boxes of
+/// `FAST_BK` x `box_outer` elements with the 128-byte swizzle the kernel's wgmma descriptors expect;
+/// out-of-bounds box elements read as zero.
+fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result<sys::CUtensorMap> {
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dims: [u64; 2] = [inner as u64, outer as u64];
+    let pitch: [u64; 1] = [inner as u64 * 2];
+    let boxes: [u32; 2] = [FAST_BK, box_outer];
+    let element_strides: [u32; 2] = [1, 1];
+    // SAFETY: every array has the length rank 2 asks for (strides: rank - 1) and outlives the
+    // call; `map` is a writable CUtensorMap. The call only encodes a descriptor on the host.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            pitch.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| dev_err(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix: {e:?}")))?;
+    Ok(map)
+}
 
 impl CudaBackend {
+    /// `Backend::fc_project` on CUDA: the fast kernel when [`fast_path_blocker`] allows it, else
+    /// the simple one (logged once per process).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fc_kernel(
         &self,
@@ -18,6 +109,104 @@ impl CudaBackend {
         h: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemm(s, &Gemm::linear(rows, h, k), x, 0, w, w_off, y, 0)
+        let path = match fast_path_blocker(x.ptr, off_ptr(w, w_off), y.ptr, w_off, h, k) {
+            Some(why) if rows > 0 && h > 0 => {
+                if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "note      fc_project ({rows} x {h} x {k}): {why}; running the slow fc_simple_bf16 kernel \
+                         (logged once)"
+                    );
+                }
+                FcPath::Simple
+            }
+            Some(_) => FcPath::Simple,
+            None => FcPath::Fast,
+        };
+        self.fc_project_with(s, x, w, w_off, y, rows, h, k, path)
+    }
+
+    /// `y[rows, h] = x[rows, k] w[w_off..][h, k]^T` (bf16, f32 accumulation, one rounding) on the
+    /// kernel `path` names. Forcing [`FcPath::Fast`] on operands it cannot take is an error, not a
+    /// silent fallback.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fc_project_with(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        h: usize,
+        k: usize,
+        path: FcPath,
+    ) -> Result<()> {
+        const OP: &str = "fc_project";
+        check_len(OP, "x", x.len, 0, rows * k)?;
+        check_len(OP, "w", w.len, w_off, h * k)?;
+        check_len(OP, "y", y.len, 0, rows * h)?;
+        Self::need_bf16("fc_project x", x)?;
+        Self::need_bf16("fc_project w", w)?;
+        Self::need_bf16("fc_project y", y)?;
+        let (rows_i, h_i, k_i) = (i32c("rows", rows)?, i32c("h", h)?, i32c("k", k)?);
+        if rows == 0 || h == 0 {
+            return Ok(());
+        }
+        let (xp, wp, yp) = (x.ptr, off_ptr(w, w_off), y.ptr);
+        match path {
+            FcPath::Fast => {
+                if let Some(why) = fast_path_blocker(xp, wp, yp, w_off, h, k) {
+                    return Err(BackendError::Shape { op: OP, what: format!("fc_wgmma_bf16 cannot run: {why}") });
+                }
+                let map_x = tensor_map_2d(xp, k, rows, FAST_BM)?;
+                let map_w = tensor_map_2d(wp, k, h, FAST_BN)?;
+                let tiles = rows.div_ceil(FAST_BM as usize) * h.div_ceil(FAST_BN as usize);
+                // Persistent: one CTA per SM at most (197 KB of shared memory each), >= 1 here.
+                let grid = tiles.min(self.sm_count as usize) as u32;
+                self.launch(
+                    s,
+                    "fc_wgmma_bf16",
+                    grid,
+                    FAST_THREADS,
+                    FAST_SMEM_BYTES,
+                    Args::new().p(map_x).p(map_w).p(yp).p(rows_i).p(h_i).p(k_i),
+                )
+            }
+            FcPath::Simple => {
+                let tiles = rows.div_ceil(SIMPLE_TILE) * h.div_ceil(SIMPLE_TILE);
+                let grid = u32::try_from(tiles).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| {
+                    BackendError::Shape {
+                        op: OP,
+                        what: format!("{rows} x {h} needs {tiles} tiles of 64 x 64, more than a grid can hold"),
+                    }
+                })?;
+                self.launch(
+                    s,
+                    "fc_simple_bf16",
+                    grid,
+                    SIMPLE_THREADS,
+                    0,
+                    Args::new().p(xp).p(wp).p(yp).p(i64c(rows)).p(h_i).p(k_i),
+                )
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_path_takes_aligned_multiples_of_8_only() {
+        let a = 0x7f00_0000_0000u64; // a 256-byte aligned device address
+        assert_eq!(fast_path_blocker(a, a + 128, a, 64, 4096, 20480), None);
+        assert_eq!(fast_path_blocker(a, a, a, 0, 64, 192), None);
+        assert!(fast_path_blocker(a, a + 6, a, 3, 4096, 20480).unwrap().contains("element offset 3"));
+        assert!(fast_path_blocker(a, a, a, 0, 4096, 100).unwrap().contains("k = 100"));
+        assert!(fast_path_blocker(a, a, a, 0, 100, 64).unwrap().contains("h = 100"));
+        assert!(fast_path_blocker(a, a, a, 0, 64, 0).unwrap().contains("k = 0"));
+        assert!(fast_path_blocker(a + 8, a, a, 0, 64, 64).unwrap().contains("x at"));
+        assert!(fast_path_blocker(a, a, a + 2, 0, 64, 64).unwrap().contains("y at"));
     }
 }

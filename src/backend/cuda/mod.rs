@@ -10,6 +10,7 @@ pub mod alloc;
 mod blas;
 mod device;
 mod fc;
+mod transport;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -21,6 +22,8 @@ use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Re
 use crate::tensor::DType;
 use alloc::{BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
+pub use fc::FcPath;
+pub use transport::{CudaEvent, CudaHostMem, PinnedSlot};
 
 fn dev_err(what: impl std::fmt::Display) -> BackendError {
     BackendError::Device(what.to_string())
@@ -115,7 +118,8 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 11] = [
+const OTHERS: [&str; 12] = [
+    "attn_draft_kv_ranges",
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
     "rmsnorm_bwd_bf16",
@@ -204,7 +208,8 @@ impl CudaBackend {
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
         let main = Stream(ctx.new_stream().map_err(|e| format!("{e:?}"))?);
         let mut f = HashMap::new();
-        let mut wanted: Vec<String> = ELEMENTWISE.iter().chain(OTHERS.iter()).map(|s| s.to_string()).collect();
+        let mut wanted: Vec<String> =
+            ELEMENTWISE.iter().chain(OTHERS.iter()).chain(fc::FC_KERNELS.iter()).map(|s| s.to_string()).collect();
         for a in ATTN {
             for hd in HEAD_DIMS {
                 wanted.push(format!("{a}_bf16_hd{hd}"));
@@ -231,9 +236,10 @@ impl CudaBackend {
             let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
             f.insert(leaked, func);
         }
-        // Attention and the rmsnorm backward may use more than the default 48 KB of shared memory.
+        // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
+        // shared memory.
         for (k, func) in &f {
-            if k.starts_with("attn_") || *k == "rmsnorm_bwd_bf16" {
+            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
@@ -324,6 +330,8 @@ impl CudaBackend {
         let host: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
         let mut b = self.alloc(s, DType::F32, host.len())?;
         self.upload(s, &host, &mut b, 0)?;
+        // Cached for every stream: the host waits once so no stream can read it early.
+        self.synchronize(s)?;
         let p = b.ptr;
         cache.insert(key, b);
         Ok(p)
@@ -363,6 +371,7 @@ impl CudaBackend {
 fn kernel_family(name: &str) -> &'static str {
     match name {
         n if n.starts_with("attn_") => "attention",
+        n if n.starts_with("fc_") => "fc",
         n if n.starts_with("rmsnorm_") => "rmsnorm",
         n if n.starts_with("swiglu_") => "swiglu",
         n if n.starts_with("sum_") => "reduce",
@@ -378,8 +387,12 @@ fn off_ptr(b: &CudaBuf, off: usize) -> u64 {
     b.ptr + (off * b.dtype.size_bytes()) as u64
 }
 
-/// rmsnorm's team size (see kernels/rmsnorm.cu).
-fn rms_warp_team(dim: usize) -> usize {
+/// rmsnorm's team size T(dim), forward and backward (see kernels/rmsnorm.cu): warp teams up to
+/// dim 1024, then the whole block owns a row.
+fn rms_team(dim: usize) -> usize {
+    if dim > 1024 {
+        return RMS_BLOCK as usize;
+    }
     let chunks = dim.div_ceil(8).div_ceil(RMS_CHUNKS_PER_LANE).max(1);
     chunks.next_power_of_two().min(32)
 }
@@ -414,6 +427,71 @@ impl Backend for CudaBackend {
             p.record_use(b.block, to.id());
         }
         Ok(())
+    }
+
+    type Event = CudaEvent;
+    type HostMem = CudaHostMem;
+
+    fn record_event(&self, s: &Stream) -> Result<CudaEvent> {
+        self.record_event_impl(s)
+    }
+
+    fn wait_event(&self, s: &Stream, ev: &CudaEvent) -> Result<()> {
+        self.bind()?;
+        ev.wait_on(s.raw()).map_err(dev_err)
+    }
+
+    fn sync_event(&self, ev: &CudaEvent) -> Result<()> {
+        ev.synchronize().map_err(dev_err)
+    }
+
+    fn record_use(&self, s: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
+        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        for b in bufs {
+            if !Arc::ptr_eq(&b.pool, &self.pool) {
+                return Err(dev_err("record_use: a buffer of another device (copy it over first)"));
+            }
+            p.record_use(b.block, s.id());
+        }
+        Ok(())
+    }
+
+    fn host_mem(&self) -> Arc<CudaHostMem> {
+        self.host_mem_impl()
+    }
+
+    fn copy_to_host(&self, s: &Stream, src: &CudaBuf, dst: &mut PinnedSlot) -> Result<()> {
+        self.copy_to_host_impl(s, src, dst)
+    }
+
+    fn copy_from_host(&self, s: &Stream, src: &PinnedSlot, dst: &mut CudaBuf) -> Result<()> {
+        self.copy_from_host_impl(s, src, dst)
+    }
+
+    fn copy_from_peer(&self, s: &Stream, src_be: &Self, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
+        self.copy_from_peer_impl(s, src_be, src, dst)
+    }
+
+    fn is_peer(&self, other: &Self) -> bool {
+        self.is_peer_impl(other)
+    }
+
+    fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
+        self.bind()?;
+        Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(dev_err)?)))
+    }
+
+    fn elapsed_secs(&self, start: &CudaEvent, end: &CudaEvent) -> Option<f64> {
+        end.synchronize().ok()?;
+        device::Event::elapsed_ms(start, end).ok().map(|ms| f64::from(ms) / 1e3)
+    }
+
+    /// Bytes handed out to callers; the backend's own constant caches (RoPE tables) excluded.
+    fn allocated_bytes(&self) -> Option<usize> {
+        let cache = self.inv_freq.lock().ok()?;
+        let pool = self.pool.lock().ok()?;
+        let cached: usize = cache.values().map(|b| pool.size(b.block)).sum();
+        Some(pool.stats().allocated - cached)
     }
 
     fn memory_report(&self) -> Option<String> {
@@ -452,32 +530,30 @@ impl Backend for CudaBackend {
         b.dtype
     }
 
+    // Uploads never make the host wait for the stream: an async copy from pageable host memory
+    // stages the source before it returns (CUDA's documented behaviour for pageable H2D), so the
+    // host vector may be dropped at once while the stream keeps its order.
     fn upload(&self, s: &Stream, host: &[f32], dst: &mut CudaBuf, off: usize) -> Result<()> {
         check_len("upload", "dst", dst.len, off, host.len())?;
         self.bind()?;
         match dst.dtype {
             DType::F32 => {
-                // SAFETY: dst has room (checked); the copy completes before returning (sync below)
-                // so `host` may be freed afterwards.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }.map_err(dev_err)?;
+                // SAFETY: dst has room (checked); pageable memory is staged before the call returns.
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }.map_err(dev_err)
             }
             DType::BF16 => {
                 let h: Vec<half::bf16> = host.iter().map(|&x| half::bf16::from_f32(x)).collect();
                 // SAFETY: as above.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }.map_err(dev_err)?;
-                self.synchronize(s)?;
-                return Ok(());
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }.map_err(dev_err)
             }
         }
-        self.synchronize(s)
     }
 
     fn upload_ids(&self, s: &Stream, host: &[i32], dst: &mut CudaIds) -> Result<()> {
         check_len("upload_ids", "dst", dst.len, 0, host.len())?;
         self.bind()?;
-        // SAFETY: dst has room; synchronised before `host` can go away.
-        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)?;
-        self.synchronize(s)
+        // SAFETY: dst has room; pageable memory is staged before the call returns.
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)
     }
 
     fn download(&self, s: &Stream, src: &CudaBuf) -> Result<Vec<f32>> {
@@ -620,12 +696,14 @@ impl Backend for CudaBackend {
         check_len("rmsnorm_fwd", "y", y.len, 0, rows * dim)?;
         check_len("rmsnorm_fwd", "rstd", rstd.len, 0, rows)?;
         Self::need_f32("rmsnorm_fwd rstd", rstd)?;
-        let r = RMS_BLOCK as usize / rms_warp_team(dim);
-        let grid = rows.div_ceil(r).max(1);
+        let r = RMS_BLOCK as usize / rms_team(dim);
+        // One row group per block (R rows; one row for dim > 1024): the block scheduler balances
+        // the tail. grid.x is at most 2^31 - 1; the kernel grid-strides past that.
+        let grid = rows.div_ceil(r).clamp(1, i32::MAX as usize);
         self.launch(
             s,
             "rmsnorm_fwd_bf16",
-            u32::try_from(grid).unwrap_or(u32::MAX),
+            u32::try_from(grid).unwrap_or(i32::MAX as u32),
             RMS_BLOCK,
             0,
             Args::new().p(x.ptr).p(off_ptr(w, w_off)).p(y.ptr).p(rstd.ptr).p(i64c(rows)).p(i32c("dim", dim)?).p(eps),
@@ -657,8 +735,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let team = if dim > 1024 { RMS_BLOCK as usize } else { rms_warp_team(dim) };
-        let r = RMS_BLOCK as usize / team;
+        let r = RMS_BLOCK as usize / rms_team(dim);
         let rows_per_part = r.max(rows.div_ceil(RMS_BWD_TARGET_PARTS));
         let parts = rows.div_ceil(rows_per_part);
         let partial = self.scratch(s, parts * dim)?;
@@ -813,12 +890,28 @@ impl Backend for CudaBackend {
             check_len("pack_taps", "tap", t.len, 0, n_valid.min(rows) * hidden)?;
             ptrs[k] = t.ptr;
         }
-        let grid = self.ew_grid(rows * taps.len() * hidden);
+        // kernels/pack.cu's fast path (hidden % 8 == 0, 16-byte aligned pointers): a block owns
+        // one (row, tap) segment of hidden / 8 units, PACK_UNITS per thread, and the grid has one
+        // work item per block, so the block scheduler balances the tail. The scalar path (ragged
+        // or offset views) is a grid-stride loop over elements.
+        const PACK_UNITS: usize = 4; // kernels/pack.cu
+        let vec = hidden % 8 == 0
+            && hidden <= 1 << 30
+            && out.ptr % 16 == 0
+            && ptrs[..taps.len()].iter().all(|p| p % 16 == 0);
+        let (grid, block) = if vec {
+            let units = (hidden / 8).max(1);
+            let block = (units.div_ceil(PACK_UNITS).div_ceil(32) * 32).clamp(32, 256);
+            let items = rows * taps.len() * units.div_ceil(block * PACK_UNITS);
+            (u32::try_from(items.clamp(1, i32::MAX as usize)).unwrap_or(1), block as u32)
+        } else {
+            (self.ew_grid(rows * taps.len() * hidden), 256)
+        };
         self.launch(
             s,
             "pack_taps_noise_bf16",
             grid,
-            256,
+            block,
             0,
             Args::new()
                 .p(ptrs)
@@ -990,28 +1083,19 @@ impl Backend for CudaBackend {
                 .p(sh.kv_heads as i32)
                 .p(sh.scale()),
         )?;
-        // Each context row's range of candidate blocks: blocks are laid out sequence by sequence,
-        // so the blocks sharing its sequence's ctx_start form one contiguous range.
-        let starts = self.download_ids(s, ctx_start)?;
-        let (mut begin, mut end) = (vec![0i32; sh.ctx_rows], vec![0i32; sh.ctx_rows]);
-        let mut j = 0;
-        while j < sh.num_blocks {
-            let st = starts[j];
-            let mut e = j;
-            while e < sh.num_blocks && starts[e] == st {
-                e += 1;
-            }
-            let next_start = if e < sh.num_blocks { starts[e] as usize } else { sh.ctx_rows };
-            for t in (st as usize)..next_start.min(sh.ctx_rows) {
-                begin[t] = j as i32;
-                end[t] = e as i32;
-            }
-            j = e;
+        // Each context row's range of candidate blocks, on the device (no host round trip).
+        let db = self.alloc_ids(s, sh.ctx_rows)?;
+        let de = self.alloc_ids(s, sh.ctx_rows)?;
+        if sh.ctx_rows > 0 {
+            self.launch(
+                s,
+                "attn_draft_kv_ranges",
+                sh.ctx_rows.div_ceil(256).min(16 * self.sm_count as usize) as u32,
+                256,
+                0,
+                Args::new().p(ctx_start.ptr).p(i32c("num_blocks", sh.num_blocks)?).p(i64c(sh.ctx_rows)).p(db.ptr).p(de.ptr),
+            )?;
         }
-        let mut db = self.alloc_ids(s, sh.ctx_rows)?;
-        let mut de = self.alloc_ids(s, sh.ctx_rows)?;
-        self.upload_ids(s, &begin, &mut db)?;
-        self.upload_ids(s, &end, &mut de)?;
         let nkv = Self::attn_name("attn_draft_bwd_kv", hd)?;
         let m = sh.block_size * (sh.heads / sh.kv_heads);
         let mp = 32 * m.div_ceil(32);

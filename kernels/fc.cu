@@ -1,0 +1,431 @@
+// fc.cu: the FC projection of the drafter's context path, y = x W^T (DFLASH.md section 2), as a
+// Hopper GEMM of our own: TMA loads into a 4-stage shared-memory ring, wgmma on two consumer
+// warpgroups, one producer thread. Plus a plain tiled kernel for any shape and alignment.
+// CPU reference: src/backend/cpu.rs gemm with Gemm::linear(rows, h, k).
+//
+// Math:     y[r, n] = bf16( sum_{c < k} x[r, c] * W[n, c] ), products and sums in f32, one RNE
+//           rounding per output (common.cuh's f32_to_bf16_bits_rne, as the CPU). Only the f32
+//           summation order differs from the CPU (wgmma's internal order; the simple kernel sums
+//           c = 0, 1, 2, ... with FMAs), so outputs agree to one bf16 ulp, not bit for bit.
+// Layouts:  x [rows, k], W [h, k], y [rows, h]; bf16, row-major, contiguous (W is the FC weight
+//           somewhere inside the flat parameter buffer: the launcher passes its address).
+// Symbols and when each runs (src/backend/cuda/fc.rs picks; FcPath forces one for tests/benches):
+//   fc_wgmma_bf16   the fast path. Needs k % 8 == 0 and h % 8 == 0 (TMA row pitch a multiple of 16
+//                   bytes; whole bf16x2 stores), x and W 16-byte aligned (TMA), y 4-byte aligned.
+//                   Any rows >= 1: ragged M, N and K edges are zero-filled by TMA (out-of-bounds
+//                   box elements read as +0) and masked in the epilogue.
+//   fc_simple_bf16  the fallback for everything else (misaligned W offsets, odd k or h): 64 x 64
+//                   output tiles, scalar loads, f32 FMAs. Correct for any shape; slow (CUDA cores).
+//
+// fc_wgmma_bf16 in detail.
+//   Tile: BM x BN x BK = 128 x 256 x 64 per CTA; 384 threads = 3 warpgroups:
+//     warpgroup 0  producer: one thread issues, per k-block, two TMA boxes (x: 64 x 128, W: 64 x
+//                  256 elements, 128-byte swizzle) into the next ring stage and arms its "full"
+//                  mbarrier with the 48 KB it expects. The other 127 threads exit at once.
+//     warpgroups 1, 2  consumers: each owns 64 of the 128 rows and all 256 columns, i.e. 128 f32
+//                  accumulators per thread, and per k-block issues 4 wgmma.m64n256k16 (A and B
+//                  both K-major from shared memory) as one wgmma group. One group stays in flight:
+//                  after committing block i it waits for block i-1's group and only then frees that
+//                  stage (one arrive per warp on its "empty" mbarrier, 8 per phase).
+//     Registers: __launch_bounds__(384, 1) caps every thread at 168; a consumer needs its 128
+//     accumulators plus ~27 (ptxas: 155, no spills), so there is no setmaxnreg rebalancing (it
+//     would buy nothing, and setmaxnreg.inc hangs if the register pool math is ever off). The
+//     128 x 256 tile gives 2 * 128 * 256 * 64 / ((128 + 256) * 64 * 2) = 85 FLOP per byte moved
+//     into shared memory. (192 x 256 with 3 consumer warpgroups would give 109, but 512 threads
+//     leave 128 registers and one m64n256 wgmma with its accumulators needs 154: ptxas refuses
+//     it (C7602), setmaxnreg does not lift that compile-time cap.)
+//   Persistent: grid = min(tiles, SMs), CTA b takes tiles b, b + grid, ...; the producer runs ahead
+//     into the next tile while the consumers store the last one. Tiles are walked in groups of 16
+//     row blocks (all column blocks of a group before the next group), so the CTAs running together
+//     share x rows and W rows in L2.
+//   Shared-memory layout (dynamic, base rounded up to 1024 bytes: the 128-byte swizzle pattern is a
+//     function of address bits 4-9, so TMA and wgmma agree only on 1024-aligned tiles):
+//     [4 stages x 16 KB of x][4 stages x 32 KB of W][4 full + 4 empty mbarriers]; each tile a stack
+//     of 128-byte rows (64 bf16 of K), 16-byte chunk c of row r stored at chunk c ^ (r % 8). The
+//     wgmma descriptors say exactly that: 128-byte swizzle, 1024 bytes between 8-row groups; the
+//     k16 step within the 64-wide row advances the start address by 32 bytes.
+//   Epilogue: straight from the accumulators, each thread stores bf16x2 pairs (row = 16 * warp +
+//     lane / 4 (+ 8), column = 8 * j + 2 * (lane % 4)), masked by row < rows and column < h.
+//
+// Launch:
+//   fc_wgmma_bf16   grid: any >= 1 (the persistent walk covers every tile); fc.rs launches
+//                   min(ceil(rows / 128) * ceil(h / 256), SM count). Block 384 (checked: traps
+//                   otherwise), dynamic smem SMEM_BYTES = 197,696 (checked) -> needs
+//                   cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) first (mod.rs does it for
+//                   every "fc_" kernel). Arguments: two CUtensorMap by value (__grid_constant__),
+//                   built by fc.rs with cuTensorMapEncodeTiled: x as {k, rows} with box {64, 128},
+//                   W as {k, h} with box {64, 256}; bf16, 128-byte swizzle, OOB fill zero. A box
+//                   may exceed the tensor (h = 64, rows = 1): the driver allows it, the missing
+//                   elements arrive as zeros and still count in the 48 KB the stage expects.
+//   fc_simple_bf16  grid exactly ceil(rows / 64) * ceil(h / 64), block 256 (checked), no dynamic smem.
+// Preconditions (the launcher checks them and errors before launching): rows, h, k >= 1 and <=
+//   i32::MAX; buffers hold rows * k, h * k, rows * h elements; y does not overlap x or W.
+// Bytes:  >= 2 * (rows * k + h * k + rows * h) per call (each operand once); with L2 reuse inside a
+//   16-row-block group, x is read ~once and W ~once per group of 16 * 128 rows from DRAM.
+// FLOPs:  2 * rows * h * k.
+// Bound:  tensor-core compute for the recipe shapes (12288 x 4096 x 20480: 2.06 TFLOP, 0.77 GB).
+//   Target: >= 0.8 x cuBLASLt on 12288 x 4096 x 20480 (cuBLASLt ~870 TFLOP/s on H200, so >= 700).
+//   The next limit is L2 -> shared-memory traffic: each CTA pulls (128 + 256) * 64 * 2 bytes per
+//   k-block, ~8 TB/s summed over the SMs at 700 TFLOP/s. If the bench shows that ceiling, the next
+//   step is 2-CTA clusters multicasting the shared W tile (a third less L2 traffic), as cuBLAS does.
+// Measured: not yet. Written and compiled without a GPU; benches/kernels.rs prints the ratio
+//   ("fc kernel / cuBLASLt") and tests/gpu.rs gpu_fc_kernel_matches_cpu checks both symbols.
+#include <cuda.h>  // CUtensorMap (the kernel parameter type of the TMA descriptors)
+
+#include "common.cuh"
+
+namespace fc {
+
+// ---- fast path geometry (fc.rs repeats THREADS, SMEM_BYTES, BM, BN, BK; keep them in step) -----
+constexpr int BM = 128;                  // output rows per CTA tile (2 consumer warpgroups x 64)
+constexpr int BN = 256;                  // output columns per CTA tile (one m64n256 wgmma)
+constexpr int BK = 64;                   // K per stage: 64 bf16 = one 128-byte swizzle row
+constexpr int STAGES = 4;                // ring depth: 4 x 48 KB of the 227 KB of shared memory
+constexpr int GROUP_M = 16;              // row blocks per raster group (L2 reuse, see header)
+constexpr int WG_ROWS = 64;              // tile rows per consumer warpgroup (the M of wgmma)
+constexpr int THREADS = 384;             // producer warpgroup + 2 consumer warpgroups
+constexpr int CONSUMER_WARPS = 8;        // arrivals that free one stage (one per consumer warp)
+constexpr uint32_t A_STAGE_BYTES = BM * BK * 2;   // 16 KB: x box 64 x 128
+constexpr uint32_t B_STAGE_BYTES = BN * BK * 2;   // 32 KB: W box 64 x 256
+constexpr uint32_t STAGE_TX_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;  // TMA bytes per stage
+constexpr uint32_t SWIZZLE_ALIGN = 1024;  // 128-byte swizzle atom: 8 rows x 128 bytes
+constexpr uint32_t BARRIER_BYTES = 2 * STAGES * 8;
+constexpr uint32_t SMEM_BYTES = STAGES * STAGE_TX_BYTES + BARRIER_BYTES + SWIZZLE_ALIGN;  // 197,696
+static_assert(SMEM_BYTES == 197696, "fc.rs FAST_SMEM_BYTES must match");
+static_assert(A_STAGE_BYTES % SWIZZLE_ALIGN == 0 && B_STAGE_BYTES % SWIZZLE_ALIGN == 0,
+              "every stage must start on a swizzle atom");
+static_assert(BM == 2 * WG_ROWS && THREADS == 128 * 3 && CONSUMER_WARPS == 8, "2 consumer warpgroups");
+
+// ---- simple path geometry --------------------------------------------------------------------
+constexpr int S_TILE = 64;     // output tile edge
+constexpr int S_BK = 32;       // K per shared-memory step
+constexpr int S_THREADS = 256; // 16 x 16 threads, 4 x 4 outputs each
+
+// ---- PTX wrappers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initialised mbarriers visible to the TMA unit (the async proxy) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Spins until the phase with the given parity has completed. A fresh barrier counts its
+// (nonexistent) previous phase, parity 1, as completed: the producer's first pass over the ring
+// does not wait.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// 2-D TMA box load: element coordinates {c0 (innermost, K), c1 (rows)}; completion is signalled
+// as transaction bytes on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// wgmma shared-memory matrix descriptor for a K-major tile of 128-byte rows with the 128-byte
+// swizzle: start address >> 4 in bits 0-13, leading-dimension byte offset >> 4 in bits 16-29
+// (unused by swizzled K-major layouts; 1 as CUTLASS sets it), stride-dimension byte offset >> 4
+// in bits 32-45 (1024: from one 8-row group to the next), base offset 0 in bits 49-51 (tiles are
+// 1024-aligned), layout type 1 (128-byte swizzle) in bits 62-63.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Tells the compiler every accumulator may have changed here, so no read of one is moved above
+// a wgmma.wait_group (the asm of the wait itself names no registers).
+__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[64 x 256] += A[64 x 16] * B[16 x 256]^T-as-stored: A and B both K-major in shared memory
+// (imm-trans-a = imm-trans-b = 0), scale-d = 1 (accumulate; the caller zeroes d per tile).
+// Accumulator layout (per warp w of the warpgroup, lane l): d[4j + 2i + e] is row 16w + l/4 + 8i,
+// column 8j + 2(l%4) + e, for j < 32, i, e in {0, 1}.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// Tile t (in the persistent walk) -> (row block, column block): groups of GROUP_M row blocks,
+// row block fastest inside a group, so consecutive tiles share W rows and nearby ones x rows.
+struct TileCoord {
+  int m_blk;
+  int n_blk;
+};
+
+__device__ __forceinline__ TileCoord tile_coord(long long t, int num_m, int num_n) {
+  const long long per_group = static_cast<long long>(GROUP_M) * num_n;
+  const long long group = t / per_group;
+  const int first_m = static_cast<int>(group * GROUP_M);
+  const int group_m = min(num_m - first_m, GROUP_M);  // the last group may be short
+  const int in_group = static_cast<int>(t - group * per_group);  // < group_m * num_n
+  TileCoord c;
+  c.m_blk = first_m + in_group % group_m;
+  c.n_blk = in_group / group_m;
+  return c;
+}
+
+}  // namespace fc
+
+extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
+    fc_wgmma_bf16(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                  __nv_bfloat16* __restrict__ y, int rows, int h, int k) {
+  using namespace fc;
+  if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < SMEM_BYTES) {
+    __trap();
+  }
+  if (rows <= 0 || h <= 0 || k <= 0) return;
+  extern __shared__ unsigned char fc_smem[];
+  const uint32_t base = (smem_u32(fc_smem) + (SWIZZLE_ALIGN - 1)) & ~(SWIZZLE_ALIGN - 1);
+  const uint32_t a_smem = base;                                // STAGES x 16 KB
+  const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;       // STAGES x 32 KB
+  const uint32_t bars = b_smem + STAGES * B_STAGE_BYTES;       // full[STAGES], empty[STAGES]
+  // full(s) completes when stage s holds its k-block (TMA bytes landed); empty(s) when all 8
+  // consumer warps are done reading it.
+  auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };
+  auto empty_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(STAGES + s); };
+
+  const int num_m = static_cast<int>((static_cast<long long>(rows) + BM - 1) / BM);
+  const int num_n = static_cast<int>((static_cast<long long>(h) + BN - 1) / BN);
+  const int num_k = static_cast<int>((static_cast<long long>(k) + BK - 1) / BK);
+  const long long num_tiles = static_cast<long long>(num_m) * num_n;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx; the bytes do the rest
+      mbar_init(empty_bar(s), CONSUMER_WARPS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the last block-wide barrier: the roles below never meet again
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer ----
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&map_x);
+      prefetch_tensor_map(&map_w);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const TileCoord c = tile_coord(t, num_m, num_n);
+        const int m0 = c.m_blk * BM;  // < rows <= INT_MAX
+        const int n0 = c.n_blk * BN;  // < h <= INT_MAX
+        for (int kb = 0; kb < num_k; ++kb) {
+          mbar_wait(empty_bar(stage), phase ^ 1u);  // the consumers freed this stage's last use
+          mbar_arrive_expect_tx(full_bar(stage), STAGE_TX_BYTES);
+          const int k0 = kb * BK;  // < k <= INT_MAX
+          tma_load_2d(a_smem + stage * A_STAGE_BYTES, &map_x, full_bar(stage), k0, m0);
+          tma_load_2d(b_smem + stage * B_STAGE_BYTES, &map_w, full_bar(stage), k0, n0);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1u;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup 1 + c owns tile rows 64c .. 64c + 63 (c = 0, 1) ----
+  const int cw = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4;  // warp within the warpgroup
+  const int lane = threadIdx.x % 32;
+  // Descriptors of stage 0; stage s, k16 step kk adds (s * stage bytes + kk * 32) >> 4 to the
+  // start-address field (no carry out of its 14 bits: shared addresses are < 2^18).
+  const uint64_t desc_a0 = smem_desc_sw128(a_smem + static_cast<uint32_t>(cw) * (WG_ROWS * BK * 2));
+  const uint64_t desc_b0 = smem_desc_sw128(b_smem);
+
+  float acc[128];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const TileCoord c = tile_coord(t, num_m, num_n);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    int prev_stage = 0;
+    for (int kb = 0; kb < num_k; ++kb) {
+      mbar_wait(full_bar(stage), phase);
+      wgmma_fence();  // orders the zeroing (and the last tile's epilogue reads) before the MMAs
+      const uint64_t da = desc_a0 + ((static_cast<uint32_t>(stage) * A_STAGE_BYTES) >> 4);
+      const uint64_t db = desc_b0 + ((static_cast<uint32_t>(stage) * B_STAGE_BYTES) >> 4);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);  // +32 bytes of K per step
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // block kb - 1's group is done: its stage may be overwritten
+      if (kb > 0 && lane == 0) mbar_arrive(empty_bar(prev_stage));
+      __syncwarp();
+      prev_stage = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (lane == 0) mbar_arrive(empty_bar(prev_stage));
+    __syncwarp();
+
+    // ---- epilogue: bf16x2 stores straight from the accumulators ----
+    const long long r0 = static_cast<long long>(c.m_blk) * BM + cw * WG_ROWS + warp * 16 + lane / 4;
+    const long long col0 = static_cast<long long>(c.n_blk) * BN + 2 * (lane % 4);
+    const bool row0_ok = r0 < rows;
+    const bool row1_ok = r0 + 8 < rows;
+    __nv_bfloat16* y0 = y + r0 * h + col0;
+    __nv_bfloat16* y1 = y0 + 8LL * h;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      // h % 8 == 0 and col0 even: a pair is either wholly inside the row or wholly outside.
+      if (col0 + 8 * j < h) {
+        if (row0_ok) {
+          *reinterpret_cast<uint32_t*>(y0 + 8 * j) = pack_bf16x2_rne(acc[4 * j], acc[4 * j + 1]);
+        }
+        if (row1_ok) {
+          *reinterpret_cast<uint32_t*>(y1 + 8 * j) = pack_bf16x2_rne(acc[4 * j + 2], acc[4 * j + 3]);
+        }
+      }
+    }
+  }
+}
+
+// The fallback: one 64 x 64 output tile per CTA, K in steps of 32 through shared memory (f32,
+// [k][row] so the inner loop reads conflict-free), thread (tx, ty) owns rows ty + 16 i and columns
+// tx + 16 j (i, j < 4). Any shape, 2-byte alignment.
+extern "C" __global__ void __launch_bounds__(fc::S_THREADS)
+    fc_simple_bf16(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                   __nv_bfloat16* __restrict__ y, long long rows, int h, int k) {
+  using namespace fc;
+  if (blockDim.x != S_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();
+  if (rows <= 0 || h <= 0) return;
+  __shared__ float xs[S_BK][S_TILE + 1];
+  __shared__ float ws[S_BK][S_TILE + 1];
+  const long long num_n = (static_cast<long long>(h) + S_TILE - 1) / S_TILE;
+  const long long m0 = (static_cast<long long>(blockIdx.x) / num_n) * S_TILE;
+  const long long n0 = (static_cast<long long>(blockIdx.x) % num_n) * S_TILE;
+  const int tx = threadIdx.x % 16;
+  const int ty = threadIdx.x / 16;
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  }
+  for (long long k0 = 0; k0 < k; k0 += S_BK) {
+    for (int e = threadIdx.x; e < S_TILE * S_BK; e += S_THREADS) {
+      const int r = e / S_BK;
+      const int kk = e % S_BK;
+      const long long gk = k0 + kk;
+      const long long gr = m0 + r;
+      const long long gc = n0 + r;
+      xs[kk][r] = (gr < rows && gk < k) ? bf16_to_f32(x[gr * k + gk]) : 0.0f;
+      ws[kk][r] = (gc < h && gk < k) ? bf16_to_f32(w[gc * k + gk]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < S_BK; ++kk) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const long long r = m0 + ty + 16 * i;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long col = n0 + tx + 16 * j;
+      if (r < rows && col < h) y[r * h + col] = f32_to_bf16_rne(acc[i][j]);
+    }
+  }
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU test suite under compute-sanitizer (DESIGN.md section 5), on the GPU machine:
+#   bash scripts/sanitize.sh [BUNDLE_DIR]          (default gpu-bundle; logs under $OUT)
+# - memcheck, initcheck, synccheck, racecheck over the kernel tests and the pipeline's
+#   async-vs-sync suite (one GPU);
+# - memcheck --track-stream-ordered-races all with the allocator in free-async mode (every free
+#   becomes cuMemFreeAsync on its owner stream after waiting for the recorded foreign uses), over
+#   the async-vs-sync suite and the run tests: a missing record-use shows up as a race.
+# Exit status 0 only if every tool reports 0 errors. Env: SANITIZERS (tool list), SAN_TESTS.
+set -uo pipefail
+B=${1:-gpu-bundle}
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+# The async-vs-sync matrix in its quick form (every transport and split, one pad and depth).
+export DFLASH_NAN_SUITE=quick
+export DFLASH_REPO_ROOT=${DFLASH_REPO_ROOT:-$PWD} DFLASH_BIN=${DFLASH_BIN:-$PWD/$B/dflash-engine}
+KERNEL_TESTS="gpu::gpu_pack gpu::gpu_norm gpu::gpu_loss gpu::gpu_attention gpu::gpu_gemm gpu::gpu_fc"
+PIPE_TESTS=${SAN_TESTS:-nan_suite::gpu_async_matches_sync_on_one_gpu}
+status=0
+summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
+for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
+  log="$OUT/sanitize-$tool.log"
+  # racecheck instruments shared memory per access: the kernel tests are enough there.
+  tests="$KERNEL_TESTS"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
+  timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
+    --test-threads=1 $tests > "$log" 2>&1
+  rc=$?; echo "$tool: exit $rc; $(summary "$log")"
+  [ $rc -eq 0 ] || status=1
+done
+log="$OUT/sanitize-stream-order.log"
+DFLASH_ALLOC_MODE=free-async timeout 900 compute-sanitizer --tool memcheck --track-stream-ordered-races all \
+  --error-exitcode 9 "$B/integration" --include-ignored --test-threads=1 $PIPE_TESTS run::async run::split > "$log" 2>&1
+rc=$?; echo "stream-ordered races (free-async allocator): exit $rc; $(summary "$log")"
+[ $rc -eq 0 ] || status=1
+exit $status

@@ -1,0 +1,160 @@
+//! What the pipeline's transports need from a CUDA device (DESIGN.md sections 1-2): events that
+//! other streams and devices can wait on, pinned host slots that are not write-combined, and
+//! async copies device -> host, host -> device and device -> device across peers.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+
+use super::{dev_err, device, CudaBackend, CudaBuf, Stream};
+use crate::backend::{check_len, Result};
+use crate::pipeline::slots::{SlotError, SlotMemory};
+
+/// A recorded CUDA event, shared: the same completion can release a pinned slot and order a stream.
+pub type CudaEvent = Arc<device::Event>;
+
+/// A pinned host buffer from `cuMemHostAlloc(PORTABLE)`: usable by every context, and *not*
+/// write-combined (the host reads staged batches; write-combined reads are very slow).
+pub struct PinnedSlot {
+    ptr: *mut c_void,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: pinned host memory is plain host memory; the slot pool hands a slot to one owner at a time.
+unsafe impl Send for PinnedSlot {}
+
+impl PinnedSlot {
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PinnedSlot {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc and freed once; the slot pool drops a slot only after
+        // every copy that touched it completed.
+        let _ = unsafe { cu::free_host(self.ptr) };
+    }
+}
+
+/// Pinned slots and event queries for `pipeline::slots::SlotPool`.
+pub struct CudaHostMem {
+    ctx: Arc<CudaContext>,
+}
+
+impl SlotMemory for CudaHostMem {
+    type Slot = PinnedSlot;
+    type Event = CudaEvent;
+
+    fn alloc_slot(&self, bytes: usize) -> std::result::Result<PinnedSlot, SlotError> {
+        self.ctx.bind_to_thread().map_err(|e| SlotError::Alloc(format!("{e:?}")))?;
+        // SAFETY: a plain pinned allocation, freed by PinnedSlot's Drop. PORTABLE (every context
+        // may use it), deliberately without WRITECOMBINED.
+        let ptr = unsafe { cu::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| {
+            SlotError::Alloc(format!("cuMemHostAlloc of {bytes} bytes failed ({e:?}): lower --max-inflight"))
+        })?;
+        Ok(PinnedSlot { ptr, bytes, ctx: self.ctx.clone() })
+    }
+
+    fn done(&self, ev: &CudaEvent) -> bool {
+        ev.done()
+    }
+
+    fn wait(&self, ev: &CudaEvent) -> std::result::Result<(), SlotError> {
+        ev.synchronize().map_err(|e| SlotError::Event(format!("{e:?}")))
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn record_event_impl(&self, s: &Stream) -> Result<CudaEvent> {
+        self.bind()?;
+        Ok(Arc::new(device::Event::record(s.raw()).map_err(dev_err)?))
+    }
+
+    pub(super) fn host_mem_impl(&self) -> Arc<CudaHostMem> {
+        Arc::new(CudaHostMem { ctx: self.ctx.clone() })
+    }
+
+    fn bytes_of(b: &CudaBuf) -> usize {
+        b.len * b.dtype.size_bytes()
+    }
+
+    pub(super) fn copy_to_host_impl(&self, s: &Stream, src: &CudaBuf, dst: &mut PinnedSlot) -> Result<()> {
+        let n = Self::bytes_of(src);
+        check_len("copy_to_host", "pinned slot (bytes)", dst.bytes, 0, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the slot holds at least n bytes (checked) and stays alive until the copy's event
+        // completed (the slot pool's rule); src is a live buffer of n bytes.
+        let host = unsafe { std::slice::from_raw_parts_mut(dst.ptr as *mut u8, n) };
+        unsafe { cu::memcpy_dtoh_async(host, src.ptr, s.raw()) }.map_err(dev_err)
+    }
+
+    pub(super) fn copy_from_host_impl(&self, s: &Stream, src: &PinnedSlot, dst: &mut CudaBuf) -> Result<()> {
+        let n = Self::bytes_of(dst);
+        check_len("copy_from_host", "pinned slot (bytes)", src.bytes, 0, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: as above; pinned memory makes this a true async DMA, so the slot must outlive
+        // the copy: its guard is released only after this stream's event.
+        let host = unsafe { std::slice::from_raw_parts(src.ptr as *const u8, n) };
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)
+    }
+
+    pub(super) fn copy_from_peer_impl(
+        &self,
+        s: &Stream,
+        src_be: &CudaBackend,
+        src: &CudaBuf,
+        dst: &mut CudaBuf,
+    ) -> Result<()> {
+        let n = Self::bytes_of(src);
+        check_len("copy_from_peer", "dst (bytes)", Self::bytes_of(dst), 0, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        if Arc::ptr_eq(&self.ctx, &src_be.ctx) {
+            // SAFETY: two live buffers of at least n bytes on this device.
+            unsafe { cu::memcpy_dtod_async(dst.ptr, src.ptr, n, s.raw()) }.map_err(dev_err)
+        } else {
+            // SAFETY: live buffers on their own devices; the caller made `s` wait for the source's
+            // last write and keeps the source alive until this copy's event completed.
+            unsafe { cu::memcpy_peer_async(self.ctx.cu_ctx(), dst.ptr, src_be.ctx.cu_ctx(), src.ptr, n, s.raw()) }
+                .map_err(dev_err)
+        }
+    }
+
+    /// Whether `other`'s memory is directly readable from here; enables peer access both ways the
+    /// first time (cuMemcpyPeerAsync then goes over NVLink instead of through the host).
+    pub(super) fn is_peer_impl(&self, other: &CudaBackend) -> bool {
+        if Arc::ptr_eq(&self.ctx, &other.ctx) {
+            return true;
+        }
+        let (a, b) = (self.ctx.cu_device(), other.ctx.cu_device());
+        let mut can = 0i32;
+        // SAFETY: two valid device handles.
+        let ok = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) } == sys::CUresult::CUDA_SUCCESS;
+        if !ok || can == 0 {
+            return false;
+        }
+        for (from, to) in [(self, other), (other, self)] {
+            if from.bind().is_err() {
+                return false;
+            }
+            // SAFETY: enabling access from the bound context to a live peer context.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(to.ctx.cu_ctx(), 0) };
+            if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                return false;
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,157 @@
+//! `dflash-engine bench-pipeline`: tokens/s of the synchronous reference against the async
+//! pipeline on each transport, with the same flags and data, measured in one process, so every
+//! ratio compares like with like. For two GPUs (`--drafter-gpus`) it also measures the raw peer
+//! copy rate of one micro-batch's taps, the baseline of the peer transport.
+
+use anyhow::Result;
+
+use crate::backend::cuda::{alloc::Mode, CudaBackend};
+use crate::backend::Backend;
+use crate::pipeline::Transport;
+use crate::session::{self, Device, RunOptions, RunSummary};
+use crate::tensor::DType;
+
+/// One row of the table.
+pub struct BenchRow {
+    pub mode: String,
+    pub gpus: String,
+    pub tokens_per_s: f64,
+    pub median_ms: f64,
+    pub target_gpu_idle: Option<f64>,
+    pub drafter_idle: f64,
+    pub gb_moved_per_step: f64,
+    /// Seconds per step the publisher waited for copies.
+    pub copy_wait_ms: f64,
+    /// The transport's own rate: bytes over the device time of its copies.
+    pub copy_gb_s: Option<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v: Vec<f64> = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn row(mode: &str, gpus: String, r: &RunSummary) -> BenchRow {
+    // The first two steps warm caches and plans: the median of the rest is the steady state.
+    let ms: Vec<f64> = r.step_ms.iter().skip(2.min(r.step_ms.len().saturating_sub(1))).copied().collect();
+    let med = median(&ms);
+    let steps = r.history.len().max(1) as f64;
+    let tokens = r.stats.tokens as f64 / steps;
+    BenchRow {
+        mode: mode.into(),
+        gpus,
+        tokens_per_s: tokens / (med / 1e3).max(1e-9),
+        median_ms: med,
+        target_gpu_idle: r.stats.target_gpu_idle_fraction(),
+        drafter_idle: r.stats.drafter_idle_fraction(),
+        gb_moved_per_step: r.stats.bytes_moved as f64 / 1e9 / steps,
+        copy_wait_ms: r.stats.publisher_wait_copy.as_secs_f64() * 1e3 / steps,
+        copy_gb_s: r.stats.copy_seconds.filter(|&s| s > 0.0).map(|s| r.stats.bytes_moved as f64 / 1e9 / s),
+    }
+}
+
+/// Seconds to copy `bytes` from GPU `from` to GPU `to` (median of 10, events on the receiver).
+fn peer_copy_secs(from: usize, to: usize, bytes: usize) -> Result<f64> {
+    let a = CudaBackend::new(from, Mode::Normal).map_err(anyhow::Error::msg)?;
+    let b = CudaBackend::new(to, Mode::Normal).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(a.is_peer(&b), "GPUs {from} and {to} are not peers");
+    let (sa, sb) = (a.compute_stream(), b.compute_stream());
+    let n = bytes / 2;
+    let src = a.alloc(&sa, DType::BF16, n)?;
+    a.synchronize(&sa)?;
+    let mut dst = b.alloc(&sb, DType::BF16, n)?;
+    let mut t = Vec::new();
+    for i in 0..12 {
+        let e0 = b.record_timed(&sb)?.expect("CUDA has timed events");
+        b.copy_from_peer(&sb, &a, &src, &mut dst)?;
+        let e1 = b.record_timed(&sb)?.expect("CUDA has timed events");
+        let secs = b.elapsed_secs(&e0, &e1).ok_or_else(|| anyhow::anyhow!("timing the peer copy failed"))?;
+        if i >= 2 {
+            t.push(secs);
+        }
+    }
+    Ok(median(&t))
+}
+
+/// Runs the modes and prints the table. `opts` carries the model, data and shape flags.
+pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
+    anyhow::ensure!(opts.device != Device::Cpu || opts.drafter_gpus.is_empty(), "--drafter-gpus needs --device cuda");
+    let t_gpu = opts.target_gpus.first().copied().unwrap_or(0);
+    let base = RunOptions { quiet: true, save_every: u32::MAX, stop_after: None, resume: false, ..opts.clone() };
+    let mut rows = Vec::new();
+    let one = format!("{t_gpu}");
+    let say = |r: &BenchRow| {
+        eprintln!(
+            "  {:<22} {:<7} {:>9.0} tokens/s  {:>8.1} ms/step  target GPU idle {}",
+            r.mode,
+            r.gpus,
+            r.tokens_per_s,
+            r.median_ms,
+            r.target_gpu_idle.map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f))
+        )
+    };
+    let mut go = |mode: &str, gpus: String, o: RunOptions| -> Result<()> {
+        let r = session::run(&RunOptions { out: opts.out.join(mode.replace([' ', ','], "-")), ..o }, None)?;
+        let b = row(mode, gpus, &r);
+        say(&b);
+        rows.push(b);
+        Ok(())
+    };
+    eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.steps);
+    go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
+    for t in [Transport::Same, Transport::Peer, Transport::Host] {
+        go(
+            &format!("async {}", t.name()),
+            one.clone(),
+            RunOptions { transport: Some(t), drafter_gpus: Vec::new(), ..base.clone() },
+        )?;
+    }
+    let mut peer_rate = None;
+    if let Some(&d) = opts.drafter_gpus.first().filter(|&&d| d != t_gpu) {
+        let two = format!("{t_gpu}->{d}");
+        for t in [Transport::Peer, Transport::Host] {
+            go(
+                &format!("async {}", t.name()),
+                two.clone(),
+                RunOptions { transport: Some(t), drafter_gpus: vec![d], ..base.clone() },
+            )?;
+        }
+        // A micro-batch's packed taps: rows x taps x hidden bf16.
+        let probe = session::micro_batch_bytes(opts)?;
+        let secs = peer_copy_secs(t_gpu, d, probe)?;
+        peer_rate = Some((probe, probe as f64 / secs / 1e9));
+    }
+    let sync_tps = rows[0].tokens_per_s;
+    println!(
+        "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | drafter idle | GB moved/step | copy GB/s | copy wait ms/step |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.0} | {:.2}x | {:.1} | {} | {:.1}% | {:.2} | {} | {:.1} |",
+            r.mode,
+            r.gpus,
+            r.tokens_per_s,
+            r.tokens_per_s / sync_tps.max(1e-9),
+            r.median_ms,
+            r.target_gpu_idle.map_or(if r.mode == "sync" { "n/a (alternates)".into() } else { "n/a (no device clock)".into() }, |f| format!("{:.1}%", 100.0 * f)),
+            100.0 * r.drafter_idle,
+            r.gb_moved_per_step,
+            r.copy_gb_s.map_or("-".into(), |g| format!("{g:.1}")),
+            r.copy_wait_ms
+        );
+    }
+    if let Some((bytes, rate)) = peer_rate {
+        println!("\nraw peer copy of one micro-batch's taps ({:.0} MB): {rate:.1} GB/s", bytes as f64 / 1e6);
+        for r in rows.iter().filter(|r| r.mode == "async p2p" && r.gpus.contains("->")) {
+            if let Some(got) = r.copy_gb_s {
+                println!(
+                    "peer transport in the run: {got:.1} GB/s over its copies' device time = {:.0}% of the raw peer copy rate",
+                    100.0 * got / rate
+                );
+            }
+        }
+    }
+    Ok(rows)
+}
