@@ -150,6 +150,17 @@ __device__ __forceinline__ void bf16_chunk_store_rne(__nv_bfloat16* p, const flo
   }
 }
 
+// bf16_chunk_store_rne with the hardware conversion for V == 8 (pack_bf16x2_rn_fast: the same bits
+// for every non-NaN value, NaN payloads not kept), for kernels compared with a tolerance.
+template <int V>
+__device__ __forceinline__ void bf16_chunk_store_rn_fast(__nv_bfloat16* p, const float (&f)[V]) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = bf16x8_pack_rn_fast(f);
+  } else {
+    bf16_chunk_store_rne<V>(p, f);
+  }
+}
+
 // NaN or +-Inf (exponent all ones), from the raw bits: no float compare, so no FTZ/NaN subtleties.
 __device__ __forceinline__ bool f32_bits_nonfinite(uint32_t bits) {
   return (bits & 0x7F800000u) == 0x7F800000u;

@@ -44,7 +44,7 @@ __device__ __forceinline__ void swiglu_fwd_items(const __nv_bfloat16* __restrict
       const float silu = __fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j])));
       o[j] = __fmul_rn(silu, u[j]);
     }
-    bf16_chunk_store_rne<V>(out + pos.row * inter + pos.col * V, o);
+    bf16_chunk_store_rn_fast<V>(out + pos.row * inter + pos.col * V, o);
   }
 }
 
@@ -85,8 +85,8 @@ __device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict
       dg[j] = __fmul_rn(__fmul_rn(__fmul_rn(dy[j], u[j]), sig), dsig);
       du[j] = __fmul_rn(dy[j], silu);
     }
-    bf16_chunk_store_rne<V>(dgu + in_off, dg);
-    bf16_chunk_store_rne<V>(dgu + in_off + inter, du);
+    bf16_chunk_store_rn_fast<V>(dgu + in_off, dg);
+    bf16_chunk_store_rn_fast<V>(dgu + in_off + inter, du);
   }
 }
 

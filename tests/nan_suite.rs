@@ -51,13 +51,15 @@ fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
 
 /// Every (transport, split, pad, inflight) against the synchronous reference of its pad.
 /// `DFLASH_NAN_SUITE=quick` (the sanitizer runs, where every kernel is 10-100x slower) keeps
-/// every transport and split but only no padding and the deeper queue.
+/// every transport and split but only no padding, the deeper queue and 3 steps.
 fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
     let quick = std::env::var("DFLASH_NAN_SUITE").is_ok_and(|v| v == "quick");
     let pads: &[Option<usize>] = if quick { &[None] } else { &[None, Some(160)] };
     let depths: &[usize] = if quick { &[3] } else { &[1, 3] };
     let mut rows = Vec::new();
     for &pad in pads {
+        let steps = if quick { 3 } else { base("steps").steps };
+        let base = |tag: &str| RunOptions { steps, ..base(tag) };
         let reference = RunOptions { sync: true, pad_to_tokens: pad, drafter_gpus: Vec::new(), ..base("sync") };
         let want = session::run(&reference, None).unwrap();
         let want_w = final_masters(&reference.out);

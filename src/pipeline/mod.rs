@@ -152,6 +152,13 @@ pub fn run<B: Backend>(
         Ok(l) => l,
         Err(e) => return (Err(setup(e)), PipelineStats::default()),
     };
+    // The target's compute stream lives as long as the links' copy streams: until every buffer
+    // allocated on it was freed (a freed block names its owner stream; a destroyed stream's
+    // handle may come back as another stream).
+    let target_stream = match bt.new_stream() {
+        Ok(s) => s,
+        Err(e) => return (Err(setup(e)), PipelineStats::default()),
+    };
     let (tx, pub_rx) = mpsc::sync_channel::<Msg<B>>(0);
     let (pub_tx, rx) = mpsc::sync_channel::<Msg<B>>(cfg.max_inflight.max(1));
     let (back_tx, back_rx) = mpsc::channel::<Back<B>>();
@@ -162,7 +169,7 @@ pub fn run<B: Backend>(
 
     let (result, spans) = std::thread::scope(|scope| {
         let producer =
-            scope.spawn(|| produce(bt, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats));
+            scope.spawn(|| produce(bt, &target_stream, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats));
         let publisher = scope.spawn(|| publish(&fwd, cfg, pub_rx, pub_tx, &depth, &stats));
         let consumer = std::panic::catch_unwind(AssertUnwindSafe(|| {
             consume(bd, side, cfg, optim, split, &fwd, &back, rx, back_tx, report_rx, &depth, &stats, started, on_step)
@@ -281,6 +288,7 @@ fn publish<B: Backend>(
 #[allow(clippy::too_many_arguments)]
 fn produce<B: Backend>(
     be: &B,
+    s: &B::Stream,
     tside: &TargetSide<B>,
     source: &dyn BatchSource,
     cfg: &PipelineConfig,
@@ -292,13 +300,14 @@ fn produce<B: Backend>(
     stats: &Mutex<PipelineStats>,
 ) -> (Result<(), PipelineError>, TimedSpans<B>) {
     let mut spans = Vec::new();
-    let r = produce_steps(be, tside, source, cfg, fwd, back, tx, back_rx, report_tx, stats, &mut spans);
+    let r = produce_steps(be, s, tside, source, cfg, fwd, back, tx, back_rx, report_tx, stats, &mut spans);
     (r, spans)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn produce_steps<B: Backend>(
     be: &B,
+    s: &B::Stream,
     tside: &TargetSide<B>,
     source: &dyn BatchSource,
     cfg: &PipelineConfig,
@@ -310,8 +319,7 @@ fn produce_steps<B: Backend>(
     stats: &Mutex<PipelineStats>,
     spans: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
-    // The target side computes on its own stream; copies run on the links' copy streams.
-    let s = be.new_stream().map_err(|e| PipelineError::Producer { step: cfg.first_step, source: Box::new(e) })?;
+    // The target side computes on its own stream `s`; copies run on the links' copy streams.
     let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, source: e };
     let berr = |step: u32| move |e: BackendError| PipelineError::Producer { step, source: Box::new(e) };
     // Split-FC: the packed X of the previous step, kept for dWfc.
@@ -322,10 +330,10 @@ fn produce_steps<B: Backend>(
         }
         let t0 = Instant::now();
         let hbs = source.micro_batches(step).map_err(perr(step))?;
-        let t_start = be.record_timed(&s).map_err(berr(step))?;
+        let t_start = be.record_timed(s).map_err(berr(step))?;
         let mut packed = Vec::with_capacity(hbs.len());
         for hb in hbs {
-            let x = target_pack(be, &s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
+            let x = target_pack(be, s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
             packed.push((hb, x));
         }
         add_time(stats, |st| &mut st.target_busy, t0.elapsed());
@@ -337,11 +345,11 @@ fn produce_steps<B: Backend>(
             // Exact split-FC: finish the previous step's fc update before projecting this step.
             if let Some((pstep, pbatches)) = prev.take() {
                 // The wait for dY is not target work: close this stretch of the device timeline.
-                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(&s).map_err(berr(step))?) {
+                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(s).map_err(berr(step))?) {
                     spans.push((a, b));
                 }
                 let t1 = Instant::now();
-                finish_fc_step(be, &s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
+                finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
                     FcError::Backend(e) => berr(pstep)(e),
                     FcError::Gone => PipelineError::ProducerGone { step: pstep },
                 })?;
@@ -349,7 +357,7 @@ fn produce_steps<B: Backend>(
                 if let Some(tr) = &cfg.trace {
                     tr.span("target", format!("step {pstep}: split-FC dW + update"), t1);
                 }
-                t_start = be.record_timed(&s).map_err(berr(step))?;
+                t_start = be.record_timed(s).map_err(berr(step))?;
             }
         }
         let n_micro = packed.len();
@@ -361,20 +369,20 @@ fn produce_steps<B: Backend>(
                         .lock()
                         .map_err(|_| PipelineError::ProducerPanic { message: "fc group lock poisoned".into() })?;
                     let hidden = tside.target.shape.hidden;
-                    let mut y = be.alloc(&s, crate::tensor::DType::BF16, hb.rows() * hidden).map_err(berr(step))?;
-                    fc_forward(be, &s, &fc, &x, &mut y, hb.rows()).map_err(berr(step))?;
+                    let mut y = be.alloc(s, crate::tensor::DType::BF16, hb.rows() * hidden).map_err(berr(step))?;
+                    fc_forward(be, s, &fc, &x, &mut y, hb.rows()).map_err(berr(step))?;
                     keep.push((hb.clone(), x));
                     y
                 }
                 None => x,
             };
             if micro + 1 == n_micro {
-                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(&s).map_err(berr(step))?) {
+                if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(s).map_err(berr(step))?) {
                     spans.push((a, b));
                 }
             }
             let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
-            let parcel = fwd.send(&s, out, fault).map_err(berr(step))?;
+            let parcel = fwd.send(s, out, fault).map_err(berr(step))?;
             let t2 = Instant::now();
             if tx.send(Msg { step, micro, n_micro, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
@@ -389,7 +397,7 @@ fn produce_steps<B: Backend>(
         }
     }
     if let (Some(fc), Some((pstep, pbatches))) = (&tside.fc, prev.take()) {
-        finish_fc_step(be, &s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
+        finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
             FcError::Backend(e) => berr(pstep)(e),
             FcError::Gone => PipelineError::ProducerGone { step: pstep },
         })?;

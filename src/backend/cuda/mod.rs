@@ -397,6 +397,19 @@ fn rms_team(dim: usize) -> usize {
     chunks.next_power_of_two().min(32)
 }
 
+/// rmsnorm_bwd's rows per part: R = RMS_BLOCK / T(dim) rows at least, else about
+/// RMS_BWD_TARGET_PARTS parts. A function of rows and dim only, so dw's summation order (and bits)
+/// never depend on the device.
+fn rms_bwd_rows_per_part(rows: usize, dim: usize) -> usize {
+    (RMS_BLOCK as usize / rms_team(dim)).max(rows.div_ceil(RMS_BWD_TARGET_PARTS))
+}
+
+/// How many f32 dw partial sums rows (of `dim`) `rmsnorm_bwd` writes and then reduces: its scratch
+/// traffic is 2 * parts * dim * 4 bytes, which an honest bandwidth figure counts.
+pub fn rmsnorm_bwd_parts(rows: usize, dim: usize) -> usize {
+    rows.div_ceil(rms_bwd_rows_per_part(rows, dim))
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Ids = CudaIds;
@@ -697,9 +710,20 @@ impl Backend for CudaBackend {
         check_len("rmsnorm_fwd", "rstd", rstd.len, 0, rows)?;
         Self::need_f32("rmsnorm_fwd rstd", rstd)?;
         let r = RMS_BLOCK as usize / rms_team(dim);
-        // One row group per block (R rows; one row for dim > 1024): the block scheduler balances
-        // the tail. grid.x is at most 2^31 - 1; the kernel grid-strides past that.
-        let grid = rows.div_ceil(r).clamp(1, i32::MAX as usize);
+        let mut grid = rows.div_ceil(r).clamp(1, i32::MAX as usize);
+        if r == 1 {
+            // Block teams (dim > 1024) grid-stride over rows with the next row's loads issued
+            // before this row's sum (kernels/rmsnorm.cu): one block per resident slot, so each
+            // streams ~rows / slots rows. Warp teams: one row group per block, and the block
+            // scheduler balances the tail.
+            let f = self.func("rmsnorm_fwd_bf16")?;
+            self.bind()?;
+            // SAFETY: `f` is a kernel of this context's loaded module; no dynamic shared memory.
+            let per_sm = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, RMS_BLOCK as i32, 0) }
+                .map_err(|e| dev_err(format!("occupancy of rmsnorm_fwd_bf16: {e:?}")))?;
+            let slots = usize::try_from(per_sm).unwrap_or(1).max(1) * self.sm_count as usize;
+            grid = grid.min(slots);
+        }
         self.launch(
             s,
             "rmsnorm_fwd_bf16",
@@ -736,9 +760,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let r = RMS_BLOCK as usize / rms_team(dim);
-        let rows_per_part = r.max(rows.div_ceil(RMS_BWD_TARGET_PARTS));
-        let parts = rows.div_ceil(rows_per_part);
-        let partial = self.scratch(s, parts * dim)?;
+        let rows_per_part = rms_bwd_rows_per_part(rows, dim);
+        let parts = rmsnorm_bwd_parts(rows, dim);
+        // Not zero-filled (unlike `scratch`): the kernel writes every part's dim sums, and a memset
+        // would move another parts * dim * 4 bytes (16 MB at 32768 x 4096).
+        let (ptr, block) = self.raw_alloc(s, parts * dim * 4)?;
+        let partial = CudaBuf { ptr, len: parts * dim, dtype: DType::F32, block, pool: self.pool.clone() };
         let smem = u32::try_from(r * (dim + RMS_SLAB_PAD) * 4)
             .map_err(|_| BackendError::Shape { op: "rmsnorm_bwd", what: format!("dim {dim} too large") })?;
         self.launch(
