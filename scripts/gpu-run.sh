@@ -25,8 +25,10 @@ if has bench; then
   $B/bench-kernels 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 W=/tmp/q8b
+# T8B=qwen3-8b-shape generates the random target in memory at start-up instead of writing 16 GB.
+T8B=${T8B:-$W}
 make8b() {
-  [ -f $W/config.json ] || $B/dflash-engine init-model --preset qwen3-8b-shape --seed 0 --init-std 0.02 --out $W 2>&1 | tail -1
+  [ "$T8B" != "$W" ] || [ -f $W/config.json ] || $B/dflash-engine init-model --preset qwen3-8b-shape --seed 0 --init-std 0.02 --out $W 2>&1 | tail -1
   [ -f /tmp/q8b-data.jsonl ] || python3 -c '
 import json, random
 r = random.Random(0)
@@ -35,7 +37,7 @@ with open("/tmp/q8b-data.jsonl", "w") as f:
         ids = [r.randrange(151000) for _ in range(3072)]
         f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 256 + [1] * (3072 - 256)}) + "\n")'
 }
-Q8B="--target $W --data /tmp/q8b-data.jsonl --batch-size 4 --seq-len 3072 --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4"
+Q8B="--target $T8B --init-std 0.02 --data /tmp/q8b-data.jsonl --batch-size 4 --seq-len 3072 --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4"
 if has run8b; then
   echo "== Qwen3-8B-shaped run (random weights, random-token data)"
   make8b

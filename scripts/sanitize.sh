@@ -22,16 +22,15 @@ for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   log="$OUT/sanitize-$tool.log"
   # racecheck instruments shared memory per access: the kernel tests are enough there.
   tests="$KERNEL_TESTS"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
-  # Only our kernels are checked: cuBLASLt's own (nvjet_*) are NVIDIA's, and racecheck flags their
-  # TMA/wgmma shared-memory traffic.
-  timeout 900 compute-sanitizer --tool "$tool" --kernel-name-exclude kns=nvjet --error-exitcode 9 "$B/integration" --include-ignored \
+  timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"
   [ $rc -eq 0 ] || status=1
 done
 log="$OUT/sanitize-stream-order.log"
+STREAM_TESTS=${STREAM_TESTS:-"$PIPE_TESTS run::async run::split"}
 DFLASH_ALLOC_MODE=free-async timeout 900 compute-sanitizer --tool memcheck --track-stream-ordered-races all \
-  --error-exitcode 9 "$B/integration" --include-ignored --test-threads=1 $PIPE_TESTS run::async run::split > "$log" 2>&1
+  --error-exitcode 9 "$B/integration" --include-ignored --test-threads=1 $STREAM_TESTS > "$log" 2>&1
 rc=$?; echo "stream-ordered races (free-async allocator): exit $rc; $(summary "$log")"
 [ $rc -eq 0 ] || status=1
 exit $status

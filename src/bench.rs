@@ -98,9 +98,13 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         rows.push(b);
         Ok(())
     };
+    // DFLASH_BENCH_MODES=two-gpu keeps only the two-GPU rows and the peer copy baseline.
+    let one_gpu_rows = std::env::var("DFLASH_BENCH_MODES").map_or(true, |m| m != "two-gpu");
     eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.steps);
-    go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
-    for t in [Transport::Same, Transport::Peer, Transport::Host] {
+    if one_gpu_rows {
+        go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
+    }
+    for t in [Transport::Same, Transport::Peer, Transport::Host].into_iter().filter(|_| one_gpu_rows) {
         go(
             &format!("async {}", t.name()),
             one.clone(),
@@ -122,7 +126,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         let secs = peer_copy_secs(t_gpu, d, probe)?;
         peer_rate = Some((probe, probe as f64 / secs / 1e9));
     }
-    let sync_tps = rows[0].tokens_per_s;
+    let sync_tps = rows.iter().find(|r| r.mode == "sync").map_or(f64::NAN, |r| r.tokens_per_s);
     println!(
         "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | drafter idle | GB moved/step | copy GB/s | copy wait ms/step |"
     );

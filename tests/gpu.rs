@@ -855,8 +855,12 @@ fn gpu_fc_kernel_matches_cpu() {
     fc_close(&format!("{tag} fast vs simple"), &fast, &simple);
     // ... and against cuBLASLt with the max-relative bound only: its algorithm may reduce split-K
     // partials in bf16, which is more than one rounding.
-    let lt = gemm_case(&g, &Gemm::linear(rows, h, k), &x, &w, &vec![0.0; rows * h], DType::BF16);
-    rel_err(&format!("{tag} fast vs cuBLASLt"), &fast, &lt, BF16_TOL);
+    // (Not under the sanitizers: racecheck reports hazards inside cuBLASLt's own kernel, which is
+    // not ours to check; our kernels are.)
+    if std::env::var_os("DFLASH_SANITIZE").is_none() {
+        let lt = gemm_case(&g, &Gemm::linear(rows, h, k), &x, &w, &vec![0.0; rows * h], DType::BF16);
+        rel_err(&format!("{tag} fast vs cuBLASLt"), &fast, &lt, BF16_TOL);
+    }
     // The CPU on rows spread over every row tile position (first, last, tile edges).
     let picked: Vec<usize> = vec![0, 1, 63, 64, 127, 128, 1000, 2047, 2048, 3333, 4094, 4095];
     let xs: Vec<f32> = picked.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect();

@@ -147,6 +147,9 @@ const SUMSQ_BLOCK: u32 = 256;
 const MAX_TAPS: usize = 16;
 
 pub struct CudaBackend {
+    /// Cached RoPE inverse frequencies per (head_dim, theta bits). First field: fields drop in
+    /// order, and these buffers must be freed while their owner stream (`main`) still exists.
+    inv_freq: Mutex<HashMap<(usize, u32), CudaBuf>>,
     ctx: Arc<CudaContext>,
     main: Stream,
     pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
@@ -154,8 +157,6 @@ pub struct CudaBackend {
     blas: blas::Lt,
     sm_count: u32,
     name: String,
-    /// Cached RoPE inverse frequencies per (head_dim, theta bits).
-    inv_freq: Mutex<HashMap<(usize, u32), CudaBuf>>,
 }
 
 /// A pointer-sized kernel argument list builder: each value is boxed so its address is stable.
@@ -328,10 +329,14 @@ impl CudaBackend {
         }
         // As Hugging Face (and cpu.rs) compute it: 1 / theta^(2i / d) in f32.
         let host: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
-        let mut b = self.alloc(s, DType::F32, host.len())?;
-        self.upload(s, &host, &mut b, 0)?;
+        // Owned by the backend's own stream (which lives as long as the cache), not by the
+        // caller's: the caller's stream may be gone before the cache is.
+        let _ = s;
+        let main = self.main.clone();
+        let mut b = self.alloc(&main, DType::F32, host.len())?;
+        self.upload(&main, &host, &mut b, 0)?;
         // Cached for every stream: the host waits once so no stream can read it early.
-        self.synchronize(s)?;
+        self.synchronize(&main)?;
         let p = b.ptr;
         cache.insert(key, b);
         Ok(p)
