@@ -155,7 +155,12 @@ pub fn run<B: Backend>(
     // The target's compute stream lives as long as the links' copy streams: until every buffer
     // allocated on it was freed (a freed block names its owner stream; a destroyed stream's
     // handle may come back as another stream).
-    let target_stream = match bt.new_stream() {
+    // Rule 3: it reads the target's weights (uploaded on the backend's own stream, without the
+    // host waiting) only after an event that covers their upload.
+    let target_stream = match bt.new_stream().and_then(|st| {
+        bt.wait_event(&st, &bt.record_event(&bt.compute_stream())?)?;
+        Ok(st)
+    }) {
         Ok(s) => s,
         Err(e) => return (Err(setup(e)), PipelineStats::default()),
     };
@@ -222,6 +227,17 @@ pub fn run<B: Backend>(
         };
         (r, spans)
     });
+    // The side streams die with this function; the backends' own streams, which free the weights
+    // and caches later, continue only after everything enqueued on them (rule 3 at the end).
+    let side_streams: [(&B, Vec<&B::Stream>); 2] =
+        [(bt, vec![&target_stream, fwd.src_stream(), back.dst_stream()]), (bd, vec![fwd.dst_stream(), back.src_stream()])];
+    for (be, streams) in side_streams {
+        for st in streams {
+            if let Ok(ev) = be.record_event(st) {
+                let _ = be.wait_event(&be.compute_stream(), &ev);
+            }
+        }
+    }
     let mut st = stats.into_inner().unwrap_or_default();
     st.wall = started.elapsed();
     st.transport = cfg.transport.name();

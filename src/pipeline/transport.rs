@@ -117,6 +117,16 @@ impl<'a, B: Backend> Link<'a, B> {
         })
     }
 
+    /// The sender's copy stream.
+    pub fn src_stream(&self) -> &B::Stream {
+        &self.src_copy
+    }
+
+    /// The receiver's copy stream.
+    pub fn dst_stream(&self) -> &B::Stream {
+        &self.dst_copy
+    }
+
     pub fn bytes_moved(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
