@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::pipeline::{Faults, Transport};
-use dflash_engine::session::{self, Device, RunOptions, RunSummary};
-use dflash_engine::train::checkpoint;
+use dflash_engine::session::{self, Device, RunOptions};
+use crate::common::{final_masters, losses};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("dflash-nan-{tag}-{}-{:?}", std::process::id(), Instant::now()));
@@ -40,14 +40,6 @@ fn small(tag: &str, device: Device) -> RunOptions {
     }
 }
 
-fn losses(r: &RunSummary) -> Vec<u64> {
-    r.history.iter().map(|m| m.loss.to_bits()).collect()
-}
-
-fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
-    let ck = checkpoint::load_latest(dir).unwrap().expect("a checkpoint");
-    ck.tensors.iter().map(|t| (t.name.clone(), t.master.iter().map(|x| x.to_bits()).collect())).collect()
-}
 
 /// Every (transport, split, pad, inflight) against the synchronous reference of its pad.
 /// `DFLASH_NAN_SUITE=quick` (the sanitizer runs, where every kernel is 10-100x slower) keeps

@@ -6,8 +6,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use dflash_engine::pipeline::Faults;
-use dflash_engine::session::{self, RunOptions, RunSummary};
+use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::checkpoint;
+use crate::common::{final_masters, losses};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("dflash-test-{tag}-{}-{:?}", std::process::id(), Instant::now()));
@@ -31,14 +32,6 @@ fn small(tag: &str) -> RunOptions {
     }
 }
 
-fn losses(r: &RunSummary) -> Vec<u64> {
-    r.history.iter().map(|m| m.loss.to_bits()).collect()
-}
-
-fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
-    let ck = checkpoint::load_latest(dir).unwrap().expect("a checkpoint");
-    ck.tensors.iter().map(|t| (t.name.clone(), t.master.iter().map(|x| x.to_bits()).collect())).collect()
-}
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = v.collect();

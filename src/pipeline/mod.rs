@@ -174,7 +174,11 @@ pub fn run<B: Backend>(
 
     let (result, spans) = std::thread::scope(|scope| {
         let producer =
-            scope.spawn(|| produce(bt, &target_stream, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats));
+            scope.spawn(|| {
+                let mut spans = Vec::new();
+                let r = produce(bt, &target_stream, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats, &mut spans);
+                (r, spans)
+            });
         let publisher = scope.spawn(|| publish(&fwd, cfg, pub_rx, pub_tx, &depth, &stats));
         let consumer = std::panic::catch_unwind(AssertUnwindSafe(|| {
             consume(bd, side, cfg, optim, split, &fwd, &back, rx, back_tx, report_rx, &depth, &stats, started, on_step)
@@ -303,25 +307,6 @@ fn publish<B: Backend>(
 
 #[allow(clippy::too_many_arguments)]
 fn produce<B: Backend>(
-    be: &B,
-    s: &B::Stream,
-    tside: &TargetSide<B>,
-    source: &dyn BatchSource,
-    cfg: &PipelineConfig,
-    fwd: &Link<'_, B>,
-    back: &Link<'_, B>,
-    tx: SyncSender<Msg<B>>,
-    back_rx: Receiver<Back<B>>,
-    report_tx: Sender<f64>,
-    stats: &Mutex<PipelineStats>,
-) -> (Result<(), PipelineError>, TimedSpans<B>) {
-    let mut spans = Vec::new();
-    let r = produce_steps(be, s, tside, source, cfg, fwd, back, tx, back_rx, report_tx, stats, &mut spans);
-    (r, spans)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn produce_steps<B: Backend>(
     be: &B,
     s: &B::Stream,
     tside: &TargetSide<B>,

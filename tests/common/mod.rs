@@ -101,3 +101,14 @@ pub fn exact_drafter(shape: &DrafterShape, seed: u64) -> (Drafter<Exact>, ParamG
     }
     (d, fc)
 }
+
+/// A run's per-step losses as bits (bit-identity checks).
+pub fn losses(r: &dflash_engine::session::RunSummary) -> Vec<u64> {
+    r.history.iter().map(|m| m.loss.to_bits()).collect()
+}
+
+/// The latest checkpoint's master weights as bits, by tensor name.
+pub fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
+    let ck = dflash_engine::train::checkpoint::load_latest(dir).unwrap().expect("a checkpoint");
+    ck.tensors.iter().map(|t| (t.name.clone(), t.master.iter().map(|x| x.to_bits()).collect())).collect()
+}
