@@ -144,7 +144,9 @@ fn main() {
     let bytes = 2.0 * 2.0 * (t_rows * k_taps * h) as f64;
     mem(
         "pack (5 taps, 12288 x 4096)",
-        time_per_call(&be, 10, MEM_CALLS, || be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.0, 1, 1).unwrap()),
+        time_per_call(&be, 10, MEM_CALLS, || {
+            be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.0, 1, 1).unwrap()
+        }),
         bytes,
     );
     mem(
@@ -303,9 +305,8 @@ fn main() {
     let g = Gemm::linear(t_rows, h, k_taps * h);
     let fc_flops = 2.0 * (t_rows * h * k_taps * h) as f64;
     let t_lt = time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap());
-    let t_fc = time(&be, 10, || {
-        be.fc_project_with(&s, &xp, &wfc, 0, &mut yp, t_rows, h, k_taps * h, FcPath::Fast).unwrap()
-    });
+    let t_fc =
+        time(&be, 10, || be.fc_project_with(&s, &xp, &wfc, 0, &mut yp, t_rows, h, k_taps * h, FcPath::Fast).unwrap());
     flops("FC projection, cuBLASLt (12288 x 4096 x 20480)", t_lt, fc_flops);
     flops("FC projection, fc_wgmma_bf16 (12288 x 4096 x 20480)", t_fc, fc_flops);
     println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);

@@ -139,7 +139,10 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             r.tokens_per_s,
             r.tokens_per_s / sync_tps.max(1e-9),
             r.median_ms,
-            r.target_gpu_idle.map_or(if r.mode == "sync" { "n/a (alternates)".into() } else { "n/a (no device clock)".into() }, |f| format!("{:.1}%", 100.0 * f)),
+            r.target_gpu_idle.map_or(
+                if r.mode == "sync" { "n/a (alternates)".into() } else { "n/a (no device clock)".into() },
+                |f| format!("{:.1}%", 100.0 * f)
+            ),
             100.0 * r.drafter_idle,
             r.gb_moved_per_step,
             r.copy_gb_s.map_or("-".into(), |g| format!("{g:.1}")),

@@ -376,7 +376,8 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
     let tcfg = src.config().clone();
     let dcfg = DrafterConfig::for_target(&tcfg, opts.drafter_layers, opts.block_size, opts.taps.clone())
         .context("drafter configuration")?;
-    let backend_name = if one_device { bt.name() } else { format!("target on {}, drafter on {}", bt.name(), bd.name()) };
+    let backend_name =
+        if one_device { bt.name() } else { format!("target on {}, drafter on {}", bt.name(), bd.name()) };
     say(format!("backend   {backend_name}"));
     say(format!("target    {}", src.describe()));
     say(format!(
@@ -418,7 +419,7 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
     // Both sides.
     let dshape = DrafterShape::from_config(&dcfg, opts.logits_chunk);
     let (embed, lm_head) = Drafter::frozen_from_target(bt, &s, &target)?;
-    let (embed, lm_head) = (move_buf(bt, bd, &sd, embed)?, move_buf(bt, bd, &sd, lm_head)?);
+    let [embed, lm_head] = crate::backend::move_bufs(bt, bd, &sd, [embed, lm_head])?;
     let (drafter, fc) = Drafter::new(bd, &sd, dshape.clone(), embed, lm_head, opts.seed)?;
     let mut side = DrafterSide::new(bd, &sd, drafter, Some(fc))?;
     let fingerprint = run_fingerprint(opts, &opts.target);
@@ -668,8 +669,11 @@ fn leak_check(
 ) -> String {
     let mut parts = vec![format!("{} pinned slots held", st.slots_in_flight_at_end)];
     let mut leaked = st.slots_in_flight_at_end > 0;
-    let sides: &[(&str, Option<usize>, Option<usize>)] =
-        if one_device { &[("device", before.0, after.0)] } else { &[("target", before.0, after.0), ("drafter", before.1, after.1)] };
+    let sides: &[(&str, Option<usize>, Option<usize>)] = if one_device {
+        &[("device", before.0, after.0)]
+    } else {
+        &[("target", before.0, after.0), ("drafter", before.1, after.1)]
+    };
     for (name, b, a) in sides {
         if let (Some(b), Some(a)) = (b, a) {
             if a > b {
@@ -681,19 +685,6 @@ fn leak_check(
         }
     }
     format!("{}: {}", if leaked { "LEAK" } else { "no leaked slot or block" }, parts.join(", "))
-}
-
-/// `buf` of `from`'s device as a buffer of `to`'s device (itself on one device).
-fn move_buf<B: Backend>(from: &B, to: &B, s_to: &B::Stream, buf: B::Buf) -> crate::backend::Result<B::Buf> {
-    if std::ptr::eq(from, to) {
-        return Ok(buf);
-    }
-    let mut out = to.alloc(s_to, from.dtype(&buf), from.len(&buf))?;
-    from.synchronize(&from.compute_stream())?;
-    to.copy_from_peer(s_to, from, &buf, &mut out)?;
-    // The source may go once the copy is done.
-    to.synchronize(s_to)?;
-    Ok(out)
 }
 
 /// Host copies of every trained tensor (masters and moments) for a checkpoint.

@@ -817,7 +817,7 @@ fn gpu_fc_kernel_matches_cpu() {
     ];
     for (rows, h, k, w_off, fast_ok) in cases {
         let x = rand((rows * k).max(1), 31, 1.0); // never an empty upload (rows = 0)
-        // W inside a larger buffer of unrelated values: reading at the wrong offset shows.
+                                                  // W inside a larger buffer of unrelated values: reading at the wrong offset shows.
         let mut wbuf = rand(w_off + h * k + 64, 32, 1.0);
         wbuf[w_off..w_off + h * k].copy_from_slice(&rand(h * k, 33, 1.0));
         let want = fc_cpu(&x, &wbuf, w_off, rows, h, k);

@@ -11,10 +11,10 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::common::{final_masters, losses};
 use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::pipeline::{Faults, Transport};
 use dflash_engine::session::{self, Device, RunOptions};
-use crate::common::{final_masters, losses};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("dflash-nan-{tag}-{}-{:?}", std::process::id(), Instant::now()));
@@ -39,7 +39,6 @@ fn small(tag: &str, device: Device) -> RunOptions {
         ..RunOptions::tiny_default()
     }
 }
-
 
 /// Every (transport, split, pad, inflight) against the synchronous reference of its pad.
 /// `DFLASH_NAN_SUITE=quick` (the sanitizer runs, where every kernel is 10-100x slower) keeps
@@ -224,20 +223,21 @@ fn gpu_unsafe_reuse_is_detected() {
             let base = RunOptions { transport: Some(t), max_inflight: inflight, ..busy("teeth") };
             let control = session::run(&base, None).unwrap();
             assert_eq!(losses(&control), want, "normal mode must match: transport {} inflight {inflight}", t.name());
-            let bad = session::run(&RunOptions { alloc_mode: Some(Mode::UnsafeReuse), out: tmp("teeth-bad"), ..base }, None);
+            let bad =
+                session::run(&RunOptions { alloc_mode: Some(Mode::UnsafeReuse), out: tmp("teeth-bad"), ..base }, None);
             let differs = match &bad {
                 Ok(r) => losses(r) != want,
                 Err(_) => true,
             };
             let how = match &bad {
                 Ok(r) if r.history.iter().any(|m| !m.loss.is_finite()) => "NaN loss".to_string(),
-                Ok(r) => format!(
-                    "first differing step {:?}",
-                    losses(r).iter().zip(&want).position(|(a, b)| a != b)
-                ),
+                Ok(r) => format!("first differing step {:?}", losses(r).iter().zip(&want).position(|(a, b)| a != b)),
                 Err(e) => format!("run failed: {e:#}"),
             };
-            eprintln!("teeth      transport {} inflight {inflight}: unsafe-reuse differs = {differs} ({how})", t.name());
+            eprintln!(
+                "teeth      transport {} inflight {inflight}: unsafe-reuse differs = {differs} ({how})",
+                t.name()
+            );
             if differs {
                 detected.push((t, inflight));
             }

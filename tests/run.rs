@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::common::{final_masters, losses};
 use dflash_engine::pipeline::Faults;
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::checkpoint;
-use crate::common::{final_masters, losses};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("dflash-test-{tag}-{}-{:?}", std::process::id(), Instant::now()));
@@ -31,7 +31,6 @@ fn small(tag: &str) -> RunOptions {
         ..RunOptions::tiny_default()
     }
 }
-
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = v.collect();

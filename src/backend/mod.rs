@@ -42,6 +42,29 @@ pub fn check_len(op: &'static str, operand: &str, have: usize, off: usize, need:
     }
 }
 
+/// `bufs` of `from`'s device as buffers of `to`'s device (the same buffers when `to` is `from`).
+/// The host waits for the sources' last writes before the copies and for the copies after, so
+/// the sources may be dropped on return. For set-up, not for the step loop.
+pub fn move_bufs<B: Backend, const N: usize>(
+    from: &B,
+    to: &B,
+    s_to: &B::Stream,
+    bufs: [B::Buf; N],
+) -> Result<[B::Buf; N]> {
+    if std::ptr::eq(from, to) {
+        return Ok(bufs);
+    }
+    from.synchronize(&from.compute_stream())?;
+    let mut out = Vec::with_capacity(N);
+    for b in &bufs {
+        let mut o = to.alloc(s_to, from.dtype(b), from.len(b))?;
+        to.copy_from_peer(s_to, from, b, &mut o)?;
+        out.push(o);
+    }
+    to.synchronize(s_to)?;
+    Ok(out.try_into().unwrap_or_else(|_| unreachable!("one output per input")))
+}
+
 /// `C[m, n] = alpha * op(A) op(B) + beta * C`, `op(A)` is `m x k` (stored `[k, m]` when `ta`),
 /// `op(B)` is `k x n` (stored `[n, k]` when `tb`). f32 accumulation on every backend.
 #[derive(Clone, Copy, Debug)]

@@ -98,25 +98,9 @@ impl<B: Backend> ParamGroup<B> {
     /// This group on another device (itself when `to` is `from`): every buffer copied over, the
     /// host waiting until the copies are done.
     pub fn move_to(self, from: &B, to: &B, s_to: &B::Stream) -> Result<Self> {
-        if std::ptr::eq(from, to) {
-            return Ok(self);
-        }
-        from.synchronize(&from.compute_stream())?;
-        let copy = |b: &B::Buf| -> Result<B::Buf> {
-            let mut out = to.alloc(s_to, from.dtype(b), from.len(b))?;
-            to.copy_from_peer(s_to, from, b, &mut out)?;
-            Ok(out)
-        };
-        let g = ParamGroup {
-            weights: copy(&self.weights)?,
-            master: copy(&self.master)?,
-            grad: copy(&self.grad)?,
-            m: copy(&self.m)?,
-            v: copy(&self.v)?,
-            table: self.table.clone(),
-        };
-        to.synchronize(s_to)?;
-        Ok(g)
+        let [weights, master, grad, m, v] =
+            crate::backend::move_bufs(from, to, s_to, [self.weights, self.master, self.grad, self.m, self.v])?;
+        Ok(ParamGroup { weights, master, grad, m, v, table: self.table })
     }
 
     /// DFLASH.md init: linear weights ~ N(0, 0.02), norms = 1; each tensor its own Philox stream.

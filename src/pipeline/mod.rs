@@ -173,12 +173,24 @@ pub fn run<B: Backend>(
     let started = Instant::now();
 
     let (result, spans) = std::thread::scope(|scope| {
-        let producer =
-            scope.spawn(|| {
-                let mut spans = Vec::new();
-                let r = produce(bt, &target_stream, tside, source, cfg, &fwd, &back, tx, back_rx, report_tx, &stats, &mut spans);
-                (r, spans)
-            });
+        let producer = scope.spawn(|| {
+            let mut spans = Vec::new();
+            let r = produce(
+                bt,
+                &target_stream,
+                tside,
+                source,
+                cfg,
+                &fwd,
+                &back,
+                tx,
+                back_rx,
+                report_tx,
+                &stats,
+                &mut spans,
+            );
+            (r, spans)
+        });
         let publisher = scope.spawn(|| publish(&fwd, cfg, pub_rx, pub_tx, &depth, &stats));
         let consumer = std::panic::catch_unwind(AssertUnwindSafe(|| {
             consume(bd, side, cfg, optim, split, &fwd, &back, rx, back_tx, report_rx, &depth, &stats, started, on_step)
@@ -233,8 +245,10 @@ pub fn run<B: Backend>(
     });
     // The side streams die with this function; the backends' own streams, which free the weights
     // and caches later, continue only after everything enqueued on them (rule 3 at the end).
-    let side_streams: [(&B, Vec<&B::Stream>); 2] =
-        [(bt, vec![&target_stream, fwd.src_stream(), back.dst_stream()]), (bd, vec![fwd.dst_stream(), back.src_stream()])];
+    let side_streams: [(&B, Vec<&B::Stream>); 2] = [
+        (bt, vec![&target_stream, fwd.src_stream(), back.dst_stream()]),
+        (bd, vec![fwd.dst_stream(), back.src_stream()]),
+    ];
     for (be, streams) in side_streams {
         for st in streams {
             if let Ok(ev) = be.record_event(st) {
@@ -287,8 +301,11 @@ fn publish<B: Backend>(
             return Err(PipelineError::Publish { step, micro, reason: "injected fault: publish failed".into() });
         }
         let t0 = Instant::now();
-        link.settle(&mut msg.parcel)
-            .map_err(|e| PipelineError::Publish { step, micro, reason: format!("waiting for the copy: {e}") })?;
+        link.settle(&mut msg.parcel).map_err(|e| PipelineError::Publish {
+            step,
+            micro,
+            reason: format!("waiting for the copy: {e}"),
+        })?;
         add_time(stats, |st| &mut st.publisher_wait_copy, t0.elapsed());
         if let Some(tr) = &cfg.trace {
             tr.span("publisher", format!("step {step}.{micro}: {} copy", link.kind.name()), t0);
@@ -417,6 +434,22 @@ impl From<BackendError> for FcError {
     }
 }
 
+/// Buffers another device's copy still reads; `s` waited for those copies. Dropping it makes
+/// the host wait for `s` first (only on an error path: the normal path already synchronised).
+struct HeldUntilSync<'a, B: Backend> {
+    be: &'a B,
+    s: &'a B::Stream,
+    bufs: Vec<B::Buf>,
+}
+
+impl<B: Backend> Drop for HeldUntilSync<'_, B> {
+    fn drop(&mut self) {
+        if !self.bufs.is_empty() {
+            let _ = self.be.synchronize(self.s);
+        }
+    }
+}
+
 /// The target side's half of a split-FC step: `dWfc += dY^T X` per micro-batch in order, report
 /// `sumsq(dWfc)`, then apply the update the drafter side decided.
 fn finish_fc_step<B: Backend>(
@@ -430,9 +463,12 @@ fn finish_fc_step<B: Backend>(
 ) -> Result<(), FcError> {
     let mut fc = fc.lock().map_err(|_| FcError::Gone)?;
     fc.zero_grad(be, s)?;
+    // Sources of dY peer copies, alive until `s` (which waited for the copies) is synchronised,
+    // on every path.
+    let mut hold = HeldUntilSync { be, s, bufs: Vec::new() };
     for (hb, x) in batches {
         let dy = match back_rx.recv() {
-            Ok(Back::Dy(parcel)) => back.receive(s, parcel)?,
+            Ok(Back::Dy(parcel)) => back.receive(s, parcel, &mut hold.bufs)?,
             _ => return Err(FcError::Gone),
         };
         fc_backward(be, s, &mut fc, &dy, x, hb.rows())?;
@@ -452,6 +488,7 @@ fn finish_fc_step<B: Backend>(
     // Tell the drafter side the fc weights of this step are final (checkpoints read them, from
     // another stream: so the host waits for the update first).
     be.synchronize(s)?;
+    hold.bufs.clear();
     report_tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
     Ok(())
 }
@@ -506,7 +543,10 @@ fn consume<B: Backend>(
             debug_assert_eq!((msg.step, msg.micro), (step, micro));
             n_micro = msg.n_micro;
             micro += 1;
-            let buf = fwd.receive(&s, msg.parcel).map_err(berr)?;
+            // Forward parcels are settled by the publisher: nothing is left to hold.
+            let mut hold = Vec::new();
+            let buf = fwd.receive(&s, msg.parcel, &mut hold).map_err(berr)?;
+            debug_assert!(hold.is_empty());
             pending.push((msg.hb, buf));
         }
         let total_w: f64 = pending.iter().map(|(hb, _)| hb.weight_sum).sum();

@@ -138,7 +138,10 @@ impl<'a, B: Backend> Link<'a, B> {
         if timed.is_empty() {
             return None;
         }
-        timed.iter().map(|(on_src, a, b)| if *on_src { self.src.elapsed_secs(a, b) } else { self.dst.elapsed_secs(a, b) }).sum()
+        timed
+            .iter()
+            .map(|(on_src, a, b)| if *on_src { self.src.elapsed_secs(a, b) } else { self.dst.elapsed_secs(a, b) })
+            .sum()
     }
 
     /// Brackets one copy with device timestamps (`on_src`: on the sender's copy stream).
@@ -225,8 +228,9 @@ impl<'a, B: Backend> Link<'a, B> {
     }
 
     /// On the receiving thread: the buffer on the receiving device, with `s` ordered after its
-    /// arrival and the use on `s` recorded.
-    pub fn receive(&self, s: &B::Stream, p: Parcel<B>) -> Result<B::Buf> {
+    /// arrival and the use on `s` recorded. An unsettled peer copy's source goes to `hold`: the
+    /// caller drops it once it knows `s` has passed this point (no host wait here).
+    pub fn receive(&self, s: &B::Stream, p: Parcel<B>, hold: &mut Vec<B::Buf>) -> Result<B::Buf> {
         match p {
             Parcel::Local { buf, ready } => {
                 self.dst.wait_event(s, &ready)?;
@@ -236,11 +240,7 @@ impl<'a, B: Backend> Link<'a, B> {
             Parcel::Copied { buf, ready, source } => {
                 self.dst.wait_event(s, &ready)?;
                 self.dst.record_use(s, &[&buf])?;
-                if source.is_some() {
-                    // Not settled: keep the source until the copy is done.
-                    self.dst.sync_event(&ready)?;
-                    drop(source);
-                }
+                hold.extend(source);
                 Ok(buf)
             }
             Parcel::Staged { mut slot, ready, dtype, len } => {

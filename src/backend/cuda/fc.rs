@@ -174,12 +174,11 @@ impl CudaBackend {
             }
             FcPath::Simple => {
                 let tiles = rows.div_ceil(SIMPLE_TILE) * h.div_ceil(SIMPLE_TILE);
-                let grid = u32::try_from(tiles).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| {
-                    BackendError::Shape {
+                let grid =
+                    u32::try_from(tiles).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| BackendError::Shape {
                         op: OP,
                         what: format!("{rows} x {h} needs {tiles} tiles of 64 x 64, more than a grid can hold"),
-                    }
-                })?;
+                    })?;
                 self.launch(
                     s,
                     "fc_simple_bf16",

@@ -927,10 +927,8 @@ impl Backend for CudaBackend {
         // work item per block, so the block scheduler balances the tail. The scalar path (ragged
         // or offset views) is a grid-stride loop over elements.
         const PACK_UNITS: usize = 4; // kernels/pack.cu
-        let vec = hidden % 8 == 0
-            && hidden <= 1 << 30
-            && out.ptr % 16 == 0
-            && ptrs[..taps.len()].iter().all(|p| p % 16 == 0);
+        let vec =
+            hidden % 8 == 0 && hidden <= 1 << 30 && out.ptr % 16 == 0 && ptrs[..taps.len()].iter().all(|p| p % 16 == 0);
         let (grid, block) = if vec {
             let units = (hidden / 8).max(1);
             let block = (units.div_ceil(PACK_UNITS).div_ceil(32) * 32).clamp(32, 256);
@@ -1125,7 +1123,12 @@ impl Backend for CudaBackend {
                 sh.ctx_rows.div_ceil(256).min(16 * self.sm_count as usize) as u32,
                 256,
                 0,
-                Args::new().p(ctx_start.ptr).p(i32c("num_blocks", sh.num_blocks)?).p(i64c(sh.ctx_rows)).p(db.ptr).p(de.ptr),
+                Args::new()
+                    .p(ctx_start.ptr)
+                    .p(i32c("num_blocks", sh.num_blocks)?)
+                    .p(i64c(sh.ctx_rows))
+                    .p(db.ptr)
+                    .p(de.ptr),
             )?;
         }
         let nkv = Self::attn_name("attn_draft_bwd_kv", hd)?;
