@@ -17,25 +17,26 @@
 // Preconditions (the Rust launcher checks them and errors before launching):
 //           1 <= num_taps <= MAX_TAPS (else the kernel traps); rows, hidden, n_valid >= 0
 //           (n_valid > rows acts as rows); noise_std finite and >= 0; taps and out do not overlap.
-//           Any grid / block shape is correct (grid-stride loops); sizes need not be multiples of
-//           anything.
+//           Any grid and any block of <= 256 threads is correct (grid-stride loops); sizes need
+//           not be multiples of anything.
 // Fast path (hidden % 8 == 0, hidden <= PACK_VEC_MAX_HIDDEN, every pointer 16-byte aligned):
 //           a unit is 8 bf16 (one 16-byte load and store). A work item is one tile of one
 //           (row t, tap k) segment: H/8 units split into tiles of blockDim.x * PACK_UNITS units;
 //           thread i owns units i, i + blockDim.x, ... of the tile (coalesced per warp). All its
 //           PACK_UNITS loads are issued before any noise is computed, so each thread keeps 64 bytes
-//           in flight, and the Philox work of one unit (2 blocks: one block serves 4 elements)
-//           overlaps the loads of the others. Items are numbered w = t * (K * tiles) + k * tiles
-//           + tile, so consecutive blocks write consecutive output. The noise path's bf16 rounding
-//           is the hardware cvt.rn.bf16x2.f32 (same bits as half::bf16::from_f32 for every
-//           non-NaN value), unless the unit's input holds a NaN or Inf (then the software
-//           rounding, which also keeps NaN payloads: same bits as before, whatever the add did).
+//           in flight, and the Philox rounds (2 blocks per unit: one block serves 4 elements) run
+//           while they are. Items are numbered w = t * (K * tiles) + k * tiles + tile, so
+//           consecutive blocks write consecutive output. The noise path's bf16 rounding is the
+//           hardware cvt.rn.bf16x2.f32 (same bits as half::bf16::from_f32 for every non-NaN
+//           value); if any of a thread's results is a NaN or an Inf it is redone in software,
+//           which keeps NaN payloads: the same bits as before, whatever the add did with them.
 //           Otherwise (ragged hidden sizes, offset views) a scalar path: each thread owns 4
 //           consecutive elements, which share one Philox block, so the bits are the same.
-// Launch:   blockDim.x any (suggested: round_up(ceil(H / 8 / PACK_UNITS), 32) clamped to
-//           [32, 256], so one tile covers a row segment for H <= 8192: 128 threads at H = 4096);
-//           grid.x any >= 1 (suggested: rows * K * ceil(H / 8 / (blockDim.x * PACK_UNITS)), one
-//           item per block, so the block scheduler balances the tail). No shared memory.
+// Launch:   blockDim.x <= PACK_MAX_BLOCK = 256 (__launch_bounds__; suggested:
+//           round_up(ceil(H / 8 / PACK_UNITS), 32) clamped to [32, 256], so one tile covers a row
+//           segment for H <= 8192: 128 threads at H = 4096); grid.x any >= 1 (suggested:
+//           rows * K * ceil(H / 8 / (blockDim.x * PACK_UNITS)), one item per block, so the block
+//           scheduler balances the tail). No shared memory. 64 registers: 8 blocks of 128 per SM.
 // Bytes:    read n_valid*K*H*2 (= rows*K*H*2 without padding) + write rows*K*H*2 per call.
 // FLOPs:    0 for the copy; with noise 3 f32 ops per element (the exact FMA (r >> 8) * 2^-23 - 1,
 //           *s, +x) plus 10 Philox rounds (2 wide integer multiplies, 2 three-input XORs each)
@@ -111,6 +112,12 @@ __device__ __forceinline__ uint32_t add_noise_bf16(uint32_t bits16, uint32_t r, 
 // Units (8 bf16, 16 bytes) each thread of the fast path owns per work item: their loads are all
 // in flight together (64 bytes per thread).
 constexpr int PACK_UNITS = 4;
+// Launch bounds: at most PACK_MAX_BLOCK threads per block, and registers for PACK_MIN_BLOCKS such
+// blocks per SM (<= 64 per thread). Without the cap the noise path takes 80 registers (6 warps per
+// scheduler instead of 8) to keep every unit's Philox words live; with it the Philox rounds still
+// run before the loaded data is touched.
+#define PACK_MAX_BLOCK 256
+#define PACK_MIN_BLOCKS 4
 // Largest hidden size of the fast path: unit indices within a row stay in 32-bit ints. (Larger
 // sizes take the scalar path, which is correct for any size.)
 #define PACK_VEC_MAX_HIDDEN (1LL << 30)
@@ -178,22 +185,25 @@ __device__ __forceinline__ void pack_tiles_vec8(const TapPtrs& taps, index_t num
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[j][e] = philox_noise_from_bits(r[e], noise_std);
       }
-      bool nonfinite = false;
 #pragma unroll
       for (int j = 0; j < PACK_UNITS; ++j) {
-        nonfinite |= bf16x8_any_nonfinite(v[j]); // no short-circuit: no branch
         float x[8];
         bf16x8_unpack(v[j], x);
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[j][e] = __fadd_rn(x[e], f[j][e]); // add_noise_bf16's sum
       }
-      // The hardware RNE gives half::bf16::from_f32's bits for every non-NaN sum. A NaN sum
-      // needs a NaN input (the noise is finite), and its payload is what the software rounding
-      // keeps (as before this path existed); Inf inputs take the same, rare, branch.
-      if (!nonfinite) {
+      // The hardware RNE gives half::bf16::from_f32's bits for every non-NaN sum. A NaN sum (it
+      // needs a NaN input: the noise is finite) keeps the payload the software rounding gives it,
+      // as before this path existed, so a unit with a NaN or Inf result is rounded again in
+      // software (rare). The test reads the results, not the inputs, so it is scheduled after
+      // the Philox rounds, which then overlap the loads.
+      bool nonfinite = false;
 #pragma unroll
-        for (int j = 0; j < PACK_UNITS; ++j) v[j] = bf16x8_pack_rn_fast(f[j]);
-      } else {
+      for (int j = 0; j < PACK_UNITS; ++j) {
+        v[j] = bf16x8_pack_rn_fast(f[j]);
+        nonfinite |= bf16x8_any_nonfinite(v[j]); // no short-circuit: no branch
+      }
+      if (nonfinite) {
 #pragma unroll
         for (int j = 0; j < PACK_UNITS; ++j) v[j] = bf16x8_pack_rne(f[j]);
       }
@@ -247,11 +257,10 @@ __device__ __forceinline__ void pack_scalar4(const TapPtrs& taps, index_t num_ta
 // __grid_constant__: `taps` stays in the kernel-parameter (constant) bank and taps.p[k] with a
 // run-time k is an indexed constant load; without it nvcc copies the struct to a 128-byte local
 // stack frame to index it. The ABI is unchanged: the struct is still passed by value.
-extern "C" __global__ void pack_taps_noise_bf16(const __grid_constant__ TapPtrs taps,
-                                                int num_taps, __nv_bfloat16* out, long long rows,
-                                                long long hidden, long long n_valid,
-                                                float noise_std, unsigned long long seed,
-                                                unsigned int step) {
+extern "C" __global__ void __launch_bounds__(PACK_MAX_BLOCK, PACK_MIN_BLOCKS)
+    pack_taps_noise_bf16(const __grid_constant__ TapPtrs taps, int num_taps, __nv_bfloat16* out,
+                         long long rows, long long hidden, long long n_valid, float noise_std,
+                         unsigned long long seed, unsigned int step) {
   // TapPtrs holds MAX_TAPS pointers: any other count would read past it. The launcher rejects
   // it before launching; trapping here makes a bypassed check loud instead of silent garbage.
   if (num_taps < 1 || num_taps > MAX_TAPS) __trap();

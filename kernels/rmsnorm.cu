@@ -10,10 +10,13 @@
 //   dw reduce: dw[c] = dw[c] + sum_p dw_partial[p, c]                           (f32, see Order)
 //   The element-wise expressions use __fmul_rn/__fadd_rn/__fsub_rn in cpu.rs's left-to-right order,
 //   so they match the CPU bit for bit given the same row sum; only the row sums (ms, gx, and the
-//   dw sums) are ordered differently from the CPU (fmaf per thread, then a fixed tree).
+//   dw sums) are ordered differently from the CPU (fmaf per thread, then a fixed tree). The
+//   8-wide register paths round y and dx with the hardware's cvt.rn.bf16x2.f32 (the same bits for
+//   every non-NaN value; a NaN stays a NaN but its payload is not kept).
 // Layouts:  x, y, dy, dx: [rows, dim] bf16 row-major, contiguous. w: [dim] bf16 (the launcher
 //           passes w + w_off). rstd: [rows] f32. dw_partial: [parts, dim] f32 scratch, parts =
-//           ceil(rows / rows_per_part). dw: [dim] f32 (the launcher passes dw + dw_off).
+//           ceil(rows / rows_per_part), every element written. dw: [dim] f32 (the launcher passes
+//           dw + dw_off).
 // Preconditions: dim >= 1, rows >= 0, rows_per_part >= 1 (else the kernels return without
 //           writing); eps >= 0; no output overlaps an input of the same kernel.
 //
@@ -21,21 +24,28 @@
 // block at a time. A lane owns chunks k = lane, lane + T, ... of the row; a chunk is 8 bf16 (one
 // 16-byte access) when dim % 8 == 0 and every bf16 pointer is 16-byte aligned, else 1 element.
 //   Tw(dim) = min(32, nextpow2(ceil(ceil(dim / 8) / RMS_CHUNKS_PER_LANE)))     (warp teams)
-//   forward:  T = Tw(dim)                       for every dim
-//   backward: T = dim <= 1024 ? Tw(dim) : 256   (above 1024 the whole block owns a row, so the
-//                                                dw accumulators of a block stay dim floats)
+//   T(dim)  = dim <= 1024 ? Tw(dim) : 256, forward and backward (above 1024 the whole block owns
+//             a row: the backward's dw accumulators of a block stay dim floats, and a thread's
+//             share of a row fits in registers)
 //   e.g. dim 16 -> T 1, R 256; dim 64 -> T 2, R 128; dim 128 -> T 4, R 64; dim 256 -> T 8,
-//   R 32; dim >= 1024 -> T 32, R 8 (forward) and dim > 1024 -> T 256, R 1 (backward).
+//   R 32; dim 1024 -> T 32, R 8; dim > 1024 -> T 256, R 1.
 //   Team sums: shuffle-xor butterflies within the team (T <= 32), or warp butterflies plus the
-//   8 warp sums added in warp order (T = 256). A row is read twice (sum, then output); the second
-//   read hits L1/L2, so HBM traffic is one read.
+//   8 warp sums added in warp order (T = 256).
+//   Rows in registers (T = 256, 8-wide chunks, dim <= 8 * 256 * RMS_REG_CHUNKS = 8192): a thread
+//   reads its <= 4 chunks of the row once, into registers, and computes the output from them,
+//   with the next row's loads issued before this row's sum and barrier (forward always; backward
+//   for dim <= 4096, within a part). Otherwise (warp teams, 1-element chunks, dim > 8192) a row
+//   is read twice (sum, then output); the second read hits L1/L2, so HBM traffic is one read, but
+//   each of its chunks is a dependent round trip.
 //
 // Launch rules (blockDim.x must be RMS_BLOCK = 256 for all three kernels; they trap otherwise):
-//   rmsnorm_fwd_bf16:  grid.x = max(1, ceil(rows / R)), R = 256 / Tw(dim); any grid.x >= 1 is
-//                      valid (grid-stride over row groups); no dynamic shared memory.
-//   rmsnorm_bwd_bf16:  R = 256 / T with the backward's T. rows_per_part = max(R, ceil(rows /
-//                      RMS_BWD_TARGET_PARTS)) recommended (<= 1024 parts: enough blocks to fill
-//                      an H200, a small dw_partial); parts = ceil(rows / rows_per_part); grid.x =
+//   rmsnorm_fwd_bf16:  any grid.x >= 1 (grid-stride over row groups); no dynamic shared memory.
+//                      Recommended: R = 256 / T(dim); grid.x = ceil(rows / R) for warp teams; for
+//                      T = 256, min(rows, resident blocks per SM * SM count) (occupancy query),
+//                      so every block streams ~rows / grid rows with its next row in flight.
+//   rmsnorm_bwd_bf16:  R = 256 / T(dim). rows_per_part = max(R, ceil(rows / RMS_BWD_TARGET_PARTS))
+//                      recommended (<= 1024 parts: ~2 waves of 4 blocks per SM on an H200, a
+//                      small dw_partial); parts = ceil(rows / rows_per_part); grid.x =
 //                      max(1, parts) (any grid.x >= 1 is valid: grid-stride over parts); dynamic
 //                      shared memory = R * (dim + RMS_SLAB_PAD) * 4 bytes, RMS_SLAB_PAD = 4
 //                      (<= 40 KiB for dim <= 1024, (dim + 4) * 4 above: over 48 KiB, i.e.
@@ -46,14 +56,21 @@
 //   order (in shared memory), then the R team sums are added in increasing t. The reduce splits
 //   the parts into RMS_DW_SLICES contiguous slices, sums each slice in increasing p, adds the
 //   slice sums in increasing slice order, then adds that total to dw[c] (once, as the CPU does).
-// Bytes:    fwd: rows * dim * 4 + rows * 4 (+ dim * 2). bwd: rows * dim * 6 (+ 2 more per element
-//           with accumulate_dx) + rows * 4 + parts * dim * 4. reduce: parts * dim * 4 + dim * 8.
+//   The register paths keep every order above: same bits as the two-pass loops with the same T.
+// Bytes:    fwd: rows * dim * 4 + rows * 4 + dim * 2. bwd: rows * dim * 6 (+ 2 more per element
+//           with accumulate_dx) + rows * 4 + dim * 2 + parts * dim * 4. reduce: parts * dim * 4 +
+//           dim * 8. (The launcher does not zero dw_partial: the kernel writes all of it.)
 // FLOPs:    fwd ~4 per element; bwd ~10 per element.
 // Bound:    memory. Target >= 80% of the measured device-to-device copy bandwidth (~4.1 TB/s on an
 //           H200) for rows * dim >= 2^24, for both the dim = 16..256 and the dim >= 1024 regimes.
-// Measured (H200, rows * dim = 2^26, bytes above): fwd 2.66 / 3.26 / 3.16 / 2.42 TB/s and bwd
-//           2.86 / 3.04 / 3.13 / 2.66 TB/s at dim 16 / 128 / 1024 / 5120 (65-80%; dim >= 5120 is
-//           the gap left to close); dw reduce ~10 us.
+//           Bytes in flight per SM at dim 4096: forward 5 blocks x 8 KiB (the next row's x),
+//           backward 4 blocks x 16 KiB (the next row's dy and x); ~20 KiB of reads in flight per
+//           SM cover HBM latency at 80% of copy bandwidth.
+// Previous measurements (the two-pass loops everywhere, forward T = Tw(dim); not re-measured
+// since the register paths): H200, rows * dim = 2^26: fwd 2.66 / 3.26 / 3.16 / 2.42 TB/s and bwd
+//           2.86 / 3.04 / 3.13 / 2.66 TB/s at dim 16 / 128 / 1024 / 5120; 32768 x 4096 with
+//           zero-filled inputs: fwd 2.65 TB/s (64%), bwd 2.56 TB/s (61%, 6 bytes per element
+//           counted); dw reduce ~10 us (8 loads in flight per thread; now 32).
 #include "common.cuh"
 
 // Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).
@@ -256,6 +273,18 @@ __device__ __forceinline__ void rmsnorm_fwd_rows_block(const __nv_bfloat16* __re
   }
 }
 
+// The 4-chunk instantiation (4096 < dim <= 8192) as a called function, not inlined: inlined, its
+// 16 more live registers made ptxas spill inside the other paths' row loops (the warp-team
+// two-pass loops of the QK-norm among them). One call per launch.
+__device__ __noinline__ void rmsnorm_fwd_rows_block4(const __nv_bfloat16* __restrict__ x,
+                                                     const __nv_bfloat16* __restrict__ w,
+                                                     __nv_bfloat16* __restrict__ y,
+                                                     float* __restrict__ rstd, index_t rows,
+                                                     int dim, float eps,
+                                                     float (&red)[2][RMS_WARPS]) {
+  rmsnorm_fwd_rows_block<RMS_REG_CHUNKS>(x, w, y, rstd, rows, dim, eps, red);
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_FWD_MIN_BLOCKS)
     rmsnorm_fwd_bf16(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                      __nv_bfloat16* __restrict__ y, float* __restrict__ rstd, long long rows,
@@ -270,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_FWD_MIN_BLOCKS)
     if (team_size == RMS_BLOCK && chunks <= 2 * RMS_BLOCK) {
       rmsnorm_fwd_rows_block<2>(x, w, y, rstd, rows, dim, eps, red);
     } else if (team_size == RMS_BLOCK && chunks <= RMS_REG_CHUNKS * RMS_BLOCK) {
-      rmsnorm_fwd_rows_block<RMS_REG_CHUNKS>(x, w, y, rstd, rows, dim, eps, red);
+      rmsnorm_fwd_rows_block4(x, w, y, rstd, rows, dim, eps, red);
     } else {
       rmsnorm_fwd_rows<BF16_PER_VEC>(x, w, y, rstd, rows, dim, eps, team_size, red);
     }
@@ -490,6 +519,16 @@ __device__ __forceinline__ void rmsnorm_bwd_parts_block(
   }
 }
 
+// Called, not inlined, for the same reason as rmsnorm_fwd_rows_block4.
+__device__ __noinline__ void rmsnorm_bwd_parts_block4(
+    const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
+    const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
+    __nv_bfloat16* __restrict__ dx, bool accumulate_dx, float* __restrict__ dw_partial,
+    index_t rows, int dim, index_t rows_per_part, float* acc, float (&red)[2][RMS_WARPS]) {
+  rmsnorm_bwd_parts_block<RMS_REG_CHUNKS>(dy, x, w, rstd, dx, accumulate_dx, dw_partial, rows, dim,
+                                          rows_per_part, acc, red);
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
     rmsnorm_bwd_bf16(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
                      const __nv_bfloat16* __restrict__ w, const float* __restrict__ rstd,
@@ -511,8 +550,8 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, RMS_BWD_MIN_BLOCKS)
       rmsnorm_bwd_parts_block<2>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
                                  rows_per_part, team_acc_all, red);
     } else if (team_size == RMS_BLOCK && chunks <= RMS_REG_CHUNKS * RMS_BLOCK) {
-      rmsnorm_bwd_parts_block<RMS_REG_CHUNKS>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
-                                              rows_per_part, team_acc_all, red);
+      rmsnorm_bwd_parts_block4(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim, rows_per_part,
+                               team_acc_all, red);
     } else {
       rmsnorm_bwd_parts<BF16_PER_VEC>(dy, x, w, rstd, dx, acc_dx, dw_partial, rows, dim,
                                       rows_per_part, team_size, team_acc_all, red);

@@ -6,7 +6,9 @@
 //         dgate = bf16(((d * u) * sig) * (1 + g * (1 - sig))); dup = bf16(d * silu)
 //   Every operation is one IEEE rounding in cpu.rs's left-to-right order (__fmul_rn, __fadd_rn,
 //   __fsub_rn, __fdiv_rn: never an FMA); only expf differs from the CPU's libm (CUDA: <= 2 ulp),
-//   so compare with a bf16 tolerance.
+//   so compare with a bf16 tolerance. The 8-wide path rounds to bf16 with the hardware's
+//   cvt.rn.bf16x2.f32 (4 instructions per 8 outputs instead of ~56 integer ones; the same bits as
+//   half::bf16::from_f32 for every non-NaN value, a NaN stays a NaN without its payload).
 // Layouts:  gu, dgu: [rows, 2 * inter] bf16 row-major, each row = [gate(inter) | up(inter)].
 //           out, dout: [rows, inter] bf16 row-major. All contiguous.
 // Preconditions: rows, inter >= 0 (0: no-op); outputs do not overlap inputs.
@@ -17,11 +19,15 @@
 //           memory, no scratch.
 // Bytes:    fwd rows * inter * 6 (read 4, write 2); bwd rows * inter * 10 (read 6, write 4).
 // FLOPs:    fwd ~4 + one expf per element; bwd ~10 + one expf per element.
-// Bound:    memory (the expf and the IEEE division fit in the issue slots at HBM rate). Target
-//           >= 80% of the measured device-to-device copy bandwidth (~4.1 TB/s on an H200) for
-//           rows * inter >= 2^24. Measured (H200, 65536 x 2048): fwd 3.6 TB/s, bwd 3.9 TB/s.
-//           (A gate of exactly 0 sends the IEEE division g / (1 + e) down its slow path: an
-//           all-zero input runs the forward at ~2.3 TB/s. Real activations do not.)
+// Bound:    memory (the expf and the IEEE division fit in the issue slots at HBM rate: the
+//           forward's 8-wide loop is ~260 instructions per 8 elements, ~55% of the issue slots a
+//           warp has at 80% of copy bandwidth). Target >= 80% of the measured device-to-device
+//           copy bandwidth (~4.1 TB/s on an H200) for rows * inter >= 2^24.
+// Previous measurements (software bf16 rounding; not re-measured since): H200, 65536 x 2048 with
+//           real activations: fwd 3.6 TB/s, bwd 3.9 TB/s. 8192 x 12288 with zero-filled inputs
+//           (benches/kernels.rs before it filled them with N(0, 1)): fwd 2.18 TB/s, bwd 3.87 TB/s.
+//           A gate of exactly 0 sends the IEEE division g / (1 + e) down its slow path, so an
+//           all-zero input runs the forward at ~2.2-2.3 TB/s; real activations do not.
 #include "common.cuh"
 
 template <int V>

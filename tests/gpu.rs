@@ -105,10 +105,12 @@ fn gpu_gemm_matches_cpu() {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rms_case<B: Backend>(
     be: &B,
     rows: usize,
     dim: usize,
+    w_off: usize,
     x: &[f32],
     w: &[f32],
     dy: &[f32],
@@ -118,10 +120,10 @@ fn rms_case<B: Backend>(
     let (xb, wb, dyb) = (put(be, x, DType::BF16), put(be, w, DType::BF16), put(be, dy, DType::BF16));
     let mut y = be.alloc(&s, DType::BF16, rows * dim).unwrap();
     let mut r = be.alloc(&s, DType::F32, rows).unwrap();
-    be.rmsnorm_fwd(&s, &xb, &wb, 1, &mut y, &mut r, rows, dim, 1e-6).unwrap();
+    be.rmsnorm_fwd(&s, &xb, &wb, w_off, &mut y, &mut r, rows, dim, 1e-6).unwrap();
     let mut dx = put(be, dx0, DType::BF16);
     let mut dw = put(be, &vec![0.25; dim + 1], DType::F32);
-    be.rmsnorm_bwd(&s, &dyb, &xb, &wb, 1, &r, &mut dx, true, &mut dw, 1, rows, dim).unwrap();
+    be.rmsnorm_bwd(&s, &dyb, &xb, &wb, w_off, &r, &mut dx, true, &mut dw, w_off, rows, dim).unwrap();
     [get(be, &y), get(be, &r), get(be, &dx), get(be, &dw)]
 }
 
@@ -130,15 +132,30 @@ fn rms_case<B: Backend>(
 fn gpu_norm_rope_swiglu_add_match_cpu() {
     let g = gpu();
     let c = CpuBackend::new();
-    for (rows, dim) in [(1, 16), (513, 16), (37, 100), (64, 4096), (3, 5120)] {
+    // w_off 1 misaligns the weight (scalar path); w_off 0 with dim % 8 == 0 takes the 16-byte
+    // vector path at the model widths.
+    let cases = [
+        (1, 16, 1),
+        (513, 16, 1),
+        (37, 100, 1),
+        (64, 4096, 1),
+        (3, 5120, 1),
+        (1, 16, 0),
+        (300, 4096, 0),
+        (77, 5120, 0),
+        (129, 1032, 0),
+        (37, 100, 0),
+    ];
+    for (rows, dim, w_off) in cases {
         let x = rand(rows * dim, 10, 2.0);
         let w: Vec<f32> = rand(dim + 1, 11, 0.2).iter().map(|v| 1.0 + v).collect();
         let dy = rand(rows * dim, 12, 1.0);
         let dx0 = rand(rows * dim, 13, 1.0);
-        let (a, b) = (rms_case(&g, rows, dim, &x, &w, &dy, &dx0), rms_case(&c, rows, dim, &x, &w, &dy, &dx0));
+        let a = rms_case(&g, rows, dim, w_off, &x, &w, &dy, &dx0);
+        let b = rms_case(&c, rows, dim, w_off, &x, &w, &dy, &dx0);
         for (i, name) in ["y", "rstd", "dx (accumulated)", "dw"].iter().enumerate() {
             rel_err(
-                &format!("rmsnorm {name} {rows}x{dim}"),
+                &format!("rmsnorm {name} {rows}x{dim} w_off {w_off}"),
                 &a[i],
                 &b[i],
                 if i == 1 || i == 3 { 1e-5 } else { BF16_TOL },
@@ -163,14 +180,21 @@ fn gpu_norm_rope_swiglu_add_match_cpu() {
         });
         rel_err(&format!("rope inverse={inverse}"), &on_gpu, &on_cpu, BF16_TOL);
     }
-    // SwiGLU forward/backward, a ragged width.
-    let (rows, inter) = (33, 77);
-    let gu = rand(rows * 2 * inter, 30, 2.0);
-    let d = rand(rows * inter, 31, 1.0);
-    let sw = |be: &dyn SwiTest| be.run(&gu, &d, rows, inter);
-    let (a, b) = (sw(&g), sw(&c));
-    rel_err("swiglu fwd", &a[0], &b[0], BF16_TOL);
-    rel_err("swiglu bwd", &a[1], &b[1], BF16_TOL);
+    // SwiGLU forward/backward: a ragged width (scalar path), widths % 8 == 0 (8-wide path), and
+    // exact zeros in the gate (the division's slow path).
+    for (rows, inter, zeros) in [(33, 77, false), (64, 1024, false), (17, 3072, true), (5, 8, false)] {
+        let mut gu = rand(rows * 2 * inter, 30, 2.0);
+        if zeros {
+            for row in gu.chunks_mut(2 * inter) {
+                row[..inter].iter_mut().step_by(3).for_each(|v| *v = 0.0);
+            }
+        }
+        let d = rand(rows * inter, 31, 1.0);
+        let sw = |be: &dyn SwiTest| be.run(&gu, &d, rows, inter);
+        let (a, b) = (sw(&g), sw(&c));
+        rel_err(&format!("swiglu fwd {rows}x{inter}"), &a[0], &b[0], BF16_TOL);
+        rel_err(&format!("swiglu bwd {rows}x{inter}"), &a[1], &b[1], BF16_TOL);
+    }
     // Residual add: one rounding of an exact f32 sum: bit-identical.
     let (x, y) = (rand(1001, 40, 1.0), rand(1001, 41, 1.0));
     let add = |be: &dyn SwiTest| be.add(&x, &y);
@@ -228,7 +252,9 @@ impl<B: Backend> PackTest for B {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_pack_noise_embed_are_bit_identical() {
     let (g, c) = (gpu(), CpuBackend::new());
-    for (rows, hidden, k, n_valid) in [(1, 8, 1, 1), (37, 100, 3, 30), (256, 4096, 5, 256), (9, 13, 2, 9)] {
+    // Includes padding rows (n_valid < rows) at widths % 8 == 0 (the 16-byte path).
+    let cases = [(1, 8, 1, 1), (37, 100, 3, 30), (256, 4096, 5, 256), (9, 13, 2, 9), (300, 4096, 5, 200), (64, 1032, 3, 50)];
+    for (rows, hidden, k, n_valid) in cases {
         let taps: Vec<Vec<f32>> = (0..k).map(|i| rand(rows * hidden, 50 + i as u64, 3.0)).collect();
         for std in [0.0, 0.05] {
             bits_equal(
