@@ -16,7 +16,9 @@ use crate::config::{DrafterConfig, TargetConfig};
 use crate::data::Dataset;
 use crate::model::drafter::{Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetShape};
-use crate::pipeline::{self, BatchSource, Control, Faults, PipelineConfig, PipelineStats, TargetSide, Transport};
+use crate::pipeline::{
+    self, BatchSource, Control, DrafterRank, Faults, PipelineConfig, PipelineStats, TargetRank, TargetSide, Transport,
+};
 use crate::train::batch::{build_batch, BatchSpec, HostBatch, Sample};
 use crate::train::checkpoint::{self, TensorState, TrainerState};
 use crate::train::generate::{generate, GenSpec};
@@ -289,32 +291,61 @@ pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunS
         Some(m) => m,
         None => alloc_mode_from_env()?,
     };
-    let (t_gpu, d_gpu) = gpus(opts)?;
+    let topo = Topology::from_options(opts)?;
     let cuda = |ordinal: usize| CudaBackend::new(ordinal, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"));
-    let on_cuda = |bt: CudaBackend| -> Result<RunSummary> {
-        if d_gpu == t_gpu {
-            run_on(&bt, &bt, opts, interrupt.clone())
-        } else {
-            let bd = cuda(d_gpu)?;
-            run_on(&bt, &bd, opts, interrupt.clone())
+    let cpus = || -> Vec<CpuBackend> { topo.devices.iter().map(|_| CpuBackend::new()).collect() };
+    let on_cuda = |first: CudaBackend| -> Result<RunSummary> {
+        let mut bes = vec![first];
+        for &d in &topo.devices[1..] {
+            bes.push(cuda(d)?);
         }
+        run_on(&bes, &topo, opts, interrupt.clone())
     };
     match opts.device {
-        Device::Cpu => {
-            let be = CpuBackend::new();
-            run_on(&be, &be, opts, interrupt)
-        }
-        Device::Cuda => on_cuda(cuda(t_gpu)?),
-        Device::Auto => match CudaBackend::new(t_gpu, mode) {
+        Device::Cpu => run_on(&cpus(), &topo, opts, interrupt),
+        Device::Cuda => on_cuda(cuda(topo.devices[0])?),
+        Device::Auto => match CudaBackend::new(topo.devices[0], mode) {
             Ok(be) => on_cuda(be),
             Err(why) => {
                 if !opts.quiet {
                     eprintln!("note      no usable GPU ({why}); running on the CPU backend");
                 }
-                let be = CpuBackend::new();
-                run_on(&be, &be, opts, interrupt)
+                run_on(&cpus(), &topo, opts, interrupt)
             }
         },
+    }
+}
+
+/// Which device runs what: `devices` lists each device once (first use first); `targets` and
+/// `drafters` index into it. On the CPU backend each listed device is a separate CPU backend
+/// (same host), so the multi-device paths run and are tested without a GPU.
+#[derive(Clone, Debug)]
+struct Topology {
+    devices: Vec<usize>,
+    targets: Vec<usize>,
+    drafters: Vec<usize>,
+}
+
+impl Topology {
+    fn from_options(o: &RunOptions) -> Result<Self> {
+        let t: Vec<usize> = if o.target_gpus.is_empty() { vec![0] } else { o.target_gpus.clone() };
+        let d: Vec<usize> = if o.drafter_gpus.is_empty() { vec![t[0]] } else { o.drafter_gpus.clone() };
+        for (flag, list) in [("--target-gpus", &t), ("--drafter-gpus", &d)] {
+            let mut u = list.clone();
+            u.sort_unstable();
+            u.dedup();
+            if u.len() != list.len() {
+                bail!("{flag} {list:?} lists a device twice: give each GPU once");
+            }
+        }
+        let mut devices: Vec<usize> = Vec::new();
+        for &x in t.iter().chain(&d) {
+            if !devices.contains(&x) {
+                devices.push(x);
+            }
+        }
+        let at = |x: &usize| devices.iter().position(|y| y == x).unwrap_or(0);
+        Ok(Topology { targets: t.iter().map(at).collect(), drafters: d.iter().map(at).collect(), devices })
     }
 }
 
@@ -339,32 +370,36 @@ pub fn micro_batch_bytes(opts: &RunOptions) -> Result<usize> {
     Ok(rows * dcfg.target_layer_ids.len() * tcfg.hidden_size * 2)
 }
 
-/// The target's and the drafter's CUDA device from `--target-gpus` / `--drafter-gpus`.
-fn gpus(o: &RunOptions) -> Result<(usize, usize)> {
-    let t = match o.target_gpus.as_slice() {
-        [] => 0,
-        [t] => *t,
-        many => bail!(
-            "--target-gpus {many:?}: this version runs the target on one GPU; give one device (e.g. --target-gpus 0)"
-        ),
-    };
-    let d = match o.drafter_gpus.as_slice() {
-        [] => t,
-        [d] => *d,
-        many => bail!(
-            "--drafter-gpus {many:?}: this version trains the drafter on one GPU; give one device (e.g. --drafter-gpus 1)"
-        ),
-    };
-    Ok((t, d))
-}
-
-/// Trains with the target on `bt` and the drafter on `bd` (the same backend on one device).
-fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
+/// Trains on `bes` (one backend per device of `topo`): the targets and the data-parallel drafter
+/// ranks as `topo` places them (all on one backend on one device).
+fn run_on<B: Backend>(
+    bes: &[B],
+    topo: &Topology,
+    opts: &RunOptions,
+    interrupt: Option<Arc<AtomicBool>>,
+) -> Result<RunSummary> {
     validate(opts)?;
-    let one_device = std::ptr::eq(bt, bd);
-    if opts.sync && !one_device {
-        bail!("--sync runs target and drafter on one device: drop --drafter-gpus (or use the same GPU)");
+    let one_device = bes.len() == 1;
+    let (nt, nd) = (topo.targets.len(), topo.drafters.len());
+    if opts.sync && opts.split_fc && one_device {
+        bail!(
+            "--sync runs the unsplit reference on one device; drop --split-fc-layers (split-FC is checked against it)"
+        );
     }
+    if opts.split_fc && nt > 1 {
+        bail!("--split-fc-layers keeps the fc group with the target: it needs one target GPU (got --target-gpus with {nt})");
+    }
+    if opts.grad_accum % nd != 0 {
+        bail!(
+            "--grad-accum {}: with {nd} drafter GPUs each step's micro-batches are split evenly between them, so it must be a multiple of {nd} (e.g. --batch-size {} --grad-accum {} trains on the same {} sequences per step)",
+            opts.grad_accum,
+            (opts.batch_size / nd).max(1),
+            opts.grad_accum * nd,
+            opts.batch_size * opts.grad_accum
+        );
+    }
+    let bt = &bes[topo.targets[0]];
+    let bd = &bes[topo.drafters[0]];
     let say = |m: String| {
         if !opts.quiet {
             eprintln!("{m}");
@@ -376,8 +411,12 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
     let tcfg = src.config().clone();
     let dcfg = DrafterConfig::for_target(&tcfg, opts.drafter_layers, opts.block_size, opts.taps.clone())
         .context("drafter configuration")?;
-    let backend_name =
-        if one_device { bt.name() } else { format!("target on {}, drafter on {}", bt.name(), bd.name()) };
+    let names = |idx: &[usize]| idx.iter().map(|&i| bes[i].name()).collect::<Vec<_>>().join(", ");
+    let backend_name = if one_device {
+        bt.name()
+    } else {
+        format!("target on {}, drafter on {}", names(&topo.targets), names(&topo.drafters))
+    };
     say(format!("backend   {backend_name}"));
     say(format!("target    {}", src.describe()));
     say(format!(
@@ -388,6 +427,11 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
     // Data: a JSONL file, or sequences the target writes itself (needs every layer).
     let generated = opts.data.is_none();
     let target = src.load(bt, dcfg.target_layer_ids.clone(), generated)?;
+    // Further target GPUs hold their own copy (only the tapped layers).
+    let mut more_targets = Vec::new();
+    for &i in &topo.targets[1..] {
+        more_targets.push(src.load(&bes[i], dcfg.target_layer_ids.clone(), false)?);
+    }
     let t_gen = Instant::now();
     let data = match &opts.data {
         Some(path) => Dataset::from_jsonl(path, tcfg.vocab_size, opts.seq_len)?,
@@ -419,9 +463,24 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
     // Both sides.
     let dshape = DrafterShape::from_config(&dcfg, opts.logits_chunk);
     let (embed, lm_head) = Drafter::frozen_from_target(bt, &s, &target)?;
-    let [embed, lm_head] = crate::backend::move_bufs(bt, bd, &sd, [embed, lm_head])?;
-    let (drafter, fc) = Drafter::new(bd, &sd, dshape.clone(), embed, lm_head, opts.seed)?;
-    let mut side = DrafterSide::new(bd, &sd, drafter, Some(fc))?;
+    // Every rank starts from the same weights (the same seed); the frozen tables are copied to
+    // each rank's device, the last rank takes the originals.
+    let mut sides: Vec<DrafterSide<B>> = Vec::with_capacity(nd);
+    let mut frozen = Some([embed, lm_head]);
+    for (r, &i) in topo.drafters.iter().enumerate() {
+        let (be, st) = (&bes[i], bes[i].compute_stream());
+        let [e, l] = match frozen.take() {
+            Some(orig) if r + 1 == nd => crate::backend::move_bufs(bt, be, &st, orig)?,
+            Some(orig) => {
+                let c = crate::backend::copy_bufs(bt, be, &st, [&orig[0], &orig[1]])?;
+                frozen = Some(orig);
+                c
+            }
+            None => unreachable!("the originals are kept until the last rank"),
+        };
+        let (drafter, fc) = Drafter::new(be, &st, dshape.clone(), e, l, opts.seed)?;
+        sides.push(DrafterSide::new(be, &st, drafter, Some(fc))?);
+    }
     let fingerprint = run_fingerprint(opts, &opts.target);
     let mut first_step = 0;
     if opts.resume {
@@ -430,22 +489,31 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
                 if ck.state.run_fingerprint != fingerprint {
                     bail!("--resume: the checkpoint in {} was written by a different run configuration.\n  checkpoint: {}\n  this run:   {}\nUse the same flags, or another --out.", ck.dir.display(), ck.state.run_fingerprint, fingerprint);
                 }
-                restore(bd, &sd, &mut side, &ck.tensors)?;
+                for (side, &i) in sides.iter_mut().zip(&topo.drafters) {
+                    restore(&bes[i], &bes[i].compute_stream(), side, &ck.tensors)?;
+                }
                 first_step = ck.state.step;
                 say(format!("resume    from {} (step {first_step})", ck.dir.display()));
             }
             None => say(format!("resume    no checkpoint in {}: starting from step 0", opts.out.display())),
         }
     }
-    // Split-FC: the fc group lives with the target (on the target's device).
-    let fc = match side.fc.take() {
-        Some(fc) if opts.split_fc => Some(Mutex::new(fc.move_to(bd, bt, &s)?)),
-        other => {
-            side.fc = other;
-            None
+    // Split-FC: the fc group lives with the target (on the target's device); the other ranks'
+    // copies are dropped.
+    let fc = if opts.split_fc {
+        for side in &mut sides[1..] {
+            side.fc = None;
         }
+        match sides[0].fc.take() {
+            Some(fc) => Some(Mutex::new(fc.move_to(bd, bt, &s)?)),
+            None => None,
+        }
+    } else {
+        None
     };
     let tside = TargetSide { target, fc };
+    let more_tsides: Vec<TargetSide<B>> =
+        more_targets.into_iter().map(|target| TargetSide { target, fc: None }).collect();
     let source = StepBatches {
         data,
         spec: BatchSpec {
@@ -474,8 +542,9 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
         noise: NoiseSpec { std: opts.noise_std, seed: opts.seed },
         faults: opts.faults,
         trace: opts.trace.as_ref().map(|_| Arc::new(pipeline::Trace::default())),
-        transport: opts.transport.unwrap_or_else(|| Transport::auto(bt, bd)),
+        transport: opts.transport,
         max_rows: (opts.batch_size * opts.seq_len).max(opts.pad_to_tokens.unwrap_or(0)),
+        lockstep: opts.sync,
     };
 
     std::fs::create_dir_all(&opts.out).with_context(|| format!("creating the output folder {}", opts.out.display()))?;
@@ -544,14 +613,28 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
         last_t = Instant::now();
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
-    let mem_before = (bt.allocated_bytes(), bd.allocated_bytes());
-    let stats = if opts.sync {
-        sync_loop(bt, &tside, &mut side, &source, &pcfg, &optim, &mut on_step)?
+    let mem_before: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
+    let stats = if opts.sync && one_device {
+        sync_loop(bt, &tside, &mut sides[0], &source, &pcfg, &optim, &mut on_step)?
     } else {
-        let (result, stats) = pipeline::run(bt, bd, &tside, &mut side, &source, &pcfg, &optim, &mut on_step);
+        let dbes: Vec<&B> = topo.drafters.iter().map(|&i| &bes[i]).collect();
+        let comms = B::comm_group(&dbes).context("setting up the drafter GPUs' gradient all-reduce")?;
+        let targets: Vec<TargetRank<'_, B>> = std::iter::once(&tside)
+            .chain(more_tsides.iter())
+            .zip(&topo.targets)
+            .map(|(side, &i)| TargetRank { be: &bes[i], side })
+            .collect();
+        let drafters: Vec<DrafterRank<'_, B>> = sides
+            .iter_mut()
+            .zip(dbes.iter().copied())
+            .zip(comms)
+            .map(|((side, be), comm)| DrafterRank { be, side, comm })
+            .collect();
+        let (result, stats) = pipeline::run(&targets, drafters, &source, &pcfg, &optim, &mut on_step);
         // Whatever the outcome: no pinned slot may still be held and every transient device
         // buffer must be back (DESIGN.md rule 5; the fault tests check this line).
-        let leaks = leak_check(one_device, mem_before, (bt.allocated_bytes(), bd.allocated_bytes()), &stats);
+        let after: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
+        let leaks = leak_check(&mem_before, &after, &stats);
         if !opts.quiet {
             eprintln!("leak check     {leaks}");
         }
@@ -585,10 +668,9 @@ fn run_on<B: Backend>(bt: &B, bd: &B, opts: &RunOptions, interrupt: Option<Arc<A
         device_memory: if one_device {
             bt.memory_report()
         } else {
-            match (bt.memory_report(), bd.memory_report()) {
-                (Some(a), Some(b)) => Some(format!("target: {a}; drafter: {b}")),
-                _ => None,
-            }
+            let parts: Option<Vec<String>> =
+                bes.iter().map(|b| b.memory_report().map(|m| format!("{}: {m}", b.name()))).collect();
+            parts.map(|p| p.join("; "))
         },
     };
     if !opts.quiet {
@@ -644,9 +726,6 @@ fn validate(o: &RunOptions) -> Result<()> {
     if o.anchors == 0 {
         bad("--anchors must be at least 1")?;
     }
-    if o.sync && o.split_fc {
-        bad("--sync runs the unsplit reference; drop --split-fc-layers (split-FC is checked against it)")?;
-    }
     if o.max_inflight == 0 {
         bad("--max-inflight must be at least 1")?;
     }
@@ -660,21 +739,12 @@ fn validate(o: &RunOptions) -> Result<()> {
 }
 
 /// What is still held after the pipeline ended: pinned slots, and device bytes beyond those held
-/// before it started (weights, optimizer state).
-fn leak_check(
-    one_device: bool,
-    before: (Option<usize>, Option<usize>),
-    after: (Option<usize>, Option<usize>),
-    st: &PipelineStats,
-) -> String {
+/// before it started (weights, optimizer state), per device.
+fn leak_check(before: &[Option<usize>], after: &[Option<usize>], st: &PipelineStats) -> String {
     let mut parts = vec![format!("{} pinned slots held", st.slots_in_flight_at_end)];
     let mut leaked = st.slots_in_flight_at_end > 0;
-    let sides: &[(&str, Option<usize>, Option<usize>)] = if one_device {
-        &[("device", before.0, after.0)]
-    } else {
-        &[("target", before.0, after.0), ("drafter", before.1, after.1)]
-    };
-    for (name, b, a) in sides {
+    for (i, (b, a)) in before.iter().zip(after).enumerate() {
+        let name = if before.len() == 1 { "device".to_string() } else { format!("device {i}") };
         if let (Some(b), Some(a)) = (b, a) {
             if a > b {
                 leaked = true;
@@ -820,6 +890,28 @@ pub fn print_summary(r: &RunSummary) {
             secs(span),
             100.0 * idle
         );
+    }
+    if st.target_gpus.len() > 1 {
+        let per: Vec<String> = st
+            .target_gpus
+            .iter()
+            .enumerate()
+            .map(|(i, (busy, span))| {
+                format!("{i}: {:.1}%", 100.0 * (1.0 - (secs(*busy) / secs(*span).max(1e-9)).min(1.0)))
+            })
+            .collect();
+        eprintln!("  per target   idle on its stream, in --target-gpus order: {}", per.join(", "));
+    }
+    if st.drafter_ranks > 1 {
+        match st.allreduce_seconds {
+            Some(ar) => eprintln!(
+                "  all-reduce   {} drafter ranks: {:.3} s of gradient all-reduce on rank 0's stream ({:.1} ms/step)",
+                st.drafter_ranks,
+                ar,
+                1e3 * ar / steps
+            ),
+            None => eprintln!("  all-reduce   {} drafter ranks (no device timestamps)", st.drafter_ranks),
+        }
     }
     if let Some(b) = r.peak_rss_bytes {
         eprintln!("peak memory    {:.1} MiB resident (host)", b as f64 / (1 << 20) as f64);

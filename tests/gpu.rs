@@ -253,7 +253,8 @@ impl<B: Backend> PackTest for B {
 fn gpu_pack_noise_embed_are_bit_identical() {
     let (g, c) = (gpu(), CpuBackend::new());
     // Includes padding rows (n_valid < rows) at widths % 8 == 0 (the 16-byte path).
-    let cases = [(1, 8, 1, 1), (37, 100, 3, 30), (256, 4096, 5, 256), (9, 13, 2, 9), (300, 4096, 5, 200), (64, 1032, 3, 50)];
+    let cases =
+        [(1, 8, 1, 1), (37, 100, 3, 30), (256, 4096, 5, 256), (9, 13, 2, 9), (300, 4096, 5, 200), (64, 1032, 3, 50)];
     for (rows, hidden, k, n_valid) in cases {
         let taps: Vec<Vec<f32>> = (0..k).map(|i| rand(rows * hidden, 50 + i as u64, 3.0)).collect();
         for std in [0.0, 0.05] {

@@ -97,6 +97,73 @@ pub struct CpuBuf<F> {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuStream;
 
+/// A CPU "device group" for data-parallel ranks on host threads: the last rank to arrive sums
+/// the contributions in rank order (deterministic), every rank copies the result.
+pub struct CpuComm {
+    rank: usize,
+    group: std::sync::Arc<CpuGroup>,
+}
+
+struct CpuGroup {
+    n: usize,
+    state: std::sync::Mutex<GroupState>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct GroupState {
+    /// Completed reductions.
+    round: u64,
+    parts: Vec<Option<Vec<f64>>>,
+    result: std::sync::Arc<Vec<f64>>,
+    aborted: bool,
+}
+
+impl CpuGroup {
+    fn reduce(&self, rank: usize, mine: Vec<f64>) -> Result<std::sync::Arc<Vec<f64>>> {
+        let gone = || BackendError::Device("all-reduce: another rank of the group stopped".into());
+        let mut st = self.state.lock().map_err(|_| gone())?;
+        if st.aborted {
+            return Err(gone());
+        }
+        if st.parts.len() != self.n {
+            st.parts = vec![None; self.n];
+        }
+        st.parts[rank] = Some(mine);
+        let round = st.round;
+        if st.parts.iter().all(Option::is_some) {
+            let parts: Vec<Vec<f64>> = st.parts.iter_mut().map(|p| p.take().unwrap_or_default()).collect();
+            let mut sum = parts[0].clone();
+            for p in &parts[1..] {
+                if p.len() != sum.len() {
+                    return Err(BackendError::Device("all-reduce: ranks passed buffers of different lengths".into()));
+                }
+                for (a, b) in sum.iter_mut().zip(p) {
+                    *a += b;
+                }
+            }
+            st.result = std::sync::Arc::new(sum);
+            st.round += 1;
+            self.cv.notify_all();
+            return Ok(st.result.clone());
+        }
+        while st.round == round && !st.aborted {
+            st = self.cv.wait(st).map_err(|_| gone())?;
+        }
+        if st.round == round {
+            return Err(gone());
+        }
+        Ok(st.result.clone())
+    }
+
+    fn abort(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.aborted = true;
+        }
+        self.cv.notify_all();
+    }
+}
+
 /// "Pinned" host slots of the CPU backend: plain vectors holding values exactly (f64 holds every
 /// f32 and f64 bit pattern), so staged transports copy bit for bit. CPU copies complete at once,
 /// so its events are always done.
@@ -264,6 +331,32 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
     fn is_peer(&self, _other: &Self) -> bool {
         true
+    }
+
+    type Comm = CpuComm;
+
+    fn comm_group(group: &[&Self]) -> Result<Vec<CpuComm>> {
+        let shared = std::sync::Arc::new(CpuGroup {
+            n: group.len(),
+            state: std::sync::Mutex::new(GroupState::default()),
+            cv: std::sync::Condvar::new(),
+        });
+        Ok((0..group.len()).map(|rank| CpuComm { rank, group: shared.clone() }).collect())
+    }
+
+    fn all_reduce_sum(&self, _s: &CpuStream, comm: &CpuComm, buf: &mut CpuBuf<F>) -> Result<()> {
+        let mine: Vec<f64> = buf.data.iter().map(|x| x.to_f64()).collect();
+        let sum = comm.group.reduce(comm.rank, mine)?;
+        check_len("all_reduce_sum", "buf", buf.data.len(), 0, sum.len())?;
+        let dt = buf.dtype;
+        for (d, &x) in buf.data.iter_mut().zip(sum.iter()) {
+            *d = self.st(dt, F::from_f64(x));
+        }
+        Ok(())
+    }
+
+    fn comm_abort(&self, comm: &CpuComm) {
+        comm.group.abort();
     }
 
     fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {

@@ -54,9 +54,21 @@ pub fn move_bufs<B: Backend, const N: usize>(
     if std::ptr::eq(from, to) {
         return Ok(bufs);
     }
+    copy_bufs(from, to, s_to, bufs.each_ref())
+}
+
+/// Copies of `bufs` (on `from`'s device, written on its compute stream) on `to`'s device, ready
+/// on `s_to` (a plain device copy when `from` and `to` are the same backend). The host waits for
+/// both sides, so the sources may be dropped afterwards.
+pub fn copy_bufs<B: Backend, const N: usize>(
+    from: &B,
+    to: &B,
+    s_to: &B::Stream,
+    bufs: [&B::Buf; N],
+) -> Result<[B::Buf; N]> {
     from.synchronize(&from.compute_stream())?;
     let mut out = Vec::with_capacity(N);
-    for b in &bufs {
+    for b in bufs {
         let mut o = to.alloc(s_to, from.dtype(b), from.len(b))?;
         to.copy_from_peer(s_to, from, b, &mut o)?;
         out.push(o);
@@ -203,6 +215,21 @@ pub trait Backend: Send + Sync + 'static {
     fn allocated_bytes(&self) -> Option<usize> {
         None
     }
+
+    // ---- collectives (data-parallel drafter ranks) ----
+    /// One rank's handle in a group of devices that sum gradients together.
+    type Comm: Send + Sync;
+    /// One communicator per backend of `group` (rank i is `group[i]`). Every rank must then call
+    /// `all_reduce_sum` the same number of times, in the same order.
+    fn comm_group(group: &[&Self]) -> Result<Vec<Self::Comm>>
+    where
+        Self: Sized;
+    /// `buf` (f32) becomes the element-wise sum of every rank's `buf`, enqueued on `s`. The sum's
+    /// order is fixed for a given group, so results are deterministic.
+    fn all_reduce_sum(&self, s: &Self::Stream, comm: &Self::Comm, buf: &mut Self::Buf) -> Result<()>;
+    /// Makes ranks blocked in (or later entering) `all_reduce_sum` of this group fail instead of
+    /// waiting for a rank that has stopped.
+    fn comm_abort(&self, _comm: &Self::Comm) {}
 
     // ---- memory ----
     /// A zero-filled buffer of `len` elements owned by `s`.

@@ -1,16 +1,27 @@
-//! The target -> drafter pipeline (DESIGN.md section 1): a producer thread runs the frozen target
+//! The target -> drafter pipeline (DESIGN.md section 1): producer threads run the frozen target
 //! and the post-processing (pack, noise, FC under split-FC) while the drafter trains on earlier
-//! batches; a bounded queue of `max_inflight` micro-batches sits between them, so the target
-//! blocks instead of growing memory without bound.
+//! batches; bounded queues of `max_inflight` micro-batches sit between them, so a target blocks
+//! instead of growing memory without bound.
 //!
-//! Under split-FC (exact mode, DFLASH.md section 2) the fc group lives with the target: it
-//! projects `X` to `Y` with the weights of the current step, receives `dY` back, computes `dWfc`,
-//! reports its squared norm, and applies the same AdamW step as the drafter. Losses and weights
-//! are bit-identical to the unsplit pipeline (tested).
+//! Topology: one producer per target GPU, steps assigned round-robin (step k to target
+//! k mod T); one consumer per drafter GPU (data parallel: micro-batch m of a step goes to rank
+//! m mod D, gradients are summed across ranks by the backend's all-reduce before the grad norm,
+//! and the loss is normalised by the weight of the whole step). Every (target, drafter) pair has
+//! its own link and queue, so no queue mixes producers and a rank always knows where its next
+//! micro-batch comes from.
 //!
-//! Failure on either side ends the run with that side's error: the other side sees its channel
-//! close and stops; nothing waits forever.
+//! Under split-FC (exact mode, DFLASH.md section 2) the fc group lives with the (single) target:
+//! it projects `X` to `Y` with the weights of the current step, receives `dY` back, computes
+//! `dWfc`, reports its squared norm, and applies the same AdamW step as the drafter. Losses and
+//! weights are bit-identical to the unsplit pipeline (tested).
+//!
+//! `lockstep` is the synchronous reference at any topology: a target starts step k only after the
+//! drafter finished step k - 1, so nothing overlaps; the async run must match it bit for bit.
+//!
+//! Failure on any thread ends the run with that thread's error: the others see their channel
+//! close or their meeting point abort, and stop; nothing waits forever.
 
+mod exchange;
 pub mod slots;
 pub mod stats;
 pub mod transport;
@@ -26,9 +37,15 @@ use crate::model::drafter::{fc_backward, fc_forward, ParamGroup};
 use crate::model::target::Target;
 use crate::train::batch::HostBatch;
 use crate::train::optim::OptimConfig;
-use crate::train::step::{global_norm, plan_update, target_pack, Context, DrafterSide, NoiseSpec, StepMetrics};
+use crate::train::step::{
+    global_norm, plan_update, target_pack, Context, DrafterSide, MetricSums, NoiseSpec, StepMetrics,
+};
+pub use exchange::{Exchange, Gate};
 pub use stats::{PipelineStats, Trace};
 pub use transport::{Link, Parcel, Transport};
+
+/// Why a queue send failed: the receiving side is gone (a consequence, not a cause).
+const RECEIVER_GONE: &str = "the drafter side has stopped";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -44,10 +61,25 @@ pub enum PipelineError {
     Publish { step: u32, micro: usize, reason: String },
     #[error("the target side stopped before step {step} arrived")]
     ProducerGone { step: u32 },
+    #[error("{0}")]
+    Aborted(String),
     #[error("setting up the {transport} transport failed: {source}")]
-    Setup { transport: &'static str, source: BackendError },
+    Setup { transport: String, source: BackendError },
+    #[error("{0}")]
+    Config(String),
     #[error("stopped by the step callback: {0}")]
     Stopped(String),
+}
+
+impl PipelineError {
+    /// Errors that only report another thread's stop (the cause is elsewhere).
+    fn is_consequence(&self) -> bool {
+        match self {
+            PipelineError::ProducerGone { .. } | PipelineError::Aborted(_) => true,
+            PipelineError::Publish { reason, .. } => reason == RECEIVER_GONE,
+            _ => false,
+        }
+    }
 }
 
 /// Where the micro-batches of a step come from (a pure function of the step, so a resumed run
@@ -63,7 +95,7 @@ pub struct Faults {
     pub producer_error_at: Option<u32>,
     /// Publishing this step's first micro-batch fails (as a failed put would).
     pub publish_error_at: Option<u32>,
-    /// The consumer panics on receiving this step.
+    /// The consumer (the last drafter rank) panics on receiving this step.
     pub consumer_panic_at: Option<u32>,
     /// The transport's copy of this step's first micro-batch fails, after its slot or buffer was
     /// taken (tests that nothing leaks).
@@ -79,16 +111,31 @@ pub struct PipelineConfig {
     pub faults: Faults,
     /// Spans of every stage, for `--trace`.
     pub trace: Option<std::sync::Arc<stats::Trace>>,
-    /// How batches cross from the target to the drafter.
-    pub transport: Transport,
+    /// How batches cross from a target to a drafter (None: `Transport::auto` per pair).
+    pub transport: Option<Transport>,
     /// The most context rows a micro-batch can have (sizes the pinned slots).
     pub max_rows: usize,
+    /// The synchronous reference: no step overlaps another (see the module docs).
+    pub lockstep: bool,
 }
 
 /// The target side: the frozen target, and the fc group under split-FC.
 pub struct TargetSide<B: Backend> {
     pub target: Target<B>,
     pub fc: Option<Mutex<ParamGroup<B>>>,
+}
+
+/// One target GPU.
+pub struct TargetRank<'a, B: Backend> {
+    pub be: &'a B,
+    pub side: &'a TargetSide<B>,
+}
+
+/// One data-parallel drafter GPU; every rank starts from the same weights.
+pub struct DrafterRank<'a, B: Backend> {
+    pub be: &'a B,
+    pub side: &'a mut DrafterSide<B>,
+    pub comm: B::Comm,
 }
 
 /// What the step callback says.
@@ -98,11 +145,13 @@ pub enum Control {
     Stop,
 }
 
-/// One micro-batch in flight from the target side to the drafter side.
+/// One micro-batch in flight from a target to a drafter rank.
 struct Msg<B: Backend> {
     step: u32,
     micro: usize,
     n_micro: usize,
+    /// The loss weight of the whole step (every micro-batch, every rank): the normaliser.
+    step_weight: f64,
     hb: HostBatch,
     /// `X` (packed) or, under split-FC, `Y` (projected).
     parcel: Parcel<B>,
@@ -114,6 +163,7 @@ enum Back<B: Backend> {
 }
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+type OnStep<'f, B> = dyn FnMut(&StepMetrics, &mut DrafterSide<B>, &PipelineStats) -> Result<Control, BoxErr> + 'f;
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
@@ -126,237 +176,460 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// compute stream): the target's idle fraction is measured on the device, not on the host.
 type TimedSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event)>;
 
-/// Runs steps `first_step..end_step`: the target on `bt` (its own stream), the drafter on `bd`'s
-/// compute stream, batches crossing by `cfg.transport` (`bt` and `bd` are the same backend on one
-/// GPU). `on_step` sees each finished step's metrics (and may checkpoint); it runs on the calling
-/// thread, after the step's update.
-#[allow(clippy::too_many_arguments)]
+/// A thread's track name in the trace: `base`, or `base i` when there are several.
+fn track(base: &str, i: usize, n: usize) -> String {
+    if n == 1 {
+        base.to_string()
+    } else {
+        format!("{base} {i}")
+    }
+}
+
+/// Which target runs `step` (round-robin from the first step).
+fn owner(cfg: &PipelineConfig, step: u32, targets: usize) -> usize {
+    (step - cfg.first_step) as usize % targets
+}
+
+/// What every thread of a run shares.
+struct Shared<'a> {
+    cfg: &'a PipelineConfig,
+    optim: &'a OptimConfig,
+    split: bool,
+    targets: usize,
+    ranks: usize,
+    depth: AtomicUsize,
+    stats: Mutex<PipelineStats>,
+    started: Instant,
+    sums: Exchange<MetricSums>,
+    control: Exchange<bool>,
+    gate: Gate,
+}
+
+impl Shared<'_> {
+    /// Releases every thread that could wait for a stopped one.
+    fn abort_meetings(&self) {
+        self.sums.abort();
+        self.control.abort();
+        self.gate.abort();
+    }
+}
+
+/// Runs steps `first_step..end_step` with one producer per target and one consumer per drafter
+/// rank (the same backend may appear on both sides: one GPU). `on_step` sees each finished step's
+/// metrics with rank 0's drafter side (and may checkpoint); it runs on the calling thread, after
+/// the step's update.
 pub fn run<B: Backend>(
-    bt: &B,
-    bd: &B,
-    tside: &TargetSide<B>,
-    side: &mut DrafterSide<B>,
+    targets: &[TargetRank<'_, B>],
+    drafters: Vec<DrafterRank<'_, B>>,
     source: &dyn BatchSource,
     cfg: &PipelineConfig,
     optim: &OptimConfig,
-    on_step: &mut dyn FnMut(&StepMetrics, &mut DrafterSide<B>, &PipelineStats) -> Result<Control, BoxErr>,
+    on_step: &mut OnStep<'_, B>,
 ) -> (Result<(), PipelineError>, PipelineStats) {
-    let split = tside.fc.is_some();
-    let hidden = tside.target.shape.hidden;
-    let width = if split { hidden } else { hidden * tside.target.taps.len() };
+    let (nt, nd) = (targets.len(), drafters.len());
+    let fail = |e: PipelineError| (Err(e), PipelineStats::default());
+    if nt == 0 || nd == 0 {
+        return fail(PipelineError::Config("the pipeline needs at least one target and one drafter".into()));
+    }
+    let split = targets[0].side.fc.is_some();
+    if split && nt > 1 {
+        return fail(PipelineError::Config(format!(
+            "split-FC keeps the fc group with the target and needs one target GPU (got {nt}): give one --target-gpus or drop --split-fc-layers"
+        )));
+    }
+    let hidden = targets[0].side.target.shape.hidden;
+    let width = if split { hidden } else { hidden * targets[0].side.target.taps.len() };
     let slots = cfg.max_inflight.max(1) + 3;
-    let setup = |e| PipelineError::Setup { transport: cfg.transport.name(), source: e };
-    let links = Link::new(cfg.transport, bt, bd, cfg.max_rows * width * 2, slots)
-        .and_then(|f| Ok((f, Link::new(cfg.transport, bd, bt, cfg.max_rows * hidden * 2, slots)?)));
-    let (fwd, back) = match links {
-        Ok(l) => l,
-        Err(e) => return (Err(setup(e)), PipelineStats::default()),
-    };
-    // The target's compute stream lives as long as the links' copy streams: until every buffer
+    let kind = |a: &B, b: &B| cfg.transport.unwrap_or_else(|| Transport::auto(a, b));
+    let setup = |k: Transport, e| PipelineError::Setup { transport: k.name().into(), source: e };
+    let dbes: Vec<&B> = drafters.iter().map(|d| d.be).collect();
+
+    // fwd[p][r]: target p -> rank r; back[r]: rank r -> the target (split-FC only).
+    let mut fwd: Vec<Vec<Link<'_, B>>> = Vec::new();
+    for t in targets {
+        let mut row = Vec::new();
+        for &bd in &dbes {
+            let k = kind(t.be, bd);
+            match Link::new(k, t.be, bd, cfg.max_rows * width * 2, slots) {
+                Ok(l) => row.push(l),
+                Err(e) => return fail(setup(k, e)),
+            }
+        }
+        fwd.push(row);
+    }
+    let mut back: Vec<Link<'_, B>> = Vec::new();
+    if split {
+        for &bd in &dbes {
+            let k = kind(bd, targets[0].be);
+            match Link::new(k, bd, targets[0].be, cfg.max_rows * hidden * 2, slots) {
+                Ok(l) => back.push(l),
+                Err(e) => return fail(setup(k, e)),
+            }
+        }
+    }
+    let mut names: Vec<&'static str> = fwd.iter().flatten().map(|l| l.kind.name()).collect();
+    names.dedup();
+    names.sort_unstable();
+    names.dedup();
+    let transport_name = names.join("+");
+    // Each target's compute stream lives as long as the links' copy streams: until every buffer
     // allocated on it was freed (a freed block names its owner stream; a destroyed stream's
     // handle may come back as another stream).
     // Rule 3: it reads the target's weights (uploaded on the backend's own stream, without the
     // host waiting) only after an event that covers their upload.
-    let target_stream = match bt.new_stream().and_then(|st| {
-        bt.wait_event(&st, &bt.record_event(&bt.compute_stream())?)?;
-        Ok(st)
-    }) {
-        Ok(s) => s,
-        Err(e) => return (Err(setup(e)), PipelineStats::default()),
-    };
-    let (tx, pub_rx) = mpsc::sync_channel::<Msg<B>>(0);
-    let (pub_tx, rx) = mpsc::sync_channel::<Msg<B>>(cfg.max_inflight.max(1));
-    let (back_tx, back_rx) = mpsc::channel::<Back<B>>();
-    let (report_tx, report_rx) = mpsc::channel::<f64>();
-    let depth = AtomicUsize::new(0);
-    let stats = Mutex::new(PipelineStats::default());
-    let started = Instant::now();
-
-    let (result, spans) = std::thread::scope(|scope| {
-        let producer = scope.spawn(|| {
-            let mut spans = Vec::new();
-            let r = produce(
-                bt,
-                &target_stream,
-                tside,
-                source,
-                cfg,
-                &fwd,
-                &back,
-                tx,
-                back_rx,
-                report_tx,
-                &stats,
-                &mut spans,
-            );
-            (r, spans)
-        });
-        let publisher = scope.spawn(|| publish(&fwd, cfg, pub_rx, pub_tx, &depth, &stats));
-        let consumer = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            consume(bd, side, cfg, optim, split, &fwd, &back, rx, back_tx, report_rx, &depth, &stats, started, on_step)
-        }));
-        // The drafter side failed on its own: nobody may stay blocked on a pinned slot. (When it
-        // only saw the target side stop, the target side's own error is the one to report.)
-        if !matches!(consumer, Ok(Ok(())) | Ok(Err(PipelineError::ProducerGone { .. }))) {
-            fwd.shutdown();
-            back.shutdown();
+    let mut target_streams = Vec::new();
+    for t in targets {
+        match t.be.new_stream().and_then(|st| {
+            t.be.wait_event(&st, &t.be.record_event(&t.be.compute_stream())?)?;
+            Ok(st)
+        }) {
+            Ok(s) => target_streams.push(s),
+            Err(e) => return fail(setup(kind(t.be, dbes[0]), e)),
         }
-        let p = producer.join();
-        let pb = publisher.join();
-        let (p, spans) = match p {
-            Ok((r, spans)) => (Ok(r), spans),
-            Err(panic) => (Err(panic), Vec::new()),
-        };
-        let pb = match pb {
-            Ok(r) => r,
-            Err(panic) => Err(PipelineError::ProducerPanic { message: panic_message(&*panic) }),
-        };
-        let stopped_early = stats.lock().map(|s| s.stopped_early).unwrap_or(false);
-        let r = match (consumer, p) {
-            // The consumer only saw the producer's channel close: the producer's (or publisher's)
-            // error is the cause.
-            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Err(e))) => match (e, pb) {
-                // The producer only saw the publisher stop: the publisher's error is the cause.
-                (PipelineError::Publish { .. }, Err(pe)) => Err(pe),
-                (e, _) => Err(e),
-            },
-            (Ok(Err(PipelineError::ProducerGone { .. })), Ok(Ok(()))) => pb.and(Ok(())),
-            (Ok(Err(PipelineError::ProducerGone { .. })), Err(panic)) => {
-                Err(PipelineError::ProducerPanic { message: panic_message(&*panic) })
+    }
+
+    // producer p -> publisher p (rendezvous); publisher p -> rank r (bounded, one per pair).
+    let mut prod_tx = Vec::new();
+    let mut pub_rx = Vec::new();
+    let mut pub_tx: Vec<Vec<SyncSender<Msg<B>>>> = Vec::new();
+    let mut cons_rx: Vec<Vec<Receiver<Msg<B>>>> = (0..nd).map(|_| Vec::new()).collect();
+    for _ in 0..nt {
+        let (tx, rx) = mpsc::sync_channel::<Msg<B>>(0);
+        prod_tx.push(tx);
+        pub_rx.push(rx);
+        let mut row = Vec::new();
+        for rxs in cons_rx.iter_mut() {
+            let (tx, rx) = mpsc::sync_channel::<Msg<B>>(cfg.max_inflight.max(1));
+            row.push(tx);
+            rxs.push(rx);
+        }
+        pub_tx.push(row);
+    }
+    // Split-FC: rank r -> the target (dY, and rank 0's update), the target -> rank r (reports).
+    let (mut back_tx, mut back_rx, mut report_tx, mut report_rx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..nd {
+        let (a, b) = mpsc::channel::<Back<B>>();
+        back_tx.push(a);
+        back_rx.push(b);
+        let (c, d) = mpsc::channel::<f64>();
+        report_tx.push(c);
+        report_rx.push(d);
+    }
+    let shared = Shared {
+        cfg,
+        optim,
+        split,
+        targets: nt,
+        ranks: nd,
+        depth: AtomicUsize::new(0),
+        stats: Mutex::new(PipelineStats::default()),
+        started: Instant::now(),
+        sums: Exchange::new(nd),
+        control: Exchange::new(nd),
+        gate: Gate::new(cfg.first_step),
+    };
+    let sh = &shared;
+    let (fwd_ref, back_ref) = (&fwd, &back);
+    let shutdown_links = || {
+        for l in fwd_ref.iter().flatten().chain(back_ref.iter()) {
+            l.shutdown();
+        }
+    };
+
+    let (result, spans, allreduce) = std::thread::scope(|scope| {
+        let mut producers = Vec::new();
+        let mut back_rx = Some(back_rx);
+        let mut report_tx = Some(report_tx);
+        for (p, (t, tx)) in targets.iter().zip(prod_tx).enumerate() {
+            let s = &target_streams[p];
+            let links = &fwd[p];
+            // Only the target of a split-FC run (there is one) talks back with the ranks.
+            let (brx, rtx) = if p == 0 {
+                (back_rx.take().unwrap_or_default(), report_tx.take().unwrap_or_default())
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            producers.push(scope.spawn(move || {
+                let mut spans = Vec::new();
+                let r = produce(p, t.be, s, t.side, source, sh, links, back_ref, tx, brx, rtx, &mut spans);
+                if r.is_err() {
+                    // A lockstep rank may wait for this target's step at the gate.
+                    sh.gate.abort();
+                }
+                (r, spans)
+            }));
+        }
+        let publishers: Vec<_> = pub_rx
+            .into_iter()
+            .zip(pub_tx)
+            .enumerate()
+            .map(|(p, (rx, txs))| {
+                let links = &fwd[p];
+                scope.spawn(move || publish(p, links, sh, rx, txs))
+            })
+            .collect();
+        let mut ranks = drafters.into_iter().zip(cons_rx).zip(back_tx.into_iter().zip(report_rx)).enumerate();
+        let first = ranks.next();
+        let mut others = Vec::new();
+        for (r, ((dr, rxs), (btx, rrx))) in ranks {
+            let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
+            let bl = back.get(r);
+            others.push(scope.spawn(move || {
+                let res =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| consume(r, dr, sh, &links, bl, rxs, btx, rrx, None)));
+                settle_rank(sh, &res, &shutdown_links);
+                res
+            }));
+        }
+        let (r0, mut allreduce) = match first {
+            Some((r, ((dr, rxs), (btx, rrx)))) => {
+                let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
+                let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    consume(r, dr, sh, &links, back.get(r), rxs, btx, rrx, Some(on_step))
+                }));
+                settle_rank(sh, &res, &shutdown_links);
+                match res {
+                    Ok((r, ar)) => (Ok(r), ar),
+                    Err(p) => (Err(p), None),
+                }
             }
-            // The consumer's own failure is the cause; the producer then only saw a closed channel.
-            (Ok(Err(e)), _) => Err(e),
-            (Err(panic), _) => Err(PipelineError::ConsumerPanic {
-                step: stats.lock().map(|s| s.current_step).unwrap_or(0),
-                message: panic_message(&*panic),
-            }),
-            (Ok(Ok(())), Err(panic)) => Err(PipelineError::ProducerPanic { message: panic_message(&*panic) }),
-            (Ok(Ok(())), Ok(Err(e))) => match e {
-                // The consumer stopped early on purpose: the producer's send failed, that is fine.
-                PipelineError::Publish { .. } | PipelineError::ProducerGone { .. } if stopped_early => Ok(()),
-                e => Err(e),
-            },
-            (Ok(Ok(())), Ok(Ok(()))) => match pb {
-                Err(PipelineError::Publish { .. }) if stopped_early => Ok(()),
-                other => other,
-            },
+            None => unreachable!("at least one drafter rank"),
         };
-        (r, spans)
+        let mut consumers = vec![r0];
+        for h in others {
+            match h.join() {
+                Ok(Ok((r, _))) => consumers.push(Ok(r)),
+                Ok(Err(p)) | Err(p) => consumers.push(Err(p)),
+            }
+        }
+        let mut prod_results = Vec::new();
+        let mut spans = Vec::new();
+        for h in producers {
+            match h.join() {
+                Ok((r, sp)) => {
+                    prod_results.push(r);
+                    spans.push(sp);
+                }
+                Err(panic) => {
+                    prod_results.push(Err(PipelineError::ProducerPanic { message: panic_message(&*panic) }));
+                    spans.push(Vec::new());
+                }
+            }
+        }
+        let pub_results: Vec<Result<(), PipelineError>> = publishers
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| Err(PipelineError::ProducerPanic { message: panic_message(&*p) })))
+            .collect();
+        let step = sh.stats.lock().map(|s| s.current_step).unwrap_or(0);
+        let consumers: Vec<Result<(), PipelineError>> = consumers
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|p| Err(PipelineError::ConsumerPanic { step, message: panic_message(&*p) })))
+            .collect();
+        let stopped_early = sh.stats.lock().map(|s| s.stopped_early).unwrap_or(false);
+        let result = root_cause(consumers, prod_results, pub_results, stopped_early);
+        (result, spans, allreduce.take())
     });
     // The side streams die with this function; the backends' own streams, which free the weights
     // and caches later, continue only after everything enqueued on them (rule 3 at the end).
-    let side_streams: [(&B, Vec<&B::Stream>); 2] = [
-        (bt, vec![&target_stream, fwd.src_stream(), back.dst_stream()]),
-        (bd, vec![fwd.dst_stream(), back.src_stream()]),
-    ];
-    for (be, streams) in side_streams {
-        for st in streams {
-            if let Ok(ev) = be.record_event(st) {
-                let _ = be.wait_event(&be.compute_stream(), &ev);
+    for (p, t) in targets.iter().enumerate() {
+        let mut streams = vec![&target_streams[p]];
+        streams.extend(fwd[p].iter().map(|l| l.src_stream()));
+        if p == 0 {
+            streams.extend(back.iter().map(|l| l.dst_stream()));
+        }
+        join_streams(t.be, &streams);
+    }
+    for (r, bd) in dbes.iter().enumerate() {
+        let mut streams: Vec<&B::Stream> = fwd.iter().map(|row| row[r].dst_stream()).collect();
+        streams.extend(back.get(r).map(|l| l.src_stream()));
+        join_streams(*bd, &streams);
+    }
+    let mut st = shared.stats.into_inner().unwrap_or_default();
+    st.wall = shared.started.elapsed();
+    st.transport = transport_name;
+    st.target_ranks = nt;
+    st.drafter_ranks = nd;
+    st.allreduce_seconds = allreduce;
+    let links = || fwd.iter().flatten().chain(back.iter());
+    st.bytes_moved = links().map(|l| l.bytes_moved()).sum();
+    st.copy_seconds = links().filter_map(|l| l.copy_seconds()).reduce(|a, b| a + b);
+    // Each target's device timeline: busy = sum of its stretches, span = first start to last end.
+    for (t, sp) in targets.iter().zip(&spans) {
+        if let (Some(first), Some(last)) = (sp.first(), sp.last()) {
+            let busy: Option<f64> = sp.iter().map(|(a, b)| t.be.elapsed_secs(a, b)).sum();
+            if let (Some(busy), Some(span)) = (busy, t.be.elapsed_secs(&first.0, &last.1)) {
+                st.target_gpus.push((Duration::from_secs_f64(busy), Duration::from_secs_f64(span)));
             }
         }
     }
-    let mut st = stats.into_inner().unwrap_or_default();
-    st.wall = started.elapsed();
-    st.transport = cfg.transport.name();
-    st.bytes_moved = fwd.bytes_moved() + back.bytes_moved();
-    st.copy_seconds = match (fwd.copy_seconds(), back.copy_seconds()) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
-    };
-    // The target's device timeline: busy = sum of its stretches, span = first start to last end.
-    if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
-        let busy: Option<f64> = spans.iter().map(|(a, b)| bt.elapsed_secs(a, b)).sum();
-        if let (Some(busy), Some(span)) = (busy, bt.elapsed_secs(&first.0, &last.1)) {
-            st.target_gpu = Some((Duration::from_secs_f64(busy), Duration::from_secs_f64(span)));
-        }
+    if !st.target_gpus.is_empty() {
+        let busy = st.target_gpus.iter().map(|g| g.0).sum();
+        let span = st.target_gpus.iter().map(|g| g.1).sum();
+        st.target_gpu = Some((busy, span));
     }
     // Every parcel is gone by now: no slot may still be held (rule 5).
-    for link in [&fwd, &back] {
-        if let Some(s) = link.slot_stats() {
+    for l in links() {
+        if let Some(s) = l.slot_stats() {
             st.slots_in_flight_at_end += s.in_flight;
             st.slot_waits += s.waits;
         }
     }
-    if result.is_err() {
-        side.discard_outputs();
-    }
     (result, st)
 }
 
-/// Forwards parcels from the target side to the drafter side: the host waits for each copy to
-/// complete (so the drafter only ever sees finished copies and the sources are released early),
-/// then blocks on the bounded queue.
-fn publish<B: Backend>(
-    link: &Link<'_, B>,
-    cfg: &PipelineConfig,
-    rx: Receiver<Msg<B>>,
-    tx: SyncSender<Msg<B>>,
-    depth: &AtomicUsize,
-    stats: &Mutex<PipelineStats>,
+/// After a rank ended: if it failed, nobody may keep waiting for it.
+fn settle_rank<T, P>(sh: &Shared<'_>, res: &Result<(Result<(), PipelineError>, T), P>, shutdown_links: &dyn Fn()) {
+    match res {
+        Ok((Ok(()), _)) => {}
+        // It only saw the target side stop: the target side's own error is the one to report
+        // (shutting the slot pools would give a blocked producer a second, misleading error).
+        Ok((Err(PipelineError::ProducerGone { .. }), _)) => sh.abort_meetings(),
+        _ => {
+            sh.abort_meetings();
+            shutdown_links();
+        }
+    }
+}
+
+/// `be`'s own stream continues only after everything enqueued on `streams`.
+fn join_streams<B: Backend>(be: &B, streams: &[&B::Stream]) {
+    for st in streams {
+        if let Ok(ev) = be.record_event(st) {
+            let _ = be.wait_event(&be.compute_stream(), &ev);
+        }
+    }
+}
+
+/// The run's outcome from every thread's: the first cause (drafter ranks, then targets, then
+/// publishers), else success when the drafter side stopped on purpose, else the first
+/// consequence.
+fn root_cause(
+    consumers: Vec<Result<(), PipelineError>>,
+    producers: Vec<Result<(), PipelineError>>,
+    publishers: Vec<Result<(), PipelineError>>,
+    stopped_early: bool,
 ) -> Result<(), PipelineError> {
+    let errs: Vec<PipelineError> =
+        consumers.into_iter().chain(producers).chain(publishers).filter_map(|r| r.err()).collect();
+    let (causes, consequences): (Vec<_>, Vec<_>) = errs.into_iter().partition(|e| !e.is_consequence());
+    if let Some(e) = causes.into_iter().next() {
+        return Err(e);
+    }
+    if stopped_early {
+        return Ok(());
+    }
+    match consequences.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Forwards target `p`'s parcels to the drafter ranks: the host waits for each copy to complete
+/// (so a rank only ever sees finished copies and the sources are released early), then blocks
+/// on that rank's bounded queue.
+fn publish<B: Backend>(
+    p: usize,
+    links: &[Link<'_, B>],
+    sh: &Shared<'_>,
+    rx: Receiver<Msg<B>>,
+    txs: Vec<SyncSender<Msg<B>>>,
+) -> Result<(), PipelineError> {
+    let name = track("publisher", p, sh.targets);
     for mut msg in rx {
         let (step, micro) = (msg.step, msg.micro);
-        if cfg.faults.publish_error_at == Some(step) {
+        let rank = micro % sh.ranks;
+        if sh.cfg.faults.publish_error_at == Some(step) {
             return Err(PipelineError::Publish { step, micro, reason: "injected fault: publish failed".into() });
         }
         let t0 = Instant::now();
-        link.settle(&mut msg.parcel).map_err(|e| PipelineError::Publish {
+        links[rank].settle(&mut msg.parcel).map_err(|e| PipelineError::Publish {
             step,
             micro,
             reason: format!("waiting for the copy: {e}"),
         })?;
-        add_time(stats, |st| &mut st.publisher_wait_copy, t0.elapsed());
-        if let Some(tr) = &cfg.trace {
-            tr.span("publisher", format!("step {step}.{micro}: {} copy", link.kind.name()), t0);
+        add_time(&sh.stats, |st| &mut st.publisher_wait_copy, t0.elapsed());
+        if let Some(tr) = &sh.cfg.trace {
+            tr.span(name.as_str(), format!("step {step}.{micro}: {} copy", links[rank].kind.name()), t0);
         }
-        depth.fetch_add(1, Ordering::SeqCst);
-        if tx.send(msg).is_err() {
-            depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
+        sh.depth.fetch_add(1, Ordering::SeqCst);
+        if txs[rank].send(msg).is_err() {
+            sh.depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
         }
-        if let Ok(mut st) = stats.lock() {
-            st.queue_depth.push(depth.load(Ordering::SeqCst) as u32);
+        if let Ok(mut st) = sh.stats.lock() {
+            st.queue_depth.push(sh.depth.load(Ordering::SeqCst) as u32);
         }
     }
     Ok(())
 }
 
+/// Target `p`: runs its steps (round-robin) on its stream `s`; copies run on the links' copy
+/// streams.
 #[allow(clippy::too_many_arguments)]
 fn produce<B: Backend>(
+    p: usize,
     be: &B,
     s: &B::Stream,
     tside: &TargetSide<B>,
     source: &dyn BatchSource,
-    cfg: &PipelineConfig,
-    fwd: &Link<'_, B>,
-    back: &Link<'_, B>,
+    sh: &Shared<'_>,
+    fwd: &[Link<'_, B>],
+    back: &[Link<'_, B>],
     tx: SyncSender<Msg<B>>,
-    back_rx: Receiver<Back<B>>,
-    report_tx: Sender<f64>,
-    stats: &Mutex<PipelineStats>,
+    back_rx: Vec<Receiver<Back<B>>>,
+    report_tx: Vec<Sender<f64>>,
     spans: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
-    // The target side computes on its own stream `s`; copies run on the links' copy streams.
+    let cfg = sh.cfg;
+    let name = track("target", p, sh.targets);
     let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, source: e };
     let berr = |step: u32| move |e: BackendError| PipelineError::Producer { step, source: Box::new(e) };
+    let fc_err = |pstep: u32| {
+        move |e: FcError| match e {
+            FcError::Backend(e) => berr(pstep)(e),
+            FcError::Gone => PipelineError::ProducerGone { step: pstep },
+        }
+    };
     // Split-FC: the packed X of the previous step, kept for dWfc.
     let mut prev: Option<(u32, Vec<(HostBatch, B::Buf)>)> = None;
-    for step in cfg.first_step..cfg.end_step {
+    let steps = (cfg.first_step..cfg.end_step).filter(|&k| owner(cfg, k, sh.targets) == p);
+    for step in steps {
         if cfg.faults.producer_error_at == Some(step) {
             return Err(PipelineError::Producer { step, source: "injected fault: producer error".into() });
         }
+        if cfg.lockstep {
+            // Split-FC's previous update needs this thread before the drafter can finish.
+            if let (Some(fc), Some((pstep, pbatches))) = (&tside.fc, prev.take()) {
+                finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(fc_err(pstep))?;
+            }
+            sh.gate
+                .wait_for(step)
+                .map_err(|_| PipelineError::Aborted(format!("step {step}: the drafter side stopped")))?;
+        }
         let t0 = Instant::now();
         let hbs = source.micro_batches(step).map_err(perr(step))?;
+        if hbs.is_empty() || hbs.len() % sh.ranks != 0 {
+            return Err(PipelineError::Producer {
+                step,
+                source: format!(
+                    "the step has {} micro-batches: with {} drafter GPUs it needs a positive multiple of {} (set --grad-accum to one)",
+                    hbs.len(),
+                    sh.ranks,
+                    sh.ranks
+                )
+                .into(),
+            });
+        }
+        let step_weight: f64 = hbs.iter().map(|hb| hb.weight_sum).sum();
         let t_start = be.record_timed(s).map_err(berr(step))?;
         let mut packed = Vec::with_capacity(hbs.len());
         for hb in hbs {
             let x = target_pack(be, s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
             packed.push((hb, x));
         }
-        add_time(stats, |st| &mut st.target_busy, t0.elapsed());
+        add_time(&sh.stats, |st| &mut st.target_busy, t0.elapsed());
         if let Some(tr) = &cfg.trace {
-            tr.span("target", format!("step {step}: target forward + pack"), t0);
+            tr.span(name.as_str(), format!("step {step}: target forward + pack"), t0);
         }
         let mut t_start = t_start;
         if let Some(fc) = &tside.fc {
@@ -367,13 +640,10 @@ fn produce<B: Backend>(
                     spans.push((a, b));
                 }
                 let t1 = Instant::now();
-                finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
-                    FcError::Backend(e) => berr(pstep)(e),
-                    FcError::Gone => PipelineError::ProducerGone { step: pstep },
-                })?;
-                add_time(stats, |st| &mut st.target_wait_fc, t1.elapsed());
+                finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(fc_err(pstep))?;
+                add_time(&sh.stats, |st| &mut st.target_wait_fc, t1.elapsed());
                 if let Some(tr) = &cfg.trace {
-                    tr.span("target", format!("step {pstep}: split-FC dW + update"), t1);
+                    tr.span(name.as_str(), format!("step {pstep}: split-FC dW + update"), t1);
                 }
                 t_start = be.record_timed(s).map_err(berr(step))?;
             }
@@ -400,14 +670,18 @@ fn produce<B: Backend>(
                 }
             }
             let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
-            let parcel = fwd.send(s, out, fault).map_err(berr(step))?;
+            let parcel = fwd[micro % sh.ranks].send(s, out, fault).map_err(berr(step))?;
             let t2 = Instant::now();
-            if tx.send(Msg { step, micro, n_micro, hb, parcel }).is_err() {
-                return Err(PipelineError::Publish { step, micro, reason: "the drafter side has stopped".into() });
+            if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
+                return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
             }
-            add_time(stats, |st| &mut st.target_blocked, t2.elapsed());
+            add_time(&sh.stats, |st| &mut st.target_blocked, t2.elapsed());
             if let Some(tr) = &cfg.trace {
-                tr.span("target (queue)", format!("step {step}.{micro}: publish (blocked while full)"), t2);
+                tr.span(
+                    track("target (queue)", p, sh.targets),
+                    format!("step {step}.{micro}: publish (blocked while full)"),
+                    t2,
+                );
             }
         }
         if tside.fc.is_some() {
@@ -415,10 +689,7 @@ fn produce<B: Backend>(
         }
     }
     if let (Some(fc), Some((pstep, pbatches))) = (&tside.fc, prev.take()) {
-        finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(|e| match e {
-            FcError::Backend(e) => berr(pstep)(e),
-            FcError::Gone => PipelineError::ProducerGone { step: pstep },
-        })?;
+        finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(fc_err(pstep))?;
     }
     Ok(())
 }
@@ -450,25 +721,31 @@ impl<B: Backend> Drop for HeldUntilSync<'_, B> {
     }
 }
 
-/// The target side's half of a split-FC step: `dWfc += dY^T X` per micro-batch in order, report
-/// `sumsq(dWfc)`, then apply the update the drafter side decided.
+/// The target side's half of a split-FC step: `dWfc += dY^T X` per micro-batch in order (micro
+/// m's dY comes from rank m mod D), report `sumsq(dWfc)` to every rank, then apply the update
+/// rank 0 decided.
 fn finish_fc_step<B: Backend>(
     be: &B,
     s: &B::Stream,
     fc: &Mutex<ParamGroup<B>>,
-    back: &Link<'_, B>,
+    back: &[Link<'_, B>],
     batches: &[(HostBatch, B::Buf)],
-    back_rx: &Receiver<Back<B>>,
-    report_tx: &Sender<f64>,
+    back_rx: &[Receiver<Back<B>>],
+    report_tx: &[Sender<f64>],
 ) -> Result<(), FcError> {
+    let ranks = back_rx.len();
+    if ranks == 0 || back.len() != ranks {
+        return Err(FcError::Gone);
+    }
     let mut fc = fc.lock().map_err(|_| FcError::Gone)?;
     fc.zero_grad(be, s)?;
     // Sources of dY peer copies, alive until `s` (which waited for the copies) is synchronised,
     // on every path.
     let mut hold = HeldUntilSync { be, s, bufs: Vec::new() };
-    for (hb, x) in batches {
-        let dy = match back_rx.recv() {
-            Ok(Back::Dy(parcel)) => back.receive(s, parcel, &mut hold.bufs)?,
+    for (m, (hb, x)) in batches.iter().enumerate() {
+        let r = m % ranks;
+        let dy = match back_rx[r].recv() {
+            Ok(Back::Dy(parcel)) => back[r].receive(s, parcel, &mut hold.bufs)?,
             _ => return Err(FcError::Gone),
         };
         fc_backward(be, s, &mut fc, &dy, x, hb.rows())?;
@@ -476,8 +753,10 @@ fn finish_fc_step<B: Backend>(
     let mut out = be.alloc(s, crate::tensor::DType::F32, 1)?;
     fc.grad_sumsq(be, s, &mut out)?;
     let sumsq = f64::from(be.download(s, &out)?[0]);
-    report_tx.send(sumsq).map_err(|_| FcError::Gone)?;
-    match back_rx.recv() {
+    for tx in report_tx {
+        tx.send(sumsq).map_err(|_| FcError::Gone)?;
+    }
+    match back_rx[0].recv() {
         Ok(Back::Update { hp }) => {
             if let Some(hp) = hp {
                 fc.adamw(be, s, &hp)?;
@@ -489,7 +768,9 @@ fn finish_fc_step<B: Backend>(
     // another stream: so the host waits for the update first).
     be.synchronize(s)?;
     hold.bufs.clear();
-    report_tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
+    for tx in report_tx {
+        tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
+    }
     Ok(())
 }
 
@@ -499,112 +780,173 @@ fn add_time(stats: &Mutex<PipelineStats>, f: impl FnOnce(&mut PipelineStats) -> 
     }
 }
 
+/// Drafter rank `rank`: receives its micro-batches of each step (from the step's target), trains
+/// on them, sums gradients with the other ranks, and applies the update. Rank 0 also runs
+/// `on_step` and decides for every rank whether to go on. Returns the all-reduce's device
+/// seconds (rank 0, data parallel only).
 #[allow(clippy::too_many_arguments)]
 fn consume<B: Backend>(
-    be: &B,
-    side: &mut DrafterSide<B>,
-    cfg: &PipelineConfig,
-    optim: &OptimConfig,
-    split: bool,
-    fwd: &Link<'_, B>,
-    back: &Link<'_, B>,
-    rx: Receiver<Msg<B>>,
+    rank: usize,
+    dr: DrafterRank<'_, B>,
+    sh: &Shared<'_>,
+    fwd: &[&Link<'_, B>],
+    back: Option<&Link<'_, B>>,
+    rxs: Vec<Receiver<Msg<B>>>,
     back_tx: Sender<Back<B>>,
     report_rx: Receiver<f64>,
-    depth: &AtomicUsize,
-    stats: &Mutex<PipelineStats>,
-    started: Instant,
-    on_step: &mut dyn FnMut(&StepMetrics, &mut DrafterSide<B>, &PipelineStats) -> Result<Control, BoxErr>,
+    mut on_step: Option<&mut OnStep<'_, B>>,
+) -> (Result<(), PipelineError>, Option<f64>) {
+    let DrafterRank { be, side, comm } = dr;
+    let mut timed: TimedSpans<B> = Vec::new();
+    let r = consume_steps(rank, be, side, &comm, sh, fwd, back, &rxs, &back_tx, &report_rx, &mut on_step, &mut timed);
+    if r.is_err() {
+        side.discard_outputs();
+        be.comm_abort(&comm);
+    }
+    let allreduce =
+        if timed.is_empty() || rank != 0 { None } else { timed.iter().map(|(a, b)| be.elapsed_secs(a, b)).sum() };
+    (r, allreduce)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn consume_steps<B: Backend>(
+    rank: usize,
+    be: &B,
+    side: &mut DrafterSide<B>,
+    comm: &B::Comm,
+    sh: &Shared<'_>,
+    fwd: &[&Link<'_, B>],
+    back: Option<&Link<'_, B>>,
+    rxs: &[Receiver<Msg<B>>],
+    back_tx: &Sender<Back<B>>,
+    report_rx: &Receiver<f64>,
+    on_step: &mut Option<&mut OnStep<'_, B>>,
+    timed: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
+    let cfg = sh.cfg;
     let s = be.compute_stream();
+    let name = track("drafter", rank, sh.ranks);
+    let wait_name = track("drafter (waiting)", rank, sh.ranks);
+    let stopped = |step: u32| move |_| PipelineError::Aborted(format!("step {step}: another drafter rank stopped"));
     for step in cfg.first_step..cfg.end_step {
-        if let Ok(mut st) = stats.lock() {
-            st.current_step = step;
+        if rank == 0 {
+            if let Ok(mut st) = sh.stats.lock() {
+                st.current_step = step;
+            }
         }
         let cerr = |e: BoxErr| PipelineError::Consumer { step, source: e };
         let berr = |e: BackendError| PipelineError::Consumer { step, source: Box::new(e) };
+        let p = owner(cfg, step, sh.targets);
         let mut pending: Vec<(HostBatch, B::Buf)> = Vec::new();
-        let mut micro = 0;
-        let mut n_micro = 1;
-        // All micro-batches of a step are needed before the first backward: the loss is
+        let mut expected = 1;
+        let mut step_weight = 0.0;
+        // All of this rank's micro-batches are needed before its first backward: the loss is
         // normalised by the weight sum of the whole step (DFLASH.md pitfall 8). Each one's H2D
         // (host transport) is enqueued as soon as it arrives.
-        while micro < n_micro {
+        while pending.len() < expected {
             let t0 = Instant::now();
-            let msg = rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
-            depth.fetch_sub(1, Ordering::SeqCst);
-            add_time(stats, |st| &mut st.drafter_wait, t0.elapsed());
+            let msg = rxs[p].recv().map_err(|_| PipelineError::ProducerGone { step })?;
+            sh.depth.fetch_sub(1, Ordering::SeqCst);
+            add_time(&sh.stats, |st| &mut st.drafter_wait, t0.elapsed());
             if let Some(tr) = &cfg.trace {
-                tr.span("drafter (waiting)", format!("step {step}: wait for batch"), t0);
+                tr.span(wait_name.as_str(), format!("step {step}: wait for batch"), t0);
             }
-            if cfg.faults.consumer_panic_at == Some(msg.step) {
+            if cfg.faults.consumer_panic_at == Some(msg.step) && rank + 1 == sh.ranks {
                 panic!("injected fault: consumer panic at step {}", msg.step);
             }
-            debug_assert_eq!((msg.step, msg.micro), (step, micro));
-            n_micro = msg.n_micro;
-            micro += 1;
+            debug_assert_eq!((msg.step, msg.micro), (step, rank + pending.len() * sh.ranks));
+            expected = msg.n_micro / sh.ranks;
+            step_weight = msg.step_weight;
             // Forward parcels are settled by the publisher: nothing is left to hold.
             let mut hold = Vec::new();
-            let buf = fwd.receive(&s, msg.parcel, &mut hold).map_err(berr)?;
+            let buf = fwd[p].receive(&s, msg.parcel, &mut hold).map_err(berr)?;
             debug_assert!(hold.is_empty());
             pending.push((msg.hb, buf));
         }
-        let total_w: f64 = pending.iter().map(|(hb, _)| hb.weight_sum).sum();
-        let grad_scale = if total_w > 0.0 { (1.0 / total_w) as f32 } else { 0.0 };
+        let grad_scale = if step_weight > 0.0 { (1.0 / step_weight) as f32 } else { 0.0 };
         let t1 = Instant::now();
         side.zero_grad(be, &s).map_err(berr)?;
         for (hb, buf) in pending {
-            let ctx = if split { Context::Projected(buf) } else { Context::Packed(buf) };
+            let ctx = if sh.split { Context::Projected(buf) } else { Context::Packed(buf) };
             let dy = side.consume(be, &s, &hb, &ctx, grad_scale).map_err(berr)?;
-            if let Some(dy) = dy {
+            if let (Some(dy), Some(back)) = (dy, back) {
                 let parcel = back.send(&s, dy, false).map_err(berr)?;
                 back_tx.send(Back::Dy(parcel)).map_err(|_| PipelineError::ProducerGone { step })?;
             }
         }
-        let sums = side.take_metrics(be, &s).map_err(berr)?;
-        add_time(stats, |st| &mut st.drafter_busy, t1.elapsed());
+        let local = side.take_metrics(be, &s).map_err(berr)?;
+        add_time(&sh.stats, |st| &mut st.drafter_busy, t1.elapsed());
         if let Some(tr) = &cfg.trace {
-            tr.span("drafter", format!("step {step}: drafter forward + backward"), t1);
+            tr.span(name.as_str(), format!("step {step}: drafter forward + backward"), t1);
         }
         let t2 = Instant::now();
+        // Every rank reached this point (or one stopped and nobody enters the all-reduce).
+        let sums = if sh.ranks == 1 {
+            local
+        } else {
+            let all = sh.sums.all_gather(rank, local).map_err(stopped(step))?;
+            let mut sums = MetricSums::default();
+            for m in all.iter() {
+                sums.merge(m);
+            }
+            let a = be.record_timed(&s).map_err(berr)?;
+            be.all_reduce_sum(&s, comm, &mut side.drafter.body.grad).map_err(berr)?;
+            if let Some(fc) = &mut side.fc {
+                be.all_reduce_sum(&s, comm, &mut fc.grad).map_err(berr)?;
+            }
+            if let (Some(a), Some(b)) = (a, be.record_timed(&s).map_err(berr)?) {
+                timed.push((a, b));
+            }
+            sums
+        };
         let (body, local_fc) = side.grad_sumsq(be, &s).map_err(berr)?;
-        let fc_sumsq = if split {
+        let fc_sumsq = if sh.split {
             report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?
         } else {
             local_fc.unwrap_or(0.0)
         };
         let norm = global_norm(fc_sumsq, body);
         let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
-        let hp = plan_update(optim, step, loss, norm);
-        if split {
+        let hp = plan_update(sh.optim, step, loss, norm);
+        if sh.split && rank == 0 {
             back_tx.send(Back::Update { hp }).map_err(|_| PipelineError::ProducerGone { step })?;
         }
-        let metrics = crate::train::step::apply_update(be, &s, side, hp, sums, norm, optim, step).map_err(berr)?;
-        if split {
+        let metrics = crate::train::step::apply_update(be, &s, side, hp, sums, norm, sh.optim, step).map_err(berr)?;
+        if sh.split {
             // Wait until the target side applied the same update to the fc group.
             report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
         }
-        add_time(stats, |st| &mut st.optimizer, t2.elapsed());
+        add_time(&sh.stats, |st| &mut st.optimizer, t2.elapsed());
         if let Some(tr) = &cfg.trace {
-            tr.span("drafter", format!("step {step}: grad norm + AdamW"), t2);
+            tr.span(name.as_str(), format!("step {step}: grad sum + norm + AdamW"), t2);
         }
-        let snapshot = {
-            let mut st = stats.lock().map_err(|_| PipelineError::Stopped("stats lock poisoned".into()))?;
-            st.steps += 1;
-            st.tokens += metrics.tokens as u64;
-            st.draft_positions += metrics.draft_positions as u64;
-            st.skipped += u32::from(metrics.skipped);
-            st.wall = started.elapsed();
-            st.clone()
-        };
-        match on_step(&metrics, side, &snapshot).map_err(cerr)? {
-            Control::Continue => {}
-            Control::Stop => {
-                if let Ok(mut st) = stats.lock() {
-                    st.stopped_early = true;
-                }
-                return Ok(());
+        let stop = match on_step.as_mut() {
+            Some(f) => {
+                let snapshot = {
+                    let mut st = sh.stats.lock().map_err(|_| PipelineError::Stopped("stats lock poisoned".into()))?;
+                    st.steps += 1;
+                    st.tokens += metrics.tokens as u64;
+                    st.draft_positions += metrics.draft_positions as u64;
+                    st.skipped += u32::from(metrics.skipped);
+                    st.wall = sh.started.elapsed();
+                    st.clone()
+                };
+                matches!(f(&metrics, side, &snapshot).map_err(cerr)?, Control::Stop)
             }
+            None => false,
+        };
+        // Rank 0 decides for everyone.
+        let stop = if sh.ranks == 1 { stop } else { sh.control.all_gather(rank, stop).map_err(stopped(step))?[0] };
+        if rank == 0 {
+            sh.gate.advance(step + 1);
+        }
+        if stop {
+            if let Ok(mut st) = sh.stats.lock() {
+                st.stopped_early = true;
+            }
+            // A lockstep target waiting for the next step must not wait forever.
+            sh.gate.abort();
+            return Ok(());
         }
     }
     Ok(())

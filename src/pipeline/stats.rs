@@ -25,8 +25,8 @@ pub struct PipelineStats {
     pub optimizer: Duration,
     /// Queue depth right after each publish.
     pub queue_depth: Vec<u32>,
-    /// The transport used (`same`, `p2p`, `host`).
-    pub transport: &'static str,
+    /// The transport used (`same`, `p2p`, `host`; several joined by `+` when pairs of GPUs differ).
+    pub transport: String,
     /// Bytes the transports moved (both directions; 0 for a same-GPU hand-off).
     pub bytes_moved: u64,
     /// Device seconds the transports' copies took (None without device timestamps).
@@ -36,6 +36,13 @@ pub struct PipelineStats {
     /// The target's device timeline from timed events: (busy, span from its first start to its
     /// last end). None on the CPU.
     pub target_gpu: Option<(Duration, Duration)>,
+    /// The same per target GPU (one entry per producer, in `--target-gpus` order).
+    pub target_gpus: Vec<(Duration, Duration)>,
+    /// Target and drafter ranks of the run.
+    pub target_ranks: usize,
+    pub drafter_ranks: usize,
+    /// Device seconds rank 0 spent in the gradient all-reduce (data parallel only).
+    pub allreduce_seconds: Option<f64>,
     /// Pinned slots still held after the run (must be 0: DESIGN.md rule 5).
     pub slots_in_flight_at_end: usize,
     /// Times a sender found no free pinned slot and had to wait.
@@ -82,7 +89,7 @@ pub struct Trace {
 
 #[derive(Clone, Debug)]
 struct Span {
-    track: &'static str,
+    track: String,
     name: String,
     start_us: f64,
     dur_us: f64,
@@ -96,11 +103,11 @@ impl Default for Trace {
 
 impl Trace {
     /// Records `name` on `track`, from `t0` until now.
-    pub fn span(&self, track: &'static str, name: impl Into<String>, t0: std::time::Instant) {
+    pub fn span(&self, track: impl Into<String>, name: impl Into<String>, t0: std::time::Instant) {
         let start_us = t0.saturating_duration_since(self.start).as_secs_f64() * 1e6;
         let dur_us = t0.elapsed().as_secs_f64() * 1e6;
         if let Ok(mut s) = self.spans.lock() {
-            s.push(Span { track, name: name.into(), start_us, dur_us });
+            s.push(Span { track: track.into(), name: name.into(), start_us, dur_us });
         }
     }
 
@@ -115,10 +122,10 @@ impl Trace {
     /// The trace in Chrome's JSON trace-event format.
     pub fn to_json(&self) -> serde_json::Value {
         let spans = self.spans.lock().map(|s| s.clone()).unwrap_or_default();
-        let mut tracks: Vec<&'static str> = Vec::new();
+        let mut tracks: Vec<&str> = Vec::new();
         for s in &spans {
-            if !tracks.contains(&s.track) {
-                tracks.push(s.track);
+            if !tracks.contains(&s.track.as_str()) {
+                tracks.push(&s.track);
             }
         }
         let mut events: Vec<serde_json::Value> = tracks

@@ -133,6 +133,18 @@ pub struct MetricSums {
 }
 
 impl MetricSums {
+    /// Adds another rank's sums of the same step.
+    pub fn merge(&mut self, o: &MetricSums) {
+        self.loss += o.loss;
+        self.weight += o.weight;
+        self.correct += o.correct;
+        self.supervised += o.supervised;
+        self.accept += o.accept;
+        self.blocks += o.blocks;
+        self.tokens += o.tokens;
+        self.draft_positions += o.draft_positions;
+    }
+
     /// Adds one micro-batch from its per-slot loss and argmax.
     pub fn add(&mut self, hb: &HostBatch, bs: usize, loss: &[f32], argmax: &[i32]) {
         self.loss += loss.iter().map(|&x| f64::from(x)).sum::<f64>();

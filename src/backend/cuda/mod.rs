@@ -10,6 +10,7 @@ pub mod alloc;
 mod blas;
 mod device;
 mod fc;
+mod nccl;
 mod transport;
 
 use std::collections::HashMap;
@@ -492,6 +493,20 @@ impl Backend for CudaBackend {
 
     fn is_peer(&self, other: &Self) -> bool {
         self.is_peer_impl(other)
+    }
+
+    type Comm = nccl::NcclComm;
+
+    fn comm_group(group: &[&Self]) -> Result<Vec<nccl::NcclComm>> {
+        nccl::comm_group(group)
+    }
+
+    fn all_reduce_sum(&self, s: &Stream, comm: &nccl::NcclComm, buf: &mut CudaBuf) -> Result<()> {
+        self.all_reduce_impl(s, comm, buf)
+    }
+
+    fn comm_abort(&self, comm: &nccl::NcclComm) {
+        self.comm_abort_impl(comm)
     }
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {

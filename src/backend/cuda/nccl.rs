@@ -1,0 +1,112 @@
+//! The drafter's data-parallel gradient all-reduce across GPUs, through NCCL (loaded at run time
+//! like the other CUDA libraries, so a build without NCCL still runs on one drafter GPU).
+//!
+//! Communicators come from `ncclCommInitAll` (one process drives every rank, one thread per
+//! rank); a collective is enqueued on the rank's compute stream like any kernel. With one rank no
+//! NCCL is needed or loaded.
+
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use cudarc::nccl::{result as nc, sys as ncs};
+
+use super::{dev_err, CudaBackend, CudaBuf, Stream};
+use crate::backend::{BackendError, Result};
+use crate::tensor::DType;
+
+/// One rank's communicator (null for a group of one).
+pub struct NcclComm {
+    /// Null once aborted (an aborted communicator is freed by the abort).
+    comm: AtomicPtr<ncs::ncclComm>,
+    ranks: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; each rank's
+// communicator is only used by that rank's thread.
+unsafe impl Send for NcclComm {}
+unsafe impl Sync for NcclComm {}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let comm = self.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
+        if !comm.is_null() {
+            // SAFETY: created by ncclCommInitAll, not aborted, destroyed once.
+            let _ = unsafe { nc::comm_destroy(comm) };
+        }
+    }
+}
+
+/// Why NCCL is missing, and the fix.
+fn no_nccl(n: usize) -> BackendError {
+    BackendError::Device(format!(
+        "data-parallel training on {n} drafter GPUs needs NCCL, and no libnccl.so was found. Install it \
+         (`pip install nvidia-nccl-cu13`, or the libnccl2 package) and put the folder holding libnccl.so on \
+         LD_LIBRARY_PATH (a pip install ships libnccl.so.2: link libnccl.so to it), or give one drafter GPU"
+    ))
+}
+
+pub(super) fn comm_group(group: &[&CudaBackend]) -> Result<Vec<NcclComm>> {
+    let n = group.len();
+    if n <= 1 {
+        return Ok((0..n).map(|_| NcclComm { comm: AtomicPtr::new(std::ptr::null_mut()), ranks: 1 }).collect());
+    }
+    // SAFETY: only probes whether the shared library loads.
+    if !unsafe { ncs::is_culib_present() } {
+        return Err(no_nccl(n));
+    }
+    let devs: Vec<i32> = group.iter().map(|b| b.ctx.ordinal() as i32).collect();
+    let mut sorted = devs.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if sorted.len() != n {
+        return Err(BackendError::Device(format!(
+            "--drafter-gpus {devs:?}: each drafter rank needs its own GPU (a device is listed twice)"
+        )));
+    }
+    let mut comms = vec![std::ptr::null_mut(); n];
+    // SAFETY: `comms` has room for n communicators, `devs` lists n distinct valid ordinals.
+    unsafe { nc::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }
+        .map_err(|e| BackendError::Device(format!("ncclCommInitAll over GPUs {devs:?}: {e:?}")))?;
+    // Our own calls bind their context; NCCL's initialisation changed this thread's device.
+    let _ = group[0].bind();
+    Ok(comms.into_iter().map(|comm| NcclComm { comm: AtomicPtr::new(comm), ranks: n }).collect())
+}
+
+impl CudaBackend {
+    pub(super) fn all_reduce_impl(&self, s: &Stream, comm: &NcclComm, buf: &mut CudaBuf) -> Result<()> {
+        if comm.ranks <= 1 || buf.len == 0 {
+            return Ok(());
+        }
+        if buf.dtype != DType::F32 {
+            return Err(dev_err("all_reduce_sum: gradients are f32"));
+        }
+        let c = comm.comm.load(Ordering::SeqCst);
+        if c.is_null() {
+            return Err(dev_err("all-reduce: the group was aborted (another rank stopped)"));
+        }
+        self.bind()?;
+        let p = buf.ptr as *mut std::ffi::c_void;
+        // SAFETY: `buf` is a live f32 device buffer of `len` elements on this rank's device; the
+        // reduction is in place and ordered on `s`.
+        unsafe {
+            nc::all_reduce(
+                p,
+                p,
+                buf.len,
+                ncs::ncclDataType_t::ncclFloat32,
+                ncs::ncclRedOp_t::ncclSum,
+                c,
+                s.raw() as ncs::cudaStream_t,
+            )
+        }
+        .map_err(|e| BackendError::Device(format!("ncclAllReduce: {e:?}")))?;
+        Ok(())
+    }
+
+    pub(super) fn comm_abort_impl(&self, comm: &NcclComm) {
+        let c = comm.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
+        if !c.is_null() {
+            // SAFETY: a live communicator, aborted once; abort makes pending collectives return.
+            let _ = unsafe { nc::comm_abort(c) };
+        }
+    }
+}
