@@ -1,7 +1,9 @@
 //! `dflash-engine bench-pipeline`: tokens/s of the synchronous reference against the async
 //! pipeline on each transport, with the same flags and data, measured in one process, so every
-//! ratio compares like with like. For two GPUs (`--drafter-gpus`) it also measures the raw peer
-//! copy rate of one micro-batch's taps, the baseline of the peer transport.
+//! ratio compares like with like. With a second GPU (`--drafter-gpus D`) it adds the two-GPU
+//! rows (target on one GPU and drafter on the other over p2p and host, split-FC, and both GPUs
+//! running both sides: targets in turn, drafter data parallel) and the raw peer copy rate of one
+//! micro-batch's taps, the baseline of the peer transport.
 
 use anyhow::Result;
 
@@ -24,6 +26,10 @@ pub struct BenchRow {
     pub copy_wait_ms: f64,
     /// The transport's own rate: bytes over the device time of its copies.
     pub copy_gb_s: Option<f64>,
+    /// Idle fraction of each target GPU's stream.
+    pub per_target_idle: Vec<f64>,
+    /// Gradient all-reduce ms per step (data parallel).
+    pub allreduce_ms: Option<f64>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -48,6 +54,13 @@ fn row(mode: &str, gpus: String, r: &RunSummary) -> BenchRow {
         gb_moved_per_step: r.stats.bytes_moved as f64 / 1e9 / steps,
         copy_wait_ms: r.stats.publisher_wait_copy.as_secs_f64() * 1e3 / steps,
         copy_gb_s: r.stats.copy_seconds.filter(|&s| s > 0.0).map(|s| r.stats.bytes_moved as f64 / 1e9 / s),
+        per_target_idle: r
+            .stats
+            .target_gpus
+            .iter()
+            .map(|(busy, span)| 1.0 - (busy.as_secs_f64() / span.as_secs_f64().max(1e-9)).min(1.0))
+            .collect(),
+        allreduce_ms: r.stats.allreduce_seconds.map(|s| s * 1e3 / steps),
     }
 }
 
@@ -83,12 +96,18 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     let one = format!("{t_gpu}");
     let say = |r: &BenchRow| {
         eprintln!(
-            "  {:<22} {:<7} {:>9.0} tokens/s  {:>8.1} ms/step  target GPU idle {}",
+            "  {:<40} {:<9} {:>9.0} tokens/s  {:>8.1} ms/step  target GPU idle {}{}",
             r.mode,
             r.gpus,
             r.tokens_per_s,
             r.median_ms,
-            r.target_gpu_idle.map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f))
+            r.target_gpu_idle.map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f)),
+            if r.per_target_idle.len() > 1 {
+                let per: Vec<String> = r.per_target_idle.iter().map(|f| format!("{:.1}%", 100.0 * f)).collect();
+                format!(" (per target: {})", per.join(", "))
+            } else {
+                String::new()
+            }
         )
     };
     let mut go = |mode: &str, gpus: String, o: RunOptions| -> Result<()> {
@@ -121,6 +140,33 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
                 RunOptions { transport: Some(t), drafter_gpus: vec![d], ..base.clone() },
             )?;
         }
+        // What split-FC saves: Y (hidden wide) crosses instead of X (taps x hidden), dY returns.
+        go(
+            "async p2p split-FC",
+            two.clone(),
+            RunOptions { transport: Some(Transport::Peer), split_fc: true, drafter_gpus: vec![d], ..base.clone() },
+        )?;
+        // Both GPUs run both sides: targets take steps in turn, the drafter trains data parallel
+        // on the same sequences per step (each rank gets half the micro-batches).
+        let (bs, ga) = if base.grad_accum % 2 == 0 {
+            (base.batch_size, base.grad_accum)
+        } else if base.batch_size % 2 == 0 {
+            (base.batch_size / 2, base.grad_accum * 2)
+        } else {
+            (base.batch_size, base.grad_accum * 2)
+        };
+        go(
+            "async p2p, 2 targets + 2 drafter ranks",
+            format!("{t_gpu},{d}->{t_gpu},{d}"),
+            RunOptions {
+                transport: None,
+                target_gpus: vec![t_gpu, d],
+                drafter_gpus: vec![t_gpu, d],
+                batch_size: bs,
+                grad_accum: ga,
+                ..base.clone()
+            },
+        )?;
         // A micro-batch's packed taps: rows x taps x hidden bf16.
         let probe = session::micro_batch_bytes(opts)?;
         let secs = peer_copy_secs(t_gpu, d, probe)?;
@@ -128,12 +174,12 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     }
     let sync_tps = rows.iter().find(|r| r.mode == "sync").map_or(f64::NAN, |r| r.tokens_per_s);
     println!(
-        "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | drafter idle | GB moved/step | copy GB/s | copy wait ms/step |"
+        "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | drafter idle | GB moved/step | copy GB/s | copy wait ms/step | all-reduce ms/step |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {} | {:.0} | {:.2}x | {:.1} | {} | {:.1}% | {:.2} | {} | {:.1} |",
+            "| {} | {} | {:.0} | {:.2}x | {:.1} | {} | {:.1}% | {:.2} | {} | {:.1} | {} |",
             r.mode,
             r.gpus,
             r.tokens_per_s,
@@ -146,7 +192,8 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             100.0 * r.drafter_idle,
             r.gb_moved_per_step,
             r.copy_gb_s.map_or("-".into(), |g| format!("{g:.1}")),
-            r.copy_wait_ms
+            r.copy_wait_ms,
+            r.allreduce_ms.map_or("-".into(), |m| format!("{m:.1}"))
         );
     }
     if let Some((bytes, rate)) = peer_rate {

@@ -117,10 +117,11 @@ struct RunArgs {
     /// p2p; otherwise host), same, p2p (device-to-device copy), host (through pinned memory).
     #[arg(long, default_value = "auto")]
     transport: String,
-    /// CUDA device running the target (comma list; one device per side in this version).
+    /// Devices running the target, comma list (e.g. 0,1,2): steps go round-robin to them.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     target_gpus: Vec<usize>,
-    /// CUDA device training the drafter (default: the target's).
+    /// Devices training the drafter, comma list (default: the first target's). Several devices
+    /// train data parallel (NCCL all-reduce); --grad-accum must be a multiple of their count.
     #[arg(long, value_delimiter = ',')]
     drafter_gpus: Vec<usize>,
     /// Seed of the drafter init, anchors, noise and data order.
@@ -159,7 +160,9 @@ struct RunArgs {
     /// Stop with a checkpoint after N completed steps (the LR schedule still spans --steps).
     #[arg(long)]
     stop_after: Option<u32>,
-    /// No pipeline: run target and drafter one after the other on one thread (reference mode).
+    /// Reference mode: on one device no pipeline (target and drafter alternate on one thread);
+    /// on several, a lockstep pipeline (a target starts a step only after the drafter finished
+    /// the previous one).
     #[arg(long)]
     sync: bool,
     /// Write a Chrome/Perfetto trace of the pipeline (one track per thread) to this file.

@@ -93,6 +93,11 @@ fn cpu_async_matches_sync_for_every_transport_split_pad_and_depth() {
 /// A copy that fails after taking its slot (host) or its destination buffer (p2p), and the other
 /// faults, end the run with their error within seconds and nothing left behind.
 fn faults(device: Device, drafter_gpus: Vec<usize>, transports: &[Transport]) {
+    faults_on(|tag| RunOptions { drafter_gpus: drafter_gpus.clone(), ..small(tag, device) }, transports);
+}
+
+fn faults_on(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
+    let targets = base("shape").target_gpus.len();
     for &t in transports {
         let cases: [(Faults, &str); 4] = [
             (Faults { copy_error_at: Some(2), ..Default::default() }, "copy failed"),
@@ -101,15 +106,10 @@ fn faults(device: Device, drafter_gpus: Vec<usize>, transports: &[Transport]) {
             (Faults { consumer_panic_at: Some(3), ..Default::default() }, "panicked at step 3"),
         ];
         for (f, want) in cases {
-            for split in [false, true] {
+            let splits: &[bool] = if targets > 1 { &[false] } else { &[false, true] };
+            for &split in splits {
                 let t0 = Instant::now();
-                let o = RunOptions {
-                    faults: f,
-                    transport: Some(t),
-                    split_fc: split,
-                    drafter_gpus: drafter_gpus.clone(),
-                    ..small("fault", device)
-                };
+                let o = RunOptions { faults: f, transport: Some(t), split_fc: split, ..base("fault") };
                 let err = session::run(&o, None).expect_err("the fault must fail the run");
                 let msg = format!("{err:#}");
                 let what = format!("transport {} split {split} fault {f:?}", t.name());
@@ -137,6 +137,169 @@ fn gpu_async_matches_sync_on_one_gpu() {
 #[ignore = "needs two CUDA GPUs"]
 fn gpu2_async_matches_sync_across_two_gpus() {
     matrix(|tag| RunOptions { drafter_gpus: vec![1], ..small(tag, Device::Cuda) }, &[Transport::Peer, Transport::Host]);
+}
+
+/// Several target devices and data-parallel drafter ranks: every async run equals the lockstep
+/// run of its topology bit for bit (losses and final weights); with one drafter rank the lockstep
+/// run also equals the one-device synchronous run bit for bit, with several it tracks it (the
+/// gradient sum's association differs).
+fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], splits: &[bool]) {
+    let quick = std::env::var("DFLASH_NAN_SUITE").is_ok_and(|v| v == "quick");
+    let b = base("shape");
+    let (targets, drafters) = (b.target_gpus.clone(), b.drafter_gpus.clone());
+    let pads: &[Option<usize>] = if quick { &[None] } else { &[None, Some(160)] };
+    let depths: &[usize] = if quick { &[3] } else { &[1, 3] };
+    let steps = if quick { 3 } else { b.steps };
+    let base = |tag: &str| RunOptions { steps, ..base(tag) };
+    let mut rows = Vec::new();
+    for &pad in pads {
+        let one = RunOptions {
+            sync: true,
+            pad_to_tokens: pad,
+            target_gpus: vec![targets[0]],
+            drafter_gpus: Vec::new(),
+            ..base("one-device-sync")
+        };
+        let one_r = session::run(&one, None).unwrap();
+        let one_l = losses(&one_r);
+        for &split in splits {
+            let lock = RunOptions { sync: true, split_fc: split, pad_to_tokens: pad, ..base("lockstep") };
+            let want = session::run(&lock, None).unwrap();
+            let want_w = final_masters(&lock.out);
+            let want_l = losses(&want);
+            let values = |r: &session::RunSummary| r.history.iter().map(|m| m.loss).collect::<Vec<f64>>();
+            assert!(values(&want).iter().all(|l| l.is_finite()));
+            let what = format!("targets {targets:?} drafters {drafters:?} split-fc {split} pad {pad:?}");
+            if drafters.len() == 1 {
+                assert_eq!(want_l, one_l, "{what}: lockstep differs from the one-device synchronous run");
+                rows.push(format!("{what}: lockstep == one-device sync, bit-identical"));
+            } else {
+                let worst =
+                    values(&want).iter().zip(values(&one_r)).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+                assert!(worst < 1e-3, "{what}: lockstep vs one-device sync: relative loss difference {worst:e}");
+                rows.push(format!(
+                    "{what}: lockstep vs one-device sync: max relative loss difference {worst:.2e}{}",
+                    if worst == 0.0 { " (bit-identical)" } else { "" }
+                ));
+            }
+            for &t in transports {
+                for &inflight in depths {
+                    let o = RunOptions {
+                        transport: Some(t),
+                        split_fc: split,
+                        max_inflight: inflight,
+                        pad_to_tokens: pad,
+                        ..base("async")
+                    };
+                    let got = session::run(&o, None).unwrap();
+                    let what = format!("{what} transport {} max-inflight {inflight}", t.name());
+                    assert_eq!(losses(&got), want_l, "{what}: losses differ from the lockstep run");
+                    assert_eq!(final_masters(&o.out), want_w, "{what}: weights differ from the lockstep run");
+                    assert_eq!(got.stats.slots_in_flight_at_end, 0, "{what}");
+                    assert_eq!((got.stats.target_ranks, got.stats.drafter_ranks), (targets.len(), drafters.len()));
+                    rows.push(format!(
+                        "{what}: {} steps bit-identical to lockstep ({:.1} MB moved, {} slot waits, mean queue depth {:.2})",
+                        got.history.len(),
+                        got.stats.bytes_moved as f64 / 1e6,
+                        got.stats.slot_waits,
+                        got.stats.mean_queue_depth()
+                    ));
+                }
+            }
+        }
+    }
+    for r in &rows {
+        eprintln!("topology   {r}");
+    }
+}
+
+/// Data parallel over two drafter devices, the target sharing the first (CPU backends).
+#[test]
+fn cpu_data_parallel_drafter_matches_lockstep() {
+    topology_matrix(
+        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cpu) },
+        &[Transport::Peer, Transport::Host],
+        &[false, true],
+    );
+}
+
+/// Two target devices taking steps in turn, one drafter device (CPU backends): bit-identical to
+/// the one-device synchronous run.
+#[test]
+fn cpu_round_robin_targets_match_sync() {
+    topology_matrix(
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![2], ..small(tag, Device::Cpu) },
+        &[Transport::Peer, Transport::Host],
+        &[false],
+    );
+}
+
+/// The eight-GPU topology (five targets feeding three drafter ranks) on eight CPU backends,
+/// through the real queues, links and pinned-slot pools: async == lockstep, bit for bit.
+#[test]
+fn cpu_five_targets_three_drafters_match_lockstep() {
+    topology_matrix(
+        |tag| RunOptions {
+            target_gpus: vec![0, 1, 2, 3, 4],
+            drafter_gpus: vec![5, 6, 7],
+            grad_accum: 3,
+            batch_size: 2,
+            steps: 7,
+            ..small(tag, Device::Cpu)
+        },
+        &[Transport::Host, Transport::Peer],
+        &[false],
+    );
+}
+
+/// Faults with several targets and drafter ranks: the failing thread's error, no hang, no leak
+/// (the consumer panic is injected in the last rank, a spawned thread).
+#[test]
+fn cpu_faults_with_several_targets_and_ranks() {
+    faults_on(
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![2, 3], ..small(tag, Device::Cpu) },
+        &[Transport::Host, Transport::Peer],
+    );
+}
+
+#[test]
+fn topology_errors_say_what_to_change() {
+    let run = |o: RunOptions| format!("{:#}", session::run(&o, None).expect_err("must be refused"));
+    let e = run(RunOptions { drafter_gpus: vec![0, 1, 2], ..small("bad-accum", Device::Cpu) });
+    assert!(e.contains("--grad-accum 2") && e.contains("multiple of 3"), "{e}");
+    let e = run(RunOptions { target_gpus: vec![0, 1], split_fc: true, ..small("bad-split", Device::Cpu) });
+    assert!(e.contains("needs one target GPU"), "{e}");
+    let e = run(RunOptions { drafter_gpus: vec![1, 1], ..small("bad-dup", Device::Cpu) });
+    assert!(e.contains("lists a device twice"), "{e}");
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn gpu2_data_parallel_drafter_matches_lockstep() {
+    topology_matrix(
+        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cuda) },
+        &[Transport::Peer, Transport::Host],
+        &[false, true],
+    );
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn gpu2_round_robin_targets_match_sync() {
+    topology_matrix(
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![1], ..small(tag, Device::Cuda) },
+        &[Transport::Peer, Transport::Host],
+        &[false],
+    );
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn gpu2_faults_with_two_targets_and_two_ranks() {
+    faults_on(
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![0, 1], ..small(tag, Device::Cuda) },
+        &[Transport::Peer, Transport::Host],
+    );
 }
 
 #[test]
@@ -244,4 +407,42 @@ fn gpu_unsafe_reuse_is_detected() {
         }
     }
     assert!(!detected.is_empty(), "unsafe-reuse never changed a loss: the suite would not see the corruption");
+}
+
+/// Split-FC (exact mode) on the GPU over 50 steps: losses and final weights bit-identical to the
+/// unsplit pipeline, with and without padding, for each drafter placement given.
+fn split_fc_is_exact_for_50_steps(placements: &[Vec<usize>]) {
+    for drafters in placements {
+        for pad in [None, Some(160)] {
+            let base = RunOptions {
+                steps: 50,
+                pad_to_tokens: pad,
+                drafter_gpus: drafters.clone(),
+                ..small("split50-unsplit", Device::Cuda)
+            };
+            let a = session::run(&base, None).unwrap();
+            let split = RunOptions { split_fc: true, out: tmp("split50"), ..base.clone() };
+            let b = session::run(&split, None).unwrap();
+            let what = format!("drafter GPUs {drafters:?} pad {pad:?}");
+            assert_eq!(a.history.len(), 50, "{what}");
+            assert_eq!(losses(&a), losses(&b), "{what}: split-FC losses differ");
+            assert_eq!(final_masters(&base.out), final_masters(&split.out), "{what}: split-FC weights differ");
+            eprintln!(
+                "split-fc   {what}: 50 steps bit-identical to unsplit (loss {:.4} -> {:.4}), transport {}",
+                a.history[0].loss, a.history[49].loss, b.stats.transport
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_split_fc_is_exact_for_50_steps() {
+    split_fc_is_exact_for_50_steps(&[Vec::new()]);
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn gpu2_split_fc_is_exact_for_50_steps() {
+    split_fc_is_exact_for_50_steps(&[vec![1], vec![0, 1]]);
 }
