@@ -411,7 +411,14 @@ fn run_on<B: Backend>(
     let tcfg = src.config().clone();
     let dcfg = DrafterConfig::for_target(&tcfg, opts.drafter_layers, opts.block_size, opts.taps.clone())
         .context("drafter configuration")?;
-    let names = |idx: &[usize]| idx.iter().map(|&i| bes[i].name()).collect::<Vec<_>>().join(", ");
+    let names = |idx: &[usize]| {
+        let n: Vec<String> = idx.iter().map(|&i| bes[i].name()).collect();
+        if n.len() > 1 && n.iter().all(|x| *x == n[0]) {
+            format!("{} x {}", n.len(), n[0])
+        } else {
+            n.join(", ")
+        }
+    };
     let backend_name = if one_device {
         bt.name()
     } else {
@@ -854,6 +861,12 @@ pub fn print_summary(r: &RunSummary) {
         "time           wall {:.1} s: training {:.1} s, checkpoints {:.1} s; data generation {:.1} s (before)",
         wall, train, r.checkpoint_seconds, r.gen_seconds
     );
+    if st.target_ranks > 1 || st.drafter_ranks > 1 {
+        eprintln!(
+            "  (host-side times below are sums over {} target and {} drafter threads; idle is their mean)",
+            st.target_ranks, st.drafter_ranks
+        );
+    }
     eprintln!(
         "  target       forward+pack {:.1} s, blocked on full queue {:.1} s, split-FC sync {:.1} s -> idle {:.1}%",
         secs(st.target_busy),

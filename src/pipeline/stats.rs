@@ -57,9 +57,10 @@ impl PipelineStats {
             part.as_secs_f64() / wall.as_secs_f64()
         }
     }
-    /// Fraction of the wall time the target side did not compute.
+    /// Fraction of the wall time the target side did not compute (mean over target GPUs; the
+    /// host-side times are sums over them).
     pub fn target_idle_fraction(&self) -> f64 {
-        1.0 - Self::frac(self.target_busy, self.wall).min(1.0)
+        1.0 - Self::frac(self.target_busy / self.target_ranks.max(1) as u32, self.wall).min(1.0)
     }
     /// Fraction of its device timeline the target's stream had no work (None without timed events).
     pub fn target_gpu_idle_fraction(&self) -> Option<f64> {
@@ -67,7 +68,7 @@ impl PipelineStats {
     }
     /// Fraction of the wall time the drafter side waited for data.
     pub fn drafter_idle_fraction(&self) -> f64 {
-        Self::frac(self.drafter_wait, self.wall).min(1.0)
+        Self::frac(self.drafter_wait / self.drafter_ranks.max(1) as u32, self.wall).min(1.0)
     }
     pub fn mean_queue_depth(&self) -> f64 {
         if self.queue_depth.is_empty() {
