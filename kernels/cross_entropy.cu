@@ -37,10 +37,11 @@
 //           per element at 6 bytes per element is ~50% of an H200's issue rate at HBM speed.
 //           Target >= 70% of the measured device-to-device copy bandwidth (~4.1 TB/s on an H200)
 //           for the 6 bytes per element: a 2048 x 151,936 chunk in <= ~0.65 ms. Measured (H200):
-//           0.55 ms, 3.4 TB/s; 2048 x 151,936 with a forward pass B: 0.370 ms (79.7% of copy
-//           bandwidth), hence the backward walk. Accuracy: lse is within ~1.5e-7 relative of an
-//           f64 reference; the CPU reference's sequential f32 sum is off by up to ~2e-5 relative
-//           at 152K-262K vocab, so the CPU comparison needs a loss tolerance of ~1e-4 relative.
+//           0.55 ms, 3.4 TB/s; 2048 x 151,936: 0.370 ms, 79.7% of copy bandwidth. (Walking pass B
+//           backwards, two chunks per iteration, to re-read the row's end from L2 measured 0.409 ms:
+//           worse, not kept.) Accuracy: lse is within ~1.5e-7 relative of an f64 reference; the
+//           CPU reference's sequential f32 sum is off by up to ~2e-5 relative at 152K-262K vocab,
+//           so the CPU comparison needs a loss tolerance of ~1e-4 relative.
 #include "common.cuh"
 
 // Threads per CTA (one CTA per row). 512 = 16 warps: a 152K-vocab row is 37 chunks of 8 per
@@ -158,36 +159,19 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
       loss[row] = supervised ? __fmul_rn(w, __fsub_rn(lse, label_logit)) : 0.0f;
     }
 
-    // Pass B: the gradient over the logits, in place. Each thread walks its chunks backwards:
-    // the end of the row was read last in pass A and is the part still in L2. Two chunks are
-    // loaded before either is stored (in place, so the compiler cannot hoist a later load above
-    // a store): twice the loads in flight.
+    // Pass B: the gradient over the logits, in place.
     if (supervised) {
       const float coef = __fmul_rn(grad_scale, w);
-      const int mine = tid < chunks ? (chunks - 1 - tid) / CE_BLOCK + 1 : 0; // chunks of this thread
-      for (int n = mine - 1; n >= 0; n -= 2) {
-        const int k0 = tid + n * CE_BLOCK;
-        const bool two = n >= 1;
-        const int k1 = two ? k0 - CE_BLOCK : k0;
-        float f0[V], f1[V];
-        bf16_chunk_load<V>(lr + (index_t)k0 * V, f0);
-        if (two) bf16_chunk_load<V>(lr + (index_t)k1 * V, f1);
+      for (int k = tid; k < chunks; k += CE_BLOCK) {
+        float f[V];
+        bf16_chunk_load<V>(lr + (index_t)k * V, f);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float p = expf(__fsub_rn(f0[j], lse));
-          const float onehot = (k0 * V + j == label) ? 1.0f : 0.0f;
-          f0[j] = __fmul_rn(coef, __fsub_rn(p, onehot));
+          const float p = expf(__fsub_rn(f[j], lse));
+          const float onehot = (k * V + j == label) ? 1.0f : 0.0f;
+          f[j] = __fmul_rn(coef, __fsub_rn(p, onehot));
         }
-        bf16_chunk_store_rne<V>(lr + (index_t)k0 * V, f0);
-        if (two) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const float p = expf(__fsub_rn(f1[j], lse));
-            const float onehot = (k1 * V + j == label) ? 1.0f : 0.0f;
-            f1[j] = __fmul_rn(coef, __fsub_rn(p, onehot));
-          }
-          bf16_chunk_store_rne<V>(lr + (index_t)k1 * V, f1);
-        }
+        bf16_chunk_store_rne<V>(lr + (index_t)k * V, f);
       }
     } else {
       float zero[V];
