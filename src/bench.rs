@@ -91,16 +91,18 @@ fn peer_copy_secs(from: usize, to: usize, bytes: usize) -> Result<f64> {
 pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     anyhow::ensure!(opts.device != Device::Cpu || opts.drafter_gpus.is_empty(), "--drafter-gpus needs --device cuda");
     let t_gpu = opts.target_gpus.first().copied().unwrap_or(0);
-    let base = RunOptions { quiet: true, save_every: u32::MAX, stop_after: None, resume: false, ..opts.clone() };
+    // No checkpoints: at the 8B recipe each would write ~14 GB of masters and moments.
+    let base = RunOptions { quiet: true, checkpoints: false, stop_after: None, resume: false, ..opts.clone() };
     let mut rows = Vec::new();
     let one = format!("{t_gpu}");
     let say = |r: &BenchRow| {
         eprintln!(
-            "  {:<40} {:<9} {:>9.0} tokens/s  {:>8.1} ms/step  target GPU idle {}{}",
+            "  {:<40} {:<9} {:>9.0} tokens/s  {:>8.1} ms/step  {:>6.2} GB/step moved  target GPU idle {}{}",
             r.mode,
             r.gpus,
             r.tokens_per_s,
             r.median_ms,
+            r.gb_moved_per_step,
             r.target_gpu_idle.map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f)),
             if r.per_target_idle.len() > 1 {
                 let per: Vec<String> = r.per_target_idle.iter().map(|f| format!("{:.1}%", 100.0 * f)).collect();

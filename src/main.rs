@@ -148,6 +148,9 @@ struct RunArgs {
     /// Checkpoint every N steps (and at the end, and on Ctrl-C).
     #[arg(long, default_value_t = 100)]
     save_every: u32,
+    /// Write no checkpoint at all, not even at the end (for timing runs).
+    #[arg(long)]
+    no_checkpoint: bool,
     /// Checkpoints kept in --out.
     #[arg(long, default_value_t = 2)]
     keep_last: usize,
@@ -220,6 +223,7 @@ impl RunArgs {
             clip: self.clip,
             log_every: self.log_every,
             save_every: self.save_every,
+            checkpoints: !self.no_checkpoint,
             keep_last: self.keep_last,
             logits_chunk: self.logits_chunk,
             quiet: self.quiet,

@@ -65,6 +65,9 @@ pub struct RunOptions {
     pub clip: f32,
     pub log_every: u32,
     pub save_every: u32,
+    /// Write checkpoints at all (benchmarks turn this off: a drafter's masters and moments at
+    /// the 8B recipe are ~14 GB per checkpoint).
+    pub checkpoints: bool,
     pub keep_last: usize,
     pub logits_chunk: usize,
     pub quiet: bool,
@@ -117,6 +120,7 @@ impl RunOptions {
             clip: 1.0,
             log_every: 10,
             save_every: 100,
+            checkpoints: true,
             keep_last: 2,
             logits_chunk: 2048,
             quiet: false,
@@ -605,7 +609,7 @@ fn run_on<B: Backend>(
         let stop =
             interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || opts.stop_after.is_some_and(|n| done >= n);
         step_ms.push(ms);
-        if done % opts.save_every.max(1) == 0 || done == opts.steps || stop {
+        if opts.checkpoints && (done % opts.save_every.max(1) == 0 || done == opts.steps || stop) {
             let t_ck = Instant::now();
             let tensors = gather(bt, &s, bd, &sd, side, tside.fc.as_ref())?;
             let state = TrainerState {
