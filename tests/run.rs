@@ -217,6 +217,7 @@ fn trace_shows_the_overlap() {
     let opts = small("trace");
     let path = opts.out.join("trace.json");
     std::fs::create_dir_all(&opts.out).unwrap();
+    let (micro, depth_max) = (opts.grad_accum, opts.max_inflight + 1);
     session::run(&RunOptions { trace: Some(path.clone()), steps: 6, ..opts }, None).unwrap();
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let events = v["traceEvents"].as_array().unwrap();
@@ -236,4 +237,13 @@ fn trace_shows_the_overlap() {
     assert_eq!(t.len(), 6, "one target span per step");
     let overlap: f64 = t.iter().flat_map(|a| d.iter().map(move |b| (a.1.min(b.1) - a.0.max(b.0)).max(0.0))).sum();
     assert!(overlap > 0.0, "target and drafter never ran at the same time");
+    // The queue depth over time is a counter track: one sample per publish and per receive.
+    let depth: Vec<f64> = events
+        .iter()
+        .filter(|e| e["ph"] == "C" && e["name"] == "queue depth")
+        .map(|e| e["args"]["micro-batches"].as_f64().unwrap())
+        .collect();
+    assert_eq!(depth.len(), 2 * 6 * micro, "a sample per publish and per receive of every micro-batch");
+    // A publisher counts a batch in just before its send blocks on the full queue: one over.
+    assert!(depth.iter().all(|&d| d <= depth_max as f64) && depth.iter().any(|&d| d >= 1.0), "{depth:?}");
 }

@@ -556,8 +556,12 @@ fn publish<B: Backend>(
             sh.depth.fetch_sub(1, Ordering::SeqCst);
             return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
         }
+        let d = sh.depth.load(Ordering::SeqCst);
         if let Ok(mut st) = sh.stats.lock() {
-            st.queue_depth.push(sh.depth.load(Ordering::SeqCst) as u32);
+            st.queue_depth.push(d as u32);
+        }
+        if let Some(tr) = &sh.cfg.trace {
+            tr.counter("queue depth", d as f64);
         }
     }
     Ok(())
@@ -846,7 +850,10 @@ fn consume_steps<B: Backend>(
         while pending.len() < expected {
             let t0 = Instant::now();
             let msg = rxs[p].recv().map_err(|_| PipelineError::ProducerGone { step })?;
-            sh.depth.fetch_sub(1, Ordering::SeqCst);
+            let d = sh.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
+            if let Some(tr) = &cfg.trace {
+                tr.counter("queue depth", d as f64);
+            }
             add_time(&sh.stats, |st| &mut st.drafter_wait, t0.elapsed());
             if let Some(tr) = &cfg.trace {
                 tr.span(wait_name.as_str(), format!("step {step}: wait for batch"), t0);

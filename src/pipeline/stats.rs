@@ -86,6 +86,8 @@ impl PipelineStats {
 pub struct Trace {
     start: std::time::Instant,
     spans: std::sync::Mutex<Vec<Span>>,
+    /// Counter samples (name, time, value): the queue depth over time.
+    counters: std::sync::Mutex<Vec<(String, f64, f64)>>,
 }
 
 #[derive(Clone, Debug)]
@@ -98,7 +100,11 @@ struct Span {
 
 impl Default for Trace {
     fn default() -> Self {
-        Trace { start: std::time::Instant::now(), spans: std::sync::Mutex::new(Vec::new()) }
+        Trace {
+            start: std::time::Instant::now(),
+            spans: std::sync::Mutex::new(Vec::new()),
+            counters: std::sync::Mutex::new(Vec::new()),
+        }
     }
 }
 
@@ -109,6 +115,14 @@ impl Trace {
         let dur_us = t0.elapsed().as_secs_f64() * 1e6;
         if let Ok(mut s) = self.spans.lock() {
             s.push(Span { track: track.into(), name: name.into(), start_us, dur_us });
+        }
+    }
+
+    /// Records `value` of counter `name` now (a counter track in the trace viewer).
+    pub fn counter(&self, name: &str, value: f64) {
+        let ts = self.start.elapsed().as_secs_f64() * 1e6;
+        if let Ok(mut c) = self.counters.lock() {
+            c.push((name.to_string(), ts, value));
         }
     }
 
@@ -137,6 +151,11 @@ impl Trace {
         for s in &spans {
             let tid = tracks.iter().position(|t| *t == s.track).unwrap_or(0);
             events.push(serde_json::json!({ "name": s.name, "ph": "X", "pid": 0, "tid": tid, "ts": s.start_us, "dur": s.dur_us }));
+        }
+        for (name, ts, value) in self.counters.lock().map(|c| c.clone()).unwrap_or_default() {
+            events.push(
+                serde_json::json!({ "name": name, "ph": "C", "pid": 0, "ts": ts, "args": { "micro-batches": value } }),
+            );
         }
         serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
     }
