@@ -40,6 +40,18 @@ fn small(tag: &str, device: Device) -> RunOptions {
     }
 }
 
+type Masters = Vec<(String, Vec<u32>)>;
+
+/// Runs `o` and requires its losses and final weights to be `want_l` / `want_w` bit for bit, with
+/// every pinned slot back.
+fn run_matches(o: &RunOptions, want_l: &[u64], want_w: &Masters, what: &str, reference: &str) -> session::RunSummary {
+    let got = session::run(o, None).unwrap();
+    assert_eq!(losses(&got), want_l, "{what}: losses differ from the {reference} run");
+    assert_eq!(&final_masters(&o.out), want_w, "{what}: weights differ from the {reference} run");
+    assert_eq!(got.stats.slots_in_flight_at_end, 0, "{what}");
+    got
+}
+
 /// Every (transport, split, pad, inflight) against the synchronous reference of its pad.
 /// `DFLASH_NAN_SUITE=quick` (the sanitizer runs, where every kernel is 10-100x slower) keeps
 /// every transport and split but only no padding, the deeper queue and 3 steps.
@@ -65,11 +77,8 @@ fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
                         pad_to_tokens: pad,
                         ..base("async")
                     };
-                    let got = session::run(&o, None).unwrap();
                     let what = format!("transport {} split-fc {split} pad {pad:?} max-inflight {inflight}", t.name());
-                    assert_eq!(losses(&got), losses(&want), "{what}: losses differ from the synchronous run");
-                    assert_eq!(final_masters(&o.out), want_w, "{what}: weights differ from the synchronous run");
-                    assert_eq!(got.stats.slots_in_flight_at_end, 0, "{what}");
+                    let got = run_matches(&o, &losses(&want), &want_w, &what, "synchronous");
                     rows.push(format!(
                         "{what}: {} steps bit-identical ({:.1} MB moved)",
                         got.history.len(),
@@ -191,11 +200,8 @@ fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], 
                         pad_to_tokens: pad,
                         ..base("async")
                     };
-                    let got = session::run(&o, None).unwrap();
                     let what = format!("{what} transport {} max-inflight {inflight}", t.name());
-                    assert_eq!(losses(&got), want_l, "{what}: losses differ from the lockstep run");
-                    assert_eq!(final_masters(&o.out), want_w, "{what}: weights differ from the lockstep run");
-                    assert_eq!(got.stats.slots_in_flight_at_end, 0, "{what}");
+                    let got = run_matches(&o, &want_l, &want_w, &what, "lockstep");
                     assert_eq!((got.stats.target_ranks, got.stats.drafter_ranks), (targets.len(), drafters.len()));
                     rows.push(format!(
                         "{what}: {} steps bit-identical to lockstep ({:.1} MB moved, {} slot waits, mean queue depth {:.2})",
@@ -213,25 +219,33 @@ fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], 
     }
 }
 
-/// Data parallel over two drafter devices, the target sharing the first (CPU backends).
-#[test]
-fn cpu_data_parallel_drafter_matches_lockstep() {
+/// Data parallel over two drafter devices, the target sharing the first.
+fn data_parallel_matches_lockstep(device: Device) {
     topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cpu) },
+        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, device) },
         &[Transport::Peer, Transport::Host],
         &[false, true],
     );
 }
 
-/// Two target devices taking steps in turn, one drafter device (CPU backends): bit-identical to
-/// the one-device synchronous run.
-#[test]
-fn cpu_round_robin_targets_match_sync() {
+/// Two target devices taking steps in turn, one drafter device: also bit-identical to the
+/// one-device synchronous run.
+fn round_robin_targets_match_sync(device: Device, drafter: usize) {
     topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![2], ..small(tag, Device::Cpu) },
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![drafter], ..small(tag, device) },
         &[Transport::Peer, Transport::Host],
         &[false],
     );
+}
+
+#[test]
+fn cpu_data_parallel_drafter_matches_lockstep() {
+    data_parallel_matches_lockstep(Device::Cpu);
+}
+
+#[test]
+fn cpu_round_robin_targets_match_sync() {
+    round_robin_targets_match_sync(Device::Cpu, 2);
 }
 
 /// The eight-GPU topology (five targets feeding three drafter ranks) on eight CPU backends,
@@ -254,12 +268,16 @@ fn cpu_five_targets_three_drafters_match_lockstep() {
 
 /// Faults with several targets and drafter ranks: the failing thread's error, no hang, no leak
 /// (the consumer panic is injected in the last rank, a spawned thread).
-#[test]
-fn cpu_faults_with_several_targets_and_ranks() {
+fn faults_with_two_targets_and_two_ranks(device: Device, drafters: Vec<usize>) {
     faults_on(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![2, 3], ..small(tag, Device::Cpu) },
+        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: drafters.clone(), ..small(tag, device) },
         &[Transport::Host, Transport::Peer],
     );
+}
+
+#[test]
+fn cpu_faults_with_several_targets_and_ranks() {
+    faults_with_two_targets_and_two_ranks(Device::Cpu, vec![2, 3]);
 }
 
 #[test]
@@ -276,30 +294,19 @@ fn topology_errors_say_what_to_change() {
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu2_data_parallel_drafter_matches_lockstep() {
-    topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cuda) },
-        &[Transport::Peer, Transport::Host],
-        &[false, true],
-    );
+    data_parallel_matches_lockstep(Device::Cuda);
 }
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu2_round_robin_targets_match_sync() {
-    topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![1], ..small(tag, Device::Cuda) },
-        &[Transport::Peer, Transport::Host],
-        &[false],
-    );
+    round_robin_targets_match_sync(Device::Cuda, 1);
 }
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu2_faults_with_two_targets_and_two_ranks() {
-    faults_on(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![0, 1], ..small(tag, Device::Cuda) },
-        &[Transport::Peer, Transport::Host],
-    );
+    faults_with_two_targets_and_two_ranks(Device::Cuda, vec![0, 1]);
 }
 
 #[test]
