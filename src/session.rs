@@ -611,6 +611,9 @@ fn run_on<B: Backend>(
         step_ms.push(ms);
         if opts.checkpoints && (done % opts.save_every.max(1) == 0 || done == opts.steps || stop) {
             let t_ck = Instant::now();
+            if let Some(ms) = opts.faults.checkpoint_delay_ms {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
             let tensors = gather(bt, &s, bd, &sd, side, tside.fc.as_ref())?;
             let state = TrainerState {
                 step: done,

@@ -280,6 +280,16 @@ fn cpu_faults_with_several_targets_and_ranks() {
     faults_with_two_targets_and_two_ranks(Device::Cpu, vec![2, 3]);
 }
 
+/// Split-FC with two drafter ranks: a rank's panic (the last rank) or error must be reported
+/// as itself, not as the other rank's closed slot pool or aborted all-reduce.
+#[test]
+fn cpu_faults_with_two_drafter_ranks_and_split_fc() {
+    faults_on(
+        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cpu) },
+        &[Transport::Host, Transport::Peer],
+    );
+}
+
 #[test]
 fn topology_errors_say_what_to_change() {
     let run = |o: RunOptions| format!("{:#}", session::run(&o, None).expect_err("must be refused"));

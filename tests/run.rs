@@ -133,6 +133,28 @@ fn split_fc_is_exact() {
 }
 
 /// The pipeline at any depth gives the synchronous run's losses bit for bit.
+/// A slow checkpoint under split-FC: while the drafter side writes one (reading the fc group the
+/// target side holds), the target side runs ahead to the next step's fc work. That must not hold
+/// the fc group while it waits for the drafter, or the two wait for each other forever.
+#[test]
+fn split_fc_survives_slow_checkpoints() {
+    let o = RunOptions {
+        split_fc: true,
+        steps: 6,
+        save_every: 1,
+        faults: dflash_engine::pipeline::Faults { checkpoint_delay_ms: Some(300), ..Default::default() },
+        ..small("split-slow-ck")
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(session::run(&o, None).map(|r| r.history.len()));
+    });
+    let done = rx
+        .recv_timeout(std::time::Duration::from_secs(90))
+        .expect("the run hung (split-FC and a checkpoint waiting for each other)");
+    assert_eq!(done.unwrap(), 6);
+}
+
 #[test]
 fn async_matches_sync() {
     let sync = session::run(&RunOptions { sync: true, ..small("sync") }, None).unwrap();

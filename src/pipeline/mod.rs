@@ -49,10 +49,12 @@ const RECEIVER_GONE: &str = "the drafter side has stopped";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
-    #[error("target side (producer) failed at step {step}: {source}")]
-    Producer { step: u32, source: Box<dyn std::error::Error + Send + Sync> },
-    #[error("drafter side (consumer) failed at step {step}: {source}")]
-    Consumer { step: u32, source: Box<dyn std::error::Error + Send + Sync> },
+    // `cause`, not `source`: the message already includes it, and a `source` would print it twice
+    // in an error chain.
+    #[error("target side (producer) failed at step {step}: {cause}")]
+    Producer { step: u32, cause: Box<dyn std::error::Error + Send + Sync> },
+    #[error("drafter side (consumer) failed at step {step}: {cause}")]
+    Consumer { step: u32, cause: Box<dyn std::error::Error + Send + Sync> },
     #[error("drafter side (consumer) panicked at step {step}: {message}")]
     ConsumerPanic { step: u32, message: String },
     #[error("target side (producer) panicked: {message}")]
@@ -100,6 +102,8 @@ pub struct Faults {
     /// The transport's copy of this step's first micro-batch fails, after its slot or buffer was
     /// taken (tests that nothing leaks).
     pub copy_error_at: Option<u32>,
+    /// Every checkpoint first waits this long (a slow disk: the target side runs ahead meanwhile).
+    pub checkpoint_delay_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -203,11 +207,15 @@ struct Shared<'a> {
     sums: Exchange<MetricSums>,
     control: Exchange<bool>,
     gate: Gate,
+    /// Some thread failed and the meeting points were aborted: errors seen from now on are
+    /// consequences, not causes.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared<'_> {
     /// Releases every thread that could wait for a stopped one.
     fn abort_meetings(&self) {
+        self.failed.store(true, Ordering::SeqCst);
         self.sums.abort();
         self.control.abort();
         self.gate.abort();
@@ -243,6 +251,14 @@ pub fn run<B: Backend>(
     let kind = |a: &B, b: &B| cfg.transport.unwrap_or_else(|| Transport::auto(a, b));
     let setup = |k: Transport, e| PipelineError::Setup { transport: k.name().into(), source: e };
     let dbes: Vec<&B> = drafters.iter().map(|d| d.be).collect();
+    // The group's communicators stay here, so any thread can abort all of them: a rank that
+    // stops must release the others from a collective they already entered.
+    let mut comms = Vec::with_capacity(nd);
+    let mut drafter_sides = Vec::with_capacity(nd);
+    for d in drafters {
+        comms.push(d.comm);
+        drafter_sides.push((d.be, d.side));
+    }
 
     // fwd[p][r]: target p -> rank r; back[r]: rank r -> the target (split-FC only).
     let mut fwd: Vec<Vec<Link<'_, B>>> = Vec::new();
@@ -327,12 +343,21 @@ pub fn run<B: Backend>(
         sums: Exchange::new(nd),
         control: Exchange::new(nd),
         gate: Gate::new(cfg.first_step),
+        failed: std::sync::atomic::AtomicBool::new(false),
     };
     let sh = &shared;
     let (fwd_ref, back_ref) = (&fwd, &back);
     let shutdown_links = || {
         for l in fwd_ref.iter().flatten().chain(back_ref.iter()) {
             l.shutdown();
+        }
+    };
+    let comms_ref = &comms;
+    let dbes_ref = &dbes;
+    let on_failure = || {
+        shutdown_links();
+        for (be, c) in dbes_ref.iter().zip(comms_ref) {
+            be.comm_abort(c);
         }
     };
 
@@ -351,10 +376,11 @@ pub fn run<B: Backend>(
             };
             producers.push(scope.spawn(move || {
                 let mut spans = Vec::new();
-                let r = produce(p, t.be, s, t.side, source, sh, links, back_ref, tx, brx, rtx, &mut spans);
+                let r = produce(p, t.be, s, t.side, source, sh, links, back_ref, tx, brx, rtx, &mut spans)
+                    .map_err(|e| consequence_if_failed(sh, e));
                 if r.is_err() {
-                    // A lockstep rank may wait for this target's step at the gate.
-                    sh.gate.abort();
+                    // A rank may wait for this target's step at the gate or for the others.
+                    sh.abort_meetings();
                 }
                 (r, spans)
             }));
@@ -368,26 +394,30 @@ pub fn run<B: Backend>(
                 scope.spawn(move || publish(p, links, sh, rx, txs))
             })
             .collect();
-        let mut ranks = drafters.into_iter().zip(cons_rx).zip(back_tx.into_iter().zip(report_rx)).enumerate();
+        let mut ranks = drafter_sides.into_iter().zip(cons_rx).zip(back_tx.into_iter().zip(report_rx)).enumerate();
         let first = ranks.next();
         let mut others = Vec::new();
-        for (r, ((dr, rxs), (btx, rrx))) in ranks {
+        for (r, (((be, side), rxs), (btx, rrx))) in ranks {
             let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
             let bl = back.get(r);
+            let comm = &comms_ref[r];
+            let on_failure = &on_failure;
             others.push(scope.spawn(move || {
-                let res =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| consume(r, dr, sh, &links, bl, rxs, btx, rrx, None)));
-                settle_rank(sh, &res, &shutdown_links);
+                let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    consume(r, be, side, comm, sh, &links, bl, rxs, btx, rrx, None)
+                }));
+                settle_rank(sh, &res, on_failure);
                 res
             }));
         }
         let (r0, mut allreduce) = match first {
-            Some((r, ((dr, rxs), (btx, rrx)))) => {
+            Some((r, (((be, side), rxs), (btx, rrx)))) => {
                 let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
+                let comm = &comms_ref[r];
                 let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    consume(r, dr, sh, &links, back.get(r), rxs, btx, rrx, Some(on_step))
+                    consume(r, be, side, comm, sh, &links, back.get(r), rxs, btx, rrx, Some(on_step))
                 }));
-                settle_rank(sh, &res, &shutdown_links);
+                settle_rank(sh, &res, &on_failure);
                 match res {
                     Ok((r, ar)) => (Ok(r), ar),
                     Err(p) => (Err(p), None),
@@ -477,8 +507,9 @@ pub fn run<B: Backend>(
     (result, st)
 }
 
-/// After a rank ended: if it failed, nobody may keep waiting for it.
-fn settle_rank<T, P>(sh: &Shared<'_>, res: &Result<(Result<(), PipelineError>, T), P>, shutdown_links: &dyn Fn()) {
+/// After a rank ended: if it failed (an error or a panic), nobody may keep waiting for it: the
+/// meeting points, the slot pools and the collectives are aborted.
+fn settle_rank<T, P>(sh: &Shared<'_>, res: &Result<(Result<(), PipelineError>, T), P>, on_failure: &dyn Fn()) {
     match res {
         Ok((Ok(()), _)) => {}
         // It only saw the target side stop: the target side's own error is the one to report
@@ -486,8 +517,18 @@ fn settle_rank<T, P>(sh: &Shared<'_>, res: &Result<(Result<(), PipelineError>, T
         Ok((Err(PipelineError::ProducerGone { .. }), _)) => sh.abort_meetings(),
         _ => {
             sh.abort_meetings();
-            shutdown_links();
+            on_failure();
         }
+    }
+}
+
+/// An error a thread hit after another thread had already failed is reported as a consequence
+/// (a closed slot pool, an aborted collective), so the first failure stays the cause.
+fn consequence_if_failed(sh: &Shared<'_>, e: PipelineError) -> PipelineError {
+    if sh.failed.load(Ordering::SeqCst) && !e.is_consequence() {
+        PipelineError::Aborted(format!("{e} (after another part of the run had stopped)"))
+    } else {
+        e
     }
 }
 
@@ -586,8 +627,8 @@ fn produce<B: Backend>(
 ) -> Result<(), PipelineError> {
     let cfg = sh.cfg;
     let name = track("target", p, sh.targets);
-    let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, source: e };
-    let berr = |step: u32| move |e: BackendError| PipelineError::Producer { step, source: Box::new(e) };
+    let perr = |step: u32| move |e: BoxErr| PipelineError::Producer { step, cause: e };
+    let berr = |step: u32| move |e: BackendError| PipelineError::Producer { step, cause: Box::new(e) };
     let fc_err = |pstep: u32| {
         move |e: FcError| match e {
             FcError::Backend(e) => berr(pstep)(e),
@@ -599,7 +640,7 @@ fn produce<B: Backend>(
     let steps = (cfg.first_step..cfg.end_step).filter(|&k| owner(cfg, k, sh.targets) == p);
     for step in steps {
         if cfg.faults.producer_error_at == Some(step) {
-            return Err(PipelineError::Producer { step, source: "injected fault: producer error".into() });
+            return Err(PipelineError::Producer { step, cause: "injected fault: producer error".into() });
         }
         if cfg.lockstep {
             // Split-FC's previous update needs this thread before the drafter can finish.
@@ -615,7 +656,7 @@ fn produce<B: Backend>(
         if hbs.is_empty() || hbs.len() % sh.ranks != 0 {
             return Err(PipelineError::Producer {
                 step,
-                source: format!(
+                cause: format!(
                     "the step has {} micro-batches: with {} drafter GPUs it needs a positive multiple of {} (set --grad-accum to one)",
                     hbs.len(),
                     sh.ranks,
@@ -727,7 +768,9 @@ impl<B: Backend> Drop for HeldUntilSync<'_, B> {
 
 /// The target side's half of a split-FC step: `dWfc += dY^T X` per micro-batch in order (micro
 /// m's dY comes from rank m mod D), report `sumsq(dWfc)` to every rank, then apply the update
-/// rank 0 decided.
+/// rank 0 decided. The fc group is locked only while it is computed on, never while this thread
+/// waits for the drafter side: a checkpoint on the drafter side reads the group and may be what
+/// the drafter side is busy with.
 fn finish_fc_step<B: Backend>(
     be: &B,
     s: &B::Stream,
@@ -741,36 +784,44 @@ fn finish_fc_step<B: Backend>(
     if ranks == 0 || back.len() != ranks {
         return Err(FcError::Gone);
     }
-    let mut fc = fc.lock().map_err(|_| FcError::Gone)?;
-    fc.zero_grad(be, s)?;
     // Sources of dY peer copies, alive until `s` (which waited for the copies) is synchronised,
     // on every path.
     let mut hold = HeldUntilSync { be, s, bufs: Vec::new() };
-    for (m, (hb, x)) in batches.iter().enumerate() {
+    let mut dys = Vec::with_capacity(batches.len());
+    for m in 0..batches.len() {
         let r = m % ranks;
-        let dy = match back_rx[r].recv() {
-            Ok(Back::Dy(parcel)) => back[r].receive(s, parcel, &mut hold.bufs)?,
+        match back_rx[r].recv() {
+            Ok(Back::Dy(parcel)) => dys.push(back[r].receive(s, parcel, &mut hold.bufs)?),
             _ => return Err(FcError::Gone),
-        };
-        fc_backward(be, s, &mut fc, &dy, x, hb.rows())?;
+        }
     }
-    let mut out = be.alloc(s, crate::tensor::DType::F32, 1)?;
-    fc.grad_sumsq(be, s, &mut out)?;
-    let sumsq = f64::from(be.download(s, &out)?[0]);
+    let sumsq = {
+        let mut fc = fc.lock().map_err(|_| FcError::Gone)?;
+        fc.zero_grad(be, s)?;
+        for ((hb, x), dy) in batches.iter().zip(&dys) {
+            fc_backward(be, s, &mut fc, dy, x, hb.rows())?;
+        }
+        let mut out = be.alloc(s, crate::tensor::DType::F32, 1)?;
+        fc.grad_sumsq(be, s, &mut out)?;
+        f64::from(be.download(s, &out)?[0])
+    };
+    drop(dys);
     for tx in report_tx {
         tx.send(sumsq).map_err(|_| FcError::Gone)?;
     }
-    match back_rx[0].recv() {
-        Ok(Back::Update { hp }) => {
-            if let Some(hp) = hp {
-                fc.adamw(be, s, &hp)?;
-            }
-        }
+    let hp = match back_rx[0].recv() {
+        Ok(Back::Update { hp }) => hp,
         _ => return Err(FcError::Gone),
+    };
+    {
+        let mut fc = fc.lock().map_err(|_| FcError::Gone)?;
+        if let Some(hp) = hp {
+            fc.adamw(be, s, &hp)?;
+        }
+        // Tell the drafter side the fc weights of this step are final (checkpoints read them,
+        // from another stream: so the host waits for the update first).
+        be.synchronize(s)?;
     }
-    // Tell the drafter side the fc weights of this step are final (checkpoints read them, from
-    // another stream: so the host waits for the update first).
-    be.synchronize(s)?;
     hold.bufs.clear();
     for tx in report_tx {
         tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
@@ -791,7 +842,9 @@ fn add_time(stats: &Mutex<PipelineStats>, f: impl FnOnce(&mut PipelineStats) -> 
 #[allow(clippy::too_many_arguments)]
 fn consume<B: Backend>(
     rank: usize,
-    dr: DrafterRank<'_, B>,
+    be: &B,
+    side: &mut DrafterSide<B>,
+    comm: &B::Comm,
     sh: &Shared<'_>,
     fwd: &[&Link<'_, B>],
     back: Option<&Link<'_, B>>,
@@ -800,12 +853,11 @@ fn consume<B: Backend>(
     report_rx: Receiver<f64>,
     mut on_step: Option<&mut OnStep<'_, B>>,
 ) -> (Result<(), PipelineError>, Option<f64>) {
-    let DrafterRank { be, side, comm } = dr;
     let mut timed: TimedSpans<B> = Vec::new();
-    let r = consume_steps(rank, be, side, &comm, sh, fwd, back, &rxs, &back_tx, &report_rx, &mut on_step, &mut timed);
+    let r = consume_steps(rank, be, side, comm, sh, fwd, back, &rxs, &back_tx, &report_rx, &mut on_step, &mut timed)
+        .map_err(|e| consequence_if_failed(sh, e));
     if r.is_err() {
         side.discard_outputs();
-        be.comm_abort(&comm);
     }
     let allreduce =
         if timed.is_empty() || rank != 0 { None } else { timed.iter().map(|(a, b)| be.elapsed_secs(a, b)).sum() };
@@ -838,8 +890,8 @@ fn consume_steps<B: Backend>(
                 st.current_step = step;
             }
         }
-        let cerr = |e: BoxErr| PipelineError::Consumer { step, source: e };
-        let berr = |e: BackendError| PipelineError::Consumer { step, source: Box::new(e) };
+        let cerr = |e: BoxErr| PipelineError::Consumer { step, cause: e };
+        let berr = |e: BackendError| PipelineError::Consumer { step, cause: Box::new(e) };
         let p = owner(cfg, step, sh.targets);
         let mut pending: Vec<(HostBatch, B::Buf)> = Vec::new();
         let mut expected = 1;

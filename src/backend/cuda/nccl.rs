@@ -5,7 +5,7 @@
 //! rank); a collective is enqueued on the rank's compute stream like any kernel. With one rank no
 //! NCCL is needed or loaded.
 
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::RwLock;
 
 use cudarc::nccl::{result as nc, sys as ncs};
 
@@ -15,8 +15,9 @@ use crate::tensor::DType;
 
 /// One rank's communicator (null for a group of one).
 pub struct NcclComm {
-    /// Null once aborted (an aborted communicator is freed by the abort).
-    comm: AtomicPtr<ncs::ncclComm>,
+    /// Null once aborted (an aborted communicator is freed by the abort). Enqueueing holds the
+    /// read lock, so an abort from another thread never frees it under an enqueue.
+    comm: RwLock<ncs::ncclComm_t>,
     ranks: usize,
 }
 
@@ -27,7 +28,10 @@ unsafe impl Sync for NcclComm {}
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let comm = self.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
+        let comm = match self.comm.get_mut() {
+            Ok(c) => std::mem::replace(c, std::ptr::null_mut()),
+            Err(p) => std::mem::replace(p.into_inner(), std::ptr::null_mut()),
+        };
         if !comm.is_null() {
             // SAFETY: created by ncclCommInitAll, not aborted, destroyed once.
             let _ = unsafe { nc::comm_destroy(comm) };
@@ -47,7 +51,7 @@ fn no_nccl(n: usize) -> BackendError {
 pub(super) fn comm_group(group: &[&CudaBackend]) -> Result<Vec<NcclComm>> {
     let n = group.len();
     if n <= 1 {
-        return Ok((0..n).map(|_| NcclComm { comm: AtomicPtr::new(std::ptr::null_mut()), ranks: 1 }).collect());
+        return Ok((0..n).map(|_| NcclComm { comm: RwLock::new(std::ptr::null_mut()), ranks: 1 }).collect());
     }
     // SAFETY: only probes whether the shared library loads.
     if !unsafe { ncs::is_culib_present() } {
@@ -68,7 +72,7 @@ pub(super) fn comm_group(group: &[&CudaBackend]) -> Result<Vec<NcclComm>> {
         .map_err(|e| BackendError::Device(format!("ncclCommInitAll over GPUs {devs:?}: {e:?}")))?;
     // Our own calls bind their context; NCCL's initialisation changed this thread's device.
     let _ = group[0].bind();
-    Ok(comms.into_iter().map(|comm| NcclComm { comm: AtomicPtr::new(comm), ranks: n }).collect())
+    Ok(comms.into_iter().map(|comm| NcclComm { comm: RwLock::new(comm), ranks: n }).collect())
 }
 
 impl CudaBackend {
@@ -79,7 +83,8 @@ impl CudaBackend {
         if buf.dtype != DType::F32 {
             return Err(dev_err("all_reduce_sum: gradients are f32"));
         }
-        let c = comm.comm.load(Ordering::SeqCst);
+        let guard = comm.comm.read().map_err(|_| dev_err("all-reduce: communicator lock poisoned"))?;
+        let c = *guard;
         if c.is_null() {
             return Err(dev_err("all-reduce: the group was aborted (another rank stopped)"));
         }
@@ -103,9 +108,11 @@ impl CudaBackend {
     }
 
     pub(super) fn comm_abort_impl(&self, comm: &NcclComm) {
-        let c = comm.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
+        let Ok(mut guard) = comm.comm.write() else { return };
+        let c = std::mem::replace(&mut *guard, std::ptr::null_mut());
         if !c.is_null() {
-            // SAFETY: a live communicator, aborted once; abort makes pending collectives return.
+            // SAFETY: a live communicator, aborted once, with no enqueue in progress (we hold the
+            // write lock); abort makes collectives pending on the device return.
             let _ = unsafe { nc::comm_abort(c) };
         }
     }
