@@ -474,21 +474,23 @@ fn run_on<B: Backend>(
     // Both sides.
     let dshape = DrafterShape::from_config(&dcfg, opts.logits_chunk);
     let (embed, lm_head) = Drafter::frozen_from_target(bt, &s, &target)?;
-    // Every rank starts from the same weights (the same seed); the frozen tables are copied to
-    // each rank's device, the last rank takes the originals.
-    let mut sides: Vec<DrafterSide<B>> = Vec::with_capacity(nd);
-    let mut frozen = Some([embed, lm_head]);
+    // Every rank starts from the same weights (the same seed). The frozen tables are copied to
+    // each rank's device; the rank on the target's device (else the last) takes the originals.
+    let keeper = topo.drafters.iter().position(|&i| i == topo.targets[0]).unwrap_or(nd - 1);
+    let mut tables: Vec<Option<[B::Buf; 2]>> = Vec::with_capacity(nd);
     for (r, &i) in topo.drafters.iter().enumerate() {
+        tables.push(if r == keeper {
+            None
+        } else {
+            Some(crate::backend::copy_bufs(bt, &bes[i], &bes[i].compute_stream(), [&embed, &lm_head])?)
+        });
+    }
+    let keeper_be = &bes[topo.drafters[keeper]];
+    tables[keeper] = Some(crate::backend::move_bufs(bt, keeper_be, &keeper_be.compute_stream(), [embed, lm_head])?);
+    let mut sides: Vec<DrafterSide<B>> = Vec::with_capacity(nd);
+    for (t, &i) in tables.into_iter().zip(&topo.drafters) {
         let (be, st) = (&bes[i], bes[i].compute_stream());
-        let [e, l] = match frozen.take() {
-            Some(orig) if r + 1 == nd => crate::backend::move_bufs(bt, be, &st, orig)?,
-            Some(orig) => {
-                let c = crate::backend::copy_bufs(bt, be, &st, [&orig[0], &orig[1]])?;
-                frozen = Some(orig);
-                c
-            }
-            None => unreachable!("the originals are kept until the last rank"),
-        };
+        let [e, l] = t.expect("every rank has its tables");
         let (drafter, fc) = Drafter::new(be, &st, dshape.clone(), e, l, opts.seed)?;
         sides.push(DrafterSide::new(be, &st, drafter, Some(fc))?);
     }
