@@ -213,9 +213,14 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
+    /// A thread failed on its own account: what fails from now on is a consequence.
+    fn fail(&self) {
+        self.failed.store(true, Ordering::SeqCst);
+        self.abort_meetings();
+    }
+
     /// Releases every thread that could wait for a stopped one.
     fn abort_meetings(&self) {
-        self.failed.store(true, Ordering::SeqCst);
         self.sums.abort();
         self.control.abort();
         self.gate.abort();
@@ -380,7 +385,7 @@ pub fn run<B: Backend>(
                     .map_err(|e| consequence_if_failed(sh, e));
                 if r.is_err() {
                     // A rank may wait for this target's step at the gate or for the others.
-                    sh.abort_meetings();
+                    sh.fail();
                 }
                 (r, spans)
             }));
@@ -512,11 +517,12 @@ pub fn run<B: Backend>(
 fn settle_rank<T, P>(sh: &Shared<'_>, res: &Result<(Result<(), PipelineError>, T), P>, on_failure: &dyn Fn()) {
     match res {
         Ok((Ok(()), _)) => {}
-        // It only saw the target side stop: the target side's own error is the one to report
-        // (shutting the slot pools would give a blocked producer a second, misleading error).
-        Ok((Err(PipelineError::ProducerGone { .. }), _)) => sh.abort_meetings(),
+        // It only saw another thread stop (the target side gone, a meeting aborted): that
+        // thread's own error is the one to report (shutting the slot pools now would give a
+        // blocked producer a second, misleading error).
+        Ok((Err(e), _)) if e.is_consequence() => sh.abort_meetings(),
         _ => {
-            sh.abort_meetings();
+            sh.fail();
             on_failure();
         }
     }
