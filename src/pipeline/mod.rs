@@ -409,7 +409,8 @@ pub fn run<B: Backend>(
             let on_failure = &on_failure;
             others.push(scope.spawn(move || {
                 let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    consume(r, be, side, comm, sh, &links, bl, rxs, btx, rrx, None)
+                    let io = RankIo { fwd: links, back: bl, rxs, back_tx: btx, report_rx: rrx };
+                    consume(r, be, side, comm, sh, io, None)
                 }));
                 settle_rank(sh, &res, on_failure);
                 res
@@ -420,7 +421,8 @@ pub fn run<B: Backend>(
                 let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
                 let comm = &comms_ref[r];
                 let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    consume(r, be, side, comm, sh, &links, back.get(r), rxs, btx, rrx, Some(on_step))
+                    let io = RankIo { fwd: links, back: back.get(r), rxs, back_tx: btx, report_rx: rrx };
+                    consume(r, be, side, comm, sh, io, Some(on_step))
                 }));
                 settle_rank(sh, &res, &on_failure);
                 match res {
@@ -841,26 +843,31 @@ fn add_time(stats: &Mutex<PipelineStats>, f: impl FnOnce(&mut PipelineStats) -> 
     }
 }
 
+/// A drafter rank's ends of the links and channels: from each target (indexed by target), and
+/// back to the target under split-FC.
+struct RankIo<'l, 'a, B: Backend> {
+    fwd: Vec<&'l Link<'a, B>>,
+    back: Option<&'l Link<'a, B>>,
+    rxs: Vec<Receiver<Msg<B>>>,
+    back_tx: Sender<Back<B>>,
+    report_rx: Receiver<f64>,
+}
+
 /// Drafter rank `rank`: receives its micro-batches of each step (from the step's target), trains
 /// on them, sums gradients with the other ranks, and applies the update. Rank 0 also runs
 /// `on_step` and decides for every rank whether to go on. Returns the all-reduce's device
-/// seconds (rank 0, data parallel only).
-#[allow(clippy::too_many_arguments)]
+/// seconds (rank 0, data parallel only). The channels close when it returns.
 fn consume<B: Backend>(
     rank: usize,
     be: &B,
     side: &mut DrafterSide<B>,
     comm: &B::Comm,
     sh: &Shared<'_>,
-    fwd: &[&Link<'_, B>],
-    back: Option<&Link<'_, B>>,
-    rxs: Vec<Receiver<Msg<B>>>,
-    back_tx: Sender<Back<B>>,
-    report_rx: Receiver<f64>,
+    io: RankIo<'_, '_, B>,
     mut on_step: Option<&mut OnStep<'_, B>>,
 ) -> (Result<(), PipelineError>, Option<f64>) {
     let mut timed: TimedSpans<B> = Vec::new();
-    let r = consume_steps(rank, be, side, comm, sh, fwd, back, &rxs, &back_tx, &report_rx, &mut on_step, &mut timed)
+    let r = consume_steps(rank, be, side, comm, sh, &io, &mut on_step, &mut timed)
         .map_err(|e| consequence_if_failed(sh, e));
     if r.is_err() {
         side.discard_outputs();
@@ -877,14 +884,11 @@ fn consume_steps<B: Backend>(
     side: &mut DrafterSide<B>,
     comm: &B::Comm,
     sh: &Shared<'_>,
-    fwd: &[&Link<'_, B>],
-    back: Option<&Link<'_, B>>,
-    rxs: &[Receiver<Msg<B>>],
-    back_tx: &Sender<Back<B>>,
-    report_rx: &Receiver<f64>,
+    io: &RankIo<'_, '_, B>,
     on_step: &mut Option<&mut OnStep<'_, B>>,
     timed: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
+    let RankIo { fwd, back, rxs, back_tx, report_rx } = io;
     let cfg = sh.cfg;
     let s = be.compute_stream();
     let name = track("drafter", rank, sh.ranks);
