@@ -54,12 +54,7 @@ fn row(mode: &str, gpus: String, r: &RunSummary) -> BenchRow {
         gb_moved_per_step: r.stats.bytes_moved as f64 / 1e9 / steps,
         copy_wait_ms: r.stats.publisher_wait_copy.as_secs_f64() * 1e3 / steps,
         copy_gb_s: r.stats.copy_seconds.filter(|&s| s > 0.0).map(|s| r.stats.bytes_moved as f64 / 1e9 / s),
-        per_target_idle: r
-            .stats
-            .target_gpus
-            .iter()
-            .map(|(busy, span)| 1.0 - (busy.as_secs_f64() / span.as_secs_f64().max(1e-9)).min(1.0))
-            .collect(),
+        per_target_idle: r.stats.per_target_gpu_idle(),
         allreduce_ms: r.stats.allreduce_seconds.map(|s| s * 1e3 / steps),
     }
 }

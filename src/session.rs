@@ -914,14 +914,8 @@ pub fn print_summary(r: &RunSummary) {
         );
     }
     if st.target_gpus.len() > 1 {
-        let per: Vec<String> = st
-            .target_gpus
-            .iter()
-            .enumerate()
-            .map(|(i, (busy, span))| {
-                format!("{i}: {:.1}%", 100.0 * (1.0 - (secs(*busy) / secs(*span).max(1e-9)).min(1.0)))
-            })
-            .collect();
+        let per: Vec<String> =
+            st.per_target_gpu_idle().iter().enumerate().map(|(i, f)| format!("{i}: {:.1}%", 100.0 * f)).collect();
         eprintln!("  per target   idle on its stream, in --target-gpus order: {}", per.join(", "));
     }
     if st.drafter_ranks > 1 {

@@ -42,6 +42,11 @@ fn small(tag: &str, device: Device) -> RunOptions {
 
 type Masters = Vec<(String, Vec<u32>)>;
 
+/// `base` as an async run on transport `t`.
+fn async_run(base: RunOptions, t: Transport, split: bool, inflight: usize, pad: Option<usize>) -> RunOptions {
+    RunOptions { transport: Some(t), split_fc: split, max_inflight: inflight, pad_to_tokens: pad, ..base }
+}
+
 /// Runs `o` and requires its losses and final weights to be `want_l` / `want_w` bit for bit, with
 /// every pinned slot back.
 fn run_matches(o: &RunOptions, want_l: &[u64], want_w: &Masters, what: &str, reference: &str) -> session::RunSummary {
@@ -70,13 +75,7 @@ fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
         for &t in transports {
             for split in [false, true] {
                 for &inflight in depths {
-                    let o = RunOptions {
-                        transport: Some(t),
-                        split_fc: split,
-                        max_inflight: inflight,
-                        pad_to_tokens: pad,
-                        ..base("async")
-                    };
+                    let o = async_run(base("async"), t, split, inflight, pad);
                     let what = format!("transport {} split-fc {split} pad {pad:?} max-inflight {inflight}", t.name());
                     let got = run_matches(&o, &losses(&want), &want_w, &what, "synchronous");
                     rows.push(format!(
@@ -193,13 +192,7 @@ fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], 
             }
             for &t in transports {
                 for &inflight in depths {
-                    let o = RunOptions {
-                        transport: Some(t),
-                        split_fc: split,
-                        max_inflight: inflight,
-                        pad_to_tokens: pad,
-                        ..base("async")
-                    };
+                    let o = async_run(base("async"), t, split, inflight, pad);
                     let what = format!("{what} transport {} max-inflight {inflight}", t.name());
                     let got = run_matches(&o, &want_l, &want_w, &what, "lockstep");
                     assert_eq!((got.stats.target_ranks, got.stats.drafter_ranks), (targets.len(), drafters.len()));

@@ -289,7 +289,6 @@ pub fn run<B: Backend>(
         }
     }
     let mut names: Vec<&'static str> = fwd.iter().flatten().map(|l| l.kind.name()).collect();
-    names.dedup();
     names.sort_unstable();
     names.dedup();
     let transport_name = names.join("+");

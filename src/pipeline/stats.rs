@@ -66,6 +66,10 @@ impl PipelineStats {
     pub fn target_gpu_idle_fraction(&self) -> Option<f64> {
         self.target_gpu.map(|(busy, span)| 1.0 - Self::frac(busy, span).min(1.0))
     }
+    /// The same for each target GPU, in `--target-gpus` order.
+    pub fn per_target_gpu_idle(&self) -> Vec<f64> {
+        self.target_gpus.iter().map(|&(busy, span)| 1.0 - Self::frac(busy, span).min(1.0)).collect()
+    }
     /// Fraction of the wall time the drafter side waited for data.
     pub fn drafter_idle_fraction(&self) -> f64 {
         Self::frac(self.drafter_wait / self.drafter_ranks.max(1) as u32, self.wall).min(1.0)
