@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
 # Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2]...
+# Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
+# DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -41,7 +43,8 @@ Q8B="--target $T8B --init-std 0.02 --data /tmp/q8b-data.jsonl --batch-size 4 --s
 if has run8b; then
   echo "== Qwen3-8B-shaped run (random weights, random-token data)"
   make8b
-  $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-6} --log-every 1 --save-every 1000 --out /tmp/q8b-run \
+  # No checkpoint: the final one alone is ~14 GB of masters and moments at this shape.
+  $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-6} --log-every 1 --no-checkpoint --out /tmp/q8b-run \
     2>&1 | tee "$OUT/run8b.log" || status=1
 fi
 if has pipe8b; then

@@ -107,20 +107,31 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             }
         )
     };
+    // DFLASH_BENCH_ROWS="pat;pat;...": only the rows whose "mode [gpus]" label contains one of the
+    // patterns (e.g. "sync [0]" or "2 targets"), so a time-limited session can split the table.
+    // "->" keeps only the two-GPU rows and the peer copy baseline.
+    let only: Vec<String> = std::env::var("DFLASH_BENCH_ROWS")
+        .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
+        .unwrap_or_default();
+    let wanted = |mode: &str, gpus: &str| {
+        let label = format!("{mode} [{gpus}]");
+        only.is_empty() || only.iter().any(|p| label.contains(p.as_str()))
+    };
     let mut go = |mode: &str, gpus: String, o: RunOptions| -> Result<()> {
+        if !wanted(mode, &gpus) {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
         let r = session::run(&RunOptions { out: opts.out.join(mode.replace([' ', ','], "-")), ..o }, None)?;
         let b = row(mode, gpus, &r);
         say(&b);
+        eprintln!("    ({:.0} s for the row, loading included)", t0.elapsed().as_secs_f64());
         rows.push(b);
         Ok(())
     };
-    // DFLASH_BENCH_MODES=two-gpu keeps only the two-GPU rows and the peer copy baseline.
-    let one_gpu_rows = std::env::var("DFLASH_BENCH_MODES").map_or(true, |m| m != "two-gpu");
     eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.steps);
-    if one_gpu_rows {
-        go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
-    }
-    for t in [Transport::Same, Transport::Peer, Transport::Host].into_iter().filter(|_| one_gpu_rows) {
+    go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
+    for t in [Transport::Same, Transport::Peer, Transport::Host] {
         go(
             &format!("async {}", t.name()),
             one.clone(),
@@ -165,9 +176,11 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             },
         )?;
         // A micro-batch's packed taps: rows x taps x hidden bf16.
-        let probe = session::micro_batch_bytes(opts)?;
-        let secs = peer_copy_secs(t_gpu, d, probe)?;
-        peer_rate = Some((probe, probe as f64 / secs / 1e9));
+        if wanted("raw peer copy", &two) {
+            let probe = session::micro_batch_bytes(opts)?;
+            let secs = peer_copy_secs(t_gpu, d, probe)?;
+            peer_rate = Some((probe, probe as f64 / secs / 1e9));
+        }
     }
     let sync_tps = rows.iter().find(|r| r.mode == "sync").map_or(f64::NAN, |r| r.tokens_per_s);
     println!(
