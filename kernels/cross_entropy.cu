@@ -1,27 +1,33 @@
 // cross_entropy.cu: weighted cross-entropy over one chunk of lm_head logits, forward and backward
 // in one kernel, the gradient written over the logits in place (DESIGN.md section 8: the full
-// logits tensor would be ~10 GB, one chunk of 2048 x 151,936 is 622 MB).
+// logits tensor would be ~10 GB, one chunk of 2048 x 151,936 is 622 MB). Two kernels with the
+// same contract: cross_entropy_cluster_bf16 (below; rows of up to 163,840 held in registers by a
+// cluster of CTAs, read once) for vocab % 8 == 0 from 32,768 to 163,840, and
+// cross_entropy_bf16 (streaming, reads each row twice) for every other shape.
 //
 // Math (per row r; x = f32(logits[r, :]), w = weights[r], y = labels[r]):
 //   argmax[r] = lowest c with x[c] = max_c x[c]      (cpu.rs keeps the first maximum)
-//   lse = m + logf(sum_c expf(x[c] - m)), m = max_c x[c]
+//   lse = m + logf(sum_c exp(x[c] - m)), m = max_c x[c]
 //   supervised = (w != 0) && 0 <= y < vocab
 //   supervised:  loss[r] = w * (lse - x[y]);
-//                logits[r, c] = bf16((grad_scale * w) * (expf(x[c] - lse) - [c == y]))
+//                logits[r, c] = bf16((grad_scale * w) * (exp(x[c] - lse) - [c == y]))
 //   otherwise:   loss[r] = 0;  logits[r, c] = +0.0
-//   The loss and gradient expressions are cpu.rs's, one IEEE rounding each (__fmul_rn etc.). The
-//   sum is an online softmax (see below), so lse differs from the CPU's by a few ulp: compare
-//   with a tolerance. Non-finite logits give a non-finite loss (caught by the finite check);
-//   argmax is then some index in [0, vocab).
+//   exp is 2^(x log2 e) on MUFU.EX2 (exp_approx; relative error ~1e-6, far under a bf16
+//   gradient's 4e-3), and the sum's order differs from cpu.rs's sequential one: compare with a
+//   tolerance (loss ~1e-4 relative: the CPU's own f32 sum is off by up to ~2e-5 at 152K-262K).
+//   Non-finite logits give a non-finite loss (caught by the finite check); argmax is then some
+//   index in [0, vocab).
 // Layouts:  logits: [rows, vocab] bf16 row-major, contiguous, overwritten. labels: [rows] i32,
 //           weights: [rows] f32, loss: [rows] f32, argmax: [rows] i32 (the launcher passes the
 //           offset views: labels + w_off, weights + w_off, loss + loss_off, argmax + argmax_off).
 // Preconditions: 1 <= vocab < 2^31, rows >= 0; loss, argmax, labels, weights do not overlap the
 //           logits.
-// Algorithm: one CTA per row (grid-stride over rows), CE_BLOCK threads.
+//
+// cross_entropy_bf16 (streaming). Algorithm: one CTA per row (grid-stride over rows), CE_BLOCK
+//   threads.
 //   Pass A (read only): each thread walks its chunks k = tid, tid + CE_BLOCK, ... (8 bf16 per
 //   chunk when vocab % 8 == 0 and logits is 16-byte aligned, else 1) in increasing column order
-//   keeping an online-softmax state (max m, sum s of expf(x - m), index of the first max).
+//   keeping an online-softmax state (max m, sum s of exp(x - m), index of the first max).
 //   States merge in a fixed tree: a xor butterfly within each warp, then every thread merges the
 //   CE_WARPS warp states in warp order. Ties on the max keep the lower index.
 //   Barrier: the whole row has been read (and x[y] was read by thread 0 before pass A) before
@@ -30,19 +36,17 @@
 //   address), or writes zeros for an unsupervised row.
 // Launch:   blockDim.x must be CE_BLOCK = 512 (traps otherwise); grid.x = rows (any grid.x >= 1 is
 //           valid, grid-stride over rows); no dynamic shared memory; no scratch.
-// Bytes:    rows * vocab * 2 * 3 (pass A read, pass B read + write; pass B's read hits L2 for
-//           rows resident there) + rows * 16.
-// FLOPs:    ~8 per element + 2 expf per element (supervised rows).
-// Bound:    memory, nearly co-bound with the FP32 pipe: 2 precise expf (~10 instructions each)
-//           per element at 6 bytes per element is ~50% of an H200's issue rate at HBM speed.
-//           Target >= 70% of the measured device-to-device copy bandwidth (~4.1 TB/s on an H200)
-//           for the 6 bytes per element: a 2048 x 151,936 chunk in <= ~0.65 ms. Measured (H200):
-//           0.55 ms, 3.4 TB/s; 2048 x 151,936: 0.370 ms, 79.7% of copy bandwidth. (Walking pass B
-//           backwards, two chunks per iteration, to re-read the row's end from L2 measured 0.409 ms:
-//           worse, not kept.) Accuracy: lse is within ~1.5e-7 relative of an f64 reference; the
-//           CPU reference's sequential f32 sum is off by up to ~2e-5 relative at 152K-262K vocab,
-//           so the CPU comparison needs a loss tolerance of ~1e-4 relative.
+// Bytes:    rows * vocab * 2 * 3 (pass A read, pass B read + write; pass B's read hits L2 only
+//           while the rows in flight fit there) + rows * 16.
+// Measured (H200, bench with supervised rows of N(0, 1) logits, precise expf): 1024 x 262,144
+//           in 0.565 ms, 44.6% of copy bandwidth counted at 4 bytes per element (the minimum).
+//           (An earlier bench ran it on zero weights, which skip the exponentials and pass B's
+//           read, and reported 0.370 ms at 2048 x 151,936: not what training sees.)
+#include <cooperative_groups.h>
+
 #include "common.cuh"
+
+namespace cg = cooperative_groups;
 
 // Threads per CTA (one CTA per row). 512 = 16 warps: a 152K-vocab row is 37 chunks of 8 per
 // thread, and 4 CTAs fit on an SM.
@@ -50,6 +54,18 @@
 #define CE_WARPS (CE_BLOCK / 32)
 // "No element seen yet" marker for a state's index.
 #define CE_NO_INDEX (-1)
+
+// 2^x, MUFU.EX2 (~2 ulp; results under 2^-126 flush to 0, which a softmax term can afford).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// e^x as 2^(x log2 e): one multiply and MUFU.EX2, relative error ~1e-6 for the |x| < ~20 a softmax
+// meets (the rounding of x log2 e dominates), against ~10 instructions for a precise expf.
+#define CE_LOG2E 1.4426950408889634f
+__device__ __forceinline__ float exp_approx(float x) { return ex2_approx(x * CE_LOG2E); }
 
 // Online-softmax state of a set of elements: m = their max, s = sum of expf(x - m) over them,
 // i = the lowest index holding m (CE_NO_INDEX for the empty set).
@@ -66,12 +82,12 @@ __device__ __forceinline__ void ce_push(SoftmaxState& st, float x, int c) {
     st.s = 1.0f;
     st.i = c;
   } else if (x > st.m) { // strictly greater: a tie keeps the earlier (lower) index
-    st.s = __fadd_rn(__fmul_rn(st.s, expf(__fsub_rn(st.m, x))), 1.0f);
+    st.s = __fadd_rn(__fmul_rn(st.s, exp_approx(__fsub_rn(st.m, x))), 1.0f);
     st.m = x;
     st.i = c;
   } else {
     // x == m adds exactly 1 (also when both are -inf, where x - m would be NaN).
-    st.s = __fadd_rn(st.s, x == st.m ? 1.0f : expf(__fsub_rn(x, st.m)));
+    st.s = __fadd_rn(st.s, x == st.m ? 1.0f : exp_approx(__fsub_rn(x, st.m)));
   }
 }
 
@@ -84,7 +100,7 @@ __device__ __forceinline__ SoftmaxState ce_merge(const SoftmaxState& a, const So
   // Selected by value (not by reference) so the states stay in registers.
   const float hi_m = b_wins ? b.m : a.m, hi_s = b_wins ? b.s : a.s;
   const float lo_m = b_wins ? a.m : b.m, lo_s = b_wins ? a.s : b.s;
-  const float lo_scaled = lo_m == hi_m ? lo_s : __fmul_rn(lo_s, expf(__fsub_rn(lo_m, hi_m)));
+  const float lo_scaled = lo_m == hi_m ? lo_s : __fmul_rn(lo_s, exp_approx(__fsub_rn(lo_m, hi_m)));
   SoftmaxState r;
   r.m = hi_m;
   r.s = __fadd_rn(hi_s, lo_scaled);
@@ -167,7 +183,7 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
         bf16_chunk_load<V>(lr + (index_t)k * V, f);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float p = expf(__fsub_rn(f[j], lse));
+          const float p = exp_approx(__fsub_rn(f[j], lse));
           const float onehot = (k * V + j == label) ? 1.0f : 0.0f;
           f[j] = __fmul_rn(coef, __fsub_rn(p, onehot));
         }
@@ -184,6 +200,300 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
     // warp_* are rewritten for the next row only after every thread has read them.
     __syncthreads();
   }
+}
+
+// ---- Register-resident path: a cluster of CTAs holds one row -------------------------------------
+// The streaming kernel above reads a row twice; its second read only hits L2 while the rows in
+// flight fit there (4 CTAs x 132 SMs x a 304 KB row is 160 MB, far over the H200's 50 MB), so at
+// a 152K vocab it moves ~6 bytes per element, and its two precise expf per element leave the
+// loads idle while it computes. Here a cluster of CEC_CTAS CTAs (thread blocks that read each
+// other's shared memory) owns a row at a time, each thread keeps its share of the row in
+// registers from the single read to the single write (4 bytes per element), and the next row's
+// share is loaded while this row is computed.
+//
+// Math (x = f32(logits[r, :]); L = log2 e):
+//   m = max_c x[c] (NaNs skipped; a row of NaNs gives m = NaN), argmax = lowest c with x[c] == m
+//   (0 if there is none: a row of NaNs);
+//   e[c] = 2^(x[c] L - m L) (ex2.approx of one FMA: relative error ~1e-6, the rounding of m L
+//   dominates), s = sum e[c], lse = m + logf(s);
+//   supervised:  loss[r] = w (lse - x[y]);  logits[r, c] = bf16((grad_scale w / s) e[c] - [c == y]
+//                grad_scale w)   (cvt.rn, NaN payloads not kept)
+//   otherwise:   loss[r] = 0; logits[r, c] = +0.0.
+//   Against the CPU's expf(x - lse): ~1e-6 relative per probability, far under a bf16
+//   gradient's 4e-3 and the 1e-4 loss tolerance. Non-finite logits give a non-finite loss.
+// Layout/preconditions: as cross_entropy_bf16, plus vocab % 8 == 0, logits 16-byte aligned and
+//   vocab <= CEC_MAX_VOCAB (the launcher picks this kernel only then; it traps otherwise).
+// Algorithm: cluster q (CTAs [CEC_CTAS q, CEC_CTAS q + CEC_CTAS)) takes rows q, q + Q, ... for
+//   Q = gridDim.x / CEC_CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
+//   is cluster thread g = r * CEC_BLOCK + t and owns the 8-element chunks g + i * CEC_THREADS,
+//   i < CEC_MAXC, in increasing column order. Per row:
+//   1. its share arrived (loaded during the previous row); the next row's share is requested
+//      (streaming loads: a row is never read again); each CTA's thread 0 reads x[label];
+//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp -> CTA -> shared memory;
+//      cluster barrier A; every thread takes the max over the CEC_CTAS CTAs -> m;
+//   3. the lowest index holding m, searched only by threads whose own max is m; e[c] into
+//      registers (f32, replacing the chunk's bf16 as it goes), s per thread in chunk order; warp (xor butterfly: a + b == b + a, so every lane gets the
+//      same bits) -> warps in order -> CTA -> shared memory; cluster barrier B; every thread sums
+//      the CTAs in rank order (and takes the lowest index) -> s, argmax;
+//   4. the gradient (or zeros) over its own chunks with streaming stores; the thread owning the
+//      label's chunk then rewrites that one element with the one-hot term subtracted.
+//   Shared slots: a CTA rewrites its max slot (step 2 of the next row) only after barrier B, which
+//   every CTA passes only after reading the max slots; its sum slot only after the next barrier
+//   A, which every CTA passes only after reading the sum slots. A final cluster barrier keeps
+//   every CTA's shared memory alive until the last remote read.
+//   Every read of a row precedes its barrier A, every write of it follows its barrier B, and
+//   each thread writes only its own chunks: the in-place update is race-free. Every sum's order is
+//   fixed by the shapes alone: results are deterministic.
+// Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the prefetch to
+//           overlap; any Q is correct), blockDim.x = CEC_BLOCK, no dynamic shared memory; the
+//           cluster shape is compiled in (__cluster_dims__).
+// Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
+// Bound:    memory, with the exponentials (one MUFU op per element: 1/4 of the SFU rate at HBM
+//           speed) and ~6 other instructions per element overlapping the next row's loads.
+//           128 registers (e and the next row's share: 60), 32 bytes spilled outside the element
+//           loops. A first version (one row per cluster, 2 CTAs per SM, no prefetch, two
+//           exponentials per element) took 0.629 ms for 2048 x 151,936 (46.5% of copy bandwidth):
+//           every CTA loaded, then computed, in step, so the loads and the math never overlapped.
+#define CEC_CTAS 8
+#define CEC_BLOCK 512
+#define CEC_WARPS (CEC_BLOCK / 32)
+#define CEC_THREADS (CEC_CTAS * CEC_BLOCK)
+#define CEC_MAXC 5
+#define CEC_MAX_VOCAB (CEC_THREADS * CEC_MAXC * BF16_PER_VEC) // 163,840
+#define CEC_NO_INDEX 0x7FFFFFFF
+
+// max of two bf16 pairs, per half; a NaN half loses to a number (PTX max without .NaN).
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void cec_load_share(uint4 (&v)[CEC_MAXC], const __nv_bfloat16* lr, int g,
+                                               int chunks) {
+#pragma unroll
+  for (int c = 0; c < CEC_MAXC; ++c) {
+    const int k = g + c * CEC_THREADS;
+    // Past the row: -inf bits (0xFF80), which no max, sum or index search picks up.
+    v[c] = k < chunks ? __ldcs(reinterpret_cast<const uint4*>(lr) + k)
+                      : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+  }
+}
+
+// ---- Cluster messages: st.async into every CTA's slot, counted by the receiver's mbarrier -------
+// A cluster barrier (barrier.cluster.arrive.release) waits for the thread's outstanding loads, so
+// with one the next row's loads could not overlap this row's math (measured: 0.727 ms instead of
+// the ~0.3 ms the bandwidth allows for 2048 x 151,936). Instead each CTA's thread 0 pushes its
+// value into slot [rank] of every CTA of the cluster with st.async, which completes bytes on the
+// receiver's mbarrier; the receiver waits for the expected bytes (one phase per row) and reads
+// its own slots. No fence, no barrier: the loads in flight stay in flight.
+
+__device__ __forceinline__ uint32_t cec_smem(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// The shared::cluster address of `addr` (a shared::cta address of this CTA) in CTA `rank`.
+__device__ __forceinline__ uint32_t cec_remote(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+__device__ __forceinline__ void cec_mbar_init(uint32_t mbar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar));
+}
+
+// One arrival (the phase's only one) that also expects `bytes` of st.async data.
+__device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cec_mbar_wait(uint32_t mbar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(mbar), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void cec_send1(uint32_t slot, uint32_t mbar, uint32_t rank, uint32_t v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   cec_remote(slot, rank)),
+               "r"(v), "r"(cec_remote(mbar, rank))
+               : "memory");
+}
+
+__device__ __forceinline__ void cec_send2(uint32_t slot, uint32_t mbar, uint32_t rank, uint32_t a,
+                                          uint32_t b) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+                   cec_remote(slot, rank)),
+               "r"(a), "r"(b), "r"(cec_remote(mbar, rank))
+               : "memory");
+}
+
+extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CEC_BLOCK, 1)
+    cross_entropy_cluster_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
+                               const float* __restrict__ weights, long long rows, int vocab,
+                               float grad_scale, float* __restrict__ loss,
+                               int* __restrict__ argmax) {
+  __shared__ float warp_f[CEC_WARPS];
+  __shared__ int warp_i[CEC_WARPS];
+  __shared__ float label_logit;
+  // Slot [r]: CTA r's max, and its (sum, first index of the max) pair; one mbarrier for each.
+  __shared__ float slot_m[CEC_CTAS];
+  __shared__ __align__(8) uint32_t slot_si[CEC_CTAS][2];
+  __shared__ __align__(8) uint64_t mbar_m, mbar_si;
+  if (blockDim.x != CEC_BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
+      vocab > CEC_MAX_VOCAB || !is_vec_aligned(logits)) {
+    __trap();
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = rank * CEC_BLOCK + tid;
+  const int chunks = vocab / BF16_PER_VEC;
+  const index_t clusters = gridDim.x / CEC_CTAS;
+  const float L2E = CE_LOG2E;
+
+  const uint32_t mb_m = cec_smem(&mbar_m), mb_si = cec_smem(&mbar_si);
+  if (tid == 0) {
+    cec_mbar_init(mb_m);
+    cec_mbar_init(mb_si);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster.sync(); // every mbarrier is initialised before any CTA sends
+
+  uint4 next[CEC_MAXC];
+  uint32_t parity = 0; // of this row's phase of both mbarriers
+  index_t row = blockIdx.x / CEC_CTAS; // the same for the whole cluster
+  if (row < rows) cec_load_share(next, logits + row * vocab, g, chunks);
+  for (; row < rows; row += clusters) { // uniform over the cluster
+    __nv_bfloat16* lr = logits + row * vocab;
+    uint4 raw[CEC_MAXC];
+#pragma unroll
+    for (int c = 0; c < CEC_MAXC; ++c) raw[c] = next[c];
+    if (row + clusters < rows) cec_load_share(next, lr + clusters * vocab, g, chunks);
+    const float w = weights[row];
+    const int label = labels[row];
+    const bool supervised = w != 0.0f && label >= 0 && label < vocab;
+    if (tid == 0) label_logit = supervised ? bf16_to_f32(lr[label]) : 0.0f;
+
+    // 2. The max.
+    uint32_t mp = raw[0].x;
+#pragma unroll
+    for (int c = 0; c < CEC_MAXC; ++c) {
+      mp = bf16x2_max(mp, bf16x2_max(bf16x2_max(raw[c].x, raw[c].y), bf16x2_max(raw[c].z, raw[c].w)));
+    }
+    const float my_m = fmaxf(bf16x2_lo_to_f32(mp), bf16x2_hi_to_f32(mp)); // fmaxf skips NaNs too
+    float m = my_m;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0) warp_f[warp] = m;
+    __syncthreads();
+    if (tid == 0) {
+      float bm = warp_f[0];
+#pragma unroll
+      for (int v = 1; v < CEC_WARPS; ++v) bm = fmaxf(bm, warp_f[v]);
+      cec_mbar_expect(mb_m, CEC_CTAS * 4);
+#pragma unroll
+      for (int r = 0; r < CEC_CTAS; ++r) cec_send1(cec_smem(&slot_m[rank]), mb_m, r, __float_as_uint(bm));
+    }
+    cec_mbar_wait(mb_m, parity); // A: every CTA's max is here
+    const float x_label = label_logit; // read before this row's sum barrier (see below)
+    float row_m = slot_m[0];
+#pragma unroll
+    for (int r = 1; r < CEC_CTAS; ++r) row_m = fmaxf(row_m, slot_m[r]);
+
+    // 3. Exponentials, their sum, and the first index of the max.
+    int my_i = CEC_NO_INDEX;
+    if (my_m == row_m) { // only the few threads holding the max search (a NaN m matches none)
+#pragma unroll
+      for (int c = CEC_MAXC - 1; c >= 0; --c) { // backwards: the last hit is the lowest index
+        float f[8];
+        bf16x8_unpack(raw[c], f);
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+          if (f[j] == row_m) my_i = (g + c * CEC_THREADS) * BF16_PER_VEC + j;
+        }
+      }
+    }
+    const float m2 = row_m * L2E;
+    float e[CEC_MAXC][8];
+    float s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CEC_MAXC; ++c) {
+      float f[8];
+      bf16x8_unpack(raw[c], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        e[c][j] = ex2_approx(fmaf(f[j], L2E, -m2)); // past the row: 2^-inf = 0
+        s += e[c][j];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+      my_i = min(my_i, __shfl_xor_sync(0xFFFFFFFFu, my_i, o));
+    }
+    if (lane == 0) {
+      warp_f[warp] = s;
+      warp_i[warp] = my_i;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float bs = warp_f[0];
+      int bi = warp_i[0];
+#pragma unroll
+      for (int v = 1; v < CEC_WARPS; ++v) {
+        bs += warp_f[v];
+        bi = min(bi, warp_i[v]);
+      }
+      cec_mbar_expect(mb_si, CEC_CTAS * 8);
+#pragma unroll
+      for (int r = 0; r < CEC_CTAS; ++r) {
+        cec_send2(cec_smem(&slot_si[rank][0]), mb_si, r, __float_as_uint(bs), (uint32_t)bi);
+      }
+    }
+    cec_mbar_wait(mb_si, parity); // B: every CTA's sum and index are here
+    parity ^= 1u;
+    float row_s = __uint_as_float(slot_si[0][0]);
+    int row_i = (int)slot_si[0][1];
+#pragma unroll
+    for (int r = 1; r < CEC_CTAS; ++r) {
+      row_s += __uint_as_float(slot_si[r][0]);
+      row_i = min(row_i, (int)slot_si[r][1]);
+    }
+    if (rank == 0 && tid == 0) {
+      argmax[row] = row_i == CEC_NO_INDEX ? 0 : row_i;
+      loss[row] = supervised ? w * ((row_m + logf(row_s)) - x_label) : 0.0f;
+    }
+
+    // 4. The gradient over this thread's chunks.
+    uint4* out = reinterpret_cast<uint4*>(lr);
+    const float coef = grad_scale * w, scale = coef / row_s;
+#pragma unroll
+    for (int c = 0; c < CEC_MAXC; ++c) {
+      const int k = g + c * CEC_THREADS;
+      if (k < chunks) {
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = supervised ? scale * e[c][j] : 0.0f;
+        __stcs(out + k, bf16x8_pack_rn_fast(f));
+      }
+    }
+    // The label's element, rewritten by the thread that just wrote its chunk (program order: this
+    // store lands last). e_label is the very e[c][j] above: same input, same two instructions.
+    if (supervised && g == (label >> 3) % CEC_THREADS) {
+      const float e_label = ex2_approx(fmaf(x_label, L2E, -m2));
+      lr[label] = __float2bfloat16_rn(fmaf(scale, e_label, -coef));
+    }
+  }
+  cluster.sync(); // no CTA exits while a message to it may be in flight
 }
 
 extern "C" __global__ void __launch_bounds__(CE_BLOCK)

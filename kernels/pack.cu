@@ -174,6 +174,7 @@ __device__ __forceinline__ void pack_tiles_vec8(const TapPtrs& taps, index_t num
       // seg * H / 4 is exact (H % 8 == 0) and e/4 is even, so e/4 + 1 == e/4 | 1.
       const unsigned long long seg_block =
           (unsigned long long)seg * (unsigned long long)(hidden >> 2);
+      const float std_scaled = noise_std * (1.0f / 8388608.0f); // exact: see philox_noise_fused
       float f[PACK_UNITS][8];
 #pragma unroll
       for (int j = 0; j < PACK_UNITS; ++j) {
@@ -183,7 +184,7 @@ __device__ __forceinline__ void pack_tiles_vec8(const TapPtrs& taps, index_t num
         const uint4 b1 = philox_block(seed, step, PHILOX_DOMAIN_NOISE, block | 1ull);
         const uint32_t r[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[j][e] = philox_noise_from_bits(r[e], noise_std);
+        for (int e = 0; e < 8; ++e) f[j][e] = philox_noise_fused(r[e], std_scaled, noise_std);
       }
 #pragma unroll
       for (int j = 0; j < PACK_UNITS; ++j) {
@@ -267,7 +268,10 @@ extern "C" __global__ void __launch_bounds__(PACK_MAX_BLOCK, PACK_MIN_BLOCKS)
   if (rows <= 0 || hidden <= 0) return;
   const index_t k_taps = num_taps;
 
-  bool vec = (hidden % BF16_PER_VEC) == 0 && hidden <= PACK_VEC_MAX_HIDDEN && is_vec_aligned(out);
+  // The fast path's one-FMA noise needs noise_std >= PHILOX_FUSED_MIN_STD (any sensible std is);
+  // a smaller one takes the scalar path, whose bits are the same.
+  bool vec = (hidden % BF16_PER_VEC) == 0 && hidden <= PACK_VEC_MAX_HIDDEN && is_vec_aligned(out) &&
+             (noise_std == 0.0f || noise_std >= PHILOX_FUSED_MIN_STD);
   for (int k = 0; k < num_taps; ++k) vec = vec && is_vec_aligned(taps.p[k]);
 
   // noise_std == 0 takes the no-add path so the copy is exact bit for bit (x + 0 would turn

@@ -80,3 +80,12 @@ __device__ __forceinline__ float philox_noise_from_bits(uint32_t r, float std) {
   const float centred = __fmaf_rn((float)(r >> 8), 1.0f / 8388608.0f, -1.0f); // exact
   return __fmul_rn(std, centred);
 }
+
+// philox_noise_from_bits in one instruction: with std_scaled = std * 2^-23 exact (std >= 2^-100,
+// so the product is a normal float), fma((r >> 8), std_scaled, -std) is the exact value
+// std * centred rounded once, the very rounding __fmul_rn(std, centred) does: the same bits
+// (+0 included: x - x is +0 under round-to-nearest).
+#define PHILOX_FUSED_MIN_STD 0x1p-100f
+__device__ __forceinline__ float philox_noise_fused(uint32_t r, float std_scaled, float std) {
+  return __fmaf_rn((float)(r >> 8), std_scaled, -std);
+}

@@ -119,7 +119,7 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 12] = [
+const OTHERS: [&str; 13] = [
     "attn_draft_kv_ranges",
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
@@ -129,6 +129,7 @@ const OTHERS: [&str; 12] = [
     "swiglu_fwd_bf16",
     "swiglu_bwd_bf16",
     "cross_entropy_bf16",
+    "cross_entropy_cluster_bf16",
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
@@ -143,6 +144,13 @@ const RMS_CHUNKS_PER_LANE: usize = 4;
 const RMS_SLAB_PAD: usize = 4;
 const RMS_BWD_TARGET_PARTS: usize = 1024;
 const CE_BLOCK: u32 = 512;
+/// cross_entropy_cluster_bf16: CTAs per row (its compiled-in cluster), threads per CTA, and the
+/// vocab range it takes: up to 8 CTAs x 512 threads x 5 chunks of 8 = 163,840 (a row held in
+/// registers); from 32,768, below which a row stays in L2 between the streaming kernel's two
+/// passes anyway.
+const CEC_CTAS: usize = 8;
+const CEC_BLOCK: u32 = 512;
+const CEC_VOCAB: std::ops::RangeInclusive<usize> = 32_768..=163_840;
 const SUMSQ_PARTS: u32 = 1024;
 const SUMSQ_BLOCK: u32 = 256;
 const MAX_TAPS: usize = 16;
@@ -157,6 +165,8 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: u32,
+    /// Co-resident cross_entropy_cluster_bf16 clusters (the grid it is launched with).
+    ce_clusters: usize,
     name: String,
 }
 
@@ -262,6 +272,33 @@ impl CudaBackend {
                 .map_err(|e| format!("{k}: {e:?}"))?;
             }
         }
+        // How many cross-entropy clusters (CEC_CTAS CTAs each) are resident at once: the kernel
+        // runs exactly that many, each streaming rows with the next row's loads in flight.
+        let ce_clusters = {
+            let func = f["cross_entropy_cluster_bf16"];
+            let config = sys::CUlaunchConfig {
+                gridDimX: CEC_CTAS as u32,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: CEC_BLOCK,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: std::ptr::null_mut(),
+                attrs: std::ptr::null_mut(),
+                numAttrs: 0,
+            };
+            let mut n: std::ffi::c_int = 0;
+            // SAFETY: a valid function handle of the current context and a fully initialised
+            // config (the cluster shape is compiled into the kernel, so no attributes).
+            unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
+                .result()
+                .map_err(|e| format!("occupancy of cross_entropy_cluster_bf16: {e:?}"))?;
+            if n < 1 {
+                return Err(format!("cross_entropy_cluster_bf16 fits no cluster of {CEC_CTAS} CTAs on this GPU"));
+            }
+            n as usize
+        };
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
         let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
         Ok(CudaBackend {
@@ -271,6 +308,7 @@ impl CudaBackend {
             kernels: Kernels { f },
             blas,
             sm_count,
+            ce_clusters,
             name,
             inv_freq: Mutex::new(HashMap::new()),
         })
@@ -383,7 +421,7 @@ fn kernel_family(name: &str) -> &'static str {
         n if n.starts_with("sum_") => "reduce",
         "pack_taps_noise_bf16" => "pack",
         "rope_bf16" => "rope",
-        "cross_entropy_bf16" => "cross_entropy",
+        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" => "cross_entropy",
         "adamw_f32" => "adamw",
         _ => "elementwise",
     }
@@ -1202,11 +1240,19 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
+        // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
+        // stride over rows: the cluster kernel runs one cluster per resident slot.
+        let cluster = vocab % 8 == 0 && logits.ptr % 16 == 0 && CEC_VOCAB.contains(&vocab);
+        let (name, grid, block) = if cluster {
+            ("cross_entropy_cluster_bf16", (rows.min(self.ce_clusters) * CEC_CTAS) as u32, CEC_BLOCK)
+        } else {
+            ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK)
+        };
         self.launch(
             s,
-            "cross_entropy_bf16",
-            rows as u32,
-            CE_BLOCK,
+            name,
+            grid,
+            block,
             0,
             Args::new()
                 .p(logits.ptr)
