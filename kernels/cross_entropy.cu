@@ -205,11 +205,11 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 // ---- Register-resident path: a cluster of CTAs holds one row -------------------------------------
 // The streaming kernel above reads a row twice; its second read only hits L2 while the rows in
 // flight fit there (4 CTAs x 132 SMs x a 304 KB row is 160 MB, far over the H200's 50 MB), so at
-// a 152K vocab it moves ~6 bytes per element, and its two precise expf per element leave the
-// loads idle while it computes. Here a cluster of CEC_CTAS CTAs (thread blocks that read each
-// other's shared memory) owns a row at a time, each thread keeps its share of the row in
-// registers from the single read to the single write (4 bytes per element), and the next row's
-// share is loaded while this row is computed.
+// a 152K vocab it moves ~6 bytes per element. Here a cluster of CEC_CTAS CTAs (thread blocks on
+// different SMs that can write each other's shared memory) owns a row at a time: each CTA's share
+// of the row arrives in shared memory by bulk copy (TMA) CEC_STAGES - 1 rows ahead, each thread
+// keeps its part in registers from there to the single write (4 bytes per element in all), and
+// the CTAs exchange only their partial max and sums.
 //
 // Math (x = f32(logits[r, :]); L = log2 e):
 //   m = max_c x[c] (NaNs skipped; a row of NaNs gives m = NaN), argmax = lowest c with x[c] == m
@@ -226,34 +226,41 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 // Algorithm: cluster q (CTAs [CEC_CTAS q, CEC_CTAS q + CEC_CTAS)) takes rows q, q + Q, ... for
 //   Q = gridDim.x / CEC_CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
 //   is cluster thread g = r * CEC_BLOCK + t and owns the 8-element chunks g + i * CEC_THREADS,
-//   i < CEC_MAXC, in increasing column order. Per row:
-//   1. its share arrived (loaded during the previous row); the next row's share is requested
-//      (streaming loads: a row is never read again); each CTA's thread 0 reads x[label];
-//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp -> CTA -> shared memory;
-//      cluster barrier A; every thread takes the max over the CEC_CTAS CTAs -> m;
+//   i < CEC_MAXC, in increasing column order; the CTA's share is CEC_MAXC contiguous segments of
+//   CEC_BLOCK chunks. Thread 0 keeps CEC_STAGES rows' shares in flight (bulk copies completing on
+//   the stage's mbarrier). Per row (the CTA's it-th, in stage it % CEC_STAGES):
+//   1. wait for the stage; each thread copies its chunks into registers; thread 0 reads x[label];
+//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp -> CTA (a block barrier, after which
+//      thread 0 refills the stage with the row CEC_STAGES ahead) -> sent to every CTA (message A);
+//      every thread takes the max over the CEC_CTAS CTAs in rank order -> m;
 //   3. the lowest index holding m, searched only by threads whose own max is m; e[c] into
-//      registers (f32, replacing the chunk's bf16 as it goes), s per thread in chunk order; warp (xor butterfly: a + b == b + a, so every lane gets the
-//      same bits) -> warps in order -> CTA -> shared memory; cluster barrier B; every thread sums
-//      the CTAs in rank order (and takes the lowest index) -> s, argmax;
+//      registers (f32, replacing the chunk's bf16 as it goes), s per thread in chunk order; warp
+//      (xor butterfly: a + b == b + a, so every lane gets the same bits) -> warps in order -> CTA
+//      -> sent to every CTA (message B); every thread sums the CTAs in rank order (and takes the
+//      lowest index) -> s, argmax;
 //   4. the gradient (or zeros) over its own chunks with streaming stores; the thread owning the
 //      label's chunk then rewrites that one element with the one-hot term subtracted.
-//   Shared slots: a CTA rewrites its max slot (step 2 of the next row) only after barrier B, which
-//   every CTA passes only after reading the max slots; its sum slot only after the next barrier
-//   A, which every CTA passes only after reading the sum slots. A final cluster barrier keeps
-//   every CTA's shared memory alive until the last remote read.
-//   Every read of a row precedes its barrier A, every write of it follows its barrier B, and
-//   each thread writes only its own chunks: the in-place update is race-free. Every sum's order is
-//   fixed by the shapes alone: results are deterministic.
-// Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the prefetch to
-//           overlap; any Q is correct), blockDim.x = CEC_BLOCK, no dynamic shared memory; the
-//           cluster shape is compiled in (__cluster_dims__).
+//   Messages (see "Cluster messages" below) go into per-sender slots; a CTA's slot in another CTA
+//   is rewritten (next row's A) only after that CTA's B message arrived, which it sends only after
+//   reading its A slots, and likewise for B. Every read of a row (step 1) precedes the CTA's A
+//   message and every write of it follows the B messages; each thread writes only its own chunks:
+//   the in-place update is race-free. Every sum's order is fixed by the shapes alone: results are
+//   deterministic.
+// Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the rows in
+//           flight to overlap the math; any Q is correct), blockDim.x = CEC_BLOCK, CEC_SMEM_BYTES
+//           of dynamic shared memory; the cluster shape is compiled in (__cluster_dims__).
 // Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
 // Bound:    memory, with the exponentials (one MUFU op per element: 1/4 of the SFU rate at HBM
-//           speed) and ~6 other instructions per element overlapping the next row's loads.
-//           128 registers (e and the next row's share: 60), 32 bytes spilled outside the element
-//           loops. A first version (one row per cluster, 2 CTAs per SM, no prefetch, two
-//           exponentials per element) took 0.629 ms for 2048 x 151,936 (46.5% of copy bandwidth):
-//           every CTA loaded, then computed, in step, so the loads and the math never overlapped.
+//           speed) and ~6 other instructions per element overlapping the rows in flight.
+// History (H200, 2048 x 151,936, bench rows of N(0, 1) logits, all supervised): one row per
+//           cluster, 2 CTAs per SM, no prefetch: 0.629 ms (46.5% of copy bandwidth; every CTA
+//           loaded, then computed, in step). Next row prefetched into registers with cluster
+//           barriers: 0.727 ms (the barrier's release waits for the prefetch). With st.async
+//           messages instead of barriers: 0.590 ms (49.6%: one row, 38 KB per SM, in flight).
+//           This version (3 rows ahead in shared memory by TMA): 0.412 ms, 3.02 TB/s, 71.3% of
+//           the 4.24 TB/s copy peak; under the 80% target. Not yet measured: where the rest goes
+//           (the two message round trips per row between SMs, one CTA of 16 warps per SM for
+//           ~8 instructions and one MUFU op per element, or the 4 SMs no cluster of 8 fits on).
 #define CEC_CTAS 8
 #define CEC_BLOCK 512
 #define CEC_WARPS (CEC_BLOCK / 32)
@@ -269,14 +276,40 @@ __device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
   return d;
 }
 
-__device__ __forceinline__ void cec_load_share(uint4 (&v)[CEC_MAXC], const __nv_bfloat16* lr, int g,
-                                               int chunks) {
+__device__ __forceinline__ uint32_t cec_smem(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// Stages of the row-share ring in dynamic shared memory: CEC_MAXC segments of CEC_BLOCK chunks
+// (40 KB) each, CEC_STAGES - 1 rows in flight per CTA while it computes one.
+#define CEC_STAGES 4
+#define CEC_STAGE_CHUNKS (CEC_MAXC * CEC_BLOCK)
+#define CEC_SMEM_BYTES (CEC_STAGES * CEC_STAGE_CHUNKS * VEC_BYTES) // 160 KB
+
+// Thread 0: one bulk copy (TMA) per segment of this CTA's share of a row into a stage, all
+// completing on the stage's mbarrier. Segment c is chunks [c * CEC_THREADS + rank * CEC_BLOCK,
+// + CEC_BLOCK) of the row, clipped to it: contiguous, 16-byte aligned, a multiple of 16 bytes.
+__device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, const __nv_bfloat16* lr,
+                                                int rank, int chunks) {
+  uint32_t bytes[CEC_MAXC];
+  uint32_t total = 0;
 #pragma unroll
   for (int c = 0; c < CEC_MAXC; ++c) {
-    const int k = g + c * CEC_THREADS;
-    // Past the row: -inf bits (0xFF80), which no max, sum or index search picks up.
-    v[c] = k < chunks ? __ldcs(reinterpret_cast<const uint4*>(lr) + k)
-                      : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+    const int start = c * CEC_THREADS + rank * CEC_BLOCK;
+    const int n = min(max(chunks - start, 0), CEC_BLOCK);
+    bytes[c] = (uint32_t)n * VEC_BYTES;
+    total += bytes[c];
+  }
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(total) : "memory");
+#pragma unroll
+  for (int c = 0; c < CEC_MAXC; ++c) {
+    if (bytes[c] == 0) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(lr) + c * CEC_THREADS + rank * CEC_BLOCK;
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            cec_smem(stage + c * CEC_BLOCK)),
+        "l"(src), "r"(bytes[c]), "r"(mbar)
+        : "memory");
   }
 }
 
@@ -287,10 +320,6 @@ __device__ __forceinline__ void cec_load_share(uint4 (&v)[CEC_MAXC], const __nv_
 // value into slot [rank] of every CTA of the cluster with st.async, which completes bytes on the
 // receiver's mbarrier; the receiver waits for the expected bytes (one phase per row) and reads
 // its own slots. No fence, no barrier: the loads in flight stay in flight.
-
-__device__ __forceinline__ uint32_t cec_smem(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 // The shared::cluster address of `addr` (a shared::cta address of this CTA) in CTA `rank`.
 __device__ __forceinline__ uint32_t cec_remote(uint32_t addr, uint32_t rank) {
@@ -348,6 +377,8 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
   __shared__ float slot_m[CEC_CTAS];
   __shared__ __align__(8) uint32_t slot_si[CEC_CTAS][2];
   __shared__ __align__(8) uint64_t mbar_m, mbar_si;
+  __shared__ __align__(8) uint64_t mbar_full[CEC_STAGES]; // stage s holds its row
+  extern __shared__ __align__(128) uint4 cec_stage[];     // [CEC_STAGES][CEC_MAXC][CEC_BLOCK]
   if (blockDim.x != CEC_BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
       vocab > CEC_MAX_VOCAB || !is_vec_aligned(logits)) {
     __trap();
@@ -361,23 +392,37 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
   const float L2E = CE_LOG2E;
 
   const uint32_t mb_m = cec_smem(&mbar_m), mb_si = cec_smem(&mbar_si);
+  const index_t first = blockIdx.x / CEC_CTAS; // the cluster's first row
   if (tid == 0) {
     cec_mbar_init(mb_m);
     cec_mbar_init(mb_si);
+    for (int st = 0; st < CEC_STAGES; ++st) cec_mbar_init(cec_smem(&mbar_full[st]));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // The prologue: the first CEC_STAGES rows in flight.
+    for (int st = 0; st < CEC_STAGES; ++st) {
+      const index_t r = first + st * clusters;
+      if (r < rows) {
+        cec_issue_share(cec_stage + st * CEC_STAGE_CHUNKS, cec_smem(&mbar_full[st]),
+                        logits + r * vocab, rank, chunks);
+      }
+    }
   }
   cluster.sync(); // every mbarrier is initialised before any CTA sends
 
-  uint4 next[CEC_MAXC];
-  uint32_t parity = 0; // of this row's phase of both mbarriers
-  index_t row = blockIdx.x / CEC_CTAS; // the same for the whole cluster
-  if (row < rows) cec_load_share(next, logits + row * vocab, g, chunks);
-  for (; row < rows; row += clusters) { // uniform over the cluster
+  uint32_t parity = 0; // of this row's phase of mbar_m and mbar_si
+  int it = 0;          // this CTA's row count: the row sits in stage it % CEC_STAGES
+  for (index_t row = first; row < rows; row += clusters, ++it) { // uniform over the cluster
     __nv_bfloat16* lr = logits + row * vocab;
+    const int st = it % CEC_STAGES;
+    const uint4* stage = cec_stage + st * CEC_STAGE_CHUNKS;
+    cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
     uint4 raw[CEC_MAXC];
 #pragma unroll
-    for (int c = 0; c < CEC_MAXC; ++c) raw[c] = next[c];
-    if (row + clusters < rows) cec_load_share(next, lr + clusters * vocab, g, chunks);
+    for (int c = 0; c < CEC_MAXC; ++c) {
+      // Past the row: -inf bits (0xFF80), which no max, sum or index search picks up.
+      raw[c] = g + c * CEC_THREADS < chunks ? stage[c * CEC_BLOCK + tid]
+                                            : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+    }
     const float w = weights[row];
     const int label = labels[row];
     const bool supervised = w != 0.0f && label >= 0 && label < vocab;
@@ -396,6 +441,12 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
     if (lane == 0) warp_f[warp] = m;
     __syncthreads();
     if (tid == 0) {
+      // Every thread has read the stage (barrier above): it takes the row CEC_STAGES ahead.
+      const index_t ahead = row + CEC_STAGES * clusters;
+      if (ahead < rows) {
+        cec_issue_share(cec_stage + st * CEC_STAGE_CHUNKS, cec_smem(&mbar_full[st]),
+                        logits + ahead * vocab, rank, chunks);
+      }
       float bm = warp_f[0];
 #pragma unroll
       for (int v = 1; v < CEC_WARPS; ++v) bm = fmaxf(bm, warp_f[v]);

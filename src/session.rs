@@ -896,8 +896,13 @@ pub fn print_summary(r: &RunSummary) {
         st.queue_depth.iter().max().copied().unwrap_or(0)
     );
     if !st.transport.is_empty() {
+        // The copies' own rate (bytes over their device time) is what the peer copy baseline of
+        // `bench-pipeline` compares with.
+        let own = st.copy_seconds.filter(|&c| c > 0.0).map_or(String::new(), |c| {
+            format!(", {:.1} GB/s over the copies' device time", st.bytes_moved as f64 / 1e9 / c)
+        });
         eprintln!(
-            "  transport    {}: {:.2} GB moved ({:.2} GB/s over the run), publisher waited {:.2} s for copies, {} waits for a pinned slot",
+            "  transport    {}: {:.2} GB moved ({:.2} GB/s over the run{own}), publisher waited {:.2} s for copies, {} waits for a pinned slot",
             st.transport,
             st.bytes_moved as f64 / 1e9,
             st.bytes_moved as f64 / 1e9 / wall,

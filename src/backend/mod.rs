@@ -201,7 +201,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Async copy of all of `src`, which lives on `src_be`'s device (this one or a peer), into
     /// `dst` on this device, on `s` (a stream of this backend).
     fn copy_from_peer(&self, s: &Self::Stream, src_be: &Self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
-    /// Whether this device reads `other`'s memory directly (NVLink / PCIe peer access).
+    /// Whether this device reads `other`'s memory directly (NVLink / PCIe peer access). On CUDA
+    /// it also enables that access both ways, which a direct peer copy needs: every peer link
+    /// asks this before its first copy.
     fn is_peer(&self, other: &Self) -> bool;
     /// An event that also takes a device timestamp (None where the backend has no device clock).
     fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {

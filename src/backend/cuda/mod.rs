@@ -151,6 +151,8 @@ const CE_BLOCK: u32 = 512;
 const CEC_CTAS: usize = 8;
 const CEC_BLOCK: u32 = 512;
 const CEC_VOCAB: std::ops::RangeInclusive<usize> = 32_768..=163_840;
+/// Its dynamic shared memory: 4 stages of a row share (5 x 512 chunks of 16 bytes).
+const CEC_SMEM: u32 = 4 * 5 * 512 * 16;
 const SUMSQ_PARTS: u32 = 1024;
 const SUMSQ_BLOCK: u32 = 256;
 const MAX_TAPS: usize = 16;
@@ -251,7 +253,11 @@ impl CudaBackend {
         // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
         // shared memory.
         for (k, func) in &f {
-            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" {
+            if k.starts_with("attn_")
+                || k.starts_with("fc_")
+                || *k == "rmsnorm_bwd_bf16"
+                || *k == "cross_entropy_cluster_bf16"
+            {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
@@ -283,7 +289,7 @@ impl CudaBackend {
                 blockDimX: CEC_BLOCK,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: 0,
+                sharedMemBytes: CEC_SMEM,
                 hStream: std::ptr::null_mut(),
                 attrs: std::ptr::null_mut(),
                 numAttrs: 0,
@@ -1243,17 +1249,17 @@ impl Backend for CudaBackend {
         // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
         // stride over rows: the cluster kernel runs one cluster per resident slot.
         let cluster = vocab % 8 == 0 && logits.ptr % 16 == 0 && CEC_VOCAB.contains(&vocab);
-        let (name, grid, block) = if cluster {
-            ("cross_entropy_cluster_bf16", (rows.min(self.ce_clusters) * CEC_CTAS) as u32, CEC_BLOCK)
+        let (name, grid, block, smem) = if cluster {
+            ("cross_entropy_cluster_bf16", (rows.min(self.ce_clusters) * CEC_CTAS) as u32, CEC_BLOCK, CEC_SMEM)
         } else {
-            ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK)
+            ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0)
         };
         self.launch(
             s,
             name,
             grid,
             block,
-            0,
+            smem,
             Args::new()
                 .p(logits.ptr)
                 .p(labels.ptr + 4 * w_off as u64)
