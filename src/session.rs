@@ -437,12 +437,20 @@ fn run_on<B: Backend>(
 
     // Data: a JSONL file, or sequences the target writes itself (needs every layer).
     let generated = opts.data.is_none();
+    let t_load = Instant::now();
     let target = src.load(bt, dcfg.target_layer_ids.clone(), generated)?;
     // Further target GPUs hold their own copy (only the tapped layers).
     let mut more_targets = Vec::new();
     for &i in &topo.targets[1..] {
         more_targets.push(src.load(&bes[i], dcfg.target_layer_ids.clone(), false)?);
     }
+    bt.synchronize(&s)?;
+    say(format!(
+        "loaded    {} target cop{} in {:.1} s",
+        1 + more_targets.len(),
+        if more_targets.is_empty() { "y" } else { "ies" },
+        t_load.elapsed().as_secs_f64()
+    ));
     let t_gen = Instant::now();
     let data = match &opts.data {
         Some(path) => Dataset::from_jsonl(path, tcfg.vocab_size, opts.seq_len)?,
