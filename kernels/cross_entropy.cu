@@ -337,16 +337,32 @@ __device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
 }
 
+// Waits for phase `parity` of a local mbarrier. kCluster: acquire at cluster scope, for the message
+// barriers, whose bytes come from other CTAs' st.async (a release at cluster scope): only then
+// does the PTX memory model order their data before this thread's reads, and this thread's reads
+// of the slots before the senders' next writes. The stage barriers (this CTA's own bulk copies)
+// need only the CTA-scope default.
+template <bool kCluster>
 __device__ __forceinline__ void cec_mbar_wait(uint32_t mbar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(mbar), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\t"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(mbar), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\t"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(mbar), "r"(parity)
+          : "memory");
+    }
   }
 }
 
@@ -379,8 +395,10 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
   __shared__ __align__(8) uint64_t mbar_m, mbar_si;
   __shared__ __align__(8) uint64_t mbar_full[CEC_STAGES]; // stage s holds its row
   extern __shared__ __align__(128) uint4 cec_stage[];     // [CEC_STAGES][CEC_MAXC][CEC_BLOCK]
+  uint32_t dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   if (blockDim.x != CEC_BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
-      vocab > CEC_MAX_VOCAB || !is_vec_aligned(logits)) {
+      vocab > CEC_MAX_VOCAB || !is_vec_aligned(logits) || dyn_smem < CEC_SMEM_BYTES) {
     __trap();
   }
   cg::cluster_group cluster = cg::this_cluster();
@@ -398,6 +416,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
     cec_mbar_init(mb_si);
     for (int st = 0; st < CEC_STAGES; ++st) cec_mbar_init(cec_smem(&mbar_full[st]));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the barriers, to the TMA unit
     // The prologue: the first CEC_STAGES rows in flight.
     for (int st = 0; st < CEC_STAGES; ++st) {
       const index_t r = first + st * clusters;
@@ -415,7 +434,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
     __nv_bfloat16* lr = logits + row * vocab;
     const int st = it % CEC_STAGES;
     const uint4* stage = cec_stage + st * CEC_STAGE_CHUNKS;
-    cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
+    cec_mbar_wait<false>(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
     uint4 raw[CEC_MAXC];
 #pragma unroll
     for (int c = 0; c < CEC_MAXC; ++c) {
@@ -444,6 +463,9 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
       // Every thread has read the stage (barrier above): it takes the row CEC_STAGES ahead.
       const index_t ahead = row + CEC_STAGES * clusters;
       if (ahead < rows) {
+        // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
+        // PTX memory model orders the two only through a proxy fence.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         cec_issue_share(cec_stage + st * CEC_STAGE_CHUNKS, cec_smem(&mbar_full[st]),
                         logits + ahead * vocab, rank, chunks);
       }
@@ -454,7 +476,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
 #pragma unroll
       for (int r = 0; r < CEC_CTAS; ++r) cec_send1(cec_smem(&slot_m[rank]), mb_m, r, __float_as_uint(bm));
     }
-    cec_mbar_wait(mb_m, parity); // A: every CTA's max is here
+    cec_mbar_wait<true>(mb_m, parity); // A: every CTA's max is here
     const float x_label = label_logit; // read before this row's sum barrier (see below)
     float row_m = slot_m[0];
 #pragma unroll
@@ -510,7 +532,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
         cec_send2(cec_smem(&slot_si[rank][0]), mb_si, r, __float_as_uint(bs), (uint32_t)bi);
       }
     }
-    cec_mbar_wait(mb_si, parity); // B: every CTA's sum and index are here
+    cec_mbar_wait<true>(mb_si, parity); // B: every CTA's sum and index are here
     parity ^= 1u;
     float row_s = __uint_as_float(slot_si[0][0]);
     int row_i = (int)slot_si[0][1];
