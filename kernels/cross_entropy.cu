@@ -280,6 +280,12 @@ __device__ __forceinline__ uint32_t cec_smem(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
 }
 
+// One arrival (the phase's only one) that also expects `bytes` of asynchronous data (bulk copies
+// or st.async messages).
+__device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+}
+
 // Stages of the row-share ring in dynamic shared memory: CEC_MAXC segments of CEC_BLOCK chunks
 // (40 KB) each, CEC_STAGES - 1 rows in flight per CTA while it computes one.
 #define CEC_STAGES 4
@@ -300,7 +306,7 @@ __device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, con
     bytes[c] = (uint32_t)n * VEC_BYTES;
     total += bytes[c];
   }
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(total) : "memory");
+  cec_mbar_expect(mbar, total);
 #pragma unroll
   for (int c = 0; c < CEC_MAXC; ++c) {
     if (bytes[c] == 0) continue;
@@ -332,37 +338,22 @@ __device__ __forceinline__ void cec_mbar_init(uint32_t mbar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar));
 }
 
-// One arrival (the phase's only one) that also expects `bytes` of st.async data.
-__device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
-}
 
-// Waits for phase `parity` of a local mbarrier. kCluster: acquire at cluster scope, for the message
-// barriers, whose bytes come from other CTAs' st.async (a release at cluster scope): only then
-// does the PTX memory model order their data before this thread's reads, and this thread's reads
-// of the slots before the senders' next writes. The stage barriers (this CTA's own bulk copies)
-// need only the CTA-scope default.
-template <bool kCluster>
+// Waits for phase `parity` of a local mbarrier, acquiring at cluster scope: the message barriers'
+// bytes come from other CTAs' st.async (a release at cluster scope), and only a cluster-scope
+// acquire orders their data before this thread's reads, and this thread's reads of the slots
+// before the senders' next writes. (The stage barriers, completed by this CTA's own bulk copies,
+// would need only the CTA scope; one wait serves both.)
 __device__ __forceinline__ void cec_mbar_wait(uint32_t mbar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    if constexpr (kCluster) {
-      asm volatile(
-          "{\n\t.reg .pred p;\n\t"
-          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-          "selp.u32 %0, 1, 0, p;\n\t}"
-          : "=r"(done)
-          : "r"(mbar), "r"(parity)
-          : "memory");
-    } else {
-      asm volatile(
-          "{\n\t.reg .pred p;\n\t"
-          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-          "selp.u32 %0, 1, 0, p;\n\t}"
-          : "=r"(done)
-          : "r"(mbar), "r"(parity)
-          : "memory");
-    }
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(mbar), "r"(parity)
+        : "memory");
   }
 }
 
@@ -434,7 +425,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
     __nv_bfloat16* lr = logits + row * vocab;
     const int st = it % CEC_STAGES;
     const uint4* stage = cec_stage + st * CEC_STAGE_CHUNKS;
-    cec_mbar_wait<false>(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
+    cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
     uint4 raw[CEC_MAXC];
 #pragma unroll
     for (int c = 0; c < CEC_MAXC; ++c) {
@@ -476,7 +467,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
 #pragma unroll
       for (int r = 0; r < CEC_CTAS; ++r) cec_send1(cec_smem(&slot_m[rank]), mb_m, r, __float_as_uint(bm));
     }
-    cec_mbar_wait<true>(mb_m, parity); // A: every CTA's max is here
+    cec_mbar_wait(mb_m, parity); // A: every CTA's max is here
     const float x_label = label_logit; // read before this row's sum barrier (see below)
     float row_m = slot_m[0];
 #pragma unroll
@@ -532,7 +523,7 @@ extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CE
         cec_send2(cec_smem(&slot_si[rank][0]), mb_si, r, __float_as_uint(bs), (uint32_t)bi);
       }
     }
-    cec_mbar_wait<true>(mb_si, parity); // B: every CTA's sum and index are here
+    cec_mbar_wait(mb_si, parity); // B: every CTA's sum and index are here
     parity ^= 1u;
     float row_s = __uint_as_float(slot_si[0][0]);
     int row_i = (int)slot_si[0][1];

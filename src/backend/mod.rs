@@ -202,8 +202,8 @@ pub trait Backend: Send + Sync + 'static {
     /// `dst` on this device, on `s` (a stream of this backend).
     fn copy_from_peer(&self, s: &Self::Stream, src_be: &Self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
     /// Whether this device reads `other`'s memory directly (NVLink / PCIe peer access). On CUDA
-    /// it also enables that access both ways, which a direct peer copy needs: every peer link
-    /// asks this before its first copy.
+    /// it also enables that access both ways (copy_from_peer asks it itself before its first
+    /// copy between two devices, and fails if the answer is no).
     fn is_peer(&self, other: &Self) -> bool;
     /// An event that also takes a device timestamp (None where the backend has no device clock).
     fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {

@@ -170,6 +170,8 @@ pub struct CudaBackend {
     sm_count: u32,
     /// Co-resident cross_entropy_cluster_bf16 clusters (the grid it is launched with).
     ce_clusters: usize,
+    /// Contexts (by address) whose memory this device's peer copies may read directly.
+    peers: Mutex<Vec<usize>>,
     name: String,
 }
 
@@ -316,6 +318,7 @@ impl CudaBackend {
             blas,
             sm_count,
             ce_clusters,
+            peers: Mutex::new(Vec::new()),
             name,
             inv_freq: Mutex::new(HashMap::new()),
         })
