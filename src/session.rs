@@ -444,7 +444,9 @@ fn run_on<B: Backend>(
     for &i in &topo.targets[1..] {
         more_targets.push(src.load(&bes[i], dcfg.target_layer_ids.clone(), false)?);
     }
-    bt.synchronize(&s)?;
+    for &i in &topo.targets {
+        bes[i].synchronize(&bes[i].compute_stream())?;
+    }
     say(format!(
         "loaded    {} target cop{} in {:.1} s",
         1 + more_targets.len(),
