@@ -2,6 +2,7 @@
 //! copy bandwidth (memory-bound kernels) and a cuBLASLt bf16 8192^3 GEMM (compute-bound ones).
 //! Timings: warm-up excluded, median of repeated runs, inputs larger than L2 (so L2 stays out).
 //! `cargo bench` on a GPU machine (prints a note and exits 0 without one).
+//! `DFLASH_BENCH_KERNELS="cross-entropy;fc"` measures only the groups named (see `want` below).
 
 use std::time::Instant;
 
@@ -68,6 +69,12 @@ fn main() {
         b
     };
     let mut rows: Vec<Row> = Vec::new();
+    // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
+    // attention, fc) whose name contains a pattern; the peaks are always measured.
+    let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
+        .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
+        .unwrap_or_default();
+    let want = |group: &str| only.is_empty() || only.iter().any(|p| group.contains(p.as_str()));
 
     // Peaks.
     let n_copy = 1usize << 29; // 1 GiB of bf16
@@ -138,132 +145,142 @@ fn main() {
 
     // Qwen3-8B shapes: 4 x 3072 target tokens, 512 anchors x 16 slots per sequence.
     let (t_rows, h, k_taps) = (4 * 3072, 4096, 5);
-    let taps: Vec<_> = (0..k_taps).map(|i| normal_buf(DType::BF16, t_rows * h, i)).collect();
-    let refs: Vec<_> = taps.iter().collect();
-    let mut packed = buf(DType::BF16, t_rows * k_taps * h);
-    let bytes = 2.0 * 2.0 * (t_rows * k_taps * h) as f64;
-    mem(
-        "pack (5 taps, 12288 x 4096)",
-        time_per_call(&be, 10, MEM_CALLS, || {
-            be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.0, 1, 1).unwrap()
-        }),
-        bytes,
-    );
-    mem(
-        "pack + noise",
-        time_per_call(&be, 10, MEM_CALLS, || {
-            be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.05, 1, 1).unwrap()
-        }),
-        bytes,
-    );
-    drop(refs);
-    drop(taps);
-
-    let rb = 32768;
-    let x = normal_buf(DType::BF16, rb * h, 10);
-    let mut w = buf(DType::BF16, h);
-    be.upload(&s, &normals[..h].iter().map(|v| 1.0 + 0.1 * v).collect::<Vec<f32>>(), &mut w, 0).unwrap();
-    let mut y = buf(DType::BF16, rb * h);
-    let mut r = buf(DType::F32, rb);
-    mem(
-        "rmsnorm fwd (32768 x 4096)",
-        time_per_call(&be, 10, MEM_CALLS, || be.rmsnorm_fwd(&s, &x, &w, 0, &mut y, &mut r, rb, h, 1e-6).unwrap()),
-        (rb * h * 4 + rb * 4 + h * 2) as f64,
-    );
-    let mut dx = buf(DType::BF16, rb * h);
-    let mut dw = buf(DType::F32, h);
-    // Every byte the backward moves: dy, x read and dx written, rstd and w, the f32 dw partial
-    // sums (written by the main kernel, read by the reduce) and dw (read and written).
-    let parts = dflash_engine::backend::cuda::rmsnorm_bwd_parts(rb, h);
-    mem(
-        "rmsnorm bwd (32768 x 4096)",
-        time_per_call(&be, 10, MEM_CALLS, || {
-            be.rmsnorm_bwd(&s, &y, &x, &w, 0, &r, &mut dx, false, &mut dw, 0, rb, h).unwrap()
-        }),
-        (rb * h * 6 + rb * 4 + h * 2 + 2 * parts * h * 4 + h * 8) as f64,
-    );
-    let pos = ids((0..rb as i32).map(|i| i % 3072).collect());
-    mem(
-        "rope (32768 x 32 x 128)",
-        time_per_call(&be, 10, MEM_CALLS, || be.rope(&s, &mut y, &pos, rb, 32, 128, 1e6, false).unwrap()),
-        (rb * h * 4) as f64,
-    );
-    mem(
-        "add (32768 x 4096)",
-        time_per_call(&be, 10, MEM_CALLS, || be.add_inplace(&s, &mut y, &x).unwrap()),
-        (rb * h * 6) as f64,
-    );
-    drop((x, y, dx));
-    let inter = 12288;
-    let rs = 8192;
-    let gu = normal_buf(DType::BF16, rs * 2 * inter, 20);
-    let mut act = buf(DType::BF16, rs * inter);
-    mem(
-        "swiglu fwd (8192 x 12288)",
-        time_per_call(&be, 10, MEM_CALLS, || be.swiglu_fwd(&s, &gu, &mut act, rs, inter).unwrap()),
-        (rs * inter * 6) as f64,
-    );
-    let mut dgu = buf(DType::BF16, rs * 2 * inter);
-    mem(
-        "swiglu bwd (8192 x 12288)",
-        time_per_call(&be, 10, MEM_CALLS, || be.swiglu_bwd(&s, &act, &gu, &mut dgu, rs, inter).unwrap()),
-        (rs * inter * 10) as f64,
-    );
-    drop((gu, act, dgu));
-    // Cross-entropy overwrites its logits with the gradient, so every timed call gets its own copy
-    // of the same N(0, 1) logits, restored (untimed) before each sample; every row is supervised
-    // (weight 1, a valid label): zero weights would skip the exponentials and the gradient. At
-    // 151,936 (Qwen3) the register-resident cluster kernel runs; at 262,144 the streaming one
-    // (two reads of each row).
-    for (ce_rows, vocab) in [(2048, 151_936), (1024, 262_144)] {
-        let n = ce_rows * vocab;
-        let pristine = normal_buf(DType::BF16, n, 30);
-        let mut work: Vec<_> = (0..MEM_CALLS).map(|_| buf(DType::BF16, n)).collect();
-        let labels = ids((0..ce_rows).map(|i| ((i * 7919) % vocab) as i32).collect());
-        let mut wts = buf(DType::F32, ce_rows);
-        be.upload(&s, &vec![1.0f32; ce_rows], &mut wts, 0).unwrap();
-        let mut loss = buf(DType::F32, ce_rows);
-        let mut am = be.alloc_ids(&s, ce_rows).unwrap();
-        let mut samples: Vec<f64> = (0..12)
-            .map(|_| {
-                for w in work.iter_mut() {
-                    be.copy(&s, &pristine, 0, w, 0, n).unwrap();
-                }
-                be.synchronize(&s).unwrap();
-                let t0 = Instant::now();
-                for w in work.iter_mut() {
-                    be.cross_entropy(&s, w, &labels, &wts, 0, ce_rows, vocab, 1.0, &mut loss, 0, &mut am, 0).unwrap();
-                }
-                be.synchronize(&s).unwrap();
-                t0.elapsed().as_secs_f64() / MEM_CALLS as f64
-            })
-            .skip(2)
-            .collect();
-        samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let kind = if vocab <= 163_840 { "one read" } else { "streaming, two reads" };
+    if want("pack") {
+        let taps: Vec<_> = (0..k_taps).map(|i| normal_buf(DType::BF16, t_rows * h, i)).collect();
+        let refs: Vec<_> = taps.iter().collect();
+        let mut packed = buf(DType::BF16, t_rows * k_taps * h);
+        let bytes = 2.0 * 2.0 * (t_rows * k_taps * h) as f64;
         mem(
-            &format!("cross-entropy fwd+bwd ({ce_rows} x {vocab}, {kind})"),
-            samples[samples.len() / 2],
-            (n * 4) as f64,
+            "pack (5 taps, 12288 x 4096)",
+            time_per_call(&be, 10, MEM_CALLS, || {
+                be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.0, 1, 1).unwrap()
+            }),
+            bytes,
         );
+        mem(
+            "pack + noise",
+            time_per_call(&be, 10, MEM_CALLS, || {
+                be.pack_taps(&s, &refs, &mut packed, t_rows, h, t_rows, 0.05, 1, 1).unwrap()
+            }),
+            bytes,
+        );
+        drop(refs);
+        drop(taps);
     }
-    let np = 1usize << 28;
-    let (mut p, gr, mut m, mut v) =
-        (buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np));
-    let mut wb = buf(DType::BF16, np);
-    let hp = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, t: 3, grad_scale: 1.0 };
-    mem(
-        "adamw (268M params)",
-        time_per_call(&be, 5, MEM_CALLS, || be.adamw(&s, &mut p, &gr, &mut m, &mut v, &mut wb, &hp).unwrap()),
-        (np * (4 * 4 + 3 * 4 + 2)) as f64,
-    );
-    let mut out = buf(DType::F32, 1);
-    mem(
-        "sum of squares (268M)",
-        time_per_call(&be, 10, MEM_CALLS, || be.sum_squares(&s, &gr, &mut out).unwrap()),
-        (np * 4) as f64,
-    );
-    drop((p, gr, m, v, wb));
+    if want("norm") {
+        let rb = 32768;
+        let x = normal_buf(DType::BF16, rb * h, 10);
+        let mut w = buf(DType::BF16, h);
+        be.upload(&s, &normals[..h].iter().map(|v| 1.0 + 0.1 * v).collect::<Vec<f32>>(), &mut w, 0).unwrap();
+        let mut y = buf(DType::BF16, rb * h);
+        let mut r = buf(DType::F32, rb);
+        mem(
+            "rmsnorm fwd (32768 x 4096)",
+            time_per_call(&be, 10, MEM_CALLS, || be.rmsnorm_fwd(&s, &x, &w, 0, &mut y, &mut r, rb, h, 1e-6).unwrap()),
+            (rb * h * 4 + rb * 4 + h * 2) as f64,
+        );
+        let mut dx = buf(DType::BF16, rb * h);
+        let mut dw = buf(DType::F32, h);
+        // Every byte the backward moves: dy, x read and dx written, rstd and w, the f32 dw partial
+        // sums (written by the main kernel, read by the reduce) and dw (read and written).
+        let parts = dflash_engine::backend::cuda::rmsnorm_bwd_parts(rb, h);
+        mem(
+            "rmsnorm bwd (32768 x 4096)",
+            time_per_call(&be, 10, MEM_CALLS, || {
+                be.rmsnorm_bwd(&s, &y, &x, &w, 0, &r, &mut dx, false, &mut dw, 0, rb, h).unwrap()
+            }),
+            (rb * h * 6 + rb * 4 + h * 2 + 2 * parts * h * 4 + h * 8) as f64,
+        );
+        let pos = ids((0..rb as i32).map(|i| i % 3072).collect());
+        mem(
+            "rope (32768 x 32 x 128)",
+            time_per_call(&be, 10, MEM_CALLS, || be.rope(&s, &mut y, &pos, rb, 32, 128, 1e6, false).unwrap()),
+            (rb * h * 4) as f64,
+        );
+        mem(
+            "add (32768 x 4096)",
+            time_per_call(&be, 10, MEM_CALLS, || be.add_inplace(&s, &mut y, &x).unwrap()),
+            (rb * h * 6) as f64,
+        );
+        drop((x, y, dx));
+    }
+    if want("swiglu") {
+        let inter = 12288;
+        let rs = 8192;
+        let gu = normal_buf(DType::BF16, rs * 2 * inter, 20);
+        let mut act = buf(DType::BF16, rs * inter);
+        mem(
+            "swiglu fwd (8192 x 12288)",
+            time_per_call(&be, 10, MEM_CALLS, || be.swiglu_fwd(&s, &gu, &mut act, rs, inter).unwrap()),
+            (rs * inter * 6) as f64,
+        );
+        let mut dgu = buf(DType::BF16, rs * 2 * inter);
+        mem(
+            "swiglu bwd (8192 x 12288)",
+            time_per_call(&be, 10, MEM_CALLS, || be.swiglu_bwd(&s, &act, &gu, &mut dgu, rs, inter).unwrap()),
+            (rs * inter * 10) as f64,
+        );
+        drop((gu, act, dgu));
+    }
+    if want("cross-entropy") {
+        // Cross-entropy overwrites its logits with the gradient, so every timed call gets its own copy
+        // of the same N(0, 1) logits, restored (untimed) before each sample; every row is supervised
+        // (weight 1, a valid label): zero weights would skip the exponentials and the gradient. At
+        // 151,936 (Qwen3) the register-resident cluster kernel runs; at 262,144 the streaming one
+        // (two reads of each row).
+        for (ce_rows, vocab) in [(2048, 151_936), (1024, 262_144)] {
+            let n = ce_rows * vocab;
+            let pristine = normal_buf(DType::BF16, n, 30);
+            let mut work: Vec<_> = (0..MEM_CALLS).map(|_| buf(DType::BF16, n)).collect();
+            let labels = ids((0..ce_rows).map(|i| ((i * 7919) % vocab) as i32).collect());
+            let mut wts = buf(DType::F32, ce_rows);
+            be.upload(&s, &vec![1.0f32; ce_rows], &mut wts, 0).unwrap();
+            let mut loss = buf(DType::F32, ce_rows);
+            let mut am = be.alloc_ids(&s, ce_rows).unwrap();
+            let mut samples: Vec<f64> = (0..12)
+                .map(|_| {
+                    for w in work.iter_mut() {
+                        be.copy(&s, &pristine, 0, w, 0, n).unwrap();
+                    }
+                    be.synchronize(&s).unwrap();
+                    let t0 = Instant::now();
+                    for w in work.iter_mut() {
+                        be.cross_entropy(&s, w, &labels, &wts, 0, ce_rows, vocab, 1.0, &mut loss, 0, &mut am, 0)
+                            .unwrap();
+                    }
+                    be.synchronize(&s).unwrap();
+                    t0.elapsed().as_secs_f64() / MEM_CALLS as f64
+                })
+                .skip(2)
+                .collect();
+            samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let kind = if vocab <= 163_840 { "one read" } else { "streaming, two reads" };
+            mem(
+                &format!("cross-entropy fwd+bwd ({ce_rows} x {vocab}, {kind})"),
+                samples[samples.len() / 2],
+                (n * 4) as f64,
+            );
+        }
+    }
+    if want("adamw") {
+        let np = 1usize << 28;
+        let (mut p, gr, mut m, mut v) =
+            (buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np), buf(DType::F32, np));
+        let mut wb = buf(DType::BF16, np);
+        let hp = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, t: 3, grad_scale: 1.0 };
+        mem(
+            "adamw (268M params)",
+            time_per_call(&be, 5, MEM_CALLS, || be.adamw(&s, &mut p, &gr, &mut m, &mut v, &mut wb, &hp).unwrap()),
+            (np * (4 * 4 + 3 * 4 + 2)) as f64,
+        );
+        let mut out = buf(DType::F32, 1);
+        mem(
+            "sum of squares (268M)",
+            time_per_call(&be, 10, MEM_CALLS, || be.sum_squares(&s, &gr, &mut out).unwrap()),
+            (np * 4) as f64,
+        );
+        drop((p, gr, m, v, wb));
+    }
 
     // Compute-bound: attention (FLOPs counted for the visible keys only).
     let mut flops = |name: &str, secs: f64, f: f64| {
@@ -275,64 +292,71 @@ fn main() {
             pct: 100.0 * f / secs / peak_flops,
         })
     };
-    let (heads, kvh, hd) = (32, 8, 128);
-    let q = buf(DType::BF16, t_rows * heads * hd);
-    let k = buf(DType::BF16, t_rows * kvh * hd);
-    let vv = buf(DType::BF16, t_rows * kvh * hd);
-    let mut o = buf(DType::BF16, t_rows * heads * hd);
-    let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
-    let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
-    flops(
-        "causal attention fwd (4 x 3072, 32/8, 128)",
-        time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()),
-        causal_f,
-    );
-    let nb = 4 * 512;
-    let sh = DraftAttnShape { num_blocks: nb, block_size: 16, ctx_rows: t_rows, heads, kv_heads: kvh, head_dim: hd };
-    let mut anchors = Vec::new();
-    let mut cs = Vec::new();
-    for b in 0..4 {
-        for j in 0..512 {
-            anchors.push((j * 6) as i32);
-            cs.push(b * 3072);
+    if want("attention") {
+        let (heads, kvh, hd) = (32, 8, 128);
+        let q = buf(DType::BF16, t_rows * heads * hd);
+        let k = buf(DType::BF16, t_rows * kvh * hd);
+        let vv = buf(DType::BF16, t_rows * kvh * hd);
+        let mut o = buf(DType::BF16, t_rows * heads * hd);
+        let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
+        let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
+        flops(
+            "causal attention fwd (4 x 3072, 32/8, 128)",
+            time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()),
+            causal_f,
+        );
+        let nb = 4 * 512;
+        let sh =
+            DraftAttnShape { num_blocks: nb, block_size: 16, ctx_rows: t_rows, heads, kv_heads: kvh, head_dim: hd };
+        let mut anchors = Vec::new();
+        let mut cs = Vec::new();
+        for b in 0..4 {
+            for j in 0..512 {
+                anchors.push((j * 6) as i32);
+                cs.push(b * 3072);
+            }
         }
+        let visible: f64 = anchors.iter().map(|&a| f64::from(a) + 16.0).sum::<f64>() * 16.0;
+        let (an, cst) = (ids(anchors), ids(cs));
+        let qd = buf(DType::BF16, nb * 16 * heads * hd);
+        let kb = buf(DType::BF16, nb * 16 * kvh * hd);
+        let vb = buf(DType::BF16, nb * 16 * kvh * hd);
+        let mut od = buf(DType::BF16, nb * 16 * heads * hd);
+        let mut lse = buf(DType::F32, nb * 16 * heads);
+        flops(
+            "drafter attention fwd (2048 blocks x 16)",
+            time(&be, 5, || be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()),
+            4.0 * visible * heads as f64 * hd as f64,
+        );
+        let mut grads: Vec<_> =
+            [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
+                .iter()
+                .map(|&n| buf(DType::BF16, n))
+                .collect();
+        let dout = buf(DType::BF16, nb * 16 * heads * hd);
+        let t = time(&be, 5, || {
+            let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
+            be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4])
+                .unwrap()
+        });
+        flops("drafter attention bwd", t, 10.0 * visible * heads as f64 * hd as f64);
     }
-    let visible: f64 = anchors.iter().map(|&a| f64::from(a) + 16.0).sum::<f64>() * 16.0;
-    let (an, cst) = (ids(anchors), ids(cs));
-    let qd = buf(DType::BF16, nb * 16 * heads * hd);
-    let kb = buf(DType::BF16, nb * 16 * kvh * hd);
-    let vb = buf(DType::BF16, nb * 16 * kvh * hd);
-    let mut od = buf(DType::BF16, nb * 16 * heads * hd);
-    let mut lse = buf(DType::F32, nb * 16 * heads);
-    flops(
-        "drafter attention fwd (2048 blocks x 16)",
-        time(&be, 5, || be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()),
-        4.0 * visible * heads as f64 * hd as f64,
-    );
-    let mut grads: Vec<_> =
-        [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
-            .iter()
-            .map(|&n| buf(DType::BF16, n))
-            .collect();
-    let dout = buf(DType::BF16, nb * 16 * heads * hd);
-    let t = time(&be, 5, || {
-        let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
-        be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4]).unwrap()
-    });
-    flops("drafter attention bwd", t, 10.0 * visible * heads as f64 * hd as f64);
-    // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel
-    // (kernels/fc.cu, the fast path forced so a fallback cannot hide in the number).
-    let xp = random(t_rows * k_taps * h, 3);
-    let wfc = random(h * k_taps * h, 4);
-    let mut yp = buf(DType::BF16, t_rows * h);
-    let g = Gemm::linear(t_rows, h, k_taps * h);
-    let fc_flops = 2.0 * (t_rows * h * k_taps * h) as f64;
-    let t_lt = time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap());
-    let t_fc =
-        time(&be, 10, || be.fc_project_with(&s, &xp, &wfc, 0, &mut yp, t_rows, h, k_taps * h, FcPath::Fast).unwrap());
-    flops("FC projection, cuBLASLt (12288 x 4096 x 20480)", t_lt, fc_flops);
-    flops("FC projection, fc_wgmma_bf16 (12288 x 4096 x 20480)", t_fc, fc_flops);
-    println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
+    if want("fc") {
+        // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel
+        // (kernels/fc.cu, the fast path forced so a fallback cannot hide in the number).
+        let xp = random(t_rows * k_taps * h, 3);
+        let wfc = random(h * k_taps * h, 4);
+        let mut yp = buf(DType::BF16, t_rows * h);
+        let g = Gemm::linear(t_rows, h, k_taps * h);
+        let fc_flops = 2.0 * (t_rows * h * k_taps * h) as f64;
+        let t_lt = time(&be, 10, || be.gemm(&s, &g, &xp, 0, &wfc, 0, &mut yp, 0).unwrap());
+        let t_fc = time(&be, 10, || {
+            be.fc_project_with(&s, &xp, &wfc, 0, &mut yp, t_rows, h, k_taps * h, FcPath::Fast).unwrap()
+        });
+        flops("FC projection, cuBLASLt (12288 x 4096 x 20480)", t_lt, fc_flops);
+        flops("FC projection, fc_wgmma_bf16 (12288 x 4096 x 20480)", t_fc, fc_flops);
+        println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
+    }
 
     println!("\n{:<48} {:>10} {:>12} {:>8}", "kernel", "time", "throughput", "% peak");
     for r in &rows {
