@@ -209,46 +209,52 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 // different SMs that can write each other's shared memory) owns a row at a time: each CTA's share
 // of the row arrives in shared memory by bulk copy (TMA) CEC_STAGES - 1 rows ahead, each thread
 // keeps its part in registers from there to the single write (4 bytes per element in all), and
-// the CTAs exchange only their partial max and sums.
+// the CTAs exchange one online-softmax state each per row: one message round trip.
 //
 // Math (x = f32(logits[r, :]); L = log2 e):
-//   m = max_c x[c] (NaNs skipped; a row of NaNs gives m = NaN), argmax = lowest c with x[c] == m
-//   (0 if there is none: a row of NaNs);
-//   e[c] = 2^(x[c] L - m L) (ex2.approx of one FMA: relative error ~1e-6, the rounding of m L
-//   dominates), s = sum e[c], lse = m + logf(s);
-//   supervised:  loss[r] = w (lse - x[y]);  logits[r, c] = bf16((grad_scale w / s) e[c] - [c == y]
-//                grad_scale w)   (cvt.rn, NaN payloads not kept)
+//   m = max_c x[c] (NaNs skipped), argmax = lowest c with x[c] == m (0 if there is none: a row of
+//   NaNs). Each warp w exponentiates against its own max m_w (no wait for the row's):
+//   e[c] = 2^(x[c] L - m_w L) (ex2.approx of one FMA), s_w = sum e[c]; the states (m_w, s_w, i_w)
+//   merge as online softmax (s = s_hi + s_lo 2^((m_lo - m_hi) L)) into (m, s, argmax);
+//   lse = m + logf(s);
+//   supervised:  loss[r] = w (lse - x[y]);
+//                logits[r, c] = bf16(k_w e[c] - [c == y] grad_scale w),
+//                k_w = (grad_scale w / s) 2^((m_w - m) L)      (cvt.rn, NaN payloads not kept)
 //   otherwise:   loss[r] = 0; logits[r, c] = +0.0.
 //   Against the CPU's expf(x - lse): ~1e-6 relative per probability, far under a bf16
 //   gradient's 4e-3 and the 1e-4 loss tolerance. Non-finite logits give a non-finite loss.
 // Layout/preconditions: as cross_entropy_bf16, plus vocab % 8 == 0, logits 16-byte aligned and
-//   vocab <= CEC_MAX_VOCAB (the launcher picks this kernel only then; it traps otherwise).
+//   vocab <= the kernel's maximum (CEC_THREADS * MAXC * 8; the launcher picks this kernel only
+//   then; it traps otherwise).
 // Algorithm: cluster q (CTAs [CEC_CTAS q, CEC_CTAS q + CEC_CTAS)) takes rows q, q + Q, ... for
 //   Q = gridDim.x / CEC_CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
-//   is cluster thread g = r * CEC_BLOCK + t and owns the 8-element chunks g + i * CEC_THREADS,
-//   i < CEC_MAXC, in increasing column order; the CTA's share is CEC_MAXC contiguous segments of
-//   CEC_BLOCK chunks. Thread 0 keeps CEC_STAGES rows' shares in flight (bulk copies completing on
-//   the stage's mbarrier). Per row (the CTA's it-th, in stage it % CEC_STAGES):
-//   1. wait for the stage; each thread copies its chunks into registers; thread 0 reads x[label];
-//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp -> CTA (a block barrier, after which
-//      thread 0 refills the stage with the row CEC_STAGES ahead) -> sent to every CTA (message A);
-//      every thread takes the max over the CEC_CTAS CTAs in rank order -> m;
-//   3. the lowest index holding m, searched only by threads whose own max is m; e[c] into
-//      registers (f32, replacing the chunk's bf16 as it goes), s per thread in chunk order; warp
-//      (xor butterfly: a + b == b + a, so every lane gets the same bits) -> warps in order -> CTA
-//      -> sent to every CTA (message B); every thread sums the CTAs in rank order (and takes the
-//      lowest index) -> s, argmax;
-//   4. the gradient (or zeros) over its own chunks with streaming stores; the thread owning the
-//      label's chunk then rewrites that one element with the one-hot term subtracted.
-//   Messages (see "Cluster messages" below) go into per-sender slots; a CTA's slot in another CTA
-//   is rewritten (next row's A) only after that CTA's B message arrived, which it sends only after
-//   reading its A slots, and likewise for B. Every read of a row (step 1) precedes the CTA's A
-//   message and every write of it follows the B messages; each thread writes only its own chunks:
-//   the in-place update is race-free. Every sum's order is fixed by the shapes alone: results are
-//   deterministic.
+//   is cluster thread g = r * BLOCK + t and owns the 8-element chunks g + i * CEC_CTAS * BLOCK,
+//   i < MAXC, in increasing column order; the CTA's share is MAXC contiguous segments of BLOCK
+//   chunks. Thread 0 keeps CEC_STAGES rows' shares in flight (bulk copies completing on the
+//   stage's mbarrier). Per row (the CTA's it-th, in stage it % CEC_STAGES):
+//   1. wait for the stage; each thread copies its chunks into registers (past the row: -inf);
+//      the thread owning the label's chunk reads x[label] (it writes the loss);
+//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp max m_w (every lane); the lowest index
+//      holding m_w (searched only by threads whose own max is m_w; warp min by redux); e[c] into
+//      f32 registers, s per thread in chunk order -> warp (xor butterfly: every lane gets the
+//      same bits);
+//   3. warp states to shared memory, a block barrier (after which thread 0 refills the stage with
+//      the row CEC_STAGES ahead); warp 0 merges them in a fixed tree and lane 0 sends the CTA's
+//      state to every CTA of the cluster (one message, into slot [rank] of buffer it % 2);
+//   4. every thread waits for the CTAS messages and merges them in a fixed tree (the same bits in
+//      every CTA) -> m, s, argmax; then writes the gradient (or zeros) over its own chunks with
+//      streaming stores; the label's owner then rewrites that one element with the one-hot term
+//      subtracted.
+//   Messages (see "Cluster messages" below) are double-buffered by row parity: a CTA sends row
+//   it + 2's state into buffer it % 2 of another CTA only after that CTA's row it + 1 message
+//   arrived, which it sends only after every one of its threads read row it's slots (block barrier
+//   of step 3). Every read of a row (step 1) precedes the CTA's message and every write of it
+//   follows all CTAS messages; each thread writes only its own chunks: the in-place update is
+//   race-free. Every sum's order is fixed by the shapes alone: results are deterministic.
 // Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the rows in
-//           flight to overlap the math; any Q is correct), blockDim.x = CEC_BLOCK, CEC_SMEM_BYTES
-//           of dynamic shared memory; the cluster shape is compiled in (__cluster_dims__).
+//           flight to overlap the math; any Q is correct), blockDim.x = BLOCK, the kernel's
+//           CEC_STAGES * MAXC * BLOCK * 16 bytes of dynamic shared memory; the cluster shape is
+//           compiled in (__cluster_dims__).
 // Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
 // Bound:    memory, with the exponentials (one MUFU op per element: 1/4 of the SFU rate at HBM
 //           speed) and ~6 other instructions per element overlapping the rows in flight.
@@ -257,16 +263,9 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 //           loaded, then computed, in step). Next row prefetched into registers with cluster
 //           barriers: 0.727 ms (the barrier's release waits for the prefetch). With st.async
 //           messages instead of barriers: 0.590 ms (49.6%: one row, 38 KB per SM, in flight).
-//           This version (3 rows ahead in shared memory by TMA): 0.412 ms, 3.02 TB/s, 71.3% of
-//           the 4.24 TB/s copy peak; under the 80% target. Not yet measured: where the rest goes
-//           (the two message round trips per row between SMs, one CTA of 16 warps per SM for
-//           ~8 instructions and one MUFU op per element, or the 4 SMs no cluster of 8 fits on).
+//           3 rows ahead in shared memory by TMA, two message round trips per row (the row max,
+//           then the sums): 0.412 ms, 3.02 TB/s, 71.3% of the 4.24 TB/s copy peak.
 #define CEC_CTAS 8
-#define CEC_BLOCK 512
-#define CEC_WARPS (CEC_BLOCK / 32)
-#define CEC_THREADS (CEC_CTAS * CEC_BLOCK)
-#define CEC_MAXC 5
-#define CEC_MAX_VOCAB (CEC_THREADS * CEC_MAXC * BF16_PER_VEC) // 163,840
 #define CEC_NO_INDEX 0x7FFFFFFF
 
 // max of two bf16 pairs, per half; a NaN half loses to a number (PTX max without .NaN).
@@ -286,34 +285,29 @@ __device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
 }
 
-// Stages of the row-share ring in dynamic shared memory: CEC_MAXC segments of CEC_BLOCK chunks
-// (40 KB) each, CEC_STAGES - 1 rows in flight per CTA while it computes one.
-#define CEC_STAGES 4
-#define CEC_STAGE_CHUNKS (CEC_MAXC * CEC_BLOCK)
-#define CEC_SMEM_BYTES (CEC_STAGES * CEC_STAGE_CHUNKS * VEC_BYTES) // 160 KB
-
 // Thread 0: one bulk copy (TMA) per segment of this CTA's share of a row into a stage, all
-// completing on the stage's mbarrier. Segment c is chunks [c * CEC_THREADS + rank * CEC_BLOCK,
-// + CEC_BLOCK) of the row, clipped to it: contiguous, 16-byte aligned, a multiple of 16 bytes.
+// completing on the stage's mbarrier. Segment c is chunks [c * CEC_CTAS * BLOCK + rank * BLOCK,
+// + BLOCK) of the row, clipped to it: contiguous, 16-byte aligned, a multiple of 16 bytes.
+template <int BLOCK, int MAXC>
 __device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, const __nv_bfloat16* lr,
                                                 int rank, int chunks) {
-  uint32_t bytes[CEC_MAXC];
+  uint32_t bytes[MAXC];
   uint32_t total = 0;
 #pragma unroll
-  for (int c = 0; c < CEC_MAXC; ++c) {
-    const int start = c * CEC_THREADS + rank * CEC_BLOCK;
-    const int n = min(max(chunks - start, 0), CEC_BLOCK);
+  for (int c = 0; c < MAXC; ++c) {
+    const int start = c * CEC_CTAS * BLOCK + rank * BLOCK;
+    const int n = min(max(chunks - start, 0), BLOCK);
     bytes[c] = (uint32_t)n * VEC_BYTES;
     total += bytes[c];
   }
   cec_mbar_expect(mbar, total);
 #pragma unroll
-  for (int c = 0; c < CEC_MAXC; ++c) {
+  for (int c = 0; c < MAXC; ++c) {
     if (bytes[c] == 0) continue;
-    const uint4* src = reinterpret_cast<const uint4*>(lr) + c * CEC_THREADS + rank * CEC_BLOCK;
+    const uint4* src = reinterpret_cast<const uint4*>(lr) + c * CEC_CTAS * BLOCK + rank * BLOCK;
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            cec_smem(stage + c * CEC_BLOCK)),
+            cec_smem(stage + c * BLOCK)),
         "l"(src), "r"(bytes[c]), "r"(mbar)
         : "memory");
   }
@@ -323,9 +317,9 @@ __device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, con
 // A cluster barrier (barrier.cluster.arrive.release) waits for the thread's outstanding loads, so
 // with one the next row's loads could not overlap this row's math (measured: 0.727 ms instead of
 // the ~0.3 ms the bandwidth allows for 2048 x 151,936). Instead each CTA's thread 0 pushes its
-// value into slot [rank] of every CTA of the cluster with st.async, which completes bytes on the
-// receiver's mbarrier; the receiver waits for the expected bytes (one phase per row) and reads
-// its own slots. No fence, no barrier: the loads in flight stay in flight.
+// state into slot [rank] of every CTA of the cluster with st.async, which completes bytes on the
+// receiver's mbarrier; the receiver waits for the expected bytes (one phase per use of the
+// buffer) and reads its own slots. No fence, no barrier: the loads in flight stay in flight.
 
 // The shared::cluster address of `addr` (a shared::cta address of this CTA) in CTA `rank`.
 __device__ __forceinline__ uint32_t cec_remote(uint32_t addr, uint32_t rank) {
@@ -337,7 +331,6 @@ __device__ __forceinline__ uint32_t cec_remote(uint32_t addr, uint32_t rank) {
 __device__ __forceinline__ void cec_mbar_init(uint32_t mbar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar));
 }
-
 
 // Waits for phase `parity` of a local mbarrier, acquiring at cluster scope: the message barriers'
 // bytes come from other CTAs' st.async (a release at cluster scope), and only a cluster-scope
@@ -357,207 +350,283 @@ __device__ __forceinline__ void cec_mbar_wait(uint32_t mbar, uint32_t parity) {
   }
 }
 
-__device__ __forceinline__ void cec_send1(uint32_t slot, uint32_t mbar, uint32_t rank, uint32_t v) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+__device__ __forceinline__ void cec_send(uint32_t slot, uint32_t mbar, uint32_t rank, uint4 v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
                    cec_remote(slot, rank)),
-               "r"(v), "r"(cec_remote(mbar, rank))
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cec_remote(mbar, rank))
                : "memory");
 }
 
-__device__ __forceinline__ void cec_send2(uint32_t slot, uint32_t mbar, uint32_t rank, uint32_t a,
-                                          uint32_t b) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
-                   cec_remote(slot, rank)),
-               "r"(a), "r"(b), "r"(cec_remote(mbar, rank))
-               : "memory");
+// A softmax state of a set of a row's elements (m, s = sum 2^((x - m) L), i = the lowest index
+// holding m); the empty set is (-inf, 0, CEC_NO_INDEX). The merge is symmetric in its arguments
+// (the winner is chosen by (m, i) alone and its sum comes first), the empty state is its identity
+// (a state with s == 0 adds exactly 0), and a NaN in either gives a NaN sum.
+struct CecState {
+  float m;
+  float s;
+  int i;
+};
+
+__device__ __forceinline__ CecState cec_merge(const CecState& a, const CecState& b) {
+  const bool b_wins = b.m > a.m || (b.m == a.m && b.i < a.i);
+  const float hi_m = b_wins ? b.m : a.m, hi_s = b_wins ? b.s : a.s;
+  const float lo_m = b_wins ? a.m : b.m, lo_s = b_wins ? a.s : b.s;
+  const float lo_scaled =
+      lo_s == 0.0f ? 0.0f : (lo_m == hi_m ? lo_s : lo_s * ex2_approx((lo_m - hi_m) * CE_LOG2E));
+  return CecState{hi_m, hi_s + lo_scaled, b_wins ? b.i : a.i};
 }
 
-extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CEC_BLOCK, 1)
-    cross_entropy_cluster_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
-                               const float* __restrict__ weights, long long rows, int vocab,
-                               float grad_scale, float* __restrict__ loss,
-                               int* __restrict__ argmax) {
-  __shared__ float warp_f[CEC_WARPS];
-  __shared__ int warp_i[CEC_WARPS];
-  __shared__ float label_logit;
-  // Slot [r]: CTA r's max, and its (sum, first index of the max) pair; one mbarrier for each.
-  __shared__ float slot_m[CEC_CTAS];
-  __shared__ __align__(8) uint32_t slot_si[CEC_CTAS][2];
-  __shared__ __align__(8) uint64_t mbar_m, mbar_si;
-  __shared__ __align__(8) uint64_t mbar_full[CEC_STAGES]; // stage s holds its row
-  extern __shared__ __align__(128) uint4 cec_stage[];     // [CEC_STAGES][CEC_MAXC][CEC_BLOCK]
+__device__ __forceinline__ CecState cec_shfl_down(const CecState& st, int offset) {
+  return CecState{__shfl_down_sync(0xFFFFFFFFu, st.m, offset), __shfl_down_sync(0xFFFFFFFFu, st.s, offset),
+                  __shfl_down_sync(0xFFFFFFFFu, st.i, offset)};
+}
+
+__device__ __forceinline__ CecState cec_unslot(const uint4& v) {
+  return CecState{__uint_as_float(v.x), __uint_as_float(v.y), (int)v.z};
+}
+
+// BLOCK threads per CTA, MAXC chunks of 8 per thread, STAGES row shares in the ring. Two modes:
+// - registers (FROM_SMEM false): each thread copies its chunks into registers and keeps the
+//   exponentials in f32 registers from the sum to the gradient (one MUFU op per element); a stage
+//   is refilled as soon as every thread copied it (the row's block barrier);
+// - shared memory (FROM_SMEM true): every pass reads the chunks from the stage, and the gradient
+//   recomputes the exponentials (two MUFU ops per element, few registers: two CTAs fit on an SM);
+//   a stage is refilled at the next row's block barrier, after every thread's last read of it.
+template <int BLOCK, int MAXC, int STAGES, bool FROM_SMEM>
+__device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __restrict__ labels,
+                                         const float* __restrict__ weights, long long rows, int vocab,
+                                         float grad_scale, float* __restrict__ loss,
+                                         int* __restrict__ argmax) {
+  constexpr int WARPS = BLOCK / 32;
+  constexpr int THREADS = CEC_CTAS * BLOCK;
+  constexpr int STAGE_CHUNKS = MAXC * BLOCK;
+  static_assert(WARPS >= 2 && WARPS <= 32 && (WARPS & (WARPS - 1)) == 0, "warp tree: a power of 2");
+  __shared__ float warp_m[WARPS];
+  __shared__ float warp_s[WARPS];
+  __shared__ int warp_i[WARPS];
+  // Buffer p's slot [r]: CTA r's state for this CTA's rows of parity p; one mbarrier per buffer.
+  __shared__ __align__(16) uint4 slot[2][CEC_CTAS];
+  __shared__ __align__(8) uint64_t mbar_msg[2];
+  __shared__ __align__(8) uint64_t mbar_full[STAGES]; // stage s holds its row
+  extern __shared__ __align__(128) uint4 cec_stage[];     // [STAGES][MAXC][BLOCK]
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (blockDim.x != CEC_BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
-      vocab > CEC_MAX_VOCAB || !is_vec_aligned(logits) || dyn_smem < CEC_SMEM_BYTES) {
+  if (blockDim.x != BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
+      vocab > THREADS * MAXC * BF16_PER_VEC || !is_vec_aligned(logits) || rows > INT_MAX - (long long)gridDim.x * STAGES ||
+      dyn_smem < STAGES * STAGE_CHUNKS * VEC_BYTES) {
     __trap();
   }
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = (int)cluster.block_rank();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = rank * CEC_BLOCK + tid;
+  const int g = rank * BLOCK + tid;
   const int chunks = vocab / BF16_PER_VEC;
-  const index_t clusters = gridDim.x / CEC_CTAS;
+  const int clusters = (int)gridDim.x / CEC_CTAS;
   const float L2E = CE_LOG2E;
 
-  const uint32_t mb_m = cec_smem(&mbar_m), mb_si = cec_smem(&mbar_si);
-  const index_t first = blockIdx.x / CEC_CTAS; // the cluster's first row
+  const int first = (int)blockIdx.x / CEC_CTAS; // the cluster's first row
   if (tid == 0) {
-    cec_mbar_init(mb_m);
-    cec_mbar_init(mb_si);
-    for (int st = 0; st < CEC_STAGES; ++st) cec_mbar_init(cec_smem(&mbar_full[st]));
+    cec_mbar_init(cec_smem(&mbar_msg[0]));
+    cec_mbar_init(cec_smem(&mbar_msg[1]));
+    for (int st = 0; st < STAGES; ++st) cec_mbar_init(cec_smem(&mbar_full[st]));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the barriers, to the TMA unit
-    // The prologue: the first CEC_STAGES rows in flight.
-    for (int st = 0; st < CEC_STAGES; ++st) {
-      const index_t r = first + st * clusters;
+    // The prologue: the first STAGES rows in flight.
+    for (int st = 0; st < STAGES; ++st) {
+      const int r = first + st * clusters;
       if (r < rows) {
-        cec_issue_share(cec_stage + st * CEC_STAGE_CHUNKS, cec_smem(&mbar_full[st]),
-                        logits + r * vocab, rank, chunks);
+        cec_issue_share<BLOCK, MAXC>(cec_stage + st * STAGE_CHUNKS, cec_smem(&mbar_full[st]),
+                                     logits + (index_t)r * vocab, rank, chunks);
       }
     }
   }
   cluster.sync(); // every mbarrier is initialised before any CTA sends
 
-  uint32_t parity = 0; // of this row's phase of mbar_m and mbar_si
-  int it = 0;          // this CTA's row count: the row sits in stage it % CEC_STAGES
-  for (index_t row = first; row < rows; row += clusters, ++it) { // uniform over the cluster
-    __nv_bfloat16* lr = logits + row * vocab;
-    const int st = it % CEC_STAGES;
-    const uint4* stage = cec_stage + st * CEC_STAGE_CHUNKS;
-    cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / CEC_STAGES) & 1u);
-    uint4 raw[CEC_MAXC];
-#pragma unroll
-    for (int c = 0; c < CEC_MAXC; ++c) {
-      // Past the row: -inf bits (0xFF80), which no max, sum or index search picks up.
-      raw[c] = g + c * CEC_THREADS < chunks ? stage[c * CEC_BLOCK + tid]
-                                            : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+  // Each row's weight and label are loaded one row ahead (their latency is off the row's path).
+  float w_next = first < rows ? weights[first] : 0.0f;
+  int label_next = first < rows ? labels[first] : 0;
+  int it = 0; // this CTA's row count: the row sits in stage it % STAGES
+  for (int row = first; row < rows; row += clusters, ++it) { // uniform over the cluster
+    const float w = w_next;
+    const int label = label_next;
+    if (row + clusters < rows) {
+      w_next = weights[row + clusters];
+      label_next = labels[row + clusters];
     }
-    const float w = weights[row];
-    const int label = labels[row];
-    const bool supervised = w != 0.0f && label >= 0 && label < vocab;
-    if (tid == 0) label_logit = supervised ? bf16_to_f32(lr[label]) : 0.0f;
-
-    // 2. The max.
-    uint32_t mp = raw[0].x;
+    __nv_bfloat16* lr = logits + (index_t)row * vocab;
+    const int st = it % STAGES;
+    const uint4* stage = cec_stage + st * STAGE_CHUNKS;
+    cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / STAGES) & 1u);
+    // Chunk c of this thread; past the row: -inf bits (0xFF80), which add 2^-inf = 0 and lose
+    // every max.
+    uint4 raw[FROM_SMEM ? 1 : MAXC];
+    if constexpr (!FROM_SMEM) {
 #pragma unroll
-    for (int c = 0; c < CEC_MAXC; ++c) {
-      mp = bf16x2_max(mp, bf16x2_max(bf16x2_max(raw[c].x, raw[c].y), bf16x2_max(raw[c].z, raw[c].w)));
+      for (int c = 0; c < MAXC; ++c) {
+        raw[c] = g + c * THREADS < chunks ? stage[c * BLOCK + tid]
+                                          : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+      }
+    }
+    auto chunk = [&](int c) -> uint4 {
+      if (g + c * THREADS >= chunks) return make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+      if constexpr (FROM_SMEM) {
+        return stage[c * BLOCK + tid];
+      } else {
+        return raw[c];
+      }
+    };
+    const bool supervised = w != 0.0f && label >= 0 && label < vocab;
+    // The thread owning the label's chunk reads x[label] (before its CTA's message, so before
+    // any CTA writes the row) for the loss and the one-hot term.
+    const bool owner = supervised && g == (label >> 3) % THREADS;
+    const float x_label = owner ? bf16_to_f32(lr[label]) : 0.0f;
+
+    // 2. This warp's max, the first index holding it, and the exponentials against it.
+    uint32_t mp = 0xFF80FF80u;
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c) {
+      const uint4 v = chunk(c);
+      mp = bf16x2_max(mp, bf16x2_max(bf16x2_max(v.x, v.y), bf16x2_max(v.z, v.w)));
     }
     const float my_m = fmaxf(bf16x2_lo_to_f32(mp), bf16x2_hi_to_f32(mp)); // fmaxf skips NaNs too
-    float m = my_m;
+    float wm = my_m;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (lane == 0) warp_f[warp] = m;
-    __syncthreads();
-    if (tid == 0) {
-      // Every thread has read the stage (barrier above): it takes the row CEC_STAGES ahead.
-      const index_t ahead = row + CEC_STAGES * clusters;
-      if (ahead < rows) {
-        // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
-        // PTX memory model orders the two only through a proxy fence.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        cec_issue_share(cec_stage + st * CEC_STAGE_CHUNKS, cec_smem(&mbar_full[st]),
-                        logits + ahead * vocab, rank, chunks);
-      }
-      float bm = warp_f[0];
-#pragma unroll
-      for (int v = 1; v < CEC_WARPS; ++v) bm = fmaxf(bm, warp_f[v]);
-      cec_mbar_expect(mb_m, CEC_CTAS * 4);
-#pragma unroll
-      for (int r = 0; r < CEC_CTAS; ++r) cec_send1(cec_smem(&slot_m[rank]), mb_m, r, __float_as_uint(bm));
-    }
-    cec_mbar_wait(mb_m, parity); // A: every CTA's max is here
-    const float x_label = label_logit; // read before this row's sum barrier (see below)
-    float row_m = slot_m[0];
-#pragma unroll
-    for (int r = 1; r < CEC_CTAS; ++r) row_m = fmaxf(row_m, slot_m[r]);
-
-    // 3. Exponentials, their sum, and the first index of the max.
+    for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, o));
     int my_i = CEC_NO_INDEX;
-    if (my_m == row_m) { // only the few threads holding the max search (a NaN m matches none)
+    if (my_m == wm) { // only the few threads holding the warp's max search (a NaN matches none)
 #pragma unroll
-      for (int c = CEC_MAXC - 1; c >= 0; --c) { // backwards: the last hit is the lowest index
+      for (int c = MAXC - 1; c >= 0; --c) { // backwards: the last hit is the lowest index
         float f[8];
-        bf16x8_unpack(raw[c], f);
+        bf16x8_unpack(chunk(c), f);
 #pragma unroll
         for (int j = 7; j >= 0; --j) {
-          if (f[j] == row_m) my_i = (g + c * CEC_THREADS) * BF16_PER_VEC + j;
+          if (f[j] == wm) my_i = (g + c * THREADS) * BF16_PER_VEC + j;
         }
       }
     }
-    const float m2 = row_m * L2E;
-    float e[CEC_MAXC][8];
+    const int wi = __reduce_min_sync(0xFFFFFFFFu, my_i);
+    // A warp whose elements are all -inf exponentiates against 0 (e = 0, s = 0) instead of
+    // -inf - -inf = NaN; its state is then (-inf, 0, its index), which every finite state beats.
+    const float ref = wm == -INFINITY ? 0.0f : wm;
+    const float refl = ref * L2E;
+    float e[FROM_SMEM ? 1 : MAXC][8];
     float s = 0.0f;
 #pragma unroll
-    for (int c = 0; c < CEC_MAXC; ++c) {
+    for (int c = 0; c < MAXC; ++c) {
       float f[8];
-      bf16x8_unpack(raw[c], f);
+      bf16x8_unpack(chunk(c), f);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        e[c][j] = ex2_approx(fmaf(f[j], L2E, -m2)); // past the row: 2^-inf = 0
-        s += e[c][j];
+        const float ej = ex2_approx(fmaf(f[j], L2E, -refl)); // past the row: 2^-inf = 0
+        if constexpr (!FROM_SMEM) e[c][j] = ej;
+        s += ej;
       }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-      my_i = min(my_i, __shfl_xor_sync(0xFFFFFFFFu, my_i, o));
-    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
     if (lane == 0) {
-      warp_f[warp] = s;
-      warp_i[warp] = my_i;
+      warp_m[warp] = wm;
+      warp_s[warp] = s;
+      warp_i[warp] = wi;
     }
     __syncthreads();
-    if (tid == 0) {
-      float bs = warp_f[0];
-      int bi = warp_i[0];
+
+    // 3. The CTA's state, to every CTA of the cluster; the stage's refill.
+    const int buf = it & 1;
+    if (warp == 0) {
+      CecState cs = lane < WARPS ? CecState{warp_m[lane], warp_s[lane], warp_i[lane]}
+                                 : CecState{-INFINITY, 0.0f, CEC_NO_INDEX};
 #pragma unroll
-      for (int v = 1; v < CEC_WARPS; ++v) {
-        bs += warp_f[v];
-        bi = min(bi, warp_i[v]);
+      for (int o = WARPS / 2; o > 0; o >>= 1) cs = cec_merge(cs, cec_shfl_down(cs, o));
+      if (lane == 0) {
+        const uint32_t mb = cec_smem(&mbar_msg[buf]);
+        cec_mbar_expect(mb, CEC_CTAS * (uint32_t)sizeof(uint4));
+        const uint4 msg = make_uint4(__float_as_uint(cs.m), __float_as_uint(cs.s), (uint32_t)cs.i, 0u);
+#pragma unroll
+        for (int r = 0; r < CEC_CTAS; ++r) cec_send(cec_smem(&slot[buf][rank]), mb, r, msg);
+        // The stage every thread has finished reading (barrier above) takes the row STAGES
+        // after its own: this row's stage in register mode, the previous row's in shared mode.
+        const int done = FROM_SMEM ? it - 1 : it;
+        const int ahead = row + (STAGES - (FROM_SMEM ? 1 : 0)) * clusters;
+        if (done >= 0 && ahead < rows) {
+          // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
+          // PTX memory model orders the two only through a proxy fence.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          const int ds = done % STAGES;
+          cec_issue_share<BLOCK, MAXC>(cec_stage + ds * STAGE_CHUNKS, cec_smem(&mbar_full[ds]),
+                                       logits + (index_t)ahead * vocab, rank, chunks);
+        }
       }
-      cec_mbar_expect(mb_si, CEC_CTAS * 8);
-#pragma unroll
-      for (int r = 0; r < CEC_CTAS; ++r) {
-        cec_send2(cec_smem(&slot_si[rank][0]), mb_si, r, __float_as_uint(bs), (uint32_t)bi);
-      }
-    }
-    cec_mbar_wait(mb_si, parity); // B: every CTA's sum and index are here
-    parity ^= 1u;
-    float row_s = __uint_as_float(slot_si[0][0]);
-    int row_i = (int)slot_si[0][1];
-#pragma unroll
-    for (int r = 1; r < CEC_CTAS; ++r) {
-      row_s += __uint_as_float(slot_si[r][0]);
-      row_i = min(row_i, (int)slot_si[r][1]);
-    }
-    if (rank == 0 && tid == 0) {
-      argmax[row] = row_i == CEC_NO_INDEX ? 0 : row_i;
-      loss[row] = supervised ? w * ((row_m + logf(row_s)) - x_label) : 0.0f;
     }
 
-    // 4. The gradient over this thread's chunks.
+    // 4. The row's state (a fixed tree over the CTAs: the same bits in every CTA), the gradient.
+    cec_mbar_wait(cec_smem(&mbar_msg[buf]), (uint32_t)(it >> 1) & 1u);
+    // Depth first ((0 1)(2 3))((4 5)(6 7)): few states live at once.
+    static_assert(CEC_CTAS == 8, "the merge tree below is written for clusters of 8");
+    const CecState row_st = cec_merge(
+        cec_merge(cec_merge(cec_unslot(slot[buf][0]), cec_unslot(slot[buf][1])),
+                  cec_merge(cec_unslot(slot[buf][2]), cec_unslot(slot[buf][3]))),
+        cec_merge(cec_merge(cec_unslot(slot[buf][4]), cec_unslot(slot[buf][5])),
+                  cec_merge(cec_unslot(slot[buf][6]), cec_unslot(slot[buf][7]))));
+    if (rank == 0 && tid == 0) {
+      argmax[row] = row_st.i == CEC_NO_INDEX ? 0 : row_st.i;
+      if (!supervised) loss[row] = 0.0f;
+    }
+    if (owner) loss[row] = w * ((row_st.m + logf(row_st.s)) - x_label);
     uint4* out = reinterpret_cast<uint4*>(lr);
-    const float coef = grad_scale * w, scale = coef / row_s;
+    const float coef = grad_scale * w;
+    // 2^((m_w - m) L) rescales this warp's e to the row's max; an all -inf warp's e are all 0
+    // (its factor, against ref = 0, could overflow to inf and give inf * 0 = NaN).
+    const float scale = wm == -INFINITY ? 0.0f : (coef / row_st.s) * ex2_approx((wm - row_st.m) * L2E);
 #pragma unroll
-    for (int c = 0; c < CEC_MAXC; ++c) {
-      const int k = g + c * CEC_THREADS;
+    for (int c = 0; c < MAXC; ++c) {
+      const int k = g + c * THREADS;
       if (k < chunks) {
         float f[8];
+        if constexpr (!FROM_SMEM) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = supervised ? scale * e[c][j] : 0.0f;
+          for (int j = 0; j < 8; ++j) f[j] = supervised ? scale * e[c][j] : 0.0f;
+        } else if (supervised) {
+          // The same two instructions as the sum's: the same bits.
+          bf16x8_unpack(chunk(c), f);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) f[j] = scale * ex2_approx(fmaf(f[j], L2E, -refl));
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+        }
         __stcs(out + k, bf16x8_pack_rn_fast(f));
       }
     }
-    // The label's element, rewritten by the thread that just wrote its chunk (program order: this
-    // store lands last). e_label is the very e[c][j] above: same input, same two instructions.
-    if (supervised && g == (label >> 3) % CEC_THREADS) {
-      const float e_label = ex2_approx(fmaf(x_label, L2E, -m2));
+    // The label's element again, with the one-hot term subtracted, by the thread that just wrote
+    // its chunk (program order: this store lands last). e_label is the very e[c][j] above: same
+    // input, same two instructions.
+    if (owner) {
+      const float e_label = ex2_approx(fmaf(x_label, L2E, -refl));
       lr[label] = __float2bfloat16_rn(fmaf(scale, e_label, -coef));
     }
   }
   cluster.sync(); // no CTA exits while a message to it may be in flight
+}
+
+// vocab % 8 == 0 in [32,768, 163,840]: one CTA of 16 warps per SM, 40 elements per thread kept as
+// f32 exponentials, a 4-stage ring (160 KB).
+extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(512, 1)
+    cross_entropy_cluster_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
+                               const float* __restrict__ weights, long long rows, int vocab,
+                               float grad_scale, float* __restrict__ loss,
+                               int* __restrict__ argmax) {
+  cec_rows<512, 5, 4, false>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
+}
+
+// The same range with two CTAs per SM (two rows in flight on each SM, and every SM in a
+// cluster): every pass reads the 2-stage ring (80 KB), the gradient recomputes the exponentials.
+extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(512, 2)
+    cross_entropy_cluster2_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
+                                const float* __restrict__ weights, long long rows, int vocab,
+                                float grad_scale, float* __restrict__ loss,
+                                int* __restrict__ argmax) {
+  cec_rows<512, 5, 2, true>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
 }
 
 extern "C" __global__ void __launch_bounds__(CE_BLOCK)

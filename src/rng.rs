@@ -99,6 +99,12 @@ impl Philox {
         Self { key: seed_key(seed), hi: stream, block: 0, buf: [0; 4], used: 4 }
     }
 
+    /// The same stream from its `block`-th Philox block on (`new` starts at block 0): draws that
+    /// take whole blocks (`normal` takes exactly one) can be split across threads.
+    pub fn at_block(seed: u64, stream: [u32; 2], block: u64) -> Self {
+        Self { block, ..Self::new(seed, stream) }
+    }
+
     pub fn next_u32(&mut self) -> u32 {
         if self.used == 4 {
             let b = self.block;
@@ -147,6 +153,16 @@ impl Philox {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn normal_takes_one_block_so_streams_can_be_split() {
+        let mut seq = Philox::new(9, [3, 4]);
+        let all: Vec<f64> = (0..40).map(|_| seq.normal()).collect();
+        for start in [0u64, 1, 17, 39] {
+            let mut r = Philox::at_block(9, [3, 4], start);
+            assert_eq!(r.normal().to_bits(), all[start as usize].to_bits(), "block {start}");
+        }
+    }
+
     use super::*;
 
     /// Known-answer vectors of Random123's `kat_vectors` for philox4x32_10.

@@ -460,8 +460,9 @@ fn gpu_loss_optimizer_reductions_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
     // 151,936 (Qwen3), 40,000 and 163,840 take the register-resident cluster kernel (8 CTAs per
     // row, up to 5 chunks of 8 per thread: 163,840 fills every chunk); 163,848 is one chunk over
-    // its limit and 256 and 1000 are under its floor: the streaming kernel.
-    for (rows, vocab) in [(5, 256), (33, 151_936), (3, 1000), (9, 40_000), (4, 163_840), (3, 163_848)] {
+    // its limit and 256 and 1000 are under its floor: the streaming kernel. 260 rows give every
+    // cluster several rows: each stage of its ring and each message buffer is reused.
+    for (rows, vocab) in [(5, 256), (33, 151_936), (260, 151_936), (3, 1000), (9, 40_000), (4, 163_840), (3, 163_848)] {
         let logits = rand(rows * vocab, 90, 3.0);
         let mut labels: Vec<i32> = (0..rows as i32 + 1).map(|i| (i * 7919) % vocab as i32).collect();
         labels[2] = -1;

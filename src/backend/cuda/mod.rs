@@ -120,7 +120,7 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 13] = [
+const OTHERS: [&str; 14] = [
     "attn_draft_kv_ranges",
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
@@ -131,6 +131,7 @@ const OTHERS: [&str; 13] = [
     "swiglu_bwd_bf16",
     "cross_entropy_bf16",
     "cross_entropy_cluster_bf16",
+    "cross_entropy_cluster2_bf16",
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
@@ -145,15 +146,30 @@ const RMS_CHUNKS_PER_LANE: usize = 4;
 const RMS_SLAB_PAD: usize = 4;
 const RMS_BWD_TARGET_PARTS: usize = 1024;
 const CE_BLOCK: u32 = 512;
-/// cross_entropy_cluster_bf16: CTAs per row (its compiled-in cluster), threads per CTA, and the
-/// vocab range it takes: up to 8 CTAs x 512 threads x 5 chunks of 8 = 163,840 (a row held in
-/// registers); from 32,768, below which a row stays in L2 between the streaming kernel's two
-/// passes anyway.
+/// The register-resident cross-entropy kernels (kernels/cross_entropy.cu): a cluster of CEC_CTAS
+/// CTAs per row, each thread holding `chunks` chunks of 8; vocab from 32,768 (below which a row
+/// stays in L2 between the streaming kernel's two passes anyway) to CEC_CTAS x block x chunks x 8.
 const CEC_CTAS: usize = 8;
-const CEC_BLOCK: u32 = 512;
-const CEC_VOCAB: std::ops::RangeInclusive<usize> = 32_768..=163_840;
-/// Its dynamic shared memory: 4 stages of a row share (5 x 512 chunks of 16 bytes).
-const CEC_SMEM: u32 = 4 * 5 * 512 * 16;
+#[derive(Clone, Copy, Debug)]
+struct CeCluster {
+    name: &'static str,
+    block: u32,
+    chunks: u32,
+    stages: u32,
+}
+const CE_CLUSTER_KERNELS: [CeCluster; 2] = [
+    CeCluster { name: "cross_entropy_cluster_bf16", block: 512, chunks: 5, stages: 4 },
+    CeCluster { name: "cross_entropy_cluster2_bf16", block: 512, chunks: 5, stages: 2 },
+];
+impl CeCluster {
+    fn max_vocab(&self) -> usize {
+        CEC_CTAS * (self.block * self.chunks * 8) as usize
+    }
+    /// Dynamic shared memory: `stages` stages of a row share (chunks x block x 16 bytes).
+    fn smem(&self) -> u32 {
+        self.stages * self.chunks * self.block * 16
+    }
+}
 const SUMSQ_PARTS: u32 = 1024;
 const SUMSQ_BLOCK: u32 = 256;
 const MAX_TAPS: usize = 16;
@@ -168,7 +184,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: u32,
-    /// Co-resident cross_entropy_cluster_bf16 clusters (the grid it is launched with).
+    /// The cross-entropy cluster kernel and its co-resident cluster count (the grid it is
+    /// launched with).
+    ce_cluster: CeCluster,
     ce_clusters: usize,
     /// Contexts (by address) whose memory this device's peer copies may read directly.
     peers: Mutex<Vec<usize>>,
@@ -259,7 +277,7 @@ impl CudaBackend {
             if k.starts_with("attn_")
                 || k.starts_with("fc_")
                 || *k == "rmsnorm_bwd_bf16"
-                || *k == "cross_entropy_cluster_bf16"
+                || k.starts_with("cross_entropy_cluster")
             {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
@@ -282,17 +300,21 @@ impl CudaBackend {
             }
         }
         // How many cross-entropy clusters (CEC_CTAS CTAs each) are resident at once: the kernel
-        // runs exactly that many, each streaming rows with the next row's loads in flight.
+        // runs exactly that many, each streaming rows with the next rows' loads in flight.
+        let ce_cluster = match std::env::var("DFLASH_CE_CLUSTER").as_deref() {
+            Ok("2") => CE_CLUSTER_KERNELS[1],
+            _ => CE_CLUSTER_KERNELS[0],
+        };
         let ce_clusters = {
-            let func = f["cross_entropy_cluster_bf16"];
+            let func = f[ce_cluster.name];
             let config = sys::CUlaunchConfig {
                 gridDimX: CEC_CTAS as u32,
                 gridDimY: 1,
                 gridDimZ: 1,
-                blockDimX: CEC_BLOCK,
+                blockDimX: ce_cluster.block,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: CEC_SMEM,
+                sharedMemBytes: ce_cluster.smem(),
                 hStream: std::ptr::null_mut(),
                 attrs: std::ptr::null_mut(),
                 numAttrs: 0,
@@ -302,9 +324,9 @@ impl CudaBackend {
             // config (the cluster shape is compiled into the kernel, so no attributes).
             unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
                 .result()
-                .map_err(|e| format!("occupancy of cross_entropy_cluster_bf16: {e:?}"))?;
+                .map_err(|e| format!("occupancy of {}: {e:?}", ce_cluster.name))?;
             if n < 1 {
-                return Err(format!("cross_entropy_cluster_bf16 fits no cluster of {CEC_CTAS} CTAs on this GPU"));
+                return Err(format!("{} fits no cluster of {CEC_CTAS} CTAs on this GPU", ce_cluster.name));
             }
             n as usize
         };
@@ -317,6 +339,7 @@ impl CudaBackend {
             kernels: Kernels { f },
             blas,
             sm_count,
+            ce_cluster,
             ce_clusters,
             peers: Mutex::new(Vec::new()),
             name,
@@ -431,7 +454,7 @@ fn kernel_family(name: &str) -> &'static str {
         n if n.starts_with("sum_") => "reduce",
         "pack_taps_noise_bf16" => "pack",
         "rope_bf16" => "rope",
-        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" => "cross_entropy",
+        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" | "cross_entropy_cluster2_bf16" => "cross_entropy",
         "adamw_f32" => "adamw",
         _ => "elementwise",
     }
@@ -1253,9 +1276,10 @@ impl Backend for CudaBackend {
         }
         // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
         // stride over rows: the cluster kernel runs one cluster per resident slot.
-        let cluster = vocab % 8 == 0 && logits.ptr % 16 == 0 && CEC_VOCAB.contains(&vocab);
+        let ce = self.ce_cluster;
+        let cluster = vocab % 8 == 0 && logits.ptr % 16 == 0 && (32_768..=ce.max_vocab()).contains(&vocab);
         let (name, grid, block, smem) = if cluster {
-            ("cross_entropy_cluster_bf16", (rows.min(self.ce_clusters) * CEC_CTAS) as u32, CEC_BLOCK, CEC_SMEM)
+            (ce.name, (rows.min(self.ce_clusters) * CEC_CTAS) as u32, ce.block, ce.smem())
         } else {
             ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0)
         };
