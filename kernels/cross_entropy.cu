@@ -207,64 +207,69 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 // flight fit there (4 CTAs x 132 SMs x a 304 KB row is 160 MB, far over the H200's 50 MB), so at
 // a 152K vocab it moves ~6 bytes per element. Here a cluster of CEC_CTAS CTAs (thread blocks on
 // different SMs that can write each other's shared memory) owns a row at a time: each CTA's share
-// of the row arrives in shared memory by bulk copy (TMA) CEC_STAGES - 1 rows ahead, each thread
-// keeps its part in registers from there to the single write (4 bytes per element in all), and
-// the CTAs exchange one online-softmax state each per row: one message round trip.
+// of the row arrives in shared memory by bulk copy (TMA) rows ahead, it stays on chip (registers
+// or the shared-memory ring, see cec_rows) until the single write (4 bytes per element in all),
+// and the CTAs exchange one online-softmax state each per row: one message round trip.
 //
 // Math (x = f32(logits[r, :]); L = log2 e):
 //   m = max_c x[c] (NaNs skipped), argmax = lowest c with x[c] == m (0 if there is none: a row of
-//   NaNs). Each warp w exponentiates against its own max m_w (no wait for the row's):
-//   e[c] = 2^(x[c] L - m_w L) (ex2.approx of one FMA), s_w = sum e[c]; the states (m_w, s_w, i_w)
+//   NaNs). Each CTA q exponentiates its share against its own max m_q (no wait for the row's):
+//   e[c] = 2^(x[c] L - m_q L) (ex2.approx of one FMA), s_q = sum e[c]; the states (m_q, s_q, i_q)
 //   merge as online softmax (s = s_hi + s_lo 2^((m_lo - m_hi) L)) into (m, s, argmax);
 //   lse = m + logf(s);
 //   supervised:  loss[r] = w (lse - x[y]);
-//                logits[r, c] = bf16(k_w e[c] - [c == y] grad_scale w),
-//                k_w = (grad_scale w / s) 2^((m_w - m) L)      (cvt.rn, NaN payloads not kept)
+//                logits[r, c] = bf16(k_q e[c] - [c == y] grad_scale w),
+//                k_q = (grad_scale w / s) 2^((m_q - m) L)      (cvt.rn, NaN payloads not kept)
 //   otherwise:   loss[r] = 0; logits[r, c] = +0.0.
 //   Against the CPU's expf(x - lse): ~1e-6 relative per probability, far under a bf16
 //   gradient's 4e-3 and the 1e-4 loss tolerance. Non-finite logits give a non-finite loss.
 // Layout/preconditions: as cross_entropy_bf16, plus vocab % 8 == 0, logits 16-byte aligned and
-//   vocab <= the kernel's maximum (CEC_THREADS * MAXC * 8; the launcher picks this kernel only
-//   then; it traps otherwise).
+//   vocab <= the kernel's maximum (CEC_CTAS * BLOCK * MAXC * 8; the launcher picks this kernel
+//   only then; it traps otherwise).
 // Algorithm: cluster q (CTAs [CEC_CTAS q, CEC_CTAS q + CEC_CTAS)) takes rows q, q + Q, ... for
 //   Q = gridDim.x / CEC_CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
 //   is cluster thread g = r * BLOCK + t and owns the 8-element chunks g + i * CEC_CTAS * BLOCK,
 //   i < MAXC, in increasing column order; the CTA's share is MAXC contiguous segments of BLOCK
-//   chunks. Thread 0 keeps CEC_STAGES rows' shares in flight (bulk copies completing on the
-//   stage's mbarrier). Per row (the CTA's it-th, in stage it % CEC_STAGES):
-//   1. wait for the stage; each thread copies its chunks into registers (past the row: -inf);
-//      the thread owning the label's chunk reads x[label] (it writes the loss);
-//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp max m_w (every lane); the lowest index
-//      holding m_w (searched only by threads whose own max is m_w; warp min by redux); e[c] into
-//      f32 registers, s per thread in chunk order -> warp (xor butterfly: every lane gets the
-//      same bits);
-//   3. warp states to shared memory, a block barrier (after which thread 0 refills the stage with
-//      the row CEC_STAGES ahead); warp 0 merges them in a fixed tree and lane 0 sends the CTA's
-//      state to every CTA of the cluster (one message, into slot [rank] of buffer it % 2);
-//   4. every thread waits for the CTAS messages and merges them in a fixed tree (the same bits in
-//      every CTA) -> m, s, argmax; then writes the gradient (or zeros) over its own chunks with
-//      streaming stores; the label's owner then rewrites that one element with the one-hot term
-//      subtracted.
+//   chunks. Thread 0 keeps STAGES rows' shares in flight (bulk copies completing on the stage's
+//   mbarrier). Per row (the CTA's it-th, in stage it % STAGES):
+//   1. wait for the stage (register mode: each thread copies its chunks into registers; past the
+//      row: -inf); the thread owning the label's chunk reads x[label] (it writes the loss);
+//   2. thread max (packed bf16x2 max, NaNs skipped) -> warp max -> shared memory; block barrier 1
+//      (after which thread 0 refills a stage every thread has finished reading); every thread
+//      takes the CTA max m_q over the warps in order; the threads holding m_q search its lowest
+//      index; e[c], s per thread in chunk order -> warp (xor butterfly) -> shared memory with the
+//      warp's lowest index (redux); block barrier 2;
+//   3. warp 0 sums the warps in a fixed tree and lane 0 sends (m_q, s_q, i_q) to every CTA of the
+//      cluster (one message, into slot [rank] of buffer it % 2);
+//   4. every thread waits for the CEC_CTAS messages and merges them (butterflies over lanes: the
+//      same bits in every thread of every CTA) -> m, s, argmax; then writes the gradient (or
+//      zeros) over its own chunks with streaming stores; the label's owner then rewrites that one
+//      element with the one-hot term subtracted.
 //   Messages (see "Cluster messages" below) are double-buffered by row parity: a CTA sends row
 //   it + 2's state into buffer it % 2 of another CTA only after that CTA's row it + 1 message
-//   arrived, which it sends only after every one of its threads read row it's slots (block barrier
-//   of step 3). Every read of a row (step 1) precedes the CTA's message and every write of it
-//   follows all CTAS messages; each thread writes only its own chunks: the in-place update is
+//   arrived, which it sends only after every one of its threads read row it's slots (block
+//   barriers of row it + 1). Every read of a row precedes the CTA's message and every write of it
+//   follows all CEC_CTAS messages; each thread writes only its own chunks: the in-place update is
 //   race-free. Every sum's order is fixed by the shapes alone: results are deterministic.
 // Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the rows in
 //           flight to overlap the math; any Q is correct), blockDim.x = BLOCK, the kernel's
-//           CEC_STAGES * MAXC * BLOCK * 16 bytes of dynamic shared memory; the cluster shape is
+//           STAGES * MAXC * BLOCK * 16 bytes of dynamic shared memory; the cluster shape is
 //           compiled in (__cluster_dims__).
 // Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
-// Bound:    memory, with the exponentials (one MUFU op per element: 1/4 of the SFU rate at HBM
-//           speed) and ~6 other instructions per element overlapping the rows in flight.
+// Bound:    memory, with the exponentials (one or two MUFU ops per element: 1/4 or 1/2 of the
+//           SFU rate at HBM speed) and ~6 other instructions per element overlapping the rows in
+//           flight.
 // History (H200, 2048 x 151,936, bench rows of N(0, 1) logits, all supervised): one row per
 //           cluster, 2 CTAs per SM, no prefetch: 0.629 ms (46.5% of copy bandwidth; every CTA
 //           loaded, then computed, in step). Next row prefetched into registers with cluster
 //           barriers: 0.727 ms (the barrier's release waits for the prefetch). With st.async
 //           messages instead of barriers: 0.590 ms (49.6%: one row, 38 KB per SM, in flight).
 //           3 rows ahead in shared memory by TMA, two message round trips per row (the row max,
-//           then the sums): 0.412 ms, 3.02 TB/s, 71.3% of the 4.24 TB/s copy peak.
+//           then the sums): 0.412-0.439 ms, 67-71% of the 4.24 TB/s copy peak. The profiler
+//           then showed 15 co-resident clusters (120 of 132 SMs) and ~12 cycles per issued
+//           instruction. One round trip with every warp exponentiating against its own max (and
+//           every warp searching its max's index): 0.490 ms in register mode, 0.433 ms in shared
+//           mode with two CTAs per SM.
 #define CEC_CTAS 8
 #define CEC_NO_INDEX 0x7FFFFFFF
 
@@ -357,29 +362,13 @@ __device__ __forceinline__ void cec_send(uint32_t slot, uint32_t mbar, uint32_t 
                : "memory");
 }
 
-// A softmax state of a set of a row's elements (m, s = sum 2^((x - m) L), i = the lowest index
-// holding m); the empty set is (-inf, 0, CEC_NO_INDEX). The merge is symmetric in its arguments
-// (the winner is chosen by (m, i) alone and its sum comes first), the empty state is its identity
-// (a state with s == 0 adds exactly 0), and a NaN in either gives a NaN sum.
+// A CTA's softmax state for a row: m = the max of its share, s = sum 2^((x - m) L) over it, i = the
+// lowest index holding m (an all -inf share: (-inf, 0, its lowest index)); the message's words.
 struct CecState {
   float m;
   float s;
   int i;
 };
-
-__device__ __forceinline__ CecState cec_merge(const CecState& a, const CecState& b) {
-  const bool b_wins = b.m > a.m || (b.m == a.m && b.i < a.i);
-  const float hi_m = b_wins ? b.m : a.m, hi_s = b_wins ? b.s : a.s;
-  const float lo_m = b_wins ? a.m : b.m, lo_s = b_wins ? a.s : b.s;
-  const float lo_scaled =
-      lo_s == 0.0f ? 0.0f : (lo_m == hi_m ? lo_s : lo_s * ex2_approx((lo_m - hi_m) * CE_LOG2E));
-  return CecState{hi_m, hi_s + lo_scaled, b_wins ? b.i : a.i};
-}
-
-__device__ __forceinline__ CecState cec_shfl_down(const CecState& st, int offset) {
-  return CecState{__shfl_down_sync(0xFFFFFFFFu, st.m, offset), __shfl_down_sync(0xFFFFFFFFu, st.s, offset),
-                  __shfl_down_sync(0xFFFFFFFFu, st.i, offset)};
-}
 
 __device__ __forceinline__ CecState cec_unslot(const uint4& v) {
   return CecState{__uint_as_float(v.x), __uint_as_float(v.y), (int)v.z};
@@ -481,7 +470,8 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     const bool owner = supervised && g == (label >> 3) % THREADS;
     const float x_label = owner ? bf16_to_f32(lr[label]) : 0.0f;
 
-    // 2. This warp's max, the first index holding it, and the exponentials against it.
+    // 2. The CTA's max (warp maxes through shared memory), the first index holding it, and the
+    //    exponentials against it.
     uint32_t mp = 0xFF80FF80u;
 #pragma unroll
     for (int c = 0; c < MAXC; ++c) {
@@ -492,22 +482,41 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     float wm = my_m;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, o));
+    if (lane == 0) warp_m[warp] = wm;
+    __syncthreads();
+    if (tid == 0) {
+      // The stage every thread has finished reading (barrier above) takes the row STAGES after
+      // its own: this row's stage in register mode (copied to registers above), the previous
+      // row's in shared mode (its last reads were the previous row's gradient pass).
+      const int done = FROM_SMEM ? it - 1 : it;
+      const int ahead = row + (STAGES - (FROM_SMEM ? 1 : 0)) * clusters;
+      if (done >= 0 && ahead < rows) {
+        // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
+        // PTX memory model orders the two only through a proxy fence.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const int ds = done % STAGES;
+        cec_issue_share<BLOCK, MAXC>(cec_stage + ds * STAGE_CHUNKS, cec_smem(&mbar_full[ds]),
+                                     logits + (index_t)ahead * vocab, rank, chunks);
+      }
+    }
+    float cm = warp_m[0];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) cm = fmaxf(cm, warp_m[v]);
     int my_i = CEC_NO_INDEX;
-    if (my_m == wm) { // only the few threads holding the warp's max search (a NaN matches none)
+    if (my_m == cm) { // only the few threads holding the CTA's max search (a NaN matches none)
 #pragma unroll
       for (int c = MAXC - 1; c >= 0; --c) { // backwards: the last hit is the lowest index
         float f[8];
         bf16x8_unpack(chunk(c), f);
 #pragma unroll
         for (int j = 7; j >= 0; --j) {
-          if (f[j] == wm) my_i = (g + c * THREADS) * BF16_PER_VEC + j;
+          if (f[j] == cm) my_i = (g + c * THREADS) * BF16_PER_VEC + j;
         }
       }
     }
-    const int wi = __reduce_min_sync(0xFFFFFFFFu, my_i);
-    // A warp whose elements are all -inf exponentiates against 0 (e = 0, s = 0) instead of
+    // A CTA whose elements are all -inf exponentiates against 0 (e = 0, s = 0) instead of
     // -inf - -inf = NaN; its state is then (-inf, 0, its index), which every finite state beats.
-    const float ref = wm == -INFINITY ? 0.0f : wm;
+    const float ref = cm == -INFINITY ? 0.0f : cm;
     const float refl = ref * L2E;
     float e[FROM_SMEM ? 1 : MAXC][8];
     float s = 0.0f;
@@ -524,50 +533,48 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    const int wi = __reduce_min_sync(0xFFFFFFFFu, my_i);
     if (lane == 0) {
-      warp_m[warp] = wm;
       warp_s[warp] = s;
       warp_i[warp] = wi;
     }
     __syncthreads();
 
-    // 3. The CTA's state, to every CTA of the cluster; the stage's refill.
+    // 3. The CTA's state (sums in a fixed tree over the warps), to every CTA of the cluster.
+    //    warp_m is rewritten (next row) only after the barrier above, which every thread reached
+    //    after reading it; warp_s and warp_i only after the next row's first barrier, which warp 0
+    //    reaches after reading them.
     const int buf = it & 1;
     if (warp == 0) {
-      CecState cs = lane < WARPS ? CecState{warp_m[lane], warp_s[lane], warp_i[lane]}
-                                 : CecState{-INFINITY, 0.0f, CEC_NO_INDEX};
+      float cs = lane < WARPS ? warp_s[lane] : 0.0f;
 #pragma unroll
-      for (int o = WARPS / 2; o > 0; o >>= 1) cs = cec_merge(cs, cec_shfl_down(cs, o));
+      for (int o = WARPS / 2; o > 0; o >>= 1) cs += __shfl_down_sync(0xFFFFFFFFu, cs, o);
+      const int ci = __reduce_min_sync(0xFFFFFFFFu, lane < WARPS ? warp_i[lane] : CEC_NO_INDEX);
       if (lane == 0) {
         const uint32_t mb = cec_smem(&mbar_msg[buf]);
         cec_mbar_expect(mb, CEC_CTAS * (uint32_t)sizeof(uint4));
-        const uint4 msg = make_uint4(__float_as_uint(cs.m), __float_as_uint(cs.s), (uint32_t)cs.i, 0u);
+        const uint4 msg = make_uint4(__float_as_uint(cm), __float_as_uint(cs), (uint32_t)ci, 0u);
 #pragma unroll
         for (int r = 0; r < CEC_CTAS; ++r) cec_send(cec_smem(&slot[buf][rank]), mb, r, msg);
-        // The stage every thread has finished reading (barrier above) takes the row STAGES
-        // after its own: this row's stage in register mode, the previous row's in shared mode.
-        const int done = FROM_SMEM ? it - 1 : it;
-        const int ahead = row + (STAGES - (FROM_SMEM ? 1 : 0)) * clusters;
-        if (done >= 0 && ahead < rows) {
-          // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
-          // PTX memory model orders the two only through a proxy fence.
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          const int ds = done % STAGES;
-          cec_issue_share<BLOCK, MAXC>(cec_stage + ds * STAGE_CHUNKS, cec_smem(&mbar_full[ds]),
-                                       logits + (index_t)ahead * vocab, rank, chunks);
-        }
       }
     }
 
-    // 4. The row's state (a fixed tree over the CTAs: the same bits in every CTA), the gradient.
+    // 4. The row's state (the same bits in every thread of every CTA), the gradient.
     cec_mbar_wait(cec_smem(&mbar_msg[buf]), (uint32_t)(it >> 1) & 1u);
-    // Depth first ((0 1)(2 3))((4 5)(6 7)): few states live at once.
-    static_assert(CEC_CTAS == 8, "the merge tree below is written for clusters of 8");
-    const CecState row_st = cec_merge(
-        cec_merge(cec_merge(cec_unslot(slot[buf][0]), cec_unslot(slot[buf][1])),
-                  cec_merge(cec_unslot(slot[buf][2]), cec_unslot(slot[buf][3]))),
-        cec_merge(cec_merge(cec_unslot(slot[buf][4]), cec_unslot(slot[buf][5])),
-                  cec_merge(cec_unslot(slot[buf][6]), cec_unslot(slot[buf][7]))));
+    // Lane l of every warp takes CTA (l % CEC_CTAS)'s state; the row's max, sum and index come
+    // from xor butterflies over groups of CEC_CTAS lanes (a + b == b + a: every lane of every
+    // warp, in every CTA, gets the same bits): ~20 instructions instead of a merge tree's ~110.
+    static_assert(CEC_CTAS == 8, "the butterflies below span groups of 8 lanes");
+    const CecState mine = cec_unslot(slot[buf][lane % CEC_CTAS]);
+    float row_m = mine.m;
+#pragma unroll
+    for (int o = CEC_CTAS / 2; o > 0; o >>= 1) row_m = fmaxf(row_m, __shfl_xor_sync(0xFFFFFFFFu, row_m, o));
+    // A state with s == 0 (an all -inf share) adds exactly 0, even when its max is the row's.
+    float row_s = mine.s == 0.0f ? 0.0f : mine.s * ex2_approx((mine.m - row_m) * L2E);
+#pragma unroll
+    for (int o = CEC_CTAS / 2; o > 0; o >>= 1) row_s += __shfl_xor_sync(0xFFFFFFFFu, row_s, o);
+    const int row_i = __reduce_min_sync(0xFFFFFFFFu, mine.m == row_m ? mine.i : CEC_NO_INDEX);
+    const CecState row_st{row_m, row_s, row_i};
     if (rank == 0 && tid == 0) {
       argmax[row] = row_st.i == CEC_NO_INDEX ? 0 : row_st.i;
       if (!supervised) loss[row] = 0.0f;
@@ -575,9 +582,9 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     if (owner) loss[row] = w * ((row_st.m + logf(row_st.s)) - x_label);
     uint4* out = reinterpret_cast<uint4*>(lr);
     const float coef = grad_scale * w;
-    // 2^((m_w - m) L) rescales this warp's e to the row's max; an all -inf warp's e are all 0
+    // 2^((m_cta - m) L) rescales this CTA's e to the row's max; an all -inf CTA's e are all 0
     // (its factor, against ref = 0, could overflow to inf and give inf * 0 = NaN).
-    const float scale = wm == -INFINITY ? 0.0f : (coef / row_st.s) * ex2_approx((wm - row_st.m) * L2E);
+    const float scale = cm == -INFINITY ? 0.0f : (coef / row_st.s) * ex2_approx((cm - row_st.m) * L2E);
 #pragma unroll
     for (int c = 0; c < MAXC; ++c) {
       const int k = g + c * THREADS;

@@ -19,14 +19,17 @@ pub struct BenchRow {
     pub gpus: String,
     pub tokens_per_s: f64,
     pub median_ms: f64,
+    /// Idle fraction of the target's stream not spent waiting on the drafter side (see
+    /// `DeviceTimeline`), and the part spent waiting on it.
     pub target_gpu_idle: Option<f64>,
+    pub target_waiting: Option<f64>,
     pub drafter_idle: f64,
     pub gb_moved_per_step: f64,
     /// Seconds per step the publisher waited for copies.
     pub copy_wait_ms: f64,
     /// The transport's own rate: bytes over the device time of its copies.
     pub copy_gb_s: Option<f64>,
-    /// Idle fraction of each target GPU's stream.
+    /// Idle fraction (not waiting on the drafter side) of each target GPU's stream.
     pub per_target_idle: Vec<f64>,
     /// Gradient all-reduce ms per step (data parallel).
     pub allreduce_ms: Option<f64>,
@@ -50,6 +53,7 @@ fn row(mode: &str, gpus: String, r: &RunSummary) -> BenchRow {
         tokens_per_s: tokens / (med / 1e3).max(1e-9),
         median_ms: med,
         target_gpu_idle: r.stats.target_gpu_idle_fraction(),
+        target_waiting: r.stats.target_gpu.map(|t| t.waiting_on_drafter()),
         drafter_idle: r.stats.drafter_idle_fraction(),
         gb_moved_per_step: r.stats.bytes_moved as f64 / 1e9 / steps,
         copy_wait_ms: r.stats.publisher_wait_copy.as_secs_f64() * 1e3 / steps,
@@ -91,13 +95,14 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     let one = format!("{t_gpu}");
     let say = |r: &BenchRow| {
         eprintln!(
-            "  {:<40} {:<9} {:>9.0} tokens/s  {:>8.1} ms/step  {:>6.2} GB/step moved  target GPU idle {}{}",
+            "  {:<40} {:<9} {:>9.0} tokens/s  {:>8.1} ms/step  {:>6.2} GB/step moved  target GPU idle {}{}{}",
             r.mode,
             r.gpus,
             r.tokens_per_s,
             r.median_ms,
             r.gb_moved_per_step,
             r.target_gpu_idle.map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f)),
+            r.target_waiting.map_or(String::new(), |f| format!(" (+{:.1}% waiting on the drafter)", 100.0 * f)),
             if r.per_target_idle.len() > 1 {
                 let per: Vec<String> = r.per_target_idle.iter().map(|f| format!("{:.1}%", 100.0 * f)).collect();
                 format!(" (per target: {})", per.join(", "))
@@ -183,21 +188,27 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     }
     let sync_tps = rows.iter().find(|r| r.mode == "sync").map_or(f64::NAN, |r| r.tokens_per_s);
     println!(
-        "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | drafter idle | GB moved/step | copy GB/s | copy wait ms/step | all-reduce ms/step |"
+        "\n| mode | GPUs | tokens/s | vs sync | ms/step | target GPU idle | target waiting on drafter | drafter idle | GB moved/step | copy GB/s | copy wait ms/step | all-reduce ms/step |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {} | {:.0} | {:.2}x | {:.1} | {} | {:.1}% | {:.2} | {} | {:.1} | {} |",
+            "| {} | {} | {:.0} | {} | {:.1} | {} | {} | {:.1}% | {:.2} | {} | {:.1} | {} |",
             r.mode,
             r.gpus,
             r.tokens_per_s,
-            r.tokens_per_s / sync_tps.max(1e-9),
+            // Without a sync row in this run (DFLASH_BENCH_ROWS) there is nothing to compare with.
+            if sync_tps.is_finite() && sync_tps > 0.0 {
+                format!("{:.2}x", r.tokens_per_s / sync_tps)
+            } else {
+                "-".into()
+            },
             r.median_ms,
             r.target_gpu_idle.map_or(
                 if r.mode == "sync" { "n/a (alternates)".into() } else { "n/a (no device clock)".into() },
                 |f| format!("{:.1}%", 100.0 * f)
             ),
+            r.target_waiting.map_or("-".into(), |f| format!("{:.1}%", 100.0 * f)),
             100.0 * r.drafter_idle,
             r.gb_moved_per_step,
             r.copy_gb_s.map_or("-".into(), |g| format!("{g:.1}")),

@@ -920,17 +920,26 @@ pub fn print_summary(r: &RunSummary) {
             st.slot_waits
         );
     }
-    if let (Some((busy, span)), Some(idle)) = (st.target_gpu, st.target_gpu_idle_fraction()) {
+    if let Some(t) = st.target_gpu {
         eprintln!(
-            "  target GPU   busy {:.2} s of {:.2} s on its stream (device timestamps) -> idle {:.1}%",
-            secs(busy),
-            secs(span),
-            100.0 * idle
+            "  target GPU   busy {:.2} s of {:.2} s on its stream (device timestamps): idle {:.1}% = {:.1}% waiting on the drafter side (full queue{}) + {:.1}% otherwise",
+            secs(t.busy),
+            secs(t.span),
+            100.0 * t.idle(),
+            100.0 * t.waiting_on_drafter(),
+            if st.target_wait_fc.is_zero() { "" } else { "; split-FC's dY and fc update" },
+            100.0 * t.idle_not_waiting()
         );
     }
     if st.target_gpus.len() > 1 {
-        let per: Vec<String> =
-            st.per_target_gpu_idle().iter().enumerate().map(|(i, f)| format!("{i}: {:.1}%", 100.0 * f)).collect();
+        let per: Vec<String> = st
+            .target_gpus
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                format!("{i}: {:.1}% (+{:.1}% waiting)", 100.0 * t.idle_not_waiting(), 100.0 * t.waiting_on_drafter())
+            })
+            .collect();
         eprintln!("  per target   idle on its stream, in --target-gpus order: {}", per.join(", "));
     }
     if st.drafter_ranks > 1 {

@@ -41,7 +41,7 @@ use crate::train::step::{
     global_norm, plan_update, target_pack, Context, DrafterSide, MetricSums, NoiseSpec, StepMetrics,
 };
 pub use exchange::{Exchange, Gate};
-pub use stats::{PipelineStats, Trace};
+pub use stats::{DeviceTimeline, PipelineStats, Trace};
 pub use transport::{Link, Parcel, Transport};
 
 /// Why a queue send failed: the receiving side is gone (a consequence, not a cause).
@@ -179,6 +179,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// The GPU-side start and end of each stretch of target work (timed events on the target's
 /// compute stream): the target's idle fraction is measured on the device, not on the host.
 type TimedSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event)>;
+/// A target's stretches of work on its stream (timed events), each with the host time its thread
+/// spent waiting on the drafter side (a full queue; split-FC's dY, norm and update) since the
+/// previous stretch closed.
+type TargetSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event, Duration)>;
 
 /// A thread's track name in the trace: `base`, or `base i` when there are several.
 fn track(base: &str, i: usize, n: usize) -> String {
@@ -489,19 +493,31 @@ pub fn run<B: Backend>(
     let links = || fwd.iter().flatten().chain(back.iter());
     st.bytes_moved = links().map(|l| l.bytes_moved()).sum();
     st.copy_seconds = links().filter_map(|l| l.copy_seconds()).reduce(|a, b| a + b);
-    // Each target's device timeline: busy = sum of its stretches, span = first start to last end.
+    // Each target's device timeline: busy = sum of its stretches, span = first start to last end,
+    // waiting = the part of each gap between stretches its thread spent waiting on the drafter
+    // side (a gap is charged at most its own length).
     for (t, sp) in targets.iter().zip(&spans) {
         if let (Some(first), Some(last)) = (sp.first(), sp.last()) {
-            let busy: Option<f64> = sp.iter().map(|(a, b)| t.be.elapsed_secs(a, b)).sum();
-            if let (Some(busy), Some(span)) = (busy, t.be.elapsed_secs(&first.0, &last.1)) {
-                st.target_gpus.push((Duration::from_secs_f64(busy), Duration::from_secs_f64(span)));
+            let busy: Option<f64> = sp.iter().map(|(a, b, _)| t.be.elapsed_secs(a, b)).sum();
+            let waiting: Option<f64> = sp
+                .windows(2)
+                .map(|w| t.be.elapsed_secs(&w[0].1, &w[1].0).map(|gap| gap.max(0.0).min(w[1].2.as_secs_f64())))
+                .sum();
+            if let (Some(busy), Some(span), Some(waiting)) = (busy, t.be.elapsed_secs(&first.0, &last.1), waiting) {
+                st.target_gpus.push(DeviceTimeline {
+                    busy: Duration::from_secs_f64(busy),
+                    span: Duration::from_secs_f64(span),
+                    waiting: Duration::from_secs_f64(waiting),
+                });
             }
         }
     }
     if !st.target_gpus.is_empty() {
-        let busy = st.target_gpus.iter().map(|g| g.0).sum();
-        let span = st.target_gpus.iter().map(|g| g.1).sum();
-        st.target_gpu = Some((busy, span));
+        st.target_gpu = Some(DeviceTimeline {
+            busy: st.target_gpus.iter().map(|g| g.busy).sum(),
+            span: st.target_gpus.iter().map(|g| g.span).sum(),
+            waiting: st.target_gpus.iter().map(|g| g.waiting).sum(),
+        });
     }
     // Every parcel is gone by now: no slot may still be held (rule 5).
     for l in links() {
@@ -630,7 +646,7 @@ fn produce<B: Backend>(
     tx: SyncSender<Msg<B>>,
     back_rx: Vec<Receiver<Back<B>>>,
     report_tx: Vec<Sender<f64>>,
-    spans: &mut TimedSpans<B>,
+    spans: &mut TargetSpans<B>,
 ) -> Result<(), PipelineError> {
     let cfg = sh.cfg;
     let name = track("target", p, sh.targets);
@@ -645,6 +661,9 @@ fn produce<B: Backend>(
     // Split-FC: the packed X of the previous step, kept for dWfc.
     let mut prev: Option<(u32, Vec<(HostBatch, B::Buf)>)> = None;
     let steps = (cfg.first_step..cfg.end_step).filter(|&k| owner(cfg, k, sh.targets) == p);
+    // Host time waited on the drafter side since the last stretch of target work closed; every
+    // such wait happens with no stretch open.
+    let mut waited = Duration::ZERO;
     for step in steps {
         if cfg.faults.producer_error_at == Some(step) {
             return Err(PipelineError::Producer { step, cause: "injected fault: producer error".into() });
@@ -674,6 +693,7 @@ fn produce<B: Backend>(
         }
         let step_weight: f64 = hbs.iter().map(|hb| hb.weight_sum).sum();
         let t_start = be.record_timed(s).map_err(berr(step))?;
+        let mut wait_before = std::mem::take(&mut waited);
         let mut packed = Vec::with_capacity(hbs.len());
         for hb in hbs {
             let x = target_pack(be, s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
@@ -689,20 +709,29 @@ fn produce<B: Backend>(
             if let Some((pstep, pbatches)) = prev.take() {
                 // The wait for dY is not target work: close this stretch of the device timeline.
                 if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(s).map_err(berr(step))?) {
-                    spans.push((a, b));
+                    spans.push((a, b, wait_before));
                 }
                 let t1 = Instant::now();
                 finish_fc_step(be, s, fc, back, &pbatches, &back_rx, &report_tx).map_err(fc_err(pstep))?;
                 add_time(&sh.stats, |st| &mut st.target_wait_fc, t1.elapsed());
+                // dW and the fc update (target work) are in this wait too: it waits for the
+                // drafter between them, and split-FC's idle is charged to the drafter side.
+                waited += t1.elapsed();
                 if let Some(tr) = &cfg.trace {
                     tr.span(name.as_str(), format!("step {pstep}: split-FC dW + update"), t1);
                 }
                 t_start = be.record_timed(s).map_err(berr(step))?;
+                wait_before = std::mem::take(&mut waited);
             }
         }
         let n_micro = packed.len();
         let mut keep = Vec::new();
         for (micro, (hb, x)) in packed.into_iter().enumerate() {
+            if micro > 0 && tside.fc.is_some() {
+                // The projection of this micro-batch: target work after the previous one's send.
+                t_start = be.record_timed(s).map_err(berr(step))?;
+                wait_before = std::mem::take(&mut waited);
+            }
             let out = match &tside.fc {
                 Some(fc) => {
                     let fc = fc
@@ -716,9 +745,10 @@ fn produce<B: Backend>(
                 }
                 None => x,
             };
-            if micro + 1 == n_micro {
+            // The stretch closes before the publish, which blocks while the queue is full.
+            if t_start.is_some() {
                 if let (Some(a), Some(b)) = (t_start.take(), be.record_timed(s).map_err(berr(step))?) {
-                    spans.push((a, b));
+                    spans.push((a, b, wait_before));
                 }
             }
             let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
@@ -727,6 +757,7 @@ fn produce<B: Backend>(
             if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
             }
+            waited += t2.elapsed();
             add_time(&sh.stats, |st| &mut st.target_blocked, t2.elapsed());
             if let Some(tr) = &cfg.trace {
                 tr.span(

@@ -33,11 +33,10 @@ pub struct PipelineStats {
     pub copy_seconds: Option<f64>,
     /// The publisher waiting for copies to complete.
     pub publisher_wait_copy: Duration,
-    /// The target's device timeline from timed events: (busy, span from its first start to its
-    /// last end). None on the CPU.
-    pub target_gpu: Option<(Duration, Duration)>,
+    /// The target's device timeline from timed events (summed over target GPUs). None on the CPU.
+    pub target_gpu: Option<DeviceTimeline>,
     /// The same per target GPU (one entry per producer, in `--target-gpus` order).
-    pub target_gpus: Vec<(Duration, Duration)>,
+    pub target_gpus: Vec<DeviceTimeline>,
     /// Target and drafter ranks of the run.
     pub target_ranks: usize,
     pub drafter_ranks: usize,
@@ -47,6 +46,40 @@ pub struct PipelineStats {
     pub slots_in_flight_at_end: usize,
     /// Times a sender found no free pinned slot and had to wait.
     pub slot_waits: u64,
+}
+
+/// A target stream's timeline, from timed events: `busy` = the stretches of target work, `span` =
+/// first start to last end, `waiting` = the part of the gaps between stretches its thread spent
+/// waiting on the drafter side (a full queue: the drafter is slower; exact split-FC: dY, the
+/// norm and the fc update). Idle = span - busy; of it, `waiting` is the drafter's doing and the
+/// rest the pipeline's (host work, copies, launches).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceTimeline {
+    pub busy: Duration,
+    pub span: Duration,
+    pub waiting: Duration,
+}
+
+impl DeviceTimeline {
+    fn part(&self, d: Duration) -> f64 {
+        if self.span.is_zero() {
+            0.0
+        } else {
+            (d.as_secs_f64() / self.span.as_secs_f64()).clamp(0.0, 1.0)
+        }
+    }
+    /// Fraction of the span the stream had no target work.
+    pub fn idle(&self) -> f64 {
+        1.0 - self.part(self.busy)
+    }
+    /// Fraction of the span idle while the target waited on the drafter side.
+    pub fn waiting_on_drafter(&self) -> f64 {
+        self.part(self.waiting).min(self.idle())
+    }
+    /// Fraction of the span idle for any other reason: the pipeline's own cost.
+    pub fn idle_not_waiting(&self) -> f64 {
+        (self.idle() - self.waiting_on_drafter()).max(0.0)
+    }
 }
 
 impl PipelineStats {
@@ -62,13 +95,14 @@ impl PipelineStats {
     pub fn target_idle_fraction(&self) -> f64 {
         1.0 - Self::frac(self.target_busy / self.target_ranks.max(1) as u32, self.wall).min(1.0)
     }
-    /// Fraction of its device timeline the target's stream had no work (None without timed events).
+    /// Fraction of its device timeline the target's stream had no work for a reason other than
+    /// waiting on the drafter side (None without timed events). See `DeviceTimeline`.
     pub fn target_gpu_idle_fraction(&self) -> Option<f64> {
-        self.target_gpu.map(|(busy, span)| 1.0 - Self::frac(busy, span).min(1.0))
+        self.target_gpu.map(|t| t.idle_not_waiting())
     }
     /// The same for each target GPU, in `--target-gpus` order.
     pub fn per_target_gpu_idle(&self) -> Vec<f64> {
-        self.target_gpus.iter().map(|&(busy, span)| 1.0 - Self::frac(busy, span).min(1.0)).collect()
+        self.target_gpus.iter().map(DeviceTimeline::idle_not_waiting).collect()
     }
     /// Fraction of the wall time the drafter side waited for data.
     pub fn drafter_idle_fraction(&self) -> f64 {
@@ -178,5 +212,26 @@ impl Trace {
             }
         }
         total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceTimeline;
+    use std::time::Duration;
+
+    #[test]
+    fn idle_splits_into_waiting_on_the_drafter_and_the_rest() {
+        let ms = Duration::from_millis;
+        // 1000 ms span, 700 busy: 300 idle, 250 of it while the target waited on the drafter.
+        let t = DeviceTimeline { busy: ms(700), span: ms(1000), waiting: ms(250) };
+        assert!((t.idle() - 0.30).abs() < 1e-12);
+        assert!((t.waiting_on_drafter() - 0.25).abs() < 1e-12);
+        assert!((t.idle_not_waiting() - 0.05).abs() < 1e-12);
+        // Waiting can never explain more than the idle time itself.
+        let t = DeviceTimeline { busy: ms(900), span: ms(1000), waiting: ms(400) };
+        assert!((t.waiting_on_drafter() - 0.10).abs() < 1e-12);
+        assert_eq!(t.idle_not_waiting(), 0.0);
+        assert_eq!(DeviceTimeline::default().idle(), 1.0);
     }
 }
