@@ -202,14 +202,14 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
   }
 }
 
-// ---- Register-resident path: a cluster of CTAs holds one row -------------------------------------
+// ---- On-chip path: a cluster of CTAs holds one row ------------------------------------------------
 // The streaming kernel above reads a row twice; its second read only hits L2 while the rows in
 // flight fit there (4 CTAs x 132 SMs x a 304 KB row is 160 MB, far over the H200's 50 MB), so at
-// a 152K vocab it moves ~6 bytes per element. Here a cluster of CEC_CTAS CTAs (thread blocks on
+// a 152K vocab it moves ~6 bytes per element. Here a cluster of CTAS CTAs (thread blocks on
 // different SMs that can write each other's shared memory) owns a row at a time: each CTA's share
-// of the row arrives in shared memory by bulk copy (TMA) rows ahead, it stays on chip (registers
-// or the shared-memory ring, see cec_rows) until the single write (4 bytes per element in all),
-// and the CTAs exchange one online-softmax state each per row: one message round trip.
+// of the row arrives in shared memory by bulk copy (TMA) a row ahead and stays there until the
+// single write (4 bytes per element in all), and the CTAs exchange one online-softmax state each
+// per row: one message round trip.
 //
 // Math (x = f32(logits[r, :]); L = log2 e):
 //   m = max_c x[c] (NaNs skipped), argmax = lowest c with x[c] == m (0 if there is none: a row of
@@ -224,24 +224,24 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 //   Against the CPU's expf(x - lse): ~1e-6 relative per probability, far under a bf16
 //   gradient's 4e-3 and the 1e-4 loss tolerance. Non-finite logits give a non-finite loss.
 // Layout/preconditions: as cross_entropy_bf16, plus vocab % 8 == 0, logits 16-byte aligned and
-//   vocab <= the kernel's maximum (CEC_CTAS * BLOCK * MAXC * 8; the launcher picks this kernel
+//   vocab <= the kernel's maximum (CTAS * BLOCK * MAXC * 8; the launcher picks this kernel
 //   only then; it traps otherwise).
-// Algorithm: cluster q (CTAs [CEC_CTAS q, CEC_CTAS q + CEC_CTAS)) takes rows q, q + Q, ... for
-//   Q = gridDim.x / CEC_CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
-//   is cluster thread g = r * BLOCK + t and owns the 8-element chunks g + i * CEC_CTAS * BLOCK,
+// Algorithm: cluster q (CTAs [CTAS q, CTAS q + CTAS)) takes rows q, q + Q, ... for
+//   Q = gridDim.x / CTAS clusters (the launcher makes them co-resident). Thread t of CTA rank r
+//   is cluster thread g = r * BLOCK + t and owns the 8-element chunks g + i * CTAS * BLOCK,
 //   i < MAXC, in increasing column order; the CTA's share is MAXC contiguous segments of BLOCK
-//   chunks. Thread 0 keeps STAGES rows' shares in flight (bulk copies completing on the stage's
-//   mbarrier). Per row (the CTA's it-th, in stage it % STAGES):
-//   1. wait for the stage (register mode: each thread copies its chunks into registers; past the
-//      row: -inf); the thread owning the label's chunk reads x[label] (it writes the loss);
+//   chunks. Thread 0 keeps up to STAGES rows' shares in flight (bulk copies completing on the
+//   stage's mbarrier). Per row (the CTA's it-th, in stage it % STAGES):
+//   1. wait for the stage (every pass reads the thread's chunks from it; past the row: -inf); the
+//      thread owning the label's chunk reads x[label] (it writes the loss);
 //   2. thread max (packed bf16x2 max, NaNs skipped) -> warp max -> shared memory; block barrier 1
-//      (after which thread 0 refills a stage every thread has finished reading); every thread
-//      takes the CTA max m_q over the warps in order; the threads holding m_q search its lowest
-//      index; e[c], s per thread in chunk order -> warp (xor butterfly) -> shared memory with the
-//      warp's lowest index (redux); block barrier 2;
+//      (after which thread 0 refills the previous row's stage: every thread has finished reading
+//      it); every thread takes the CTA max m_q over the warps in order; the threads holding m_q
+//      search its lowest index; e[c], s per thread in chunk order -> warp (xor butterfly) ->
+//      shared memory with the warp's lowest index (redux); block barrier 2;
 //   3. warp 0 sums the warps in a fixed tree and lane 0 sends (m_q, s_q, i_q) to every CTA of the
 //      cluster (one message, into slot [rank] of buffer it % 2);
-//   4. every thread waits for the CEC_CTAS messages and merges them (butterflies over lanes: the
+//   4. every thread waits for the CTAS messages and merges them (butterflies over lanes: the
 //      same bits in every thread of every CTA) -> m, s, argmax; then writes the gradient (or
 //      zeros) over its own chunks with streaming stores; the label's owner then rewrites that one
 //      element with the one-hot term subtracted.
@@ -249,16 +249,16 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 //   it + 2's state into buffer it % 2 of another CTA only after that CTA's row it + 1 message
 //   arrived, which it sends only after every one of its threads read row it's slots (block
 //   barriers of row it + 1). Every read of a row precedes the CTA's message and every write of it
-//   follows all CEC_CTAS messages; each thread writes only its own chunks: the in-place update is
+//   follows all CTAS messages; each thread writes only its own chunks: the in-place update is
 //   race-free. Every sum's order is fixed by the shapes alone: results are deterministic.
-// Launch:   grid.x = CEC_CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the rows in
+// Launch:   grid.x = CTAS * Q, 1 <= Q (<= the co-resident cluster count, for the rows in
 //           flight to overlap the math; any Q is correct), blockDim.x = BLOCK, the kernel's
 //           STAGES * MAXC * BLOCK * 16 bytes of dynamic shared memory; the cluster shape is
 //           compiled in (__cluster_dims__).
 // Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
-// Bound:    memory, with the exponentials (one or two MUFU ops per element: 1/4 or 1/2 of the
-//           SFU rate at HBM speed) and ~6 other instructions per element overlapping the rows in
-//           flight.
+// Bound:    memory, with the exponentials (two MUFU ops per element: half the SFU rate at HBM
+//           speed) and ~9 other instructions per element overlapping the two rows in flight per
+//           SM.
 // History (H200, 2048 x 151,936, bench rows of N(0, 1) logits, all supervised): one row per
 //           cluster, 2 CTAs per SM, no prefetch: 0.629 ms (46.5% of copy bandwidth; every CTA
 //           loaded, then computed, in step). Next row prefetched into registers with cluster
@@ -268,9 +268,10 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 //           then the sums): 0.412-0.439 ms, 67-71% of the 4.24 TB/s copy peak. The profiler
 //           then showed 15 co-resident clusters (120 of 132 SMs) and ~12 cycles per issued
 //           instruction. One round trip with every warp exponentiating against its own max (and
-//           every warp searching its max's index): 0.490 ms in register mode, 0.433 ms in shared
-//           mode with two CTAs per SM.
-#define CEC_CTAS 8
+//           every warp searching its max's index): 0.490 ms with the row in registers, 0.433 ms
+//           with it read from the ring by two CTAs per SM. Against the CTA's max (one searcher
+//           per CTA) and a butterfly merge: 0.392 ms in registers (75.0%), 0.350 ms from the ring
+//           (83.9%, this version).
 #define CEC_NO_INDEX 0x7FFFFFFF
 
 // max of two bf16 pairs, per half; a NaN half loses to a number (PTX max without .NaN).
@@ -293,14 +294,14 @@ __device__ __forceinline__ void cec_mbar_expect(uint32_t mbar, uint32_t bytes) {
 // Thread 0: one bulk copy (TMA) per segment of this CTA's share of a row into a stage, all
 // completing on the stage's mbarrier. Segment c is chunks [c * CEC_CTAS * BLOCK + rank * BLOCK,
 // + BLOCK) of the row, clipped to it: contiguous, 16-byte aligned, a multiple of 16 bytes.
-template <int BLOCK, int MAXC>
+template <int CTAS, int BLOCK, int MAXC>
 __device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, const __nv_bfloat16* lr,
                                                 int rank, int chunks) {
   uint32_t bytes[MAXC];
   uint32_t total = 0;
 #pragma unroll
   for (int c = 0; c < MAXC; ++c) {
-    const int start = c * CEC_CTAS * BLOCK + rank * BLOCK;
+    const int start = c * CTAS * BLOCK + rank * BLOCK;
     const int n = min(max(chunks - start, 0), BLOCK);
     bytes[c] = (uint32_t)n * VEC_BYTES;
     total += bytes[c];
@@ -309,7 +310,7 @@ __device__ __forceinline__ void cec_issue_share(uint4* stage, uint32_t mbar, con
 #pragma unroll
   for (int c = 0; c < MAXC; ++c) {
     if (bytes[c] == 0) continue;
-    const uint4* src = reinterpret_cast<const uint4*>(lr) + c * CEC_CTAS * BLOCK + rank * BLOCK;
+    const uint4* src = reinterpret_cast<const uint4*>(lr) + c * CTAS * BLOCK + rank * BLOCK;
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
             cec_smem(stage + c * BLOCK)),
@@ -374,33 +375,33 @@ __device__ __forceinline__ CecState cec_unslot(const uint4& v) {
   return CecState{__uint_as_float(v.x), __uint_as_float(v.y), (int)v.z};
 }
 
-// BLOCK threads per CTA, MAXC chunks of 8 per thread, STAGES row shares in the ring. Two modes:
-// - registers (FROM_SMEM false): each thread copies its chunks into registers and keeps the
-//   exponentials in f32 registers from the sum to the gradient (one MUFU op per element); a stage
-//   is refilled as soon as every thread copied it (the row's block barrier);
-// - shared memory (FROM_SMEM true): every pass reads the chunks from the stage, and the gradient
-//   recomputes the exponentials (two MUFU ops per element, few registers: two CTAs fit on an SM);
-//   a stage is refilled at the next row's block barrier, after every thread's last read of it.
-template <int BLOCK, int MAXC, int STAGES, bool FROM_SMEM>
+// CTAS CTAs per cluster (one row), BLOCK threads per CTA, MAXC chunks of 8 per thread, STAGES row
+// shares in the ring. Every pass reads the thread's chunks from the stage (registers hold none of
+// the row: two CTAs fit on an SM, so two rows are in flight on each), and the gradient recomputes
+// the exponentials (two MUFU ops per element). A stage is refilled at the next row's first block
+// barrier, after every thread's last read of it (the previous row's gradient pass).
+template <int CTAS, int BLOCK, int MAXC, int STAGES>
 __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __restrict__ labels,
                                          const float* __restrict__ weights, long long rows, int vocab,
                                          float grad_scale, float* __restrict__ loss,
                                          int* __restrict__ argmax) {
   constexpr int WARPS = BLOCK / 32;
-  constexpr int THREADS = CEC_CTAS * BLOCK;
+  constexpr int THREADS = CTAS * BLOCK;
   constexpr int STAGE_CHUNKS = MAXC * BLOCK;
   static_assert(WARPS >= 2 && WARPS <= 32 && (WARPS & (WARPS - 1)) == 0, "warp tree: a power of 2");
+  static_assert(CTAS >= 2 && CTAS <= 32 && (CTAS & (CTAS - 1)) == 0, "lane butterflies: a power of 2");
+  static_assert(STAGES >= 2, "a stage is refilled one row after its last read");
   __shared__ float warp_m[WARPS];
   __shared__ float warp_s[WARPS];
   __shared__ int warp_i[WARPS];
   // Buffer p's slot [r]: CTA r's state for this CTA's rows of parity p; one mbarrier per buffer.
-  __shared__ __align__(16) uint4 slot[2][CEC_CTAS];
+  __shared__ __align__(16) uint4 slot[2][CTAS];
   __shared__ __align__(8) uint64_t mbar_msg[2];
   __shared__ __align__(8) uint64_t mbar_full[STAGES]; // stage s holds its row
   extern __shared__ __align__(128) uint4 cec_stage[];     // [STAGES][MAXC][BLOCK]
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (blockDim.x != BLOCK || gridDim.x % CEC_CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
+  if (blockDim.x != BLOCK || gridDim.x % CTAS != 0 || vocab % BF16_PER_VEC != 0 ||
       vocab > THREADS * MAXC * BF16_PER_VEC || !is_vec_aligned(logits) || rows > INT_MAX - (long long)gridDim.x * STAGES ||
       dyn_smem < STAGES * STAGE_CHUNKS * VEC_BYTES) {
     __trap();
@@ -410,10 +411,10 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = rank * BLOCK + tid;
   const int chunks = vocab / BF16_PER_VEC;
-  const int clusters = (int)gridDim.x / CEC_CTAS;
+  const int clusters = (int)gridDim.x / CTAS;
   const float L2E = CE_LOG2E;
 
-  const int first = (int)blockIdx.x / CEC_CTAS; // the cluster's first row
+  const int first = (int)blockIdx.x / CTAS; // the cluster's first row
   if (tid == 0) {
     cec_mbar_init(cec_smem(&mbar_msg[0]));
     cec_mbar_init(cec_smem(&mbar_msg[1]));
@@ -424,7 +425,7 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     for (int st = 0; st < STAGES; ++st) {
       const int r = first + st * clusters;
       if (r < rows) {
-        cec_issue_share<BLOCK, MAXC>(cec_stage + st * STAGE_CHUNKS, cec_smem(&mbar_full[st]),
+        cec_issue_share<CTAS, BLOCK, MAXC>(cec_stage + st * STAGE_CHUNKS, cec_smem(&mbar_full[st]),
                                      logits + (index_t)r * vocab, rank, chunks);
       }
     }
@@ -448,21 +449,9 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     cec_mbar_wait(cec_smem(&mbar_full[st]), (uint32_t)(it / STAGES) & 1u);
     // Chunk c of this thread; past the row: -inf bits (0xFF80), which add 2^-inf = 0 and lose
     // every max.
-    uint4 raw[FROM_SMEM ? 1 : MAXC];
-    if constexpr (!FROM_SMEM) {
-#pragma unroll
-      for (int c = 0; c < MAXC; ++c) {
-        raw[c] = g + c * THREADS < chunks ? stage[c * BLOCK + tid]
-                                          : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
-      }
-    }
     auto chunk = [&](int c) -> uint4 {
-      if (g + c * THREADS >= chunks) return make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
-      if constexpr (FROM_SMEM) {
-        return stage[c * BLOCK + tid];
-      } else {
-        return raw[c];
-      }
+      return g + c * THREADS < chunks ? stage[c * BLOCK + tid]
+                                      : make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
     };
     const bool supervised = w != 0.0f && label >= 0 && label < vocab;
     // The thread owning the label's chunk reads x[label] (before its CTA's message, so before
@@ -484,19 +473,17 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, o));
     if (lane == 0) warp_m[warp] = wm;
     __syncthreads();
-    if (tid == 0) {
-      // The stage every thread has finished reading (barrier above) takes the row STAGES after
-      // its own: this row's stage in register mode (copied to registers above), the previous
-      // row's in shared mode (its last reads were the previous row's gradient pass).
-      const int done = FROM_SMEM ? it - 1 : it;
-      const int ahead = row + (STAGES - (FROM_SMEM ? 1 : 0)) * clusters;
-      if (done >= 0 && ahead < rows) {
+    if (tid == 0 && it >= 1) {
+      // Every thread has finished reading the previous row's stage (barrier above): it takes the
+      // row STAGES after that one.
+      const int ahead = row + (STAGES - 1) * clusters;
+      if (ahead < rows) {
         // The stage's reads were generic-proxy loads; its refill is an async-proxy write: the
         // PTX memory model orders the two only through a proxy fence.
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const int ds = done % STAGES;
-        cec_issue_share<BLOCK, MAXC>(cec_stage + ds * STAGE_CHUNKS, cec_smem(&mbar_full[ds]),
-                                     logits + (index_t)ahead * vocab, rank, chunks);
+        const int ds = (it - 1) % STAGES;
+        cec_issue_share<CTAS, BLOCK, MAXC>(cec_stage + ds * STAGE_CHUNKS, cec_smem(&mbar_full[ds]),
+                                           logits + (index_t)ahead * vocab, rank, chunks);
       }
     }
     float cm = warp_m[0];
@@ -518,18 +505,13 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
     // -inf - -inf = NaN; its state is then (-inf, 0, its index), which every finite state beats.
     const float ref = cm == -INFINITY ? 0.0f : cm;
     const float refl = ref * L2E;
-    float e[FROM_SMEM ? 1 : MAXC][8];
     float s = 0.0f;
 #pragma unroll
     for (int c = 0; c < MAXC; ++c) {
       float f[8];
       bf16x8_unpack(chunk(c), f);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float ej = ex2_approx(fmaf(f[j], L2E, -refl)); // past the row: 2^-inf = 0
-        if constexpr (!FROM_SMEM) e[c][j] = ej;
-        s += ej;
-      }
+      for (int j = 0; j < 8; ++j) s += ex2_approx(fmaf(f[j], L2E, -refl)); // past the row: 2^-inf = 0
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
@@ -552,27 +534,26 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
       const int ci = __reduce_min_sync(0xFFFFFFFFu, lane < WARPS ? warp_i[lane] : CEC_NO_INDEX);
       if (lane == 0) {
         const uint32_t mb = cec_smem(&mbar_msg[buf]);
-        cec_mbar_expect(mb, CEC_CTAS * (uint32_t)sizeof(uint4));
+        cec_mbar_expect(mb, CTAS * (uint32_t)sizeof(uint4));
         const uint4 msg = make_uint4(__float_as_uint(cm), __float_as_uint(cs), (uint32_t)ci, 0u);
 #pragma unroll
-        for (int r = 0; r < CEC_CTAS; ++r) cec_send(cec_smem(&slot[buf][rank]), mb, r, msg);
+        for (int r = 0; r < CTAS; ++r) cec_send(cec_smem(&slot[buf][rank]), mb, r, msg);
       }
     }
 
     // 4. The row's state (the same bits in every thread of every CTA), the gradient.
     cec_mbar_wait(cec_smem(&mbar_msg[buf]), (uint32_t)(it >> 1) & 1u);
-    // Lane l of every warp takes CTA (l % CEC_CTAS)'s state; the row's max, sum and index come
-    // from xor butterflies over groups of CEC_CTAS lanes (a + b == b + a: every lane of every
-    // warp, in every CTA, gets the same bits): ~20 instructions instead of a merge tree's ~110.
-    static_assert(CEC_CTAS == 8, "the butterflies below span groups of 8 lanes");
-    const CecState mine = cec_unslot(slot[buf][lane % CEC_CTAS]);
+    // Lane l of every warp takes CTA (l % CTAS)'s state; the row's max, sum and index come from
+    // xor butterflies over groups of CTAS lanes (a + b == b + a: every lane of every warp, in
+    // every CTA, gets the same bits): ~20 instructions instead of a merge tree's ~110.
+    const CecState mine = cec_unslot(slot[buf][lane % CTAS]);
     float row_m = mine.m;
 #pragma unroll
-    for (int o = CEC_CTAS / 2; o > 0; o >>= 1) row_m = fmaxf(row_m, __shfl_xor_sync(0xFFFFFFFFu, row_m, o));
+    for (int o = CTAS / 2; o > 0; o >>= 1) row_m = fmaxf(row_m, __shfl_xor_sync(0xFFFFFFFFu, row_m, o));
     // A state with s == 0 (an all -inf share) adds exactly 0, even when its max is the row's.
     float row_s = mine.s == 0.0f ? 0.0f : mine.s * ex2_approx((mine.m - row_m) * L2E);
 #pragma unroll
-    for (int o = CEC_CTAS / 2; o > 0; o >>= 1) row_s += __shfl_xor_sync(0xFFFFFFFFu, row_s, o);
+    for (int o = CTAS / 2; o > 0; o >>= 1) row_s += __shfl_xor_sync(0xFFFFFFFFu, row_s, o);
     const int row_i = __reduce_min_sync(0xFFFFFFFFu, mine.m == row_m ? mine.i : CEC_NO_INDEX);
     const CecState row_st{row_m, row_s, row_i};
     if (rank == 0 && tid == 0) {
@@ -590,10 +571,7 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
       const int k = g + c * THREADS;
       if (k < chunks) {
         float f[8];
-        if constexpr (!FROM_SMEM) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) f[j] = supervised ? scale * e[c][j] : 0.0f;
-        } else if (supervised) {
+        if (supervised) {
           // The same two instructions as the sum's: the same bits.
           bf16x8_unpack(chunk(c), f);
 #pragma unroll
@@ -606,8 +584,8 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
       }
     }
     // The label's element again, with the one-hot term subtracted, by the thread that just wrote
-    // its chunk (program order: this store lands last). e_label is the very e[c][j] above: same
-    // input, same two instructions.
+    // its chunk (program order: this store lands last). e_label is the very exponential above:
+    // same input, same two instructions.
     if (owner) {
       const float e_label = ex2_approx(fmaf(x_label, L2E, -refl));
       lr[label] = __float2bfloat16_rn(fmaf(scale, e_label, -coef));
@@ -616,24 +594,24 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
   cluster.sync(); // no CTA exits while a message to it may be in flight
 }
 
-// vocab % 8 == 0 in [32,768, 163,840]: one CTA of 16 warps per SM, 40 elements per thread kept as
-// f32 exponentials, a 4-stage ring (160 KB).
-extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(512, 1)
+// vocab % 8 == 0 in [32,768, 163,840] (Qwen3's 151,936, Llama 3's 128,256): clusters of 8, two
+// CTAs of 512 threads per SM, a 2-stage ring of 40 KB stages.
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2)
     cross_entropy_cluster_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
                                const float* __restrict__ weights, long long rows, int vocab,
                                float grad_scale, float* __restrict__ loss,
                                int* __restrict__ argmax) {
-  cec_rows<512, 5, 4, false>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
+  cec_rows<8, 512, 5, 2>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
 }
 
-// The same range with two CTAs per SM (two rows in flight on each SM, and every SM in a
-// cluster): every pass reads the 2-stage ring (80 KB), the gradient recomputes the exponentials.
-extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(512, 2)
-    cross_entropy_cluster2_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
-                                const float* __restrict__ weights, long long rows, int vocab,
-                                float grad_scale, float* __restrict__ loss,
-                                int* __restrict__ argmax) {
-  cec_rows<512, 5, 2, true>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
+// vocab % 8 == 0 in (163,840, 327,680] (Gemma's 256,000 and 262,144): clusters of 16 (a
+// non-portable size: the launcher allows it per function), otherwise the same.
+extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(512, 2)
+    cross_entropy_cluster16_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
+                                 const float* __restrict__ weights, long long rows, int vocab,
+                                 float grad_scale, float* __restrict__ loss,
+                                 int* __restrict__ argmax) {
+  cec_rows<16, 512, 5, 2>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
 }
 
 extern "C" __global__ void __launch_bounds__(CE_BLOCK)

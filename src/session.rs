@@ -922,7 +922,7 @@ pub fn print_summary(r: &RunSummary) {
     }
     if let Some(t) = st.target_gpu {
         eprintln!(
-            "  target GPU   busy {:.2} s of {:.2} s on its stream (device timestamps): idle {:.1}% = {:.1}% waiting on the drafter side (full queue{}) + {:.1}% otherwise",
+            "  target GPU   busy {:.2} s of {:.2} s on its stream (device timestamps): idle {:.1}% = {:.1}% waiting on the drafter side (full queue or pinned slots{}) + {:.1}% otherwise",
             secs(t.busy),
             secs(t.span),
             100.0 * t.idle(),

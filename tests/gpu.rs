@@ -458,11 +458,25 @@ impl<B: Backend> LossTest for B {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_loss_optimizer_reductions_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
-    // 151,936 (Qwen3), 40,000 and 163,840 take the register-resident cluster kernel (8 CTAs per
-    // row, up to 5 chunks of 8 per thread: 163,840 fills every chunk); 163,848 is one chunk over
-    // its limit and 256 and 1000 are under its floor: the streaming kernel. 260 rows give every
-    // cluster several rows: each stage of its ring and each message buffer is reused.
-    for (rows, vocab) in [(5, 256), (33, 151_936), (260, 151_936), (3, 1000), (9, 40_000), (4, 163_840), (3, 163_848)] {
+    // 151,936 (Qwen3), 40,000 and 163,840 take the cluster-of-8 kernel (8 CTAs per row, 5 chunks
+    // of 8 per thread: 163,840 fills every chunk); 163,848 (one chunk over), 262,144 (Gemma) and
+    // 327,680 (full) the cluster-of-16 kernel; 327,688 and the vocabularies under 32,768 the
+    // streaming kernel. 260 and 70 rows give every cluster several rows: each stage of its ring
+    // and each message buffer is reused.
+    let shapes = [
+        (5, 256),
+        (33, 151_936),
+        (260, 151_936),
+        (3, 1000),
+        (9, 40_000),
+        (4, 163_840),
+        (3, 163_848),
+        (70, 262_144),
+        (2, 327_680),
+        (2, 327_688),
+    ];
+    for (rows, vocab) in shapes {
+        println!("cross-entropy {rows}x{vocab}: {}", g.cross_entropy_kernel(vocab));
         let logits = rand(rows * vocab, 90, 3.0);
         let mut labels: Vec<i32> = (0..rows as i32 + 1).map(|i| (i * 7919) % vocab as i32).collect();
         labels[2] = -1;

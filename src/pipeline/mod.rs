@@ -180,8 +180,8 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// compute stream): the target's idle fraction is measured on the device, not on the host.
 type TimedSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event)>;
 /// A target's stretches of work on its stream (timed events), each with the host time its thread
-/// spent waiting on the drafter side (a full queue; split-FC's dY, norm and update) since the
-/// previous stretch closed.
+/// spent waiting on the drafter side (a full queue, no free pinned slot; split-FC's dY, norm and
+/// update) since the previous stretch closed.
 type TargetSpans<B> = Vec<(<B as Backend>::Event, <B as Backend>::Event, Duration)>;
 
 /// A thread's track name in the trace: `base`, or `base i` when there are several.
@@ -752,7 +752,11 @@ fn produce<B: Backend>(
                 }
             }
             let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
+            // Host staging blocks here while every pinned slot is taken: slots come back only
+            // after the drafter side's H2D, so this too is waiting on the drafter.
+            let t_send = Instant::now();
             let parcel = fwd[micro % sh.ranks].send(s, out, fault).map_err(berr(step))?;
+            waited += t_send.elapsed();
             let t2 = Instant::now();
             if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });

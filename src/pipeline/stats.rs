@@ -50,8 +50,8 @@ pub struct PipelineStats {
 
 /// A target stream's timeline, from timed events: `busy` = the stretches of target work, `span` =
 /// first start to last end, `waiting` = the part of the gaps between stretches its thread spent
-/// waiting on the drafter side (a full queue: the drafter is slower; exact split-FC: dY, the
-/// norm and the fc update). Idle = span - busy; of it, `waiting` is the drafter's doing and the
+/// waiting on the drafter side (a full queue or no free pinned slot: the drafter is slower; exact
+/// split-FC: dY, the norm and the fc update). Idle = span - busy; of it, `waiting` is the drafter's doing and the
 /// rest the pipeline's (host work, copies, launches).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DeviceTimeline {

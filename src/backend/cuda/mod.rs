@@ -131,7 +131,7 @@ const OTHERS: [&str; 14] = [
     "swiglu_bwd_bf16",
     "cross_entropy_bf16",
     "cross_entropy_cluster_bf16",
-    "cross_entropy_cluster2_bf16",
+    "cross_entropy_cluster16_bf16",
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
@@ -146,30 +146,37 @@ const RMS_CHUNKS_PER_LANE: usize = 4;
 const RMS_SLAB_PAD: usize = 4;
 const RMS_BWD_TARGET_PARTS: usize = 1024;
 const CE_BLOCK: u32 = 512;
-/// The register-resident cross-entropy kernels (kernels/cross_entropy.cu): a cluster of CEC_CTAS
-/// CTAs per row, each thread holding `chunks` chunks of 8; vocab from 32,768 (below which a row
-/// stays in L2 between the streaming kernel's two passes anyway) to CEC_CTAS x block x chunks x 8.
-const CEC_CTAS: usize = 8;
+/// The on-chip cross-entropy kernels (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
+/// row, two CTAs of `block` threads per SM, each thread owning `chunks` chunks of 8 of the row,
+/// `stages` row shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a row
+/// stays in L2 between the streaming kernel's two passes anyway) to ctas x block x chunks x 8.
 #[derive(Clone, Copy, Debug)]
-struct CeCluster {
-    name: &'static str,
+pub struct CeCluster {
+    pub name: &'static str,
+    ctas: u32,
     block: u32,
     chunks: u32,
     stages: u32,
+    min_vocab: usize,
 }
-const CE_CLUSTER_KERNELS: [CeCluster; 2] = [
-    CeCluster { name: "cross_entropy_cluster_bf16", block: 512, chunks: 5, stages: 4 },
-    CeCluster { name: "cross_entropy_cluster2_bf16", block: 512, chunks: 5, stages: 2 },
-];
+const CE_CLUSTER8: CeCluster =
+    CeCluster { name: "cross_entropy_cluster_bf16", ctas: 8, block: 512, chunks: 5, stages: 2, min_vocab: 32_768 };
+/// Clusters of 16 are a non-portable size: used where the GPU schedules them.
+const CE_CLUSTER16: CeCluster =
+    CeCluster { name: "cross_entropy_cluster16_bf16", ctas: 16, block: 512, chunks: 5, stages: 2, min_vocab: 163_841 };
 impl CeCluster {
     fn max_vocab(&self) -> usize {
-        CEC_CTAS * (self.block * self.chunks * 8) as usize
+        (self.ctas * self.block * self.chunks * 8) as usize
     }
     /// Dynamic shared memory: `stages` stages of a row share (chunks x block x 16 bytes).
     fn smem(&self) -> u32 {
         self.stages * self.chunks * self.block * 16
     }
+    fn takes(&self, vocab: usize) -> bool {
+        vocab % 8 == 0 && (self.min_vocab..=self.max_vocab()).contains(&vocab)
+    }
 }
+
 const SUMSQ_PARTS: u32 = 1024;
 const SUMSQ_BLOCK: u32 = 256;
 const MAX_TAPS: usize = 16;
@@ -184,10 +191,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: u32,
-    /// The cross-entropy cluster kernel and its co-resident cluster count (the grid it is
-    /// launched with).
-    ce_cluster: CeCluster,
-    ce_clusters: usize,
+    /// The cross-entropy cluster kernels this GPU runs, each with its co-resident cluster count
+    /// (the grid it is launched with).
+    ce_kernels: Vec<(CeCluster, usize)>,
     /// Contexts (by address) whose memory this device's peer copies may read directly.
     peers: Mutex<Vec<usize>>,
     name: String,
@@ -219,6 +225,11 @@ fn i64c(v: usize) -> i64 {
 }
 
 impl CudaBackend {
+    /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits).
+    pub fn cross_entropy_kernel(&self, vocab: usize) -> &'static str {
+        self.ce_kernels.iter().find(|(ce, _)| ce.takes(vocab)).map_or("cross_entropy_bf16", |(ce, _)| ce.name)
+    }
+
     /// Starts the backend on device `ordinal`: checks the driver, the device's compute
     /// capability (9.0 or newer: the kernels are sm_90a), loads every kernel.
     pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, String> {
@@ -299,37 +310,19 @@ impl CudaBackend {
                 .map_err(|e| format!("{k}: {e:?}"))?;
             }
         }
-        // How many cross-entropy clusters (CEC_CTAS CTAs each) are resident at once: the kernel
-        // runs exactly that many, each streaming rows with the next rows' loads in flight.
-        let ce_cluster = match std::env::var("DFLASH_CE_CLUSTER").as_deref() {
-            Ok("2") => CE_CLUSTER_KERNELS[1],
-            _ => CE_CLUSTER_KERNELS[0],
-        };
-        let ce_clusters = {
-            let func = f[ce_cluster.name];
-            let config = sys::CUlaunchConfig {
-                gridDimX: CEC_CTAS as u32,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: ce_cluster.block,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: ce_cluster.smem(),
-                hStream: std::ptr::null_mut(),
-                attrs: std::ptr::null_mut(),
-                numAttrs: 0,
-            };
-            let mut n: std::ffi::c_int = 0;
-            // SAFETY: a valid function handle of the current context and a fully initialised
-            // config (the cluster shape is compiled into the kernel, so no attributes).
-            unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
-                .result()
-                .map_err(|e| format!("occupancy of {}: {e:?}", ce_cluster.name))?;
-            if n < 1 {
-                return Err(format!("{} fits no cluster of {CEC_CTAS} CTAs on this GPU", ce_cluster.name));
+        // How many cross-entropy clusters are resident at once: each kernel runs exactly that
+        // many, each streaming rows with the next row's loads in flight. Clusters of 8 must fit
+        // (portable); clusters of 16 only where the GPU schedules them (else the streaming kernel
+        // takes those vocabularies).
+        let mut ce_kernels = Vec::new();
+        for ce in [CE_CLUSTER8, CE_CLUSTER16] {
+            match ce_resident_clusters(f[ce.name], &ce) {
+                Ok(n) if n >= 1 => ce_kernels.push((ce, n)),
+                Ok(_) | Err(_) if ce.ctas > 8 => {}
+                Ok(_) => return Err(format!("{} fits no cluster of {} CTAs on this GPU", ce.name, ce.ctas)),
+                Err(e) => return Err(e),
             }
-            n as usize
-        };
+        }
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
         let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
         Ok(CudaBackend {
@@ -339,8 +332,7 @@ impl CudaBackend {
             kernels: Kernels { f },
             blas,
             sm_count,
-            ce_cluster,
-            ce_clusters,
+            ce_kernels,
             peers: Mutex::new(Vec::new()),
             name,
             inv_freq: Mutex::new(HashMap::new()),
@@ -444,6 +436,41 @@ impl CudaBackend {
     }
 }
 
+/// Co-resident clusters of a cross-entropy cluster kernel on this GPU (0: none fits). Clusters
+/// over 8 CTAs are non-portable: the function must allow them before the query and the launch.
+fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::Result<usize, String> {
+    if ce.ctas > 8 {
+        // SAFETY: a valid function handle and a documented attribute.
+        unsafe {
+            cu::function::set_function_attribute(
+                func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+        }
+        .map_err(|e| format!("{}: non-portable cluster size: {e:?}", ce.name))?;
+    }
+    let config = sys::CUlaunchConfig {
+        gridDimX: ce.ctas,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: ce.block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: ce.smem(),
+        hStream: std::ptr::null_mut(),
+        attrs: std::ptr::null_mut(),
+        numAttrs: 0,
+    };
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: a valid function handle of the current context and a fully initialised config (the
+    // cluster shape is compiled into the kernel, so no attributes).
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
+        .result()
+        .map_err(|e| format!("occupancy of {}: {e:?}", ce.name))?;
+    Ok(n.max(0) as usize)
+}
+
 /// The kernels/*.cu file (cubin family) that defines a kernel.
 fn kernel_family(name: &str) -> &'static str {
     match name {
@@ -454,7 +481,7 @@ fn kernel_family(name: &str) -> &'static str {
         n if n.starts_with("sum_") => "reduce",
         "pack_taps_noise_bf16" => "pack",
         "rope_bf16" => "rope",
-        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" | "cross_entropy_cluster2_bf16" => "cross_entropy",
+        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" | "cross_entropy_cluster16_bf16" => "cross_entropy",
         "adamw_f32" => "adamw",
         _ => "elementwise",
     }
@@ -1276,10 +1303,9 @@ impl Backend for CudaBackend {
         }
         // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
         // stride over rows: the cluster kernel runs one cluster per resident slot.
-        let ce = self.ce_cluster;
-        let cluster = vocab % 8 == 0 && logits.ptr % 16 == 0 && (32_768..=ce.max_vocab()).contains(&vocab);
-        let (name, grid, block, smem) = if cluster {
-            (ce.name, (rows.min(self.ce_clusters) * CEC_CTAS) as u32, ce.block, ce.smem())
+        let cluster = self.ce_kernels.iter().find(|(ce, _)| logits.ptr % 16 == 0 && ce.takes(vocab));
+        let (name, grid, block, smem) = if let Some((ce, resident)) = cluster {
+            (ce.name, (rows.min(*resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
         } else {
             ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0)
         };
