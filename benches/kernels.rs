@@ -226,8 +226,8 @@ fn main() {
         // Cross-entropy overwrites its logits with the gradient, so every timed call gets its own copy
         // of the same N(0, 1) logits, restored (untimed) before each sample; every row is supervised
         // (weight 1, a valid label): zero weights would skip the exponentials and the gradient. At
-        // 151,936 (Qwen3) the cluster-of-8 kernel runs, at 262,144 (Gemma) the cluster-of-16 one
-        // where the GPU schedules clusters of 16 (else the streaming kernel: two reads per row).
+        // 151,936 (Qwen3) the cluster kernel runs (one read per row), at 262,144 (Gemma) the
+        // streaming one (two reads per row).
         for (ce_rows, vocab) in [(2048, 151_936), (1024, 262_144)] {
             let n = ce_rows * vocab;
             let pristine = normal_buf(DType::BF16, n, 30);

@@ -458,11 +458,10 @@ impl<B: Backend> LossTest for B {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_loss_optimizer_reductions_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
-    // 151,936 (Qwen3), 40,000 and 163,840 take the cluster-of-8 kernel (8 CTAs per row, 5 chunks
-    // of 8 per thread: 163,840 fills every chunk); 163,848 (one chunk over), 262,144 (Gemma) and
-    // 327,680 (full) the cluster-of-16 kernel; 327,688 and the vocabularies under 32,768 the
-    // streaming kernel. 260 and 70 rows give every cluster several rows: each stage of its ring
-    // and each message buffer is reused.
+    // 151,936 (Qwen3), 40,000 and 163,840 take the cluster kernel (8 CTAs per row, 5 chunks of 8
+    // per thread: 163,840 fills every chunk); 163,848 (one chunk over), 262,144 (Gemma), 327,680,
+    // 327,688 and the vocabularies under 32,768 the streaming kernel. 260 rows give every cluster
+    // several rows: each stage of its ring and each message buffer is reused.
     let shapes = [
         (5, 256),
         (33, 151_936),

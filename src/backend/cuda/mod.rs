@@ -120,7 +120,7 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 14] = [
+const OTHERS: [&str; 13] = [
     "attn_draft_kv_ranges",
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
@@ -131,7 +131,6 @@ const OTHERS: [&str; 14] = [
     "swiglu_bwd_bf16",
     "cross_entropy_bf16",
     "cross_entropy_cluster_bf16",
-    "cross_entropy_cluster16_bf16",
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
@@ -161,9 +160,6 @@ pub struct CeCluster {
 }
 const CE_CLUSTER8: CeCluster =
     CeCluster { name: "cross_entropy_cluster_bf16", ctas: 8, block: 512, chunks: 5, stages: 2, min_vocab: 32_768 };
-/// Clusters of 16 are a non-portable size: used where the GPU schedules them.
-const CE_CLUSTER16: CeCluster =
-    CeCluster { name: "cross_entropy_cluster16_bf16", ctas: 16, block: 512, chunks: 5, stages: 2, min_vocab: 163_841 };
 impl CeCluster {
     fn max_vocab(&self) -> usize {
         (self.ctas * self.block * self.chunks * 8) as usize
@@ -191,9 +187,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: u32,
-    /// The cross-entropy cluster kernels this GPU runs, each with its co-resident cluster count
-    /// (the grid it is launched with).
-    ce_kernels: Vec<(CeCluster, usize)>,
+    /// The cross-entropy cluster kernel and its co-resident cluster count (the grid it is
+    /// launched with).
+    ce_cluster: (CeCluster, usize),
     /// Contexts (by address) whose memory this device's peer copies may read directly.
     peers: Mutex<Vec<usize>>,
     name: String,
@@ -227,7 +223,11 @@ fn i64c(v: usize) -> i64 {
 impl CudaBackend {
     /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits).
     pub fn cross_entropy_kernel(&self, vocab: usize) -> &'static str {
-        self.ce_kernels.iter().find(|(ce, _)| ce.takes(vocab)).map_or("cross_entropy_bf16", |(ce, _)| ce.name)
+        if self.ce_cluster.0.takes(vocab) {
+            self.ce_cluster.0.name
+        } else {
+            "cross_entropy_bf16"
+        }
     }
 
     /// Starts the backend on device `ordinal`: checks the driver, the device's compute
@@ -310,19 +310,12 @@ impl CudaBackend {
                 .map_err(|e| format!("{k}: {e:?}"))?;
             }
         }
-        // How many cross-entropy clusters are resident at once: each kernel runs exactly that
-        // many, each streaming rows with the next row's loads in flight. Clusters of 8 must fit
-        // (portable); clusters of 16 only where the GPU schedules them (else the streaming kernel
-        // takes those vocabularies).
-        let mut ce_kernels = Vec::new();
-        for ce in [CE_CLUSTER8, CE_CLUSTER16] {
-            match ce_resident_clusters(f[ce.name], &ce) {
-                Ok(n) if n >= 1 => ce_kernels.push((ce, n)),
-                Ok(_) | Err(_) if ce.ctas > 8 => {}
-                Ok(_) => return Err(format!("{} fits no cluster of {} CTAs on this GPU", ce.name, ce.ctas)),
-                Err(e) => return Err(e),
-            }
-        }
+        // How many cross-entropy clusters are resident at once: the kernel runs exactly that
+        // many, each streaming rows with the next row's loads in flight.
+        let ce_cluster = match ce_resident_clusters(f[CE_CLUSTER8.name], &CE_CLUSTER8)? {
+            0 => return Err(format!("{} fits no cluster of {} CTAs on this GPU", CE_CLUSTER8.name, CE_CLUSTER8.ctas)),
+            n => (CE_CLUSTER8, n),
+        };
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
         let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
         Ok(CudaBackend {
@@ -332,7 +325,7 @@ impl CudaBackend {
             kernels: Kernels { f },
             blas,
             sm_count,
-            ce_kernels,
+            ce_cluster,
             peers: Mutex::new(Vec::new()),
             name,
             inv_freq: Mutex::new(HashMap::new()),
@@ -436,20 +429,8 @@ impl CudaBackend {
     }
 }
 
-/// Co-resident clusters of a cross-entropy cluster kernel on this GPU (0: none fits). Clusters
-/// over 8 CTAs are non-portable: the function must allow them before the query and the launch.
+/// Co-resident clusters of a cross-entropy cluster kernel on this GPU (0: none fits).
 fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::Result<usize, String> {
-    if ce.ctas > 8 {
-        // SAFETY: a valid function handle and a documented attribute.
-        unsafe {
-            cu::function::set_function_attribute(
-                func,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )
-        }
-        .map_err(|e| format!("{}: non-portable cluster size: {e:?}", ce.name))?;
-    }
     let config = sys::CUlaunchConfig {
         gridDimX: ce.ctas,
         gridDimY: 1,
@@ -481,7 +462,7 @@ fn kernel_family(name: &str) -> &'static str {
         n if n.starts_with("sum_") => "reduce",
         "pack_taps_noise_bf16" => "pack",
         "rope_bf16" => "rope",
-        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" | "cross_entropy_cluster16_bf16" => "cross_entropy",
+        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" => "cross_entropy",
         "adamw_f32" => "adamw",
         _ => "elementwise",
     }
@@ -1303,9 +1284,9 @@ impl Backend for CudaBackend {
         }
         // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
         // stride over rows: the cluster kernel runs one cluster per resident slot.
-        let cluster = self.ce_kernels.iter().find(|(ce, _)| logits.ptr % 16 == 0 && ce.takes(vocab));
-        let (name, grid, block, smem) = if let Some((ce, resident)) = cluster {
-            (ce.name, (rows.min(*resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
+        let (ce, resident) = self.ce_cluster;
+        let (name, grid, block, smem) = if logits.ptr % 16 == 0 && ce.takes(vocab) {
+            (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
         } else {
             ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0)
         };
