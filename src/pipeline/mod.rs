@@ -756,12 +756,11 @@ fn produce<B: Backend>(
             // after the drafter side's H2D, so this too is waiting on the drafter.
             let t_send = Instant::now();
             let parcel = fwd[micro % sh.ranks].send(s, out, fault).map_err(berr(step))?;
-            waited += t_send.elapsed();
             let t2 = Instant::now();
             if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
             }
-            waited += t2.elapsed();
+            waited += t_send.elapsed();
             add_time(&sh.stats, |st| &mut st.target_blocked, t2.elapsed());
             if let Some(tr) = &cfg.trace {
                 tr.span(

@@ -51,8 +51,8 @@ pub struct PipelineStats {
 /// A target stream's timeline, from timed events: `busy` = the stretches of target work, `span` =
 /// first start to last end, `waiting` = the part of the gaps between stretches its thread spent
 /// waiting on the drafter side (a full queue or no free pinned slot: the drafter is slower; exact
-/// split-FC: dY, the norm and the fc update). Idle = span - busy; of it, `waiting` is the drafter's doing and the
-/// rest the pipeline's (host work, copies, launches).
+/// split-FC: dY, the norm and the fc update). Idle = span - busy; of it, `waiting` is the
+/// drafter's doing and the rest the pipeline's (host work, copies, launches).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DeviceTimeline {
     pub busy: Duration,
@@ -60,13 +60,18 @@ pub struct DeviceTimeline {
     pub waiting: Duration,
 }
 
+/// `part / whole` (0 for an empty whole).
+fn frac(part: Duration, whole: Duration) -> f64 {
+    if whole.is_zero() {
+        0.0
+    } else {
+        part.as_secs_f64() / whole.as_secs_f64()
+    }
+}
+
 impl DeviceTimeline {
     fn part(&self, d: Duration) -> f64 {
-        if self.span.is_zero() {
-            0.0
-        } else {
-            (d.as_secs_f64() / self.span.as_secs_f64()).clamp(0.0, 1.0)
-        }
+        frac(d, self.span).clamp(0.0, 1.0)
     }
     /// Fraction of the span the stream had no target work.
     pub fn idle(&self) -> f64 {
@@ -83,17 +88,10 @@ impl DeviceTimeline {
 }
 
 impl PipelineStats {
-    fn frac(part: Duration, wall: Duration) -> f64 {
-        if wall.is_zero() {
-            0.0
-        } else {
-            part.as_secs_f64() / wall.as_secs_f64()
-        }
-    }
     /// Fraction of the wall time the target side did not compute (mean over target GPUs; the
     /// host-side times are sums over them).
     pub fn target_idle_fraction(&self) -> f64 {
-        1.0 - Self::frac(self.target_busy / self.target_ranks.max(1) as u32, self.wall).min(1.0)
+        1.0 - frac(self.target_busy / self.target_ranks.max(1) as u32, self.wall).min(1.0)
     }
     /// Fraction of its device timeline the target's stream had no work for a reason other than
     /// waiting on the drafter side (None without timed events). See `DeviceTimeline`.
@@ -106,7 +104,7 @@ impl PipelineStats {
     }
     /// Fraction of the wall time the drafter side waited for data.
     pub fn drafter_idle_fraction(&self) -> f64 {
-        Self::frac(self.drafter_wait / self.drafter_ranks.max(1) as u32, self.wall).min(1.0)
+        frac(self.drafter_wait / self.drafter_ranks.max(1) as u32, self.wall).min(1.0)
     }
     pub fn mean_queue_depth(&self) -> f64 {
         if self.queue_depth.is_empty() {

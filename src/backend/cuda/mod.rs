@@ -145,13 +145,13 @@ const RMS_CHUNKS_PER_LANE: usize = 4;
 const RMS_SLAB_PAD: usize = 4;
 const RMS_BWD_TARGET_PARTS: usize = 1024;
 const CE_BLOCK: u32 = 512;
-/// The on-chip cross-entropy kernels (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
+/// The on-chip cross-entropy kernel (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
 /// row, two CTAs of `block` threads per SM, each thread owning `chunks` chunks of 8 of the row,
 /// `stages` row shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a row
 /// stays in L2 between the streaming kernel's two passes anyway) to ctas x block x chunks x 8.
 #[derive(Clone, Copy, Debug)]
-pub struct CeCluster {
-    pub name: &'static str,
+struct CeCluster {
+    name: &'static str,
     ctas: u32,
     block: u32,
     chunks: u32,
@@ -285,11 +285,7 @@ impl CudaBackend {
         // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
         // shared memory.
         for (k, func) in &f {
-            if k.starts_with("attn_")
-                || k.starts_with("fc_")
-                || *k == "rmsnorm_bwd_bf16"
-                || k.starts_with("cross_entropy_cluster")
-            {
+            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" || *k == CE_CLUSTER8.name {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
@@ -1282,8 +1278,8 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        // The register-resident kernel reads each row once; it needs 16-byte rows. Both kernels
-        // stride over rows: the cluster kernel runs one cluster per resident slot.
+        // The cluster kernel reads each row once; it needs 16-byte rows. Both kernels stride over
+        // rows: the cluster kernel runs one cluster per resident slot.
         let (ce, resident) = self.ce_cluster;
         let (name, grid, block, smem) = if logits.ptr % 16 == 0 && ce.takes(vocab) {
             (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
