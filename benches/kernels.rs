@@ -254,7 +254,10 @@ fn main() {
                 .skip(2)
                 .collect();
             samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let kind = be.cross_entropy_kernel(vocab);
+            let kind = match be.cross_entropy_clusters(vocab) {
+                Some(n) => format!("{}, {n} clusters", be.cross_entropy_kernel(vocab)),
+                None => be.cross_entropy_kernel(vocab).to_string(),
+            };
             mem(
                 &format!("cross-entropy fwd+bwd ({ce_rows} x {vocab}, {kind})"),
                 samples[samples.len() / 2],

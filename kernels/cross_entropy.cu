@@ -1,9 +1,10 @@
 // cross_entropy.cu: weighted cross-entropy over one chunk of lm_head logits, forward and backward
 // in one kernel, the gradient written over the logits in place (DESIGN.md section 8: the full
-// logits tensor would be ~10 GB, one chunk of 2048 x 151,936 is 622 MB). Two kernels with the
-// same contract: cross_entropy_cluster_bf16 (below; a row of up to 163,840 held on chip by a
-// cluster of CTAs, read once) for vocab % 8 == 0 from 32,768 to 163,840, and
-// cross_entropy_bf16 (streaming, reads each row twice) for every other shape.
+// logits tensor would be ~10 GB, one chunk of 2048 x 151,936 is 622 MB). Three kernels with the
+// same contract, for vocab % 8 == 0: cross_entropy_cluster_bf16 (below; a row held on chip by a
+// cluster of CTAs, read once) from 32,768 to 163,840, cross_entropy_cluster_wide_bf16 (the same
+// code, one CTA per SM) from 163,848 to 262,144; cross_entropy_bf16 (streaming, reads each row
+// twice) for every other shape.
 //
 // Math (per row r; x = f32(logits[r, :]), w = weights[r], y = labels[r]):
 //   argmax[r] = lowest c with x[c] = max_c x[c]      (cpu.rs keeps the first maximum)
@@ -38,8 +39,8 @@
 //           valid, grid-stride over rows); no dynamic shared memory; no scratch.
 // Bytes:    rows * vocab * 2 * 3 (pass A read, pass B read + write; pass B's read hits L2 only
 //           while the rows in flight fit there) + rows * 16.
-// Measured (H200, bench with supervised rows of N(0, 1) logits): 1024 x 262,144 in 0.450 ms,
-//           56.0% of copy bandwidth counted at 4 bytes per element (the minimum; two reads cap it
+// Measured (H200, bench with supervised rows of N(0, 1) logits): 1024 x 262,144 in 0.448 ms,
+//           56.6% of copy bandwidth counted at 4 bytes per element (the minimum; two reads cap it
 //           at 66.7%); 0.565 ms (44.6%) with precise expf before exp_approx.
 //           (An earlier bench ran it on zero weights, which skip the exponentials and pass B's
 //           read, and reported 0.370 ms at 2048 x 151,936: not what training sees.)
@@ -272,11 +273,17 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 //           every warp searching its max's index): 0.490 ms with the row in registers, 0.433 ms
 //           with it read from the ring by two CTAs per SM. Against the CTA's max (one searcher
 //           per CTA) and a butterfly merge: 0.392 ms in registers (75.0%), 0.350 ms from the ring
-//           (83.9%, this version). The same code with clusters of 16 (a non-portable size) took
-//           1024 x 262,144 in 0.355 ms (71%, against 0.450 ms for the streaming kernel), correct
-//           and clean under memcheck and racecheck, but compute-sanitizer synccheck reported
-//           "Missing wait" at the prologue's mbarrier.arrive.expect_tx in ranks 8 and 9 of each
-//           cluster; not understood yet, so vocabularies over 163,840 stay on the streaming kernel.
+//           (83.9%, this version; 84.7% in a later run).
+//           Over 163,840 a 2-stage ring of the 8-CTA share no longer fits twice on an SM. At
+//           1024 x 262,144 (streaming kernel: 0.448 ms, 56.6%), measured side by side in one run:
+//           one CTA per SM of 512 threads, 8 chunks each, 2 stages: 0.296 ms (85.1%, the wide
+//           kernel); of 1024 threads, 4 chunks: 0.322 ms (78.5%); either with a third stage and
+//           the next row's reduction issued before this row's gradient (skewed, so the message
+//           round trip overlaps work): 0.314 ms (80.8%) and 0.317 ms (79.5%); the same skew at
+//           2048 x 151,936 with one CTA per SM: 0.428 ms (68.6%, against two CTAs per SM's 84.7%).
+//           Clusters of 16 (a non-portable size, two CTAs per SM) took 0.355 ms (71%), and
+//           compute-sanitizer synccheck reported "Missing wait" at the prologue's
+//           mbarrier.arrive.expect_tx in ranks 8 and 9 of each cluster (not understood; dropped).
 #define CEC_NO_INDEX 0x7FFFFFFF
 
 // max of two bf16 pairs, per half; a NaN half loses to a number (PTX max without .NaN).
@@ -382,7 +389,8 @@ __device__ __forceinline__ CecState cec_unslot(const uint4& v) {
 
 // CTAS CTAs per cluster (one row), BLOCK threads per CTA, MAXC chunks of 8 per thread, STAGES row
 // shares in the ring. Every pass reads the thread's chunks from the stage (registers hold none of
-// the row: two CTAs fit on an SM, so two rows are in flight on each), and the gradient recomputes
+// the row: up to 163,840 two CTAs fit on an SM, so two rows are in flight on each), and the
+// gradient recomputes
 // the exponentials (two MUFU ops per element). A stage is refilled at the next row's first block
 // barrier, after every thread's last read of it (the previous row's gradient pass).
 template <int CTAS, int BLOCK, int MAXC, int STAGES>
@@ -607,6 +615,17 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2)
                                float grad_scale, float* __restrict__ loss,
                                int* __restrict__ argmax) {
   cec_rows<8, 512, 5, 2>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
+}
+
+// vocab % 8 == 0 in [163,848, 262,144] (Gemma's 262,144 and 256,000): clusters of 8, one CTA of
+// 512 threads per SM (a 64 KB share: two CTAs' rings would not fit), a 2-stage ring of 64 KB
+// stages.
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 1)
+    cross_entropy_cluster_wide_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,
+                                    const float* __restrict__ weights, long long rows, int vocab,
+                                    float grad_scale, float* __restrict__ loss,
+                                    int* __restrict__ argmax) {
+  cec_rows<8, 512, 8, 2>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);
 }
 
 extern "C" __global__ void __launch_bounds__(CE_BLOCK)

@@ -459,9 +459,10 @@ impl<B: Backend> LossTest for B {
 fn gpu_loss_optimizer_reductions_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
     // 151,936 (Qwen3), 40,000 and 163,840 take the cluster kernel (8 CTAs per row, 5 chunks of 8
-    // per thread: 163,840 fills every chunk); 163,848 (one chunk over), 262,144 (Gemma), 327,680,
-    // 327,688 and the vocabularies under 32,768 the streaming kernel. 260 rows give every cluster
-    // several rows: each stage of its ring and each message buffer is reused.
+    // per thread: 163,840 fills every chunk); 163,848 (one chunk over), 256,000 and 262,144
+    // (Gemma's; fills every chunk) the wide cluster kernel (8 chunks per thread, one CTA per SM);
+    // 327,680, 327,688 and the vocabularies under 32,768 the streaming kernel. 260 and 70 rows
+    // give every cluster several rows: each stage of its ring and each message buffer is reused.
     let shapes = [
         (5, 256),
         (33, 151_936),
@@ -470,6 +471,7 @@ fn gpu_loss_optimizer_reductions_match_cpu() {
         (9, 40_000),
         (4, 163_840),
         (3, 163_848),
+        (5, 256_000),
         (70, 262_144),
         (4, 327_680),
         (4, 327_688),

@@ -120,7 +120,7 @@ const ELEMENTWISE: [&str; 8] = [
     "count_nonfinite_bf16",
     "embed_bf16",
 ];
-const OTHERS: [&str; 13] = [
+const OTHERS: [&str; 12] = [
     "attn_draft_kv_ranges",
     "pack_taps_noise_bf16",
     "rmsnorm_fwd_bf16",
@@ -130,7 +130,6 @@ const OTHERS: [&str; 13] = [
     "swiglu_fwd_bf16",
     "swiglu_bwd_bf16",
     "cross_entropy_bf16",
-    "cross_entropy_cluster_bf16",
     "adamw_f32",
     "sum_squares_partial_f32",
     "sum_partials_f32",
@@ -145,10 +144,10 @@ const RMS_CHUNKS_PER_LANE: usize = 4;
 const RMS_SLAB_PAD: usize = 4;
 const RMS_BWD_TARGET_PARTS: usize = 1024;
 const CE_BLOCK: u32 = 512;
-/// The on-chip cross-entropy kernel (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
-/// row, two CTAs of `block` threads per SM, each thread owning `chunks` chunks of 8 of the row,
-/// `stages` row shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a row
-/// stays in L2 between the streaming kernel's two passes anyway) to ctas x block x chunks x 8.
+/// An on-chip cross-entropy kernel (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
+/// row, CTAs of `block` threads, each thread owning `chunks` chunks of 8 of the row, `stages` row
+/// shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a row stays in L2
+/// between the streaming kernel's two passes anyway) to ctas x block x chunks x 8.
 #[derive(Clone, Copy, Debug)]
 struct CeCluster {
     name: &'static str,
@@ -158,8 +157,15 @@ struct CeCluster {
     stages: u32,
     min_vocab: usize,
 }
-const CE_CLUSTER8: CeCluster =
-    CeCluster { name: "cross_entropy_cluster_bf16", ctas: 8, block: 512, chunks: 5, stages: 2, min_vocab: 32_768 };
+const fn ce_cluster(name: &'static str, block: u32, chunks: u32, stages: u32, min_vocab: usize) -> CeCluster {
+    CeCluster { name, ctas: 8, block, chunks, stages, min_vocab }
+}
+/// The cluster kernels: a vocabulary takes the first one that takes it. Up to 163,840 two CTAs
+/// fit on an SM; over it a CTA's 64 KB stages fit only one CTA per SM.
+const CE_CLUSTERS: [CeCluster; 2] = [
+    ce_cluster("cross_entropy_cluster_bf16", 512, 5, 2, 32_768),
+    ce_cluster("cross_entropy_cluster_wide_bf16", 512, 8, 2, 163_848),
+];
 impl CeCluster {
     fn max_vocab(&self) -> usize {
         (self.ctas * self.block * self.chunks * 8) as usize
@@ -187,9 +193,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: u32,
-    /// The cross-entropy cluster kernel and its co-resident cluster count (the grid it is
-    /// launched with).
-    ce_cluster: (CeCluster, usize),
+    /// The cross-entropy cluster kernels this GPU runs, each with its co-resident cluster count
+    /// (the grid it is launched with), in order of preference.
+    ce_clusters: Vec<(CeCluster, usize)>,
     /// Contexts (by address) whose memory this device's peer copies may read directly.
     peers: Mutex<Vec<usize>>,
     name: String,
@@ -223,11 +229,16 @@ fn i64c(v: usize) -> i64 {
 impl CudaBackend {
     /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits).
     pub fn cross_entropy_kernel(&self, vocab: usize) -> &'static str {
-        if self.ce_cluster.0.takes(vocab) {
-            self.ce_cluster.0.name
-        } else {
-            "cross_entropy_bf16"
-        }
+        self.ce_cluster_for(vocab).map_or("cross_entropy_bf16", |(ce, _)| ce.name)
+    }
+
+    /// How many clusters the cluster kernel for `vocab` runs (None: the streaming kernel runs).
+    pub fn cross_entropy_clusters(&self, vocab: usize) -> Option<usize> {
+        self.ce_cluster_for(vocab).map(|(_, n)| n)
+    }
+
+    fn ce_cluster_for(&self, vocab: usize) -> Option<(CeCluster, usize)> {
+        self.ce_clusters.iter().copied().find(|(ce, _)| ce.takes(vocab))
     }
 
     /// Starts the backend on device `ordinal`: checks the driver, the device's compute
@@ -254,8 +265,13 @@ impl CudaBackend {
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
         let main = Stream(ctx.new_stream().map_err(|e| format!("{e:?}"))?);
         let mut f = HashMap::new();
-        let mut wanted: Vec<String> =
-            ELEMENTWISE.iter().chain(OTHERS.iter()).chain(fc::FC_KERNELS.iter()).map(|s| s.to_string()).collect();
+        let mut wanted: Vec<String> = ELEMENTWISE
+            .iter()
+            .chain(OTHERS.iter())
+            .chain(CE_CLUSTERS.iter().map(|c| &c.name))
+            .chain(fc::FC_KERNELS.iter())
+            .map(|s| s.to_string())
+            .collect();
         for a in ATTN {
             for hd in HEAD_DIMS {
                 wanted.push(format!("{a}_bf16_hd{hd}"));
@@ -285,7 +301,11 @@ impl CudaBackend {
         // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
         // shared memory.
         for (k, func) in &f {
-            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" || *k == CE_CLUSTER8.name {
+            if k.starts_with("attn_")
+                || k.starts_with("fc_")
+                || *k == "rmsnorm_bwd_bf16"
+                || CE_CLUSTERS.iter().any(|c| c.name == *k)
+            {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
@@ -308,10 +328,25 @@ impl CudaBackend {
         }
         // How many cross-entropy clusters are resident at once: the kernel runs exactly that
         // many, each streaming rows with the next row's loads in flight.
-        let ce_cluster = match ce_resident_clusters(f[CE_CLUSTER8.name], &CE_CLUSTER8)? {
-            0 => return Err(format!("{} fits no cluster of {} CTAs on this GPU", CE_CLUSTER8.name, CE_CLUSTER8.ctas)),
-            n => (CE_CLUSTER8, n),
-        };
+        // DFLASH_CE_KERNEL=<name> keeps only that kernel (cross_entropy_bf16: none), to compare
+        // them on the same shapes.
+        let only = std::env::var("DFLASH_CE_KERNEL").ok();
+        if let Some(k) = &only {
+            if k != "cross_entropy_bf16" && !CE_CLUSTERS.iter().any(|c| c.name == k) {
+                let names: Vec<_> = CE_CLUSTERS.iter().map(|c| c.name).collect();
+                return Err(format!(
+                    "DFLASH_CE_KERNEL={k} names no cross-entropy kernel (cross_entropy_bf16, {})",
+                    names.join(", ")
+                ));
+            }
+        }
+        let mut ce_clusters = Vec::new();
+        for ce in CE_CLUSTERS.iter().filter(|c| only.as_deref().is_none_or(|k| k == c.name)) {
+            match ce_resident_clusters(f[ce.name], ce)? {
+                0 => {} // fits no cluster on this GPU: its vocabularies take the next one
+                n => ce_clusters.push((*ce, n)),
+            }
+        }
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
         let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
         Ok(CudaBackend {
@@ -321,7 +356,7 @@ impl CudaBackend {
             kernels: Kernels { f },
             blas,
             sm_count,
-            ce_cluster,
+            ce_clusters,
             peers: Mutex::new(Vec::new()),
             name,
             inv_freq: Mutex::new(HashMap::new()),
@@ -458,7 +493,7 @@ fn kernel_family(name: &str) -> &'static str {
         n if n.starts_with("sum_") => "reduce",
         "pack_taps_noise_bf16" => "pack",
         "rope_bf16" => "rope",
-        "cross_entropy_bf16" | "cross_entropy_cluster_bf16" => "cross_entropy",
+        n if n.starts_with("cross_entropy_") => "cross_entropy",
         "adamw_f32" => "adamw",
         _ => "elementwise",
     }
@@ -1280,11 +1315,11 @@ impl Backend for CudaBackend {
         }
         // The cluster kernel reads each row once; it needs 16-byte rows. Both kernels stride over
         // rows: the cluster kernel runs one cluster per resident slot.
-        let (ce, resident) = self.ce_cluster;
-        let (name, grid, block, smem) = if logits.ptr % 16 == 0 && ce.takes(vocab) {
-            (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
-        } else {
-            ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0)
+        let (name, grid, block, smem) = match self.ce_cluster_for(vocab) {
+            Some((ce, resident)) if logits.ptr % 16 == 0 => {
+                (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
+            }
+            _ => ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0),
         };
         self.launch(
             s,
@@ -1421,4 +1456,31 @@ fn draft_geom(
     check_len(op, "anchors", anchors.len, 0, sh.num_blocks)?;
     check_len(op, "ctx_start", ctx_start.len, 0, sh.num_blocks)?;
     Ok(DraftGeom { qw, kw, ld: sh.head_dim + 8, w: m.div_ceil(16) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cross_entropy_cluster_kernels_take_adjacent_vocab_ranges() {
+        let (a, b) = (&CE_CLUSTERS[0], &CE_CLUSTERS[1]);
+        assert_eq!((a.max_vocab(), b.max_vocab()), (163_840, 262_144));
+        // The wide kernel starts one chunk of 8 past the first one's end; neither takes a
+        // vocabulary that is not a multiple of 8 or lies outside its range.
+        assert_eq!(b.min_vocab, a.max_vocab() + 8);
+        for v in [32_768, 151_936, 163_840] {
+            assert!(a.takes(v) && !b.takes(v), "{v}");
+        }
+        for v in [163_848, 256_000, 262_144] {
+            assert!(!a.takes(v) && b.takes(v), "{v}");
+        }
+        for v in [32_760, 151_937, 262_152, 327_680] {
+            assert!(!a.takes(v) && !b.takes(v), "{v}");
+        }
+        // Shared memory per SM on Hopper: 228 KB, of which a CTA may opt into 227 KB (1 KB of each
+        // CTA is reserved). Two CTAs of the first kernel fit; one of the wide kernel.
+        assert!(2 * (a.smem() + 1024 + 1024) <= 228 * 1024, "{}", a.smem());
+        assert!(b.smem() + 1024 + 1024 <= 227 * 1024 && 2 * b.smem() > 228 * 1024, "{}", b.smem());
+    }
 }
