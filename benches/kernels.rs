@@ -254,9 +254,9 @@ fn main() {
                 .skip(2)
                 .collect();
             samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let kind = match be.cross_entropy_clusters(vocab) {
-                Some(n) => format!("{}, {n} clusters", be.cross_entropy_kernel(vocab)),
-                None => be.cross_entropy_kernel(vocab).to_string(),
+            let kind = match be.cross_entropy_kernel(vocab) {
+                (name, Some(n)) => format!("{name}, {n} clusters"),
+                (name, None) => name.to_string(),
             };
             mem(
                 &format!("cross-entropy fwd+bwd ({ce_rows} x {vocab}, {kind})"),

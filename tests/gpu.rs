@@ -480,7 +480,7 @@ fn gpu_loss_optimizer_reductions_match_cpu() {
         // Row 2 is unlabelled (-1) and row 3 weightless (when the shape has it): the label and
         // weight lists below hold rows + 1 entries, so a shape needs at least 3 rows.
         assert!(rows >= 3, "{rows} rows: the shape needs at least 3");
-        println!("cross-entropy {rows}x{vocab}: {}", g.cross_entropy_kernel(vocab));
+        println!("cross-entropy {rows}x{vocab}: {}", g.cross_entropy_kernel(vocab).0);
         let logits = rand(rows * vocab, 90, 3.0);
         let mut labels: Vec<i32> = (0..rows as i32 + 1).map(|i| (i * 7919) % vocab as i32).collect();
         labels[2] = -1;

@@ -167,6 +167,9 @@ const CE_CLUSTERS: [CeCluster; 2] = [
     ce_cluster("cross_entropy_cluster_wide_bf16", 512, 8, 2, 163_848),
 ];
 impl CeCluster {
+    fn is_one(name: &str) -> bool {
+        CE_CLUSTERS.iter().any(|c| c.name == name)
+    }
     fn max_vocab(&self) -> usize {
         (self.ctas * self.block * self.chunks * 8) as usize
     }
@@ -227,14 +230,10 @@ fn i64c(v: usize) -> i64 {
 }
 
 impl CudaBackend {
-    /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits).
-    pub fn cross_entropy_kernel(&self, vocab: usize) -> &'static str {
-        self.ce_cluster_for(vocab).map_or("cross_entropy_bf16", |(ce, _)| ce.name)
-    }
-
-    /// How many clusters the cluster kernel for `vocab` runs (None: the streaming kernel runs).
-    pub fn cross_entropy_clusters(&self, vocab: usize) -> Option<usize> {
-        self.ce_cluster_for(vocab).map(|(_, n)| n)
+    /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits), with the
+    /// number of clusters it launches (None: the streaming kernel, one CTA per row).
+    pub fn cross_entropy_kernel(&self, vocab: usize) -> (&'static str, Option<usize>) {
+        self.ce_cluster_for(vocab).map_or(("cross_entropy_bf16", None), |(ce, n)| (ce.name, Some(n)))
     }
 
     fn ce_cluster_for(&self, vocab: usize) -> Option<(CeCluster, usize)> {
@@ -301,11 +300,7 @@ impl CudaBackend {
         // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
         // shared memory.
         for (k, func) in &f {
-            if k.starts_with("attn_")
-                || k.starts_with("fc_")
-                || *k == "rmsnorm_bwd_bf16"
-                || CE_CLUSTERS.iter().any(|c| c.name == *k)
-            {
+            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" || CeCluster::is_one(k) {
                 // The opt-in limit covers static + dynamic shared memory.
                 // SAFETY: a valid function handle and documented attributes.
                 let static_smem = unsafe {
@@ -326,13 +321,13 @@ impl CudaBackend {
                 .map_err(|e| format!("{k}: {e:?}"))?;
             }
         }
-        // How many cross-entropy clusters are resident at once: the kernel runs exactly that
-        // many, each streaming rows with the next row's loads in flight.
+        // How many clusters of each cross-entropy cluster kernel are resident at once: it runs
+        // exactly that many, each streaming rows with the next row's loads in flight.
         // DFLASH_CE_KERNEL=<name> keeps only that kernel (cross_entropy_bf16: none), to compare
         // them on the same shapes.
         let only = std::env::var("DFLASH_CE_KERNEL").ok();
         if let Some(k) = &only {
-            if k != "cross_entropy_bf16" && !CE_CLUSTERS.iter().any(|c| c.name == k) {
+            if k != "cross_entropy_bf16" && !CeCluster::is_one(k) {
                 let names: Vec<_> = CE_CLUSTERS.iter().map(|c| c.name).collect();
                 return Err(format!(
                     "DFLASH_CE_KERNEL={k} names no cross-entropy kernel (cross_entropy_bf16, {})",
@@ -1313,8 +1308,8 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        // The cluster kernel reads each row once; it needs 16-byte rows. Both kernels stride over
-        // rows: the cluster kernel runs one cluster per resident slot.
+        // A cluster kernel reads each row once; it needs 16-byte rows. Every kernel strides over
+        // rows: a cluster kernel runs one cluster per resident slot.
         let (name, grid, block, smem) = match self.ce_cluster_for(vocab) {
             Some((ce, resident)) if logits.ptr % 16 == 0 => {
                 (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
@@ -1479,7 +1474,8 @@ mod tests {
             assert!(!a.takes(v) && !b.takes(v), "{v}");
         }
         // Shared memory per SM on Hopper: 228 KB, of which a CTA may opt into 227 KB (1 KB of each
-        // CTA is reserved). Two CTAs of the first kernel fit; one of the wide kernel.
+        // CTA is reserved); each kernel's static shared memory is under 1 KB. Two CTAs of the
+        // first kernel fit; one of the wide kernel.
         assert!(2 * (a.smem() + 1024 + 1024) <= 228 * 1024, "{}", a.smem());
         assert!(b.smem() + 1024 + 1024 <= 227 * 1024 && 2 * b.smem() > 228 * 1024, "{}", b.smem());
     }
