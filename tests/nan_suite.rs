@@ -387,8 +387,8 @@ fn gpu_poison_on_free_runs_clean() {
 /// memory still being read on one stream is handed to another, and the losses change. The same
 /// configurations in the normal mode stay bit-identical (the control). The corruption is a race
 /// that each step gives a chance to, so detection is likely, not certain. Measured on the H200,
-/// four calls each: over 8 steps, 4 of the 24 unsafe runs changed a loss and one call saw no
-/// change in any of its 6; over 40 steps, 8 of 24, and every call saw at least one.
+/// four calls each: over 8 steps, 3 of the 24 unsafe runs changed a loss and one call saw no
+/// change in any of its 6; over 40 steps, 6 of 24, and every call saw at least one.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_unsafe_reuse_is_detected() {
