@@ -87,10 +87,20 @@ fn peer_copy_secs(from: usize, to: usize, bytes: usize) -> Result<f64> {
 
 /// Runs the modes and prints the table. `opts` carries the model, data and shape flags.
 pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
-    anyhow::ensure!(opts.device != Device::Cpu || opts.drafter_gpus.is_empty(), "--drafter-gpus needs --device cuda");
-    let t_gpu = opts.target_gpus.first().copied().unwrap_or(0);
+    anyhow::ensure!(
+        opts.exec.device != Device::Cpu || opts.exec.drafter_gpus.is_empty(),
+        "--drafter-gpus needs --device cuda"
+    );
+    let t_gpu = opts.exec.target_gpus.first().copied().unwrap_or(0);
     // No checkpoints: at the 8B recipe each would write ~14 GB of masters and moments.
-    let base = RunOptions { quiet: true, checkpoints: false, stop_after: None, resume: false, ..opts.clone() };
+    let base = {
+        let mut ro = opts.clone();
+        ro.output.quiet = true;
+        ro.output.checkpoints = false;
+        ro.output.stop_after = None;
+        ro.output.resume = false;
+        ro
+    };
     let mut rows = Vec::new();
     let one = format!("{t_gpu}");
     let say = |r: &BenchRow| {
@@ -126,59 +136,72 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        let r = session::run(&RunOptions { out: opts.out.join(mode.replace([' ', ','], "-")), ..o }, None)?;
+        let r = session::run(
+            &{
+                let mut ro = o;
+                ro.output.out = opts.output.out.join(mode.replace([' ', ','], "-"));
+                ro
+            },
+            None,
+        )?;
         let b = row(mode, gpus, &r);
         say(&b);
         eprintln!("    ({:.0} s for the row, loading included)", t0.elapsed().as_secs_f64());
         rows.push(b);
         Ok(())
     };
-    eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.steps);
-    go("sync", one.clone(), RunOptions { sync: true, drafter_gpus: Vec::new(), ..base.clone() })?;
+    eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.train.steps);
+    go("sync", one.clone(), {
+        let mut ro = base.clone();
+        ro.exec.sync = true;
+        ro.exec.drafter_gpus = Vec::new();
+        ro
+    })?;
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
-        go(
-            &format!("async {}", t.name()),
-            one.clone(),
-            RunOptions { transport: Some(t), drafter_gpus: Vec::new(), ..base.clone() },
-        )?;
+        go(&format!("async {}", t.name()), one.clone(), {
+            let mut ro = base.clone();
+            ro.exec.transport = Some(t);
+            ro.exec.drafter_gpus = Vec::new();
+            ro
+        })?;
     }
     let mut peer_rate = None;
-    if let Some(&d) = opts.drafter_gpus.first().filter(|&&d| d != t_gpu) {
+    if let Some(&d) = opts.exec.drafter_gpus.first().filter(|&&d| d != t_gpu) {
         let two = format!("{t_gpu}->{d}");
         for t in [Transport::Peer, Transport::Host] {
-            go(
-                &format!("async {}", t.name()),
-                two.clone(),
-                RunOptions { transport: Some(t), drafter_gpus: vec![d], ..base.clone() },
-            )?;
+            go(&format!("async {}", t.name()), two.clone(), {
+                let mut ro = base.clone();
+                ro.exec.transport = Some(t);
+                ro.exec.drafter_gpus = vec![d];
+                ro
+            })?;
         }
         // What split-FC saves: Y (hidden wide) crosses instead of X (taps x hidden), dY returns.
-        go(
-            "async p2p split-FC",
-            two.clone(),
-            RunOptions { transport: Some(Transport::Peer), split_fc: true, drafter_gpus: vec![d], ..base.clone() },
-        )?;
+        go("async p2p split-FC", two.clone(), {
+            let mut ro = base.clone();
+            ro.exec.transport = Some(Transport::Peer);
+            ro.exec.split_fc = true;
+            ro.exec.drafter_gpus = vec![d];
+            ro
+        })?;
         // Both GPUs run both sides: targets take steps in turn, the drafter trains data parallel
         // on the same sequences per step (each rank gets half the micro-batches).
-        let (bs, ga) = if base.grad_accum % 2 == 0 {
-            (base.batch_size, base.grad_accum)
-        } else if base.batch_size % 2 == 0 {
-            (base.batch_size / 2, base.grad_accum * 2)
+        let (bs, ga) = if base.data.grad_accum % 2 == 0 {
+            (base.data.batch_size, base.data.grad_accum)
+        } else if base.data.batch_size % 2 == 0 {
+            (base.data.batch_size / 2, base.data.grad_accum * 2)
         } else {
-            (base.batch_size, base.grad_accum * 2)
+            (base.data.batch_size, base.data.grad_accum * 2)
         };
-        go(
-            "async p2p, 2 targets + 2 drafter ranks",
-            format!("{t_gpu},{d}->{t_gpu},{d}"),
-            RunOptions {
-                transport: None,
-                target_gpus: vec![t_gpu, d],
-                drafter_gpus: vec![t_gpu, d],
-                batch_size: bs,
-                grad_accum: ga,
-                ..base.clone()
-            },
-        )?;
+        go("async p2p, 2 targets + 2 drafter ranks", format!("{t_gpu},{d}->{t_gpu},{d}"), {
+            let mut ro = base.clone();
+            ro.exec.transport = None;
+            ro.exec.target_gpus = vec![t_gpu, d];
+            ro.exec.drafter_gpus = vec![t_gpu, d];
+            ro.data.batch_size = bs;
+            ro.data.grad_accum = ga;
+            ro
+        })?;
         // A micro-batch's packed taps: rows x taps x hidden bf16.
         if wanted("raw peer copy", &two) {
             let probe = session::micro_batch_bytes(opts)?;

@@ -5,11 +5,12 @@ pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
 pub mod bench; // `bench-pipeline`: sync vs async per transport, target idle, peer copy rate
 pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
 pub mod data; // pre-tokenized JSON Lines: parsing, validation, the order of samples per step
+pub mod faults; // the fault plan of the failure tests, built at the edge
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
 pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC protocol
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
-pub mod session; // `run` top to bottom: target, data, both sides, resume, log, checkpoint, summary
+pub mod session; // `run` as wiring: options, setup, the step log and summary; inspect, gen-data
 pub mod tensor; // DType and the bf16 rounding rule
 #[cfg(test)]
 mod testutil; // TempDir for the unit tests

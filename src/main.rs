@@ -7,8 +7,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::config::TargetConfig;
-use dflash_engine::session::{self, Device, RunOptions};
+use dflash_engine::faults::FaultPlan;
+use dflash_engine::session::{
+    self, DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions,
+};
 use dflash_engine::weights;
 
 #[derive(Parser)]
@@ -191,48 +195,79 @@ struct InitArgs {
 impl RunArgs {
     fn into_options(self) -> anyhow::Result<RunOptions> {
         Ok(RunOptions {
-            target: self.target,
-            target_seed: self.target_seed,
-            init_std: self.init_std,
-            data: self.data,
-            gen_samples: self.gen_samples,
-            gen_prompt_len: self.gen_prompt_len,
-            gen_temperature: self.gen_temperature,
-            steps: self.steps,
-            batch_size: self.batch_size,
-            grad_accum: self.grad_accum,
-            seq_len: self.seq_len,
-            anchors: self.anchors,
-            block_size: self.block_size,
-            drafter_layers: self.drafter_layers,
-            taps: self.taps,
-            noise_std: self.noise_std,
-            split_fc: self.split_fc_layers,
-            pad_to_tokens: self.pad_to_tokens,
-            max_inflight: self.max_inflight,
-            device: self.device,
-            alloc_mode: None,
-            transport: dflash_engine::pipeline::Transport::parse(&self.transport).map_err(anyhow::Error::msg)?,
-            target_gpus: self.target_gpus,
-            drafter_gpus: self.drafter_gpus,
-            seed: self.seed,
-            out: self.out,
-            resume: self.resume,
-            lr: self.lr,
-            warmup_frac: self.warmup,
-            clip: self.clip,
-            log_every: self.log_every,
-            save_every: self.save_every,
-            checkpoints: !self.no_checkpoint,
-            keep_last: self.keep_last,
-            logits_chunk: self.logits_chunk,
-            quiet: self.quiet,
-            faults: session::faults_from_env(),
-            stop_after: self.stop_after,
-            sync: self.sync,
-            trace: self.trace,
+            model: ModelOptions {
+                target: self.target,
+                target_seed: self.target_seed,
+                init_std: self.init_std,
+                drafter_layers: self.drafter_layers,
+                block_size: self.block_size,
+                taps: self.taps,
+            },
+            data: DataOptions {
+                path: self.data,
+                gen_samples: self.gen_samples,
+                gen_prompt_len: self.gen_prompt_len,
+                gen_temperature: self.gen_temperature,
+                seq_len: self.seq_len,
+                batch_size: self.batch_size,
+                grad_accum: self.grad_accum,
+                anchors: self.anchors,
+                noise_std: self.noise_std,
+                pad_to_tokens: self.pad_to_tokens,
+            },
+            train: TrainOptions {
+                steps: self.steps,
+                lr: self.lr,
+                warmup_frac: self.warmup,
+                clip: self.clip,
+                seed: self.seed,
+            },
+            exec: ExecOptions {
+                device: self.device,
+                split_fc: self.split_fc_layers,
+                max_inflight: self.max_inflight,
+                transport: dflash_engine::pipeline::Transport::parse(&self.transport).map_err(anyhow::Error::msg)?,
+                target_gpus: self.target_gpus,
+                drafter_gpus: self.drafter_gpus,
+                sync: self.sync,
+                logits_chunk: self.logits_chunk,
+                alloc_mode: alloc_mode_from_env()?,
+                faults: faults_from_env()?,
+            },
+            output: OutputOptions {
+                out: self.out,
+                resume: self.resume,
+                log_every: self.log_every,
+                save_every: self.save_every,
+                checkpoints: !self.no_checkpoint,
+                keep_last: self.keep_last,
+                quiet: self.quiet,
+                stop_after: self.stop_after,
+                trace: self.trace,
+            },
         })
     }
+}
+
+/// `DFLASH_FAULT`: the failure tests that drive the binary (see `FaultPlan::parse`).
+fn faults_from_env() -> Result<FaultPlan> {
+    match std::env::var("DFLASH_FAULT") {
+        Ok(v) => Ok(FaultPlan::parse(&v)?),
+        Err(_) => Ok(FaultPlan::default()),
+    }
+}
+
+/// `DFLASH_ALLOC_MODE`: the CUDA allocator's debug modes (DESIGN.md rule 6): poison freed
+/// blocks with NaN, skip the cross-stream deferral (test-only: reproduces the corruption), or
+/// map every free to cuMemFreeAsync so compute-sanitizer can check the stream bookkeeping.
+fn alloc_mode_from_env() -> Result<Option<Mode>> {
+    Ok(match std::env::var("DFLASH_ALLOC_MODE").as_deref() {
+        Ok("poison") => Some(Mode::PoisonOnFree),
+        Ok("unsafe-reuse") => Some(Mode::UnsafeReuse),
+        Ok("free-async") => Some(Mode::FreeAsync),
+        Ok("normal") | Err(_) => None,
+        Ok(other) => anyhow::bail!("DFLASH_ALLOC_MODE={other}: use normal, poison, unsafe-reuse or free-async"),
+    })
 }
 
 fn main() -> Result<()> {

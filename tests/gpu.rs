@@ -559,9 +559,26 @@ fn gpu_training_tracks_cpu_and_is_deterministic() {
     let dir = tmp("train");
     let data = dir.join("data.jsonl");
     session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data).unwrap();
-    let base = RunOptions { steps: 50, quiet: true, data: Some(data), save_every: 1000, ..RunOptions::tiny_default() };
-    let run =
-        |device, tag: &str| session::run(&RunOptions { device, out: dir.join(tag), ..base.clone() }, None).unwrap();
+    let base = {
+        let mut ro = RunOptions::tiny_default();
+        ro.train.steps = 50;
+        ro.output.quiet = true;
+        ro.data.path = Some(data);
+        ro.output.save_every = 1000;
+        ro
+    };
+    let run = |device, tag: &str| {
+        session::run(
+            &{
+                let mut ro = base.clone();
+                ro.exec.device = device;
+                ro.output.out = dir.join(tag);
+                ro
+            },
+            None,
+        )
+        .unwrap()
+    };
     let (g1, g2, c) = (run(Device::Cuda, "g1"), run(Device::Cuda, "g2"), run(Device::Cpu, "c"));
     assert!(g1.backend.starts_with("cuda"), "{}", g1.backend);
     let bits = |r: &session::RunSummary| r.history.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();

@@ -6,6 +6,7 @@
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
 //! - `nan_suite`: async == sync bit for bit over every transport, split, pad and depth; debug
 //!   allocator modes; faults leave nothing behind
+//! - `user_errors`: one regression test per bad input or misleading message a new user hit
 
 mod common;
 mod drafter_fd;
@@ -14,3 +15,4 @@ mod nan_suite;
 mod ops_fd;
 mod pitfalls;
 mod run;
+mod user_errors;

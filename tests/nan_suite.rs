@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::{final_masters, losses};
 use dflash_engine::backend::cuda::alloc::Mode;
-use dflash_engine::pipeline::{Faults, Transport};
+use dflash_engine::faults::FaultPlan;
+use dflash_engine::pipeline::Transport;
 use dflash_engine::session::{self, Device, RunOptions};
 
 fn tmp(tag: &str) -> PathBuf {
@@ -24,19 +25,20 @@ fn tmp(tag: &str) -> PathBuf {
 
 /// Small enough for seconds per run on the CPU; two micro-batches per step.
 fn small(tag: &str, device: Device) -> RunOptions {
-    RunOptions {
-        gen_samples: 32,
-        seq_len: 40,
-        steps: 6,
-        batch_size: 3,
-        grad_accum: 2,
-        anchors: 6,
-        block_size: 8,
-        save_every: 100,
-        quiet: true,
-        device,
-        out: tmp(tag),
-        ..RunOptions::tiny_default()
+    {
+        let mut ro = RunOptions::tiny_default();
+        ro.data.gen_samples = 32;
+        ro.data.seq_len = 40;
+        ro.train.steps = 6;
+        ro.data.batch_size = 3;
+        ro.data.grad_accum = 2;
+        ro.data.anchors = 6;
+        ro.model.block_size = 8;
+        ro.output.save_every = 100;
+        ro.output.quiet = true;
+        ro.exec.device = device;
+        ro.output.out = tmp(tag);
+        ro
     }
 }
 
@@ -44,7 +46,14 @@ type Masters = Vec<(String, Vec<u32>)>;
 
 /// `base` as an async run on transport `t`.
 fn async_run(base: RunOptions, t: Transport, split: bool, inflight: usize, pad: Option<usize>) -> RunOptions {
-    RunOptions { transport: Some(t), split_fc: split, max_inflight: inflight, pad_to_tokens: pad, ..base }
+    {
+        let mut ro = base;
+        ro.exec.transport = Some(t);
+        ro.exec.split_fc = split;
+        ro.exec.max_inflight = inflight;
+        ro.data.pad_to_tokens = pad;
+        ro
+    }
 }
 
 /// Runs `o` and requires its losses and final weights to be `want_l` / `want_w` bit for bit, with
@@ -52,7 +61,7 @@ fn async_run(base: RunOptions, t: Transport, split: bool, inflight: usize, pad: 
 fn run_matches(o: &RunOptions, want_l: &[u64], want_w: &Masters, what: &str, reference: &str) -> session::RunSummary {
     let got = session::run(o, None).unwrap();
     assert_eq!(losses(&got), want_l, "{what}: losses differ from the {reference} run");
-    assert_eq!(&final_masters(&o.out), want_w, "{what}: weights differ from the {reference} run");
+    assert_eq!(&final_masters(&o.output.out), want_w, "{what}: weights differ from the {reference} run");
     assert_eq!(got.stats.slots_in_flight_at_end, 0, "{what}");
     got
 }
@@ -66,11 +75,21 @@ fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
     let depths: &[usize] = if quick { &[3] } else { &[1, 3] };
     let mut rows = Vec::new();
     for &pad in pads {
-        let steps = if quick { 3 } else { base("steps").steps };
-        let base = |tag: &str| RunOptions { steps, ..base(tag) };
-        let reference = RunOptions { sync: true, pad_to_tokens: pad, drafter_gpus: Vec::new(), ..base("sync") };
+        let steps = if quick { 3 } else { base("steps").train.steps };
+        let base = |tag: &str| {
+            let mut ro = base(tag);
+            ro.train.steps = steps;
+            ro
+        };
+        let reference = {
+            let mut ro = base("sync");
+            ro.exec.sync = true;
+            ro.data.pad_to_tokens = pad;
+            ro.exec.drafter_gpus = Vec::new();
+            ro
+        };
         let want = session::run(&reference, None).unwrap();
-        let want_w = final_masters(&reference.out);
+        let want_w = final_masters(&reference.output.out);
         assert!(want.history.iter().all(|m| m.loss.is_finite()));
         for &t in transports {
             for split in [false, true] {
@@ -101,23 +120,36 @@ fn cpu_async_matches_sync_for_every_transport_split_pad_and_depth() {
 /// A copy that fails after taking its slot (host) or its destination buffer (p2p), and the other
 /// faults, end the run with their error within seconds and nothing left behind.
 fn faults(device: Device, drafter_gpus: Vec<usize>, transports: &[Transport]) {
-    faults_on(|tag| RunOptions { drafter_gpus: drafter_gpus.clone(), ..small(tag, device) }, transports);
+    faults_on(
+        |tag| {
+            let mut ro = small(tag, device);
+            ro.exec.drafter_gpus = drafter_gpus.clone();
+            ro
+        },
+        transports,
+    );
 }
 
 fn faults_on(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
-    let targets = base("shape").target_gpus.len();
+    let targets = base("shape").exec.target_gpus.len();
     for &t in transports {
-        let cases: [(Faults, &str); 4] = [
-            (Faults { copy_error_at: Some(2), ..Default::default() }, "copy failed"),
-            (Faults { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 3"),
-            (Faults { publish_error_at: Some(2), ..Default::default() }, "could not publish step 2"),
-            (Faults { consumer_panic_at: Some(3), ..Default::default() }, "panicked at step 3"),
+        let cases: [(FaultPlan, &str); 4] = [
+            (FaultPlan { copy_error_at: Some(2), ..Default::default() }, "copy failed"),
+            (FaultPlan { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 4"),
+            (FaultPlan { publish_error_at: Some(2), ..Default::default() }, "could not publish step 3"),
+            (FaultPlan { consumer_panic_at: Some(3), ..Default::default() }, "panicked at step 4"),
         ];
         for (f, want) in cases {
             let splits: &[bool] = if targets > 1 { &[false] } else { &[false, true] };
             for &split in splits {
                 let t0 = Instant::now();
-                let o = RunOptions { faults: f, transport: Some(t), split_fc: split, ..base("fault") };
+                let o = {
+                    let mut ro = base("fault");
+                    ro.exec.faults = f;
+                    ro.exec.transport = Some(t);
+                    ro.exec.split_fc = split;
+                    ro
+                };
                 let err = session::run(&o, None).expect_err("the fault must fail the run");
                 let msg = format!("{err:#}");
                 let what = format!("transport {} split {split} fault {f:?}", t.name());
@@ -144,7 +176,14 @@ fn gpu_async_matches_sync_on_one_gpu() {
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu2_async_matches_sync_across_two_gpus() {
-    matrix(|tag| RunOptions { drafter_gpus: vec![1], ..small(tag, Device::Cuda) }, &[Transport::Peer, Transport::Host]);
+    matrix(
+        |tag| {
+            let mut ro = small(tag, Device::Cuda);
+            ro.exec.drafter_gpus = vec![1];
+            ro
+        },
+        &[Transport::Peer, Transport::Host],
+    );
 }
 
 /// Several target devices and data-parallel drafter ranks: every async run equals the lockstep
@@ -154,26 +193,37 @@ fn gpu2_async_matches_sync_across_two_gpus() {
 fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], splits: &[bool]) {
     let quick = std::env::var("DFLASH_NAN_SUITE").is_ok_and(|v| v == "quick");
     let b = base("shape");
-    let (targets, drafters) = (b.target_gpus.clone(), b.drafter_gpus.clone());
+    let (targets, drafters) = (b.exec.target_gpus.clone(), b.exec.drafter_gpus.clone());
     let pads: &[Option<usize>] = if quick { &[None] } else { &[None, Some(160)] };
     let depths: &[usize] = if quick { &[3] } else { &[1, 3] };
-    let steps = if quick { 3 } else { b.steps };
-    let base = |tag: &str| RunOptions { steps, ..base(tag) };
+    let steps = if quick { 3 } else { b.train.steps };
+    let base = |tag: &str| {
+        let mut ro = base(tag);
+        ro.train.steps = steps;
+        ro
+    };
     let mut rows = Vec::new();
     for &pad in pads {
-        let one = RunOptions {
-            sync: true,
-            pad_to_tokens: pad,
-            target_gpus: vec![targets[0]],
-            drafter_gpus: Vec::new(),
-            ..base("one-device-sync")
+        let one = {
+            let mut ro = base("one-device-sync");
+            ro.exec.sync = true;
+            ro.data.pad_to_tokens = pad;
+            ro.exec.target_gpus = vec![targets[0]];
+            ro.exec.drafter_gpus = Vec::new();
+            ro
         };
         let one_r = session::run(&one, None).unwrap();
         let one_l = losses(&one_r);
         for &split in splits {
-            let lock = RunOptions { sync: true, split_fc: split, pad_to_tokens: pad, ..base("lockstep") };
+            let lock = {
+                let mut ro = base("lockstep");
+                ro.exec.sync = true;
+                ro.exec.split_fc = split;
+                ro.data.pad_to_tokens = pad;
+                ro
+            };
             let want = session::run(&lock, None).unwrap();
-            let want_w = final_masters(&lock.out);
+            let want_w = final_masters(&lock.output.out);
             let want_l = losses(&want);
             let values = |r: &session::RunSummary| r.history.iter().map(|m| m.loss).collect::<Vec<f64>>();
             assert!(values(&want).iter().all(|l| l.is_finite()));
@@ -215,7 +265,12 @@ fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], 
 /// Data parallel over two drafter devices, the target sharing the first.
 fn data_parallel_matches_lockstep(device: Device) {
     topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, device) },
+        |tag| {
+            let mut ro = small(tag, device);
+            ro.exec.target_gpus = vec![0];
+            ro.exec.drafter_gpus = vec![0, 1];
+            ro
+        },
         &[Transport::Peer, Transport::Host],
         &[false, true],
     );
@@ -225,7 +280,12 @@ fn data_parallel_matches_lockstep(device: Device) {
 /// one-device synchronous run.
 fn round_robin_targets_match_sync(device: Device, drafter: usize) {
     topology_matrix(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: vec![drafter], ..small(tag, device) },
+        |tag| {
+            let mut ro = small(tag, device);
+            ro.exec.target_gpus = vec![0, 1];
+            ro.exec.drafter_gpus = vec![drafter];
+            ro
+        },
         &[Transport::Peer, Transport::Host],
         &[false],
     );
@@ -246,13 +306,14 @@ fn cpu_round_robin_targets_match_sync() {
 #[test]
 fn cpu_five_targets_three_drafters_match_lockstep() {
     topology_matrix(
-        |tag| RunOptions {
-            target_gpus: vec![0, 1, 2, 3, 4],
-            drafter_gpus: vec![5, 6, 7],
-            grad_accum: 3,
-            batch_size: 2,
-            steps: 7,
-            ..small(tag, Device::Cpu)
+        |tag| {
+            let mut ro = small(tag, Device::Cpu);
+            ro.exec.target_gpus = vec![0, 1, 2, 3, 4];
+            ro.exec.drafter_gpus = vec![5, 6, 7];
+            ro.data.grad_accum = 3;
+            ro.data.batch_size = 2;
+            ro.train.steps = 7;
+            ro
         },
         &[Transport::Host, Transport::Peer],
         &[false],
@@ -263,7 +324,12 @@ fn cpu_five_targets_three_drafters_match_lockstep() {
 /// (the consumer panic is injected in the last rank, a spawned thread).
 fn faults_with_two_targets_and_two_ranks(device: Device, drafters: Vec<usize>) {
     faults_on(
-        |tag| RunOptions { target_gpus: vec![0, 1], drafter_gpus: drafters.clone(), ..small(tag, device) },
+        |tag| {
+            let mut ro = small(tag, device);
+            ro.exec.target_gpus = vec![0, 1];
+            ro.exec.drafter_gpus = drafters.clone();
+            ro
+        },
         &[Transport::Host, Transport::Peer],
     );
 }
@@ -278,7 +344,12 @@ fn cpu_faults_with_several_targets_and_ranks() {
 #[test]
 fn cpu_faults_with_two_drafter_ranks_and_split_fc() {
     faults_on(
-        |tag| RunOptions { target_gpus: vec![0], drafter_gpus: vec![0, 1], ..small(tag, Device::Cpu) },
+        |tag| {
+            let mut ro = small(tag, Device::Cpu);
+            ro.exec.target_gpus = vec![0];
+            ro.exec.drafter_gpus = vec![0, 1];
+            ro
+        },
         &[Transport::Host, Transport::Peer],
     );
 }
@@ -286,11 +357,24 @@ fn cpu_faults_with_two_drafter_ranks_and_split_fc() {
 #[test]
 fn topology_errors_say_what_to_change() {
     let run = |o: RunOptions| format!("{:#}", session::run(&o, None).expect_err("must be refused"));
-    let e = run(RunOptions { drafter_gpus: vec![0, 1, 2], ..small("bad-accum", Device::Cpu) });
+    let e = run({
+        let mut ro = small("bad-accum", Device::Cpu);
+        ro.exec.drafter_gpus = vec![0, 1, 2];
+        ro
+    });
     assert!(e.contains("--grad-accum 2") && e.contains("multiple of 3"), "{e}");
-    let e = run(RunOptions { target_gpus: vec![0, 1], split_fc: true, ..small("bad-split", Device::Cpu) });
+    let e = run({
+        let mut ro = small("bad-split", Device::Cpu);
+        ro.exec.target_gpus = vec![0, 1];
+        ro.exec.split_fc = true;
+        ro
+    });
     assert!(e.contains("needs one target GPU"), "{e}");
-    let e = run(RunOptions { drafter_gpus: vec![1, 1], ..small("bad-dup", Device::Cpu) });
+    let e = run({
+        let mut ro = small("bad-dup", Device::Cpu);
+        ro.exec.drafter_gpus = vec![1, 1];
+        ro
+    });
     assert!(e.contains("lists a device twice"), "{e}");
 }
 
@@ -345,20 +429,21 @@ fn busy(tag: &str) -> RunOptions {
         text += &format!("{{\"input_ids\": [{}], \"loss_mask\": [{}]}}\n", ids.join(", "), mask.join(", "));
     }
     std::fs::write(&data, text).unwrap();
-    RunOptions {
-        target: "small".into(),
-        data: Some(data),
-        seq_len: 512,
-        batch_size: 4,
-        grad_accum: 3,
-        anchors: 32,
-        block_size: 16,
-        steps: 8,
-        save_every: 100,
-        quiet: true,
-        device: Device::Cuda,
-        out: dir.join("out"),
-        ..RunOptions::tiny_default()
+    {
+        let mut ro = RunOptions::tiny_default();
+        ro.model.target = "small".into();
+        ro.data.path = Some(data);
+        ro.data.seq_len = 512;
+        ro.data.batch_size = 4;
+        ro.data.grad_accum = 3;
+        ro.data.anchors = 32;
+        ro.model.block_size = 16;
+        ro.train.steps = 8;
+        ro.output.save_every = 100;
+        ro.output.quiet = true;
+        ro.exec.device = Device::Cuda;
+        ro.output.out = dir.join("out");
+        ro
     }
 }
 
@@ -367,14 +452,23 @@ fn busy(tag: &str) -> RunOptions {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_poison_on_free_runs_clean() {
-    let want = session::run(&RunOptions { sync: true, ..busy("poison-ref") }, None).unwrap();
+    let want = session::run(
+        &{
+            let mut ro = busy("poison-ref");
+            ro.exec.sync = true;
+            ro
+        },
+        None,
+    )
+    .unwrap();
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
         for inflight in [1, 3] {
-            let o = RunOptions {
-                alloc_mode: Some(Mode::PoisonOnFree),
-                transport: Some(t),
-                max_inflight: inflight,
-                ..busy("poison")
+            let o = {
+                let mut ro = busy("poison");
+                ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
+                ro.exec.transport = Some(t);
+                ro.exec.max_inflight = inflight;
+                ro
             };
             let got = session::run(&o, None).unwrap();
             assert_eq!(losses(&got), losses(&want), "poison-on-free, transport {} inflight {inflight}", t.name());
@@ -392,16 +486,42 @@ fn gpu_poison_on_free_runs_clean() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_unsafe_reuse_is_detected() {
-    let teeth = |tag: &str| RunOptions { steps: 40, ..busy(tag) };
-    let want = losses(&session::run(&RunOptions { sync: true, ..teeth("teeth-ref") }, None).unwrap());
+    let teeth = |tag: &str| {
+        let mut ro = busy(tag);
+        ro.train.steps = 40;
+        ro
+    };
+    let want = losses(
+        &session::run(
+            &{
+                let mut ro = teeth("teeth-ref");
+                ro.exec.sync = true;
+                ro
+            },
+            None,
+        )
+        .unwrap(),
+    );
     let mut detected = Vec::new();
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
         for inflight in [1, 3] {
-            let base = RunOptions { transport: Some(t), max_inflight: inflight, ..teeth("teeth") };
+            let base = {
+                let mut ro = teeth("teeth");
+                ro.exec.transport = Some(t);
+                ro.exec.max_inflight = inflight;
+                ro
+            };
             let control = session::run(&base, None).unwrap();
             assert_eq!(losses(&control), want, "normal mode must match: transport {} inflight {inflight}", t.name());
-            let bad =
-                session::run(&RunOptions { alloc_mode: Some(Mode::UnsafeReuse), out: tmp("teeth-bad"), ..base }, None);
+            let bad = session::run(
+                &{
+                    let mut ro = base;
+                    ro.exec.alloc_mode = Some(Mode::UnsafeReuse);
+                    ro.output.out = tmp("teeth-bad");
+                    ro
+                },
+                None,
+            );
             let differs = match &bad {
                 Ok(r) => losses(r) != want,
                 Err(_) => true,
@@ -428,19 +548,29 @@ fn gpu_unsafe_reuse_is_detected() {
 fn split_fc_is_exact_for_50_steps(placements: &[Vec<usize>]) {
     for drafters in placements {
         for pad in [None, Some(160)] {
-            let base = RunOptions {
-                steps: 50,
-                pad_to_tokens: pad,
-                drafter_gpus: drafters.clone(),
-                ..small("split50-unsplit", Device::Cuda)
+            let base = {
+                let mut ro = small("split50-unsplit", Device::Cuda);
+                ro.train.steps = 50;
+                ro.data.pad_to_tokens = pad;
+                ro.exec.drafter_gpus = drafters.clone();
+                ro
             };
             let a = session::run(&base, None).unwrap();
-            let split = RunOptions { split_fc: true, out: tmp("split50"), ..base.clone() };
+            let split = {
+                let mut ro = base.clone();
+                ro.exec.split_fc = true;
+                ro.output.out = tmp("split50");
+                ro
+            };
             let b = session::run(&split, None).unwrap();
             let what = format!("drafter GPUs {drafters:?} pad {pad:?}");
             assert_eq!(a.history.len(), 50, "{what}");
             assert_eq!(losses(&a), losses(&b), "{what}: split-FC losses differ");
-            assert_eq!(final_masters(&base.out), final_masters(&split.out), "{what}: split-FC weights differ");
+            assert_eq!(
+                final_masters(&base.output.out),
+                final_masters(&split.output.out),
+                "{what}: split-FC weights differ"
+            );
             eprintln!(
                 "split-fc   {what}: 50 steps bit-identical to unsplit (loss {:.4} -> {:.4}), transport {}",
                 a.history[0].loss, a.history[49].loss, b.stats.transport

@@ -153,16 +153,19 @@ fn pitfall_5_empty_rows_give_zeros_not_nan() {
     let be = CpuBackend::new();
     let sh = fd_shape();
     let s0 = Sample { input_ids: vec![3, 4, 5, 6], loss_mask: vec![1, 1, 0, 0] }; // one anchor, at 0
+                                                                                  // A batch has as many block slots per sequence as its most anchors drawn: s1 draws 3, so
+                                                                                  // s0's second and third slots are padded.
+    let s1 = Sample { input_ids: vec![3, 4, 5, 6, 7], loss_mask: vec![1, 1, 1, 1, 1] };
     let spec = BatchSpec {
         anchors_per_seq: 3,
         block_size: sh.block_size,
         mask_token_id: sh.mask_token_id,
         gamma: 7.0,
-        pad_to_tokens: Some(8),
+        pad_to_tokens: Some(16),
         seed: 1,
     };
-    let hb = build_batch(&[s0], &spec, 0, 0).unwrap();
-    assert_eq!(hb.anchors, vec![0, -1, -1]);
+    let hb = build_batch(&[s0, s1], &spec, 0, 0).unwrap();
+    assert_eq!(hb.anchors[..3], [0, -1, -1]);
     let (mut side, _) = f32_side(&sh);
     let x = randn(hb.rows() * sh.fc_in(), 5, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>();
     let mut xb = be.alloc(&S, DType::BF16, x.len()).unwrap();
@@ -177,7 +180,7 @@ fn pitfall_5_empty_rows_give_zeros_not_nan() {
     assert_eq!(be.count_nonfinite(&S, &side.fc.as_ref().unwrap().grad).unwrap(), 0);
     assert_eq!(be.count_nonfinite(&S, &out.loss).unwrap(), 0);
     let loss = be.download(&S, &out.loss).unwrap();
-    assert!(loss[sh.block_size..].iter().all(|&l| l == 0.0), "padded slots carry no loss");
+    assert!(loss[sh.block_size..3 * sh.block_size].iter().all(|&l| l == 0.0), "padded slots carry no loss");
     assert!(loss[1..sh.block_size].iter().any(|&l| l > 0.0), "the real block is supervised");
 }
 
@@ -200,7 +203,7 @@ fn f32_grads(sh: &DrafterShape, micro: &[HostBatch], x: &[Vec<f32>], per_micro_n
         let mut xb = be.alloc(&S, DType::BF16, xh.len()).unwrap();
         be.upload(&S, xh, &mut xb, 0).unwrap();
         let w = if per_micro_norm { hb.weight_sum } else { total };
-        side.consume(&be, &S, hb, &dflash_engine::train::step::Context::Packed(xb), (1.0 / w) as f32).unwrap();
+        side.consume(&be, &S, hb.clone(), &dflash_engine::train::step::Context::Packed(xb), (1.0 / w) as f32).unwrap();
     }
     (be.download(&S, &side.drafter.body.grad).unwrap(), be.download(&S, &side.fc.as_ref().unwrap().grad).unwrap())
 }

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::common::{final_masters, losses};
-use dflash_engine::pipeline::Faults;
+use dflash_engine::faults::FaultPlan;
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::checkpoint;
 
@@ -18,17 +18,18 @@ fn tmp(tag: &str) -> PathBuf {
 
 /// A small, fast configuration (seconds per run) for the equality tests.
 fn small(tag: &str) -> RunOptions {
-    RunOptions {
-        gen_samples: 32,
-        seq_len: 40,
-        steps: 8,
-        batch_size: 3,
-        anchors: 6,
-        block_size: 8,
-        save_every: 4,
-        quiet: true,
-        out: tmp(tag),
-        ..RunOptions::tiny_default()
+    {
+        let mut ro = RunOptions::tiny_default();
+        ro.data.gen_samples = 32;
+        ro.data.seq_len = 40;
+        ro.train.steps = 8;
+        ro.data.batch_size = 3;
+        ro.data.anchors = 6;
+        ro.model.block_size = 8;
+        ro.output.save_every = 4;
+        ro.output.quiet = true;
+        ro.output.out = tmp(tag);
+        ro
     }
 }
 
@@ -42,7 +43,13 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 /// are noisy with 8 sequences a batch).
 #[test]
 fn default_run_learns() {
-    let opts = RunOptions { steps: 200, quiet: true, out: tmp("learn"), ..RunOptions::tiny_default() };
+    let opts = {
+        let mut ro = RunOptions::tiny_default();
+        ro.train.steps = 200;
+        ro.output.quiet = true;
+        ro.output.out = tmp("learn");
+        ro
+    };
     let r = session::run(&opts, None).unwrap();
     let first = &r.history[0];
     let tail = &r.history[r.history.len() - 10..];
@@ -58,15 +65,28 @@ fn default_run_learns() {
 fn resume_reproduces_the_uninterrupted_run() {
     let full = small("full");
     let a = session::run(&full, None).unwrap();
-    let part = RunOptions { stop_after: Some(4), ..small("part") };
+    let part = {
+        let mut ro = small("part");
+        ro.output.stop_after = Some(4);
+        ro
+    };
     let b1 = session::run(&part, None).unwrap();
     assert_eq!(b1.history.len(), 4);
-    let b2 = session::run(&RunOptions { resume: true, stop_after: None, ..part.clone() }, None).unwrap();
+    let b2 = session::run(
+        &{
+            let mut ro = part.clone();
+            ro.output.resume = true;
+            ro.output.stop_after = None;
+            ro
+        },
+        None,
+    )
+    .unwrap();
     assert_eq!(b2.first_step, 4);
     let mut joined = losses(&b1);
     joined.extend(losses(&b2));
     assert_eq!(joined, losses(&a));
-    assert_eq!(final_masters(&part.out), final_masters(&full.out));
+    assert_eq!(final_masters(&part.output.out), final_masters(&full.output.out));
 }
 
 /// The binary killed in the middle of writing a checkpoint (abort between the model file and the
@@ -115,7 +135,7 @@ fn kill_during_save_keeps_the_last_checkpoint() {
     assert!(resumed.success());
     let full = small("kill-ref");
     session::run(&full, None).unwrap();
-    assert_eq!(final_masters(&out), final_masters(&full.out));
+    assert_eq!(final_masters(&out), final_masters(&full.output.out));
 }
 
 /// Split-FC (exact mode) gives the unsplit run's losses and weights bit for bit over 20 steps,
@@ -123,12 +143,23 @@ fn kill_during_save_keeps_the_last_checkpoint() {
 #[test]
 fn split_fc_is_exact() {
     for pad in [None, Some(160)] {
-        let base = RunOptions { steps: 20, save_every: 20, pad_to_tokens: pad, ..small("unsplit") };
+        let base = {
+            let mut ro = small("unsplit");
+            ro.train.steps = 20;
+            ro.output.save_every = 20;
+            ro.data.pad_to_tokens = pad;
+            ro
+        };
         let a = session::run(&base, None).unwrap();
-        let split = RunOptions { split_fc: true, out: tmp("split"), ..base.clone() };
+        let split = {
+            let mut ro = base.clone();
+            ro.exec.split_fc = true;
+            ro.output.out = tmp("split");
+            ro
+        };
         let b = session::run(&split, None).unwrap();
         assert_eq!(losses(&a), losses(&b), "pad {pad:?}");
-        assert_eq!(final_masters(&base.out), final_masters(&split.out), "pad {pad:?}");
+        assert_eq!(final_masters(&base.output.out), final_masters(&split.output.out), "pad {pad:?}");
     }
 }
 
@@ -138,12 +169,13 @@ fn split_fc_is_exact() {
 /// the fc group while it waits for the drafter, or the two wait for each other forever.
 #[test]
 fn split_fc_survives_slow_checkpoints() {
-    let o = RunOptions {
-        split_fc: true,
-        steps: 6,
-        save_every: 1,
-        faults: dflash_engine::pipeline::Faults { checkpoint_delay_ms: Some(300), ..Default::default() },
-        ..small("split-slow-ck")
+    let o = {
+        let mut ro = small("split-slow-ck");
+        ro.exec.split_fc = true;
+        ro.train.steps = 6;
+        ro.output.save_every = 1;
+        ro.exec.faults = FaultPlan { checkpoint_delay_ms: Some(300), ..Default::default() };
+        ro
     };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -157,12 +189,37 @@ fn split_fc_survives_slow_checkpoints() {
 
 #[test]
 fn async_matches_sync() {
-    let sync = session::run(&RunOptions { sync: true, ..small("sync") }, None).unwrap();
+    let sync = session::run(
+        &{
+            let mut ro = small("sync");
+            ro.exec.sync = true;
+            ro
+        },
+        None,
+    )
+    .unwrap();
     for inflight in [1, 3] {
-        let r =
-            session::run(&RunOptions { max_inflight: inflight, grad_accum: 2, sync: false, ..small("async") }, None)
-                .unwrap();
-        let s2 = session::run(&RunOptions { sync: true, grad_accum: 2, ..small("sync2") }, None).unwrap();
+        let r = session::run(
+            &{
+                let mut ro = small("async");
+                ro.exec.max_inflight = inflight;
+                ro.data.grad_accum = 2;
+                ro.exec.sync = false;
+                ro
+            },
+            None,
+        )
+        .unwrap();
+        let s2 = session::run(
+            &{
+                let mut ro = small("sync2");
+                ro.exec.sync = true;
+                ro.data.grad_accum = 2;
+                ro
+            },
+            None,
+        )
+        .unwrap();
         assert_eq!(losses(&r), losses(&s2), "max_inflight {inflight}");
     }
     assert_eq!(sync.history.len(), 8);
@@ -171,30 +228,39 @@ fn async_matches_sync() {
 /// A failure at each stage boundary ends the run with that stage's error, within seconds.
 #[test]
 fn failures_end_the_run_with_the_right_error() {
-    let cases: [(Faults, &str); 3] = [
-        (Faults { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 3"),
-        (Faults { publish_error_at: Some(2), ..Default::default() }, "could not publish step 2"),
-        (Faults { consumer_panic_at: Some(4), ..Default::default() }, "consumer) panicked at step 4"),
+    let cases: [(FaultPlan, &str); 3] = [
+        // Fault steps are 0-based indices; messages count steps from 1, as the step log does.
+        (FaultPlan { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 4"),
+        (FaultPlan { publish_error_at: Some(2), ..Default::default() }, "could not publish step 3"),
+        (FaultPlan { consumer_panic_at: Some(4), ..Default::default() }, "consumer) panicked at step 5"),
     ];
     for (faults, want) in cases {
         let t0 = Instant::now();
-        let err =
-            session::run(&RunOptions { faults, ..small("fault") }, None).expect_err("the fault must fail the run");
+        let err = session::run(
+            &{
+                let mut ro = small("fault");
+                ro.exec.faults = faults;
+                ro
+            },
+            None,
+        )
+        .expect_err("the fault must fail the run");
         let msg = format!("{err:#}");
         assert!(msg.contains(want), "{msg}");
         assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
     }
     // Split-FC adds a back channel: a consumer panic must not leave the target side waiting.
     let err = session::run(
-        &RunOptions {
-            split_fc: true,
-            faults: Faults { consumer_panic_at: Some(2), ..Default::default() },
-            ..small("fault-split")
+        &{
+            let mut ro = small("fault-split");
+            ro.exec.split_fc = true;
+            ro.exec.faults = FaultPlan { consumer_panic_at: Some(2), ..Default::default() };
+            ro
         },
         None,
     )
     .expect_err("fails");
-    assert!(format!("{err:#}").contains("panicked at step 2"), "{err:#}");
+    assert!(format!("{err:#}").contains("panicked at step 3"), "{err:#}");
 }
 
 /// Bad input gets an error that names the problem.
@@ -208,15 +274,36 @@ fn bad_input_is_named() {
         "{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}\n{\"input_ids\": [1, 999], \"loss_mask\": [1, 1]}\n",
     )
     .unwrap();
-    let err = session::run(&RunOptions { data: Some(data), ..small("bad-data") }, None)
-        .expect_err("id 999 is outside the vocabulary");
+    let err = session::run(
+        &{
+            let mut ro = small("bad-data");
+            ro.data.path = Some(data);
+            ro
+        },
+        None,
+    )
+    .expect_err("id 999 is outside the vocabulary");
     let msg = format!("{err:#}");
     assert!(msg.contains("line 2") && msg.contains("999"), "{msg}");
-    let err = session::run(&RunOptions { target: dir.join("nope").display().to_string(), ..small("bad-target") }, None)
-        .expect_err("no such folder");
+    let err = session::run(
+        &{
+            let mut ro = small("bad-target");
+            ro.model.target = dir.join("nope").display().to_string();
+            ro
+        },
+        None,
+    )
+    .expect_err("no such folder");
     assert!(format!("{err:#}").contains("nope"), "{err:#}");
-    let err = session::run(&RunOptions { pad_to_tokens: Some(50), ..small("bad-pad") }, None)
-        .expect_err("3 x 40 tokens do not fit in 50");
+    let err = session::run(
+        &{
+            let mut ro = small("bad-pad");
+            ro.data.pad_to_tokens = Some(50);
+            ro
+        },
+        None,
+    )
+    .expect_err("3 x 40 tokens do not fit in 50");
     assert!(format!("{err:#}").contains("--pad-to-tokens"), "{err:#}");
 }
 
@@ -227,7 +314,16 @@ fn jsonl_data_trains() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("data.jsonl");
     session::gen_data("tiny", 16, 40, session::TINY_INIT_STD, &path).unwrap();
-    let r = session::run(&RunOptions { data: Some(path), steps: 3, ..small("jsonl") }, None).unwrap();
+    let r = session::run(
+        &{
+            let mut ro = small("jsonl");
+            ro.data.path = Some(path);
+            ro.train.steps = 3;
+            ro
+        },
+        None,
+    )
+    .unwrap();
     assert_eq!(r.data_samples, 16);
     assert!(r.history.iter().all(|m| m.loss.is_finite() && m.loss > 0.0));
 }
@@ -237,10 +333,19 @@ fn jsonl_data_trains() {
 #[test]
 fn trace_shows_the_overlap() {
     let opts = small("trace");
-    let path = opts.out.join("trace.json");
-    std::fs::create_dir_all(&opts.out).unwrap();
-    let (micro, depth_max) = (opts.grad_accum, opts.max_inflight + 1);
-    session::run(&RunOptions { trace: Some(path.clone()), steps: 6, ..opts }, None).unwrap();
+    let path = opts.output.out.join("trace.json");
+    std::fs::create_dir_all(&opts.output.out).unwrap();
+    let (micro, depth_max) = (opts.data.grad_accum, opts.exec.max_inflight + 1);
+    session::run(
+        &{
+            let mut ro = opts;
+            ro.output.trace = Some(path.clone());
+            ro.train.steps = 6;
+            ro
+        },
+        None,
+    )
+    .unwrap();
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let events = v["traceEvents"].as_array().unwrap();
     let names: Vec<&str> =

@@ -33,12 +33,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::backend::{AdamStep, Backend, BackendError};
+use crate::faults::FaultPlan;
 use crate::model::drafter::{fc_backward, fc_forward, ParamGroup};
 use crate::model::target::Target;
 use crate::train::batch::HostBatch;
 use crate::train::optim::OptimConfig;
 use crate::train::step::{
-    global_norm, plan_update, target_pack, Context, DrafterSide, MetricSums, NoiseSpec, StepMetrics,
+    drafter_step, target_pack, Context, DrafterSide, FcPlace, MetricSums, NoiseSpec, Peer, RankGroup, RemoteFc,
+    StepError, StepMetrics,
 };
 pub use exchange::{Exchange, Gate};
 pub use stats::{DeviceTimeline, PipelineStats, Trace};
@@ -51,17 +53,17 @@ const RECEIVER_GONE: &str = "the drafter side has stopped";
 pub enum PipelineError {
     // `cause`, not `source`: the message already includes it, and a `source` would print it twice
     // in an error chain.
-    #[error("target side (producer) failed at step {step}: {cause}")]
+    #[error("target side (producer) failed at step {}: {cause}", .step + 1)]
     Producer { step: u32, cause: Box<dyn std::error::Error + Send + Sync> },
-    #[error("drafter side (consumer) failed at step {step}: {cause}")]
+    #[error("drafter side (consumer) failed at step {}: {cause}", .step + 1)]
     Consumer { step: u32, cause: Box<dyn std::error::Error + Send + Sync> },
-    #[error("drafter side (consumer) panicked at step {step}: {message}")]
+    #[error("drafter side (consumer) panicked at step {}: {message}", .step + 1)]
     ConsumerPanic { step: u32, message: String },
     #[error("target side (producer) panicked: {message}")]
     ProducerPanic { message: String },
-    #[error("could not publish step {step} micro-batch {micro} to the drafter: {reason}")]
+    #[error("could not publish step {} micro-batch {micro} to the drafter: {reason}", .step + 1)]
     Publish { step: u32, micro: usize, reason: String },
-    #[error("the target side stopped before step {step} arrived")]
+    #[error("the target side stopped before step {} arrived", .step + 1)]
     ProducerGone { step: u32 },
     #[error("{0}")]
     Aborted(String),
@@ -90,29 +92,13 @@ pub trait BatchSource: Sync {
     fn micro_batches(&self, step: u32) -> Result<Vec<HostBatch>, Box<dyn std::error::Error + Send + Sync>>;
 }
 
-/// Test hooks: make one stage boundary fail at a given step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// The producer returns an error before running the target of this step.
-    pub producer_error_at: Option<u32>,
-    /// Publishing this step's first micro-batch fails (as a failed put would).
-    pub publish_error_at: Option<u32>,
-    /// The consumer (the last drafter rank) panics on receiving this step.
-    pub consumer_panic_at: Option<u32>,
-    /// The transport's copy of this step's first micro-batch fails, after its slot or buffer was
-    /// taken (tests that nothing leaks).
-    pub copy_error_at: Option<u32>,
-    /// Every checkpoint first waits this long (a slow disk: the target side runs ahead meanwhile).
-    pub checkpoint_delay_ms: Option<u64>,
-}
-
 #[derive(Clone, Debug)]
 pub struct PipelineConfig {
     pub max_inflight: usize,
     pub first_step: u32,
     pub end_step: u32,
     pub noise: NoiseSpec,
-    pub faults: Faults,
+    pub faults: FaultPlan,
     /// Spans of every stage, for `--trace`.
     pub trace: Option<std::sync::Arc<stats::Trace>>,
     /// How batches cross from a target to a drafter (None: `Transport::auto` per pair).
@@ -161,9 +147,20 @@ struct Msg<B: Backend> {
     parcel: Parcel<B>,
 }
 
+/// Split-FC, drafter rank -> target side.
 enum Back<B: Backend> {
+    /// One micro-batch's `dY`, in micro-batch order.
     Dy(Parcel<B>),
+    /// The step's update as rank 0 decided it (`None`: skipped).
     Update { hp: Option<AdamStep> },
+}
+
+/// Split-FC, target side -> every drafter rank.
+enum Report {
+    /// `sumsq(dWfc)` of the step, for the global norm.
+    FcSumsq(f64),
+    /// The fc group holds this step's updated weights.
+    UpdateApplied,
 }
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
@@ -254,11 +251,6 @@ pub fn run<B: Backend>(
             "split-FC keeps the fc group with the target and needs one target GPU (got {nt}): give one --target-gpus or drop --split-fc-layers"
         )));
     }
-    let hidden = targets[0].side.target.shape.hidden;
-    let width = if split { hidden } else { hidden * targets[0].side.target.taps.len() };
-    let slots = cfg.max_inflight.max(1) + 3;
-    let kind = |a: &B, b: &B| cfg.transport.unwrap_or_else(|| Transport::auto(a, b));
-    let setup = |k: Transport, e| PipelineError::Setup { transport: k.name().into(), source: e };
     let dbes: Vec<&B> = drafters.iter().map(|d| d.be).collect();
     // The group's communicators stay here, so any thread can abort all of them: a rank that
     // stops must release the others from a collective they already entered.
@@ -269,48 +261,18 @@ pub fn run<B: Backend>(
         drafter_sides.push((d.be, d.side));
     }
 
-    // fwd[p][r]: target p -> rank r; back[r]: rank r -> the target (split-FC only).
-    let mut fwd: Vec<Vec<Link<'_, B>>> = Vec::new();
-    for t in targets {
-        let mut row = Vec::new();
-        for &bd in &dbes {
-            let k = kind(t.be, bd);
-            match Link::new(k, t.be, bd, cfg.max_rows * width * 2, slots) {
-                Ok(l) => row.push(l),
-                Err(e) => return fail(setup(k, e)),
-            }
-        }
-        fwd.push(row);
-    }
-    let mut back: Vec<Link<'_, B>> = Vec::new();
-    if split {
-        for &bd in &dbes {
-            let k = kind(bd, targets[0].be);
-            match Link::new(k, bd, targets[0].be, cfg.max_rows * hidden * 2, slots) {
-                Ok(l) => back.push(l),
-                Err(e) => return fail(setup(k, e)),
-            }
-        }
-    }
+    let (fwd, back) = match make_links(targets, &dbes, cfg, split) {
+        Ok(l) => l,
+        Err(e) => return fail(e),
+    };
     let mut names: Vec<&'static str> = fwd.iter().flatten().map(|l| l.kind.name()).collect();
     names.sort_unstable();
     names.dedup();
     let transport_name = names.join("+");
-    // Each target's compute stream lives as long as the links' copy streams: until every buffer
-    // allocated on it was freed (a freed block names its owner stream; a destroyed stream's
-    // handle may come back as another stream).
-    // Rule 3: it reads the target's weights (uploaded on the backend's own stream, without the
-    // host waiting) only after an event that covers their upload.
-    let mut target_streams = Vec::new();
-    for t in targets {
-        match t.be.new_stream().and_then(|st| {
-            t.be.wait_event(&st, &t.be.record_event(&t.be.compute_stream())?)?;
-            Ok(st)
-        }) {
-            Ok(s) => target_streams.push(s),
-            Err(e) => return fail(setup(kind(t.be, dbes[0]), e)),
-        }
-    }
+    let target_streams = match make_target_streams(targets) {
+        Ok(s) => s,
+        Err(e) => return fail(PipelineError::Setup { transport: transport_name.clone(), source: e }),
+    };
 
     // producer p -> publisher p (rendezvous); publisher p -> rank r (bounded, one per pair).
     let mut prod_tx = Vec::new();
@@ -335,7 +297,7 @@ pub fn run<B: Backend>(
         let (a, b) = mpsc::channel::<Back<B>>();
         back_tx.push(a);
         back_rx.push(b);
-        let (c, d) = mpsc::channel::<f64>();
+        let (c, d) = mpsc::channel::<Report>();
         report_tx.push(c);
         report_rx.push(d);
     }
@@ -489,29 +451,12 @@ pub fn run<B: Backend>(
     st.transport = transport_name;
     st.target_ranks = nt;
     st.drafter_ranks = nd;
+    st.queue_capacity = cfg.max_inflight.max(1) * nt * nd;
     st.allreduce_seconds = allreduce;
     let links = || fwd.iter().flatten().chain(back.iter());
     st.bytes_moved = links().map(|l| l.bytes_moved()).sum();
     st.copy_seconds = links().filter_map(|l| l.copy_seconds()).reduce(|a, b| a + b);
-    // Each target's device timeline: busy = sum of its stretches, span = first start to last end,
-    // waiting = the part of each gap between stretches its thread spent waiting on the drafter
-    // side (a gap is charged at most its own length).
-    for (t, sp) in targets.iter().zip(&spans) {
-        if let (Some(first), Some(last)) = (sp.first(), sp.last()) {
-            let busy: Option<f64> = sp.iter().map(|(a, b, _)| t.be.elapsed_secs(a, b)).sum();
-            let waiting: Option<f64> = sp
-                .windows(2)
-                .map(|w| t.be.elapsed_secs(&w[0].1, &w[1].0).map(|gap| gap.max(0.0).min(w[1].2.as_secs_f64())))
-                .sum();
-            if let (Some(busy), Some(span), Some(waiting)) = (busy, t.be.elapsed_secs(&first.0, &last.1), waiting) {
-                st.target_gpus.push(DeviceTimeline {
-                    busy: Duration::from_secs_f64(busy),
-                    span: Duration::from_secs_f64(span),
-                    waiting: Duration::from_secs_f64(waiting),
-                });
-            }
-        }
-    }
+    st.target_gpus = targets.iter().zip(&spans).filter_map(|(t, sp)| device_timeline(t.be, sp)).collect();
     if !st.target_gpus.is_empty() {
         st.target_gpu = Some(DeviceTimeline {
             busy: st.target_gpus.iter().map(|g| g.busy).sum(),
@@ -526,6 +471,127 @@ pub fn run<B: Backend>(
             st.slot_waits += s.waits;
         }
     }
+    (result, st)
+}
+
+/// The links: `fwd[p][r]` from target `p` to rank `r`; `back[r]` from rank `r` to the target
+/// (split-FC only).
+#[allow(clippy::type_complexity)]
+fn make_links<'a, B: Backend>(
+    targets: &[TargetRank<'a, B>],
+    dbes: &[&'a B],
+    cfg: &PipelineConfig,
+    split: bool,
+) -> Result<(Vec<Vec<Link<'a, B>>>, Vec<Link<'a, B>>), PipelineError> {
+    let hidden = targets[0].side.target.shape.hidden;
+    let width = if split { hidden } else { hidden * targets[0].side.target.taps.len() };
+    let slots = cfg.max_inflight.max(1) + 3;
+    let kind = |a: &B, b: &B| cfg.transport.unwrap_or_else(|| Transport::auto(a, b));
+    let setup = |k: Transport, e| PipelineError::Setup { transport: k.name().into(), source: e };
+    let mut fwd = Vec::with_capacity(targets.len());
+    for t in targets {
+        let mut row = Vec::with_capacity(dbes.len());
+        for &bd in dbes {
+            let k = kind(t.be, bd);
+            row.push(Link::new(k, t.be, bd, cfg.max_rows * width * 2, slots).map_err(|e| setup(k, e))?);
+        }
+        fwd.push(row);
+    }
+    let mut back = Vec::new();
+    if split {
+        for &bd in dbes {
+            let k = kind(bd, targets[0].be);
+            back.push(Link::new(k, bd, targets[0].be, cfg.max_rows * hidden * 2, slots).map_err(|e| setup(k, e))?);
+        }
+    }
+    Ok((fwd, back))
+}
+
+/// One compute stream per target. It lives as long as the links' copy streams: until every
+/// buffer allocated on it was freed (a freed block names its owner stream). Rule 3: it reads
+/// the target's weights (uploaded on the backend's own stream, without the host waiting) only
+/// after an event that covers their upload.
+fn make_target_streams<B: Backend>(targets: &[TargetRank<'_, B>]) -> Result<Vec<B::Stream>, BackendError> {
+    targets
+        .iter()
+        .map(|t| {
+            let st = t.be.new_stream()?;
+            t.be.wait_event(&st, &t.be.record_event(&t.be.compute_stream())?)?;
+            Ok(st)
+        })
+        .collect()
+}
+
+/// A target's device timeline from its stretches of work: busy = the sum of the stretches,
+/// span = first start to last end, waiting = the part of each gap between stretches its thread
+/// spent waiting on the drafter side (a gap is charged at most its own length). None without
+/// timed events (the CPU backend).
+fn device_timeline<B: Backend>(be: &B, sp: &TargetSpans<B>) -> Option<DeviceTimeline> {
+    let (first, last) = (sp.first()?, sp.last()?);
+    let busy: f64 = sp.iter().map(|(a, b, _)| be.elapsed_secs(a, b)).sum::<Option<f64>>()?;
+    let waiting: f64 = sp
+        .windows(2)
+        .map(|w| be.elapsed_secs(&w[0].1, &w[1].0).map(|gap| gap.max(0.0).min(w[1].2.as_secs_f64())))
+        .sum::<Option<f64>>()?;
+    let span = be.elapsed_secs(&first.0, &last.1)?;
+    Some(DeviceTimeline {
+        busy: Duration::from_secs_f64(busy),
+        span: Duration::from_secs_f64(span),
+        waiting: Duration::from_secs_f64(waiting),
+    })
+}
+
+/// The synchronous reference on one device: target and drafter alternate on the calling thread,
+/// one step at a time (`drafter_step` runs the target inside the step, micro-batch by
+/// micro-batch). `on_step` is called as in `run`.
+pub fn run_sync<B: Backend>(
+    be: &B,
+    tside: &TargetSide<B>,
+    side: &mut DrafterSide<B>,
+    source: &dyn BatchSource,
+    cfg: &PipelineConfig,
+    optim: &OptimConfig,
+    on_step: &mut OnStep<'_, B>,
+) -> (Result<(), PipelineError>, PipelineStats) {
+    let s = be.compute_stream();
+    let started = Instant::now();
+    let mut st = PipelineStats { target_ranks: 1, drafter_ranks: 1, ..PipelineStats::default() };
+    let mut result = Ok(());
+    for step in cfg.first_step..cfg.end_step {
+        st.current_step = step;
+        let micro = match source.micro_batches(step) {
+            Ok(m) => m,
+            Err(cause) => {
+                result = Err(PipelineError::Producer { step, cause });
+                break;
+            }
+        };
+        let t0 = Instant::now();
+        let m = match crate::train::step::sync_step(be, &s, &tside.target, side, micro, cfg.noise, optim, step) {
+            Ok(m) => m,
+            Err(e) => {
+                result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
+                break;
+            }
+        };
+        st.drafter_busy += t0.elapsed();
+        st.count_step(&m, started.elapsed());
+        match on_step(&m, side, &st) {
+            Ok(Control::Continue) => {}
+            Ok(Control::Stop) => {
+                st.stopped_early = true;
+                break;
+            }
+            Err(cause) => {
+                result = Err(PipelineError::Consumer { step, cause });
+                break;
+            }
+        }
+    }
+    if result.is_err() {
+        side.discard_outputs();
+    }
+    st.wall = started.elapsed();
     (result, st)
 }
 
@@ -620,7 +686,9 @@ fn publish<B: Backend>(
             sh.depth.fetch_sub(1, Ordering::SeqCst);
             return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
         }
-        let d = sh.depth.load(Ordering::SeqCst);
+        // Between the increment and a consumer's decrement the counter can read one above the
+        // queues' capacity: what they hold is at most `max_inflight` per target-rank link.
+        let d = sh.depth.load(Ordering::SeqCst).min(sh.cfg.max_inflight.max(1) * sh.targets * sh.ranks);
         if let Ok(mut st) = sh.stats.lock() {
             st.queue_depth.push(d as u32);
         }
@@ -645,7 +713,7 @@ fn produce<B: Backend>(
     back: &[Link<'_, B>],
     tx: SyncSender<Msg<B>>,
     back_rx: Vec<Receiver<Back<B>>>,
-    report_tx: Vec<Sender<f64>>,
+    report_tx: Vec<Sender<Report>>,
     spans: &mut TargetSpans<B>,
 ) -> Result<(), PipelineError> {
     let cfg = sh.cfg;
@@ -675,7 +743,7 @@ fn produce<B: Backend>(
             }
             sh.gate
                 .wait_for(step)
-                .map_err(|_| PipelineError::Aborted(format!("step {step}: the drafter side stopped")))?;
+                .map_err(|_| PipelineError::Aborted(format!("step {}: the drafter side stopped", step + 1)))?;
         }
         let t0 = Instant::now();
         let hbs = source.micro_batches(step).map_err(perr(step))?;
@@ -751,11 +819,10 @@ fn produce<B: Backend>(
                     spans.push((a, b, wait_before));
                 }
             }
-            let fault = cfg.faults.copy_error_at == Some(step) && micro == 0;
             // Host staging blocks here while every pinned slot is taken: slots come back only
             // after the drafter side's H2D, so this too is waiting on the drafter.
             let t_send = Instant::now();
-            let parcel = fwd[micro % sh.ranks].send(s, out, fault).map_err(berr(step))?;
+            let parcel = fwd[micro % sh.ranks].send(s, out, step, micro, &cfg.faults).map_err(berr(step))?;
             let t2 = Instant::now();
             if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
                 return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
@@ -819,7 +886,7 @@ fn finish_fc_step<B: Backend>(
     back: &[Link<'_, B>],
     batches: &[(HostBatch, B::Buf)],
     back_rx: &[Receiver<Back<B>>],
-    report_tx: &[Sender<f64>],
+    report_tx: &[Sender<Report>],
 ) -> Result<(), FcError> {
     let ranks = back_rx.len();
     if ranks == 0 || back.len() != ranks {
@@ -848,7 +915,7 @@ fn finish_fc_step<B: Backend>(
     };
     drop(dys);
     for tx in report_tx {
-        tx.send(sumsq).map_err(|_| FcError::Gone)?;
+        tx.send(Report::FcSumsq(sumsq)).map_err(|_| FcError::Gone)?;
     }
     let hp = match back_rx[0].recv() {
         Ok(Back::Update { hp }) => hp,
@@ -865,7 +932,7 @@ fn finish_fc_step<B: Backend>(
     }
     hold.bufs.clear();
     for tx in report_tx {
-        tx.send(f64::NAN).map_err(|_| FcError::Gone)?;
+        tx.send(Report::UpdateApplied).map_err(|_| FcError::Gone)?;
     }
     Ok(())
 }
@@ -883,7 +950,7 @@ struct RankIo<'l, 'a, B: Backend> {
     back: Option<&'l Link<'a, B>>,
     rxs: Vec<Receiver<Msg<B>>>,
     back_tx: Sender<Back<B>>,
-    report_rx: Receiver<f64>,
+    report_rx: Receiver<Report>,
 }
 
 /// Drafter rank `rank`: receives its micro-batches of each step (from the step's target), trains
@@ -926,7 +993,8 @@ fn consume_steps<B: Backend>(
     let s = be.compute_stream();
     let name = track("drafter", rank, sh.ranks);
     let wait_name = track("drafter (waiting)", rank, sh.ranks);
-    let stopped = |step: u32| move |_| PipelineError::Aborted(format!("step {step}: another drafter rank stopped"));
+    let stopped =
+        |step: u32| move |_| PipelineError::Aborted(format!("step {}: another drafter rank stopped", step + 1));
     for step in cfg.first_step..cfg.end_step {
         if rank == 0 {
             if let Ok(mut st) = sh.stats.lock() {
@@ -954,7 +1022,7 @@ fn consume_steps<B: Backend>(
                 tr.span(wait_name.as_str(), format!("step {step}: wait for batch"), t0);
             }
             if cfg.faults.consumer_panic_at == Some(msg.step) && rank + 1 == sh.ranks {
-                panic!("injected fault: consumer panic at step {}", msg.step);
+                panic!("injected fault: consumer panic at step {}", msg.step + 1);
             }
             debug_assert_eq!((msg.step, msg.micro), (step, rank + pending.len() * sh.ranks));
             expected = msg.n_micro / sh.ranks;
@@ -965,72 +1033,42 @@ fn consume_steps<B: Backend>(
             debug_assert!(hold.is_empty());
             pending.push((msg.hb, buf));
         }
-        let grad_scale = if step_weight > 0.0 { (1.0 / step_weight) as f32 } else { 0.0 };
-        let t1 = Instant::now();
-        side.zero_grad(be, &s).map_err(berr)?;
-        for (hb, buf) in pending {
+        let mut group = RankPeers { rank, sh, comm, timed: &mut *timed };
+        let mut remote = back.map(|back| SplitFcPort { back, step, sent: 0, back_tx, report_rx });
+        let fc = match remote.as_mut() {
+            Some(r) => FcPlace::Remote(r),
+            None => FcPlace::Local,
+        };
+        let batches = pending.into_iter().map(|(hb, buf)| {
             let ctx = if sh.split { Context::Projected(buf) } else { Context::Packed(buf) };
-            let dy = side.consume(be, &s, &hb, &ctx, grad_scale).map_err(berr)?;
-            if let (Some(dy), Some(back)) = (dy, back) {
-                let parcel = back.send(&s, dy, false).map_err(berr)?;
-                back_tx.send(Back::Dy(parcel)).map_err(|_| PipelineError::ProducerGone { step })?;
-            }
-        }
-        let local = side.take_metrics(be, &s).map_err(berr)?;
-        add_time(&sh.stats, |st| &mut st.drafter_busy, t1.elapsed());
+            Ok((hb, ctx))
+        });
+        let (metrics, times) =
+            drafter_step(be, &s, side, step, step_weight, batches, &mut group, fc, rank == 0, sh.optim).map_err(
+                |e| match e {
+                    StepError::Backend(e) => berr(e),
+                    StepError::PeerStopped(Peer::TargetSide) => PipelineError::ProducerGone { step },
+                    StepError::PeerStopped(Peer::DrafterRank) => {
+                        PipelineError::Aborted(format!("step {}: another drafter rank stopped", step + 1))
+                    }
+                },
+            )?;
+        add_time(&sh.stats, |st| &mut st.drafter_busy, times.computed - times.started);
+        add_time(&sh.stats, |st| &mut st.optimizer, times.computed.elapsed());
         if let Some(tr) = &cfg.trace {
-            tr.span(name.as_str(), format!("step {step}: drafter forward + backward"), t1);
-        }
-        let t2 = Instant::now();
-        // Every rank reached this point (or one stopped and nobody enters the all-reduce).
-        let sums = if sh.ranks == 1 {
-            local
-        } else {
-            let all = sh.sums.all_gather(rank, local).map_err(stopped(step))?;
-            let mut sums = MetricSums::default();
-            for m in all.iter() {
-                sums.merge(m);
-            }
-            let a = be.record_timed(&s).map_err(berr)?;
-            be.all_reduce_sum(&s, comm, &mut side.drafter.body.grad).map_err(berr)?;
-            if let Some(fc) = &mut side.fc {
-                be.all_reduce_sum(&s, comm, &mut fc.grad).map_err(berr)?;
-            }
-            if let (Some(a), Some(b)) = (a, be.record_timed(&s).map_err(berr)?) {
-                timed.push((a, b));
-            }
-            sums
-        };
-        let (body, local_fc) = side.grad_sumsq(be, &s).map_err(berr)?;
-        let fc_sumsq = if sh.split {
-            report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?
-        } else {
-            local_fc.unwrap_or(0.0)
-        };
-        let norm = global_norm(fc_sumsq, body);
-        let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
-        let hp = plan_update(sh.optim, step, loss, norm);
-        if sh.split && rank == 0 {
-            back_tx.send(Back::Update { hp }).map_err(|_| PipelineError::ProducerGone { step })?;
-        }
-        let metrics = crate::train::step::apply_update(be, &s, side, hp, sums, norm, sh.optim, step).map_err(berr)?;
-        if sh.split {
-            // Wait until the target side applied the same update to the fc group.
-            report_rx.recv().map_err(|_| PipelineError::ProducerGone { step })?;
-        }
-        add_time(&sh.stats, |st| &mut st.optimizer, t2.elapsed());
-        if let Some(tr) = &cfg.trace {
-            tr.span(name.as_str(), format!("step {step}: grad sum + norm + AdamW"), t2);
+            tr.span_between(
+                name.as_str(),
+                format!("step {step}: drafter forward + backward"),
+                times.started,
+                times.computed,
+            );
+            tr.span(name.as_str(), format!("step {step}: grad sum + norm + AdamW"), times.computed);
         }
         let stop = match on_step.as_mut() {
             Some(f) => {
                 let snapshot = {
                     let mut st = sh.stats.lock().map_err(|_| PipelineError::Stopped("stats lock poisoned".into()))?;
-                    st.steps += 1;
-                    st.tokens += metrics.tokens as u64;
-                    st.draft_positions += metrics.draft_positions as u64;
-                    st.skipped += u32::from(metrics.skipped);
-                    st.wall = sh.started.elapsed();
+                    st.count_step(&metrics, sh.started.elapsed());
                     st.clone()
                 };
                 matches!(f(&metrics, side, &snapshot).map_err(cerr)?, Control::Stop)
@@ -1052,4 +1090,78 @@ fn consume_steps<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// The other data-parallel ranks of a step, as `drafter_step` sees them: metric sums are
+/// gathered through the shared exchange, gradients summed by the backend's all-reduce (timed).
+struct RankPeers<'x, 'a, B: Backend> {
+    rank: usize,
+    sh: &'x Shared<'a>,
+    comm: &'x B::Comm,
+    timed: &'x mut TimedSpans<B>,
+}
+
+impl<B: Backend> RankGroup<B> for RankPeers<'_, '_, B> {
+    fn reduce(
+        &mut self,
+        be: &B,
+        s: &B::Stream,
+        side: &mut DrafterSide<B>,
+        local: MetricSums,
+    ) -> Result<MetricSums, StepError> {
+        if self.sh.ranks == 1 {
+            return Ok(local);
+        }
+        // Every rank reached this point (or one stopped and nobody enters the all-reduce).
+        let all = self.sh.sums.all_gather(self.rank, local).map_err(|_| StepError::PeerStopped(Peer::DrafterRank))?;
+        let mut sums = MetricSums::default();
+        for m in all.iter() {
+            sums.merge(m);
+        }
+        let a = be.record_timed(s)?;
+        be.all_reduce_sum(s, self.comm, &mut side.drafter.body.grad)?;
+        if let Some(fc) = &mut side.fc {
+            be.all_reduce_sum(s, self.comm, &mut fc.grad)?;
+        }
+        if let (Some(a), Some(b)) = (a, be.record_timed(s)?) {
+            self.timed.push((a, b));
+        }
+        Ok(sums)
+    }
+}
+
+/// A drafter rank's end of the split-FC protocol (the target side's is `finish_fc_step`).
+struct SplitFcPort<'x, 'l, 'a, B: Backend> {
+    back: &'l Link<'a, B>,
+    step: u32,
+    sent: usize,
+    back_tx: &'x Sender<Back<B>>,
+    report_rx: &'x Receiver<Report>,
+}
+
+impl<B: Backend> RemoteFc<B> for SplitFcPort<'_, '_, '_, B> {
+    fn send_dy(&mut self, s: &B::Stream, dy: B::Buf) -> Result<(), StepError> {
+        // dY copies carry no injected fault: the plan arms the forward copies.
+        let parcel = self.back.send(s, dy, self.step, self.sent, &FaultPlan::default())?;
+        self.sent += 1;
+        self.back_tx.send(Back::Dy(parcel)).map_err(|_| StepError::PeerStopped(Peer::TargetSide))
+    }
+
+    fn fc_sumsq(&mut self) -> Result<f64, StepError> {
+        match self.report_rx.recv() {
+            Ok(Report::FcSumsq(x)) => Ok(x),
+            _ => Err(StepError::PeerStopped(Peer::TargetSide)),
+        }
+    }
+
+    fn decide(&mut self, hp: Option<AdamStep>) -> Result<(), StepError> {
+        self.back_tx.send(Back::Update { hp }).map_err(|_| StepError::PeerStopped(Peer::TargetSide))
+    }
+
+    fn await_update(&mut self) -> Result<(), StepError> {
+        match self.report_rx.recv() {
+            Ok(Report::UpdateApplied) => Ok(()),
+            _ => Err(StepError::PeerStopped(Peer::TargetSide)),
+        }
+    }
 }

@@ -25,6 +25,8 @@ pub struct PipelineStats {
     pub optimizer: Duration,
     /// Queue depth right after each publish.
     pub queue_depth: Vec<u32>,
+    /// The queue's capacity (`--max-inflight`; 0 without a queue: the synchronous run).
+    pub queue_capacity: usize,
     /// The transport used (`same`, `p2p`, `host`; several joined by `+` when pairs of GPUs differ).
     pub transport: String,
     /// Bytes the transports moved (both directions; 0 for a same-GPU hand-off).
@@ -88,6 +90,15 @@ impl DeviceTimeline {
 }
 
 impl PipelineStats {
+    /// Counts a finished step (both the synchronous loop and the pipeline's rank 0 call this).
+    pub fn count_step(&mut self, m: &crate::train::step::StepMetrics, wall: Duration) {
+        self.steps += 1;
+        self.tokens += m.tokens as u64;
+        self.draft_positions += m.draft_positions as u64;
+        self.skipped += u32::from(m.skipped);
+        self.wall = wall;
+    }
+
     /// Fraction of the wall time the target side did not compute (mean over target GPUs; the
     /// host-side times are sums over them).
     pub fn target_idle_fraction(&self) -> f64 {
@@ -147,8 +158,19 @@ impl Default for Trace {
 impl Trace {
     /// Records `name` on `track`, from `t0` until now.
     pub fn span(&self, track: impl Into<String>, name: impl Into<String>, t0: std::time::Instant) {
+        self.span_between(track, name, t0, std::time::Instant::now());
+    }
+
+    /// Records `name` on `track`, from `t0` to `t1`.
+    pub fn span_between(
+        &self,
+        track: impl Into<String>,
+        name: impl Into<String>,
+        t0: std::time::Instant,
+        t1: std::time::Instant,
+    ) {
         let start_us = t0.saturating_duration_since(self.start).as_secs_f64() * 1e6;
-        let dur_us = t0.elapsed().as_secs_f64() * 1e6;
+        let dur_us = t1.saturating_duration_since(t0).as_secs_f64() * 1e6;
         if let Ok(mut s) = self.spans.lock() {
             s.push(Span { track: track.into(), name: name.into(), start_us, dur_us });
         }

@@ -18,11 +18,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{Backend, BackendError, Result};
+use crate::faults::FaultPlan;
 use crate::pipeline::slots::{SlotGuard, SlotPool, SlotStats};
 use crate::tensor::DType;
 
 /// How batches travel between the target and the drafter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Transport {
     Same,
     Peer,
@@ -168,9 +170,11 @@ impl<'a, B: Backend> Link<'a, B> {
         }
     }
 
-    /// Sends `buf`, last written on the sender's stream `s`. Enqueues work only; `s` never waits.
-    /// `fault` makes the copy fail after its resources were taken (the copy-error test hook).
-    pub fn send(&self, s: &B::Stream, buf: B::Buf, fault: bool) -> Result<Parcel<B>> {
+    /// Sends `buf` (micro-batch `micro` of step `step`), last written on the sender's stream `s`.
+    /// Enqueues work only; `s` never waits. The fault plan's `copy_error_at` makes the copy of a
+    /// step's first micro-batch fail after its resources were taken (the copy-error test).
+    pub fn send(&self, s: &B::Stream, buf: B::Buf, step: u32, micro: usize, faults: &FaultPlan) -> Result<Parcel<B>> {
+        let fault = faults.copy_error_at == Some(step) && micro == 0;
         let ready = self.src.record_event(s)?;
         let (dtype, len) = (self.src.dtype(&buf), self.src.len(&buf));
         let bytes = (len * dtype.size_bytes()) as u64;

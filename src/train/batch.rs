@@ -55,7 +55,8 @@ pub struct HostBatch {
     pub n_valid: usize,
     // ---- drafter ----
     pub num_blocks: usize,
-    /// `anchors_per_seq` slots per real sequence, `-1` where a sequence had fewer candidates.
+    /// The same number of slots per real sequence (the most anchors any sequence of the batch
+    /// drew, at most `anchors_per_seq`), `-1` where a sequence drew fewer.
     pub anchors: Vec<i32>,
     pub ctx_start: Vec<i32>,
     pub block_ids: Vec<i32>,
@@ -97,14 +98,22 @@ pub fn build_batch(samples: &[Sample], spec: &BatchSpec, step: u32, seq_base: u3
     if samples.is_empty() {
         return Err(BatchError::Empty);
     }
-    let (bs, n) = (spec.block_size, spec.anchors_per_seq);
+    let bs = spec.block_size;
+    // Every sequence gets as many block slots as the batch's most anchors actually drawn (not
+    // `anchors_per_seq`: a sequence with few candidates would otherwise cost all the padded
+    // blocks' attention, activations and logits for nothing).
+    let drawn: Vec<Vec<usize>> = samples
+        .iter()
+        .enumerate()
+        .map(|(si, smp)| sample_anchors(smp, spec.anchors_per_seq, spec.seed, step, seq_base + si as u32))
+        .collect();
+    let n = drawn.iter().map(Vec::len).max().unwrap_or(0).max(1);
     let mut b = HostBatch::default();
-    for (si, smp) in samples.iter().enumerate() {
+    for (smp, anchors) in samples.iter().zip(drawn) {
         let start = b.ids.len();
         b.seq_starts.push(start as i32);
         b.ids.extend(smp.input_ids.iter().map(|&t| t as i32));
         b.pos.extend(0..smp.input_ids.len() as i32);
-        let anchors = sample_anchors(smp, n, spec.seed, step, seq_base + si as u32);
         b.real_anchors += anchors.len();
         let len = smp.input_ids.len();
         for slot in 0..n {

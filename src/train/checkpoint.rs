@@ -20,10 +20,14 @@
 //! always names a complete folder, and a crash only leaves a hidden `.step-*` folder that the
 //! next successful save deletes. One writer per run folder.
 //!
-//! Fault injection: with the environment variable `DFLASH_FAULT=checkpoint-mid-write`, [`save`]
-//! calls `std::process::abort()` after writing model.safetensors into the temp folder and before
-//! the rename, which is how a test proves that a kill during a save is harmless.
+//! Fault injection: with `FaultPlan::abort_mid_checkpoint` ([`save_with`]) the save calls
+//! `std::process::abort()` after writing model.safetensors into the temp folder and before the
+//! rename, which is how a test proves that a kill during a save is harmless.
+//!
+//! [`gather`] and [`restore`] move a drafter's trained state between the device and these host
+//! tensors.
 
+use crate::faults::FaultPlan;
 use crate::weights::{self, TensorStore, WeightsError};
 use half::bf16;
 use rayon::prelude::*;
@@ -33,6 +37,11 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::backend::{Backend, BackendError};
+use crate::model::drafter::ParamGroup;
+use crate::train::step::DrafterSide;
 
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
@@ -40,10 +49,6 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
 /// The pointer file: the folder name of the newest complete checkpoint, one line.
 pub const LATEST_FILE: &str = "latest";
-
-/// Environment variable for fault injection, and the value that aborts mid-save.
-pub const FAULT_ENV: &str = "DFLASH_FAULT";
-pub const FAULT_MID_WRITE: &str = "checkpoint-mid-write";
 
 /// Prefixes of the three optimizer tensors of each model tensor in optimizer.safetensors.
 const MASTER: &str = "master.";
@@ -57,8 +62,8 @@ pub struct TrainerState {
     pub step: u32,
     pub seed: u64,
     /// Identifies the run's settings (data, config, hyper-parameters), so that a resume with
-    /// different settings can be refused by the caller.
-    pub run_fingerprint: String,
+    /// different settings can be refused by the caller (see `session::options::Fingerprint`).
+    pub run_fingerprint: serde_json::Value,
     /// Anything else the trainer wants back (metrics, schedule details); `null` if absent.
     #[serde(default)]
     pub extra: serde_json::Value,
@@ -214,6 +219,18 @@ pub fn save(
     tensors: &[TensorState],
     keep_last: usize,
 ) -> Result<PathBuf> {
+    save_with(dir, state, config_json, tensors, keep_last, &FaultPlan::default())
+}
+
+/// [`save`] with a fault plan (failure tests).
+pub fn save_with(
+    dir: impl AsRef<Path>,
+    state: &TrainerState,
+    config_json: &str,
+    tensors: &[TensorState],
+    keep_last: usize,
+    faults: &FaultPlan,
+) -> Result<PathBuf> {
     let dir = dir.as_ref();
     check_tensors(tensors)?;
     std::fs::create_dir_all(dir).map_err(io(dir, "create the checkpoint folder"))?;
@@ -228,7 +245,7 @@ pub fn save(
     }
     remove_dir_if_exists(&tmp)?;
     std::fs::create_dir(&tmp).map_err(io(&tmp, "create"))?;
-    let written = write_contents(&tmp, state, config_json, tensors);
+    let written = write_contents(&tmp, state, config_json, tensors, faults);
     let published = written.and_then(|()| publish(dir, &tmp, &name));
     if let Err(e) = published {
         // Best effort (the next save cleans up otherwise), and never the folder `latest` names:
@@ -272,7 +289,13 @@ fn check_tensors(tensors: &[TensorState]) -> Result<()> {
 }
 
 /// Every file of a checkpoint, each fsynced, into the (temp) folder `tmp`.
-fn write_contents(tmp: &Path, state: &TrainerState, config_json: &str, tensors: &[TensorState]) -> Result<()> {
+fn write_contents(
+    tmp: &Path,
+    state: &TrainerState,
+    config_json: &str,
+    tensors: &[TensorState],
+    faults: &FaultPlan,
+) -> Result<()> {
     let model_path = tmp.join(MODEL_FILE);
     // The bf16 copy is half the masters' size; converting tensors in parallel keeps a 1B-param
     // drafter's save to a fraction of a second of CPU.
@@ -284,7 +307,7 @@ fn write_contents(tmp: &Path, state: &TrainerState, config_json: &str, tensors: 
         .map_err(|e| CheckpointError::Write { path: model_path.clone(), reason: e.to_string() })?;
     drop(model);
 
-    if std::env::var_os(FAULT_ENV).is_some_and(|v| v == FAULT_MID_WRITE) {
+    if faults.abort_mid_checkpoint {
         // Fault injection (module doc): die like a kill -9 would, half-way through a save.
         std::process::abort();
     }
@@ -380,6 +403,11 @@ fn write_latest(dir: &Path, name: &str) -> Result<()> {
     let path = dir.join(LATEST_FILE);
     weights::write_file_atomic(&path, format!("{name}\n").as_bytes())
         .map_err(|e| CheckpointError::Write { path: path.clone(), reason: e.to_string() })
+}
+
+/// The checkpoint folder `dir/latest` names (`None`: no checkpoint there yet).
+pub fn latest_name(dir: impl AsRef<Path>) -> Result<Option<String>> {
+    read_latest(dir.as_ref())
 }
 
 /// The folder name in `dir/latest`, `None` if there is no such file.
@@ -657,6 +685,76 @@ fn check_model_tensor(model: &TensorStore, path: &Path, opt_path: &Path, t: &Ten
     }
 }
 
+/// Host copies of every trained tensor (masters and moments) for a checkpoint: the fc group
+/// (with the drafter rank, or with the target under split-FC) and the body.
+pub fn gather<B: Backend>(
+    bt: &B,
+    st: &B::Stream,
+    bd: &B,
+    sd: &B::Stream,
+    side: &DrafterSide<B>,
+    remote_fc: Option<&Mutex<ParamGroup<B>>>,
+) -> std::result::Result<Vec<TensorState>, Box<dyn std::error::Error + Send + Sync>> {
+    let mut out = Vec::new();
+    let mut take = |be: &B, s: &B::Stream, g: &ParamGroup<B>| -> std::result::Result<(), BackendError> {
+        let (master, m, v) = (be.download(s, &g.master)?, be.download(s, &g.m)?, be.download(s, &g.v)?);
+        for e in g.table.entries() {
+            let r = e.offset..e.offset + e.numel;
+            out.push(TensorState {
+                name: e.name.clone(),
+                shape: e.shape.clone(),
+                master: master[r.clone()].to_vec(),
+                exp_avg: m[r.clone()].to_vec(),
+                exp_avg_sq: v[r].to_vec(),
+            });
+        }
+        Ok(())
+    };
+    match (&side.fc, remote_fc) {
+        (Some(fc), _) => take(bd, sd, fc)?,
+        (None, Some(fc)) => take(bt, st, &*fc.lock().map_err(|_| "fc group lock poisoned")?)?,
+        (None, None) => return Err("no fc group on either side".into()),
+    }
+    take(bd, sd, &side.drafter.body)?;
+    Ok(out)
+}
+
+/// Puts checkpointed masters and moments back (and the bf16 weights from the masters).
+pub fn restore<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    side: &mut DrafterSide<B>,
+    tensors: &[TensorState],
+) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let groups: Vec<&mut ParamGroup<B>> = side.fc.iter_mut().chain(std::iter::once(&mut side.drafter.body)).collect();
+    for g in groups {
+        let n = g.table.total();
+        let (mut master, mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+        for e in g.table.entries() {
+            let t = tensors
+                .iter()
+                .find(|t| t.name == e.name)
+                .ok_or_else(|| format!("checkpoint has no tensor {}", e.name))?;
+            if t.shape != e.shape {
+                return Err(format!(
+                    "checkpoint tensor {}: shape {:?}, this drafter needs {:?}",
+                    e.name, t.shape, e.shape
+                )
+                .into());
+            }
+            let r = e.offset..e.offset + e.numel;
+            master[r.clone()].copy_from_slice(&t.master);
+            m[r.clone()].copy_from_slice(&t.exp_avg);
+            v[r].copy_from_slice(&t.exp_avg_sq);
+        }
+        be.upload(s, &master, &mut g.master, 0)?;
+        be.upload(s, &master, &mut g.weights, 0)?;
+        be.upload(s, &m, &mut g.m, 0)?;
+        be.upload(s, &v, &mut g.v, 0)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -667,7 +765,7 @@ mod tests {
         TrainerState {
             step,
             seed: u64::MAX - 1, // beyond 2^53: must survive JSON exactly
-            run_fingerprint: "fp-abc".into(),
+            run_fingerprint: serde_json::json!({"lr": 0.003}),
             extra: serde_json::json!({"loss": 1.25, "note": "x"}),
         }
     }
@@ -846,8 +944,9 @@ mod tests {
     #[ignore = "child process of abort_mid_save_leaves_the_previous_checkpoint"]
     fn crash_child() {
         let Some(dir) = std::env::var_os(CHILD_DIR_ENV) else { return };
-        let _ = save(PathBuf::from(dir), &state(2), CONFIG, &tensors(2.0), 3);
-        panic!("save returned although {FAULT_ENV}={FAULT_MID_WRITE}");
+        let faults = FaultPlan { abort_mid_checkpoint: true, ..FaultPlan::default() };
+        let _ = save_with(PathBuf::from(dir), &state(2), CONFIG, &tensors(2.0), 3, &faults);
+        panic!("save returned although the fault plan aborts mid-checkpoint");
     }
 
     #[test]
@@ -859,7 +958,6 @@ mod tests {
         let test_name = format!("{}::crash_child", module_path!().split_once("::").map_or("", |(_, rest)| rest));
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([test_name.as_str(), "--exact", "--ignored", "--test-threads=1"])
-            .env(FAULT_ENV, FAULT_MID_WRITE)
             .env(CHILD_DIR_ENV, &run.0)
             .output()
             .unwrap();

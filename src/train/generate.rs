@@ -35,7 +35,15 @@ pub fn generate<B: Backend>(
     spec: &GenSpec,
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Sample>> {
-    assert!(spec.prompt_len >= 1 && spec.prompt_len < spec.seq_len, "prompt must be shorter than the sequence");
+    if spec.prompt_len == 0 || spec.prompt_len + 2 > spec.seq_len {
+        return Err(crate::backend::BackendError::Shape {
+            op: "generate",
+            what: format!(
+                "prompt length {} and sequence length {}: a sample needs a prompt of at least 1 token and a continuation of at least 2",
+                spec.prompt_len, spec.seq_len
+            ),
+        });
+    }
     let vocab = target.shape.vocab;
     let mut out = Vec::with_capacity(spec.num_samples);
     let mut first = 0;

@@ -1,8 +1,10 @@
-//! One training step, in the pieces the pipeline moves between threads and devices:
-//! target side (`TargetSide::produce`: forward with taps, pack + noise, FC under split-FC) and
-//! drafter side (`DrafterSide::consume` per micro-batch, `DrafterSide::finish_step` once).
+//! One training step. The target side of a micro-batch is `target_pack` (forward with taps,
+//! pack + noise; the pipeline adds FC under split-FC). The drafter side of a whole step is
+//! `drafter_step`, the one step driver that the synchronous path, the pipeline and data
+//! parallelism all call: where the fc group lives (`FcPlace`) and which ranks share the step
+//! (`RankGroup`) are its arguments, not branches in the callers.
 
-use crate::backend::{AdamStep, Backend, Result};
+use crate::backend::{AdamStep, Backend, BackendError, Result};
 use crate::model::drafter::{fc_backward, fc_forward, DraftInputs, Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetInputs};
 use crate::tensor::DType;
@@ -201,11 +203,11 @@ impl<B: Backend> DrafterSide<B> {
         &mut self,
         be: &B,
         s: &B::Stream,
-        hb: &HostBatch,
+        hb: HostBatch,
         ctx: &Context<B>,
         grad_scale: f32,
     ) -> Result<Option<B::Buf>> {
-        let dev = DeviceDraftBatch::upload(be, s, hb)?;
+        let dev = DeviceDraftBatch::upload(be, s, &hb)?;
         let rows = hb.rows();
         let h = self.drafter.shape.hidden;
         let mut dy = be.alloc(s, DType::BF16, rows * h)?;
@@ -220,7 +222,7 @@ impl<B: Backend> DrafterSide<B> {
             }
             Context::Projected(y) => self.drafter.forward_backward(be, s, &dev.inputs(), y, grad_scale, &mut dy)?,
         };
-        self.outputs.push((hb.clone(), out.loss, out.argmax));
+        self.outputs.push((hb, out.loss, out.argmax));
         Ok(match ctx {
             Context::Packed(_) => None,
             Context::Projected(_) => Some(dy),
@@ -275,7 +277,7 @@ pub fn global_norm(fc_sumsq: f64, body_sumsq: f64) -> f64 {
 
 /// Decides the update of a step: returns the AdamW step, or `None` (skip) on a non-finite loss
 /// or gradient norm (DFLASH.md pitfall 7).
-pub fn plan_update(optim: &OptimConfig, step: u32, loss: f64, grad_norm: f64) -> Option<crate::backend::AdamStep> {
+pub fn plan_update(optim: &OptimConfig, step: u32, loss: f64, grad_norm: f64) -> Option<AdamStep> {
     if loss.is_finite() && grad_norm.is_finite() {
         Some(optim.adam_step(step, grad_norm))
     } else {
@@ -283,55 +285,167 @@ pub fn plan_update(optim: &OptimConfig, step: u32, loss: f64, grad_norm: f64) ->
     }
 }
 
-/// A whole synchronous step on one backend and one thread (the reference every pipeline must
-/// reproduce bit for bit).
-#[allow(clippy::too_many_arguments)]
-pub fn sync_step<B: Backend>(
-    be: &B,
-    s: &B::Stream,
-    target: &Target<B>,
-    side: &mut DrafterSide<B>,
-    micro: &[HostBatch],
-    noise: NoiseSpec,
-    optim: &OptimConfig,
-    step: u32,
-) -> Result<StepMetrics> {
-    let total_w: f64 = micro.iter().map(|b| b.weight_sum).sum();
-    let grad_scale = if total_w > 0.0 { (1.0 / total_w) as f32 } else { 0.0 };
-    side.zero_grad(be, s)?;
-    for hb in micro {
-        let x = target_pack(be, s, target, hb, noise, step)?;
-        side.consume(be, s, hb, &Context::Packed(x), grad_scale)?;
+/// The factor every micro-batch's gradient is scaled by: one over the loss weight of the whole
+/// step (every micro-batch, every rank), so the step's loss is `sum(w * CE) / sum(w)`
+/// (DFLASH.md pitfall 8). A step with no supervised slot contributes nothing.
+pub fn grad_scale(step_weight: f64) -> f32 {
+    if step_weight > 0.0 {
+        (1.0 / step_weight) as f32
+    } else {
+        0.0
     }
-    let sums = side.take_metrics(be, s)?;
-    let (body, fc) = side.grad_sumsq(be, s)?;
-    let norm = global_norm(fc.unwrap_or(0.0), body);
-    let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
-    let hp = plan_update(optim, step, loss, norm);
-    apply_update(be, s, side, hp, sums, norm, optim, step)
 }
 
-/// Applies a step's update to the body and the local fc group (a remote fc group is updated by
-/// its owner with the same `hp`), and turns the sums into metrics.
+impl MetricSums {
+    /// The step's loss, `sum(w * CE) / sum(w)`: the one place it is normalised.
+    pub fn loss(&self) -> f64 {
+        if self.weight > 0.0 {
+            self.loss / self.weight
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Why a drafter step did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The part of the run this step waits for (the target side under split-FC, another data
+    /// parallel rank) stopped: a consequence, its own error is the cause.
+    #[error("{0} stopped")]
+    PeerStopped(Peer),
+}
+
+/// Who a step waited for when it stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// The target side, which holds the fc group under split-FC.
+    TargetSide,
+    /// Another data-parallel drafter rank.
+    DrafterRank,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Peer::TargetSide => "the target side",
+            Peer::DrafterRank => "another drafter rank",
+        })
+    }
+}
+
+/// The other data-parallel drafter ranks of a step: `reduce` sums the metric sums and the
+/// gradients of every rank. One rank (`SingleRank`) has nothing to sum.
+pub trait RankGroup<B: Backend> {
+    fn reduce(
+        &mut self,
+        be: &B,
+        s: &B::Stream,
+        side: &mut DrafterSide<B>,
+        local: MetricSums,
+    ) -> std::result::Result<MetricSums, StepError>;
+}
+
+/// A drafter trained on one device.
+pub struct SingleRank;
+
+impl<B: Backend> RankGroup<B> for SingleRank {
+    fn reduce(
+        &mut self,
+        _: &B,
+        _: &B::Stream,
+        _: &mut DrafterSide<B>,
+        local: MetricSums,
+    ) -> std::result::Result<MetricSums, StepError> {
+        Ok(local)
+    }
+}
+
+/// The split-FC protocol as the drafter rank sees it: the fc group lives with the target side,
+/// which receives each micro-batch's `dY`, reports `sumsq(dWfc)`, applies the update the
+/// drafter side decided and says when it is done.
+pub trait RemoteFc<B: Backend> {
+    /// Hands one micro-batch's `dY` (its rows of the fc output's gradient) to the fc group.
+    fn send_dy(&mut self, s: &B::Stream, dy: B::Buf) -> std::result::Result<(), StepError>;
+    /// Waits for the fc group's squared gradient norm of this step.
+    fn fc_sumsq(&mut self) -> std::result::Result<f64, StepError>;
+    /// Tells the fc group the step's update (`None`: skipped). Only one rank decides.
+    fn decide(&mut self, hp: Option<AdamStep>) -> std::result::Result<(), StepError>;
+    /// Waits until the fc group applied the update of this step.
+    fn await_update(&mut self) -> std::result::Result<(), StepError>;
+}
+
+/// Where the fc group lives for a run: one choice, made once.
+pub enum FcPlace<'a, B: Backend> {
+    /// In `DrafterSide::fc`: the drafter projects the packed taps itself.
+    Local,
+    /// With the target (split-FC): the drafter receives `Y` and sends `dY` back.
+    Remote(&'a mut dyn RemoteFc<B>),
+}
+
+/// Host time of a step's two phases (the pipeline's stats and trace show them).
+#[derive(Clone, Copy, Debug)]
+pub struct StepTimes {
+    /// When the first micro-batch's forward was enqueued.
+    pub started: std::time::Instant,
+    /// When every micro-batch's backward was enqueued and the metrics were read back.
+    pub computed: std::time::Instant,
+}
+
+/// One optimizer step of one drafter rank, the only place a step is written: zero the
+/// gradients, forward + backward every micro-batch of this rank with the step's `grad_scale`,
+/// sum across ranks, take the global norm (fc group first, wherever it lives), decide and apply
+/// AdamW. `micro` yields this rank's micro-batches with their context (the synchronous path runs
+/// the target inside the iterator, one micro-batch at a time; the pipeline hands over received
+/// parcels). `decides` marks the rank that tells a remote fc group the update.
 #[allow(clippy::too_many_arguments)]
-pub fn apply_update<B: Backend>(
+pub fn drafter_step<B: Backend>(
     be: &B,
     s: &B::Stream,
     side: &mut DrafterSide<B>,
-    hp: Option<AdamStep>,
-    sums: MetricSums,
-    norm: f64,
-    optim: &OptimConfig,
     step: u32,
-) -> Result<StepMetrics> {
+    step_weight: f64,
+    micro: impl IntoIterator<Item = std::result::Result<(HostBatch, Context<B>), StepError>>,
+    ranks: &mut dyn RankGroup<B>,
+    mut fc: FcPlace<'_, B>,
+    decides: bool,
+    optim: &OptimConfig,
+) -> std::result::Result<(StepMetrics, StepTimes), StepError> {
+    let started = std::time::Instant::now();
+    let scale = grad_scale(step_weight);
+    side.zero_grad(be, s)?;
+    for item in micro {
+        let (hb, ctx) = item?;
+        if let (Some(dy), FcPlace::Remote(remote)) = (side.consume(be, s, hb, &ctx, scale)?, &mut fc) {
+            remote.send_dy(s, dy)?;
+        }
+    }
+    let local = side.take_metrics(be, s)?;
+    let computed = std::time::Instant::now();
+    let sums = ranks.reduce(be, s, side, local)?;
+    let (body, local_fc) = side.grad_sumsq(be, s)?;
+    let fc_sumsq = match &mut fc {
+        FcPlace::Local => local_fc.unwrap_or(0.0),
+        FcPlace::Remote(remote) => remote.fc_sumsq()?,
+    };
+    let norm = global_norm(fc_sumsq, body);
+    let loss = sums.loss();
+    let hp = plan_update(optim, step, loss, norm);
+    if let (FcPlace::Remote(remote), true) = (&mut fc, decides) {
+        remote.decide(hp)?;
+    }
     if let Some(hp) = &hp {
         if let Some(fc) = &mut side.fc {
             fc.adamw(be, s, hp)?;
         }
         side.drafter.body.adamw(be, s, hp)?;
     }
-    let loss = if sums.weight > 0.0 { sums.loss / sums.weight } else { 0.0 };
-    Ok(StepMetrics {
+    if let FcPlace::Remote(remote) = &mut fc {
+        remote.await_update()?;
+    }
+    let metrics = StepMetrics {
         step,
         loss,
         accuracy: if sums.supervised > 0 { sums.correct as f64 / sums.supervised as f64 } else { 0.0 },
@@ -341,5 +455,28 @@ pub fn apply_update<B: Backend>(
         skipped: hp.is_none(),
         tokens: sums.tokens,
         draft_positions: sums.draft_positions,
-    })
+    };
+    Ok((metrics, StepTimes { started, computed }))
+}
+
+/// A whole synchronous step on one backend and one thread (the reference every pipeline must
+/// reproduce bit for bit): the target runs inside the step, one micro-batch at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn sync_step<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    target: &Target<B>,
+    side: &mut DrafterSide<B>,
+    micro: Vec<HostBatch>,
+    noise: NoiseSpec,
+    optim: &OptimConfig,
+    step: u32,
+) -> std::result::Result<StepMetrics, StepError> {
+    let step_weight: f64 = micro.iter().map(|b| b.weight_sum).sum();
+    let batches = micro.into_iter().map(|hb| {
+        let x = target_pack(be, s, target, &hb, noise, step)?;
+        Ok((hb, Context::Packed(x)))
+    });
+    let (m, _) = drafter_step(be, s, side, step, step_weight, batches, &mut SingleRank, FcPlace::Local, true, optim)?;
+    Ok(m)
 }

@@ -1,0 +1,70 @@
+//! Fault injection for the failure tests: one plan, built at the edge (the binary reads
+//! `DFLASH_FAULT`; tests fill it directly) and handed to the parts it arms. Nothing in the
+//! library reads the environment for it.
+
+use serde::Serialize;
+
+/// Where a run fails on purpose. Steps are 0-based step indices (messages count from 1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FaultPlan {
+    /// The producer returns an error before running the target of this step.
+    pub producer_error_at: Option<u32>,
+    /// Publishing this step's first micro-batch fails (as a failed put would).
+    pub publish_error_at: Option<u32>,
+    /// The consumer (the last drafter rank) panics on receiving this step.
+    pub consumer_panic_at: Option<u32>,
+    /// The transport's copy of this step's first micro-batch fails, after its slot or buffer was
+    /// taken (tests that nothing leaks).
+    pub copy_error_at: Option<u32>,
+    /// Every checkpoint first waits this long (a slow disk: the target side runs ahead meanwhile).
+    pub checkpoint_delay_ms: Option<u64>,
+    /// A checkpoint save aborts the process after writing its model file into the temporary
+    /// folder, before the rename (proves a kill during a save is harmless).
+    pub abort_mid_checkpoint: bool,
+}
+
+/// A `DFLASH_FAULT` value the plan does not know.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP \
+     or checkpoint-mid-write (STEP: a 0-based step index)"
+)]
+pub struct BadFault(pub String);
+
+impl FaultPlan {
+    /// Parses the `DFLASH_FAULT` syntax: `<kind>@<step>` or `checkpoint-mid-write`.
+    pub fn parse(v: &str) -> Result<Self, BadFault> {
+        let mut f = FaultPlan::default();
+        if v == "checkpoint-mid-write" {
+            f.abort_mid_checkpoint = true;
+            return Ok(f);
+        }
+        let bad = || BadFault(v.to_string());
+        let (kind, step) = v.split_once('@').ok_or_else(bad)?;
+        let step: u32 = step.parse().map_err(|_| bad())?;
+        match kind {
+            "producer-error" => f.producer_error_at = Some(step),
+            "publish-error" => f.publish_error_at = Some(step),
+            "consumer-panic" => f.consumer_panic_at = Some(step),
+            "copy-error" => f.copy_error_at = Some(step),
+            _ => return Err(bad()),
+        }
+        Ok(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_kind_and_rejects_the_rest() {
+        assert_eq!(FaultPlan::parse("producer-error@3").unwrap().producer_error_at, Some(3));
+        assert_eq!(FaultPlan::parse("copy-error@0").unwrap().copy_error_at, Some(0));
+        assert!(FaultPlan::parse("checkpoint-mid-write").unwrap().abort_mid_checkpoint);
+        for bad in ["producer-error", "producer-error@x", "nonsense@1", ""] {
+            let e = FaultPlan::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("DFLASH_FAULT") && e.contains("expected"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! `dflash-engine run`, as wiring: the options (`options`), the setup they imply (`setup`), the
+//! pipeline that runs the steps (`crate::pipeline`, calling the one step driver
+//! `train::step::drafter_step`), and what the run shows (`log`). Checkpoint gather/restore live
+//! in `train::checkpoint`.
+
+pub mod commands;
+pub mod log;
+pub mod options;
+pub mod setup;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::config::{DrafterConfig, TargetConfig};
+use crate::data::Dataset;
+use crate::model::drafter::DrafterShape;
+use crate::pipeline::{self, Control, DrafterRank, PipelineConfig, PipelineError, PipelineStats, TargetRank};
+use crate::train::batch::BatchSpec;
+use crate::train::checkpoint::{self, TrainerState};
+use crate::train::generate::{generate, GenSpec};
+use crate::train::optim::OptimConfig;
+use crate::train::step::{DrafterSide, NoiseSpec, StepMetrics};
+use crate::weights;
+
+pub use commands::{gen_data, inspect};
+pub use log::{print_summary, RunSummary};
+pub use options::{
+    DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions, TINY_INIT_STD,
+};
+use setup::{StepBatches, TargetSource, Topology};
+
+/// A run that stopped on an error: the cause first, then what the leak check found.
+#[derive(Debug, thiserror::Error)]
+#[error("{cause} (leak check: {leaks})")]
+pub struct RunStopped {
+    pub cause: PipelineError,
+    pub leaks: String,
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Runs training as `opts` says. Ctrl-C (when `interrupt` is set) stops after the current step
+/// with a checkpoint.
+pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
+    use crate::backend::cuda::CudaBackend;
+    opts.validate()?;
+    let topo = Topology::from_options(opts)?;
+    setup::check_outputs(opts)?;
+    let mode = opts.exec.alloc_mode.unwrap_or(crate::backend::cuda::alloc::Mode::Normal);
+    let cuda = |ordinal: usize| CudaBackend::new(ordinal, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"));
+    let cpus = || -> Vec<CpuBackend> { topo.devices.iter().map(|_| CpuBackend::new()).collect() };
+    let on_cuda = |first: CudaBackend| -> Result<RunSummary> {
+        let mut bes = vec![first];
+        for &d in &topo.devices[1..] {
+            bes.push(cuda(d)?);
+        }
+        run_on(&bes, &topo, opts, interrupt.clone())
+    };
+    match opts.exec.device {
+        Device::Cpu => run_on(&cpus(), &topo, opts, interrupt),
+        Device::Cuda => on_cuda(cuda(topo.devices[0])?),
+        Device::Auto => match CudaBackend::new(topo.devices[0], mode) {
+            Ok(be) => on_cuda(be),
+            Err(why) => {
+                eprintln!("note      no usable GPU ({why}); running on the CPU backend");
+                run_on(&cpus(), &topo, opts, interrupt)
+            }
+        },
+    }
+}
+
+/// Bytes of one micro-batch's packed taps (rows x taps x hidden, bf16) for these flags.
+pub fn micro_batch_bytes(opts: &RunOptions) -> Result<usize> {
+    let src = TargetSource::resolve(&opts.model.target, opts.model.target_seed, opts.model.init_std, &mut Vec::new())?;
+    let tcfg = src.config().clone();
+    let dcfg = drafter_config(opts, &tcfg)?;
+    Ok(setup::max_rows(opts) * dcfg.target_layer_ids.len() * tcfg.hidden_size * 2)
+}
+
+fn drafter_config(o: &RunOptions, tcfg: &TargetConfig) -> Result<DrafterConfig> {
+    DrafterConfig::for_target(tcfg, o.model.drafter_layers, o.model.block_size, o.model.taps.clone())
+        .context("drafter configuration")
+}
+
+/// The run's data: a JSON Lines file, or sequences the target writes itself. Returns the
+/// dataset and the generation's seconds.
+fn load_data<B: Backend>(
+    be: &B,
+    o: &RunOptions,
+    tcfg: &TargetConfig,
+    dcfg: &DrafterConfig,
+    target: &crate::model::target::Target<B>,
+) -> Result<(Dataset, f64)> {
+    let d = &o.data;
+    let t0 = Instant::now();
+    let data = match &d.path {
+        Some(path) => Dataset::from_jsonl(path, tcfg.vocab_size, d.seq_len)?,
+        None => {
+            let pb = log::bar(o.output.quiet, d.gen_samples as u64, "generate");
+            let ordinary = tcfg.bos_token_id.unwrap_or(dcfg.mask_token_id).min(dcfg.mask_token_id);
+            let spec = GenSpec {
+                num_samples: d.gen_samples,
+                prompt_len: d.gen_prompt_len,
+                seq_len: d.seq_len,
+                temperature: d.gen_temperature,
+                seed: o.train.seed,
+                ordinary_vocab: ordinary,
+                batch: 64,
+            };
+            let samples = generate(be, &be.compute_stream(), target, &spec, |done| pb.set_position(done as u64))?;
+            pb.finish_and_clear();
+            Dataset::from_samples(samples)?
+        }
+    };
+    Ok((data, t0.elapsed().as_secs_f64()))
+}
+
+/// Trains on `bes` (one backend per device of `topo`): the targets and the data-parallel drafter
+/// ranks as `topo` places them (all on one backend on one device).
+fn run_on<B: Backend>(
+    bes: &[B],
+    topo: &Topology,
+    opts: &RunOptions,
+    interrupt: Option<Arc<AtomicBool>>,
+) -> Result<RunSummary> {
+    let (m, d, t, e, out) = (&opts.model, &opts.data, &opts.train, &opts.exec, &opts.output);
+    let one_device = bes.len() == 1;
+    let (bt, bd) = (&bes[topo.targets[0]], &bes[topo.drafters[0]]);
+    let say = |m: String| eprintln!("{m}");
+
+    // What the options name, checked before the target is loaded.
+    let mut notes = Vec::new();
+    let src = TargetSource::resolve(&m.target, m.target_seed, m.init_std, &mut notes)?;
+    let tcfg = src.config().clone();
+    let dcfg = drafter_config(opts, &tcfg)?;
+    setup::check_inflight_memory(opts, &tcfg, dcfg.target_layer_ids.len())?;
+    let fingerprint = opts.fingerprint(src.identity()?, setup::data_identity(opts)?);
+    let backend_name = backend_name(bes, topo);
+    say(format!("backend   {backend_name}"));
+    say(format!("target    {}", src.describe()));
+    notes.into_iter().for_each(|n| say(format!("note      {n}")));
+    say(format!(
+        "drafter   {} layers, block {}, taps {:?}, mask token {}",
+        dcfg.num_layers, dcfg.block_size, dcfg.target_layer_ids, dcfg.mask_token_id
+    ));
+
+    // The target copies, the data, the drafter ranks and a resumed state.
+    let (mut targets, load_seconds) = setup::load_targets(bes, topo, &src, &dcfg, d.path.is_none())?;
+    say(format!(
+        "loaded    {} target cop{} in {load_seconds:.1} s",
+        targets.len(),
+        if targets.len() == 1 { "y" } else { "ies" }
+    ));
+    let (data, gen_seconds) = load_data(bt, opts, &tcfg, &dcfg, &targets[0])?;
+    let how = match (&d.path, d.gen_temperature) {
+        (Some(_), _) => String::new(),
+        (None, t) if t == 0.0 => format!(" (generated by the target in {gen_seconds:.1} s, greedy)"),
+        (None, t) => format!(" (generated by the target in {gen_seconds:.1} s, sampled at temperature {t})"),
+    };
+    say(format!("data      {} samples, {} tokens{how}", data.len(), data.total_tokens()));
+    let dshape = DrafterShape::from_config(&dcfg, e.logits_chunk);
+    let mut sides = setup::drafter_sides(bes, topo, &targets[0], &dshape, t.seed)?;
+    let first_step = setup::resume(bes, topo, opts, &mut sides, &fingerprint, &say)?;
+    let first = targets.remove(0);
+    let tsides = setup::target_sides(bes, topo, e.split_fc, first, targets, &mut sides)?;
+    let source = StepBatches {
+        data,
+        spec: BatchSpec {
+            anchors_per_seq: d.anchors,
+            block_size: m.block_size,
+            mask_token_id: dcfg.mask_token_id,
+            gamma: dcfg.gamma as f32,
+            pad_to_tokens: d.pad_to_tokens,
+            seed: t.seed,
+        },
+        batch_size: d.batch_size,
+        grad_accum: d.grad_accum,
+        seed: t.seed,
+    };
+    let optim = OptimConfig {
+        lr: t.lr,
+        warmup_frac: t.warmup_frac,
+        clip: t.clip,
+        total_steps: t.steps,
+        ..OptimConfig::default()
+    };
+    let pcfg = PipelineConfig {
+        max_inflight: e.max_inflight,
+        first_step,
+        end_step: t.steps,
+        noise: NoiseSpec { std: d.noise_std, seed: t.seed },
+        faults: e.faults,
+        trace: out.trace.as_ref().map(|_| Arc::new(pipeline::Trace::default())),
+        transport: e.transport,
+        max_rows: setup::max_rows(opts),
+        lockstep: e.sync,
+    };
+
+    // The steps: log each, checkpoint when due.
+    let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
+    let mut last_ckpt = None;
+    let mut ckpt_secs = 0.0f64;
+    let config_json = dcfg.to_json();
+    let fc_home = tsides[0].fc.as_ref();
+    let mut on_step = |m: &StepMetrics,
+                       side: &mut DrafterSide<B>,
+                       _st: &PipelineStats|
+     -> Result<Control, Box<dyn std::error::Error + Send + Sync>> {
+        steplog.step(m);
+        let done = m.step + 1;
+        let stop =
+            interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || out.stop_after.is_some_and(|n| done >= n);
+        if out.checkpoints && (done % out.save_every.max(1) == 0 || done == t.steps || stop) {
+            let t_ck = Instant::now();
+            if let Some(ms) = e.faults.checkpoint_delay_ms {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+            let tensors = checkpoint::gather(bt, &bt.compute_stream(), bd, &bd.compute_stream(), side, fc_home)?;
+            let state = TrainerState {
+                step: done,
+                seed: t.seed,
+                run_fingerprint: fingerprint.to_json(),
+                extra: serde_json::json!({ "loss": m.loss, "accept_len": m.accept_len }),
+            };
+            last_ckpt =
+                Some(checkpoint::save_with(&out.out, &state, &config_json, &tensors, out.keep_last, &e.faults)?);
+            ckpt_secs += t_ck.elapsed().as_secs_f64();
+        }
+        steplog.restart_clock();
+        Ok(if stop { Control::Stop } else { Control::Continue })
+    };
+    let mem_before: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
+    let (result, stats) = if e.sync && one_device {
+        pipeline::run_sync(bt, &tsides[0], &mut sides[0], &source, &pcfg, &optim, &mut on_step)
+    } else {
+        let dbes: Vec<&B> = topo.drafters.iter().map(|&i| &bes[i]).collect();
+        let comms = B::comm_group(&dbes).context("setting up the drafter GPUs' gradient all-reduce")?;
+        let targets: Vec<TargetRank<'_, B>> =
+            tsides.iter().zip(&topo.targets).map(|(side, &i)| TargetRank { be: &bes[i], side }).collect();
+        let drafters: Vec<DrafterRank<'_, B>> = sides
+            .iter_mut()
+            .zip(dbes.iter().copied())
+            .zip(comms)
+            .map(|((side, be), comm)| DrafterRank { be, side, comm })
+            .collect();
+        pipeline::run(&targets, drafters, &source, &pcfg, &optim, &mut on_step)
+    };
+    steplog.finish();
+    // Whatever the outcome: no pinned slot may still be held and every transient device
+    // buffer must be back (DESIGN.md rule 5; the fault tests check this line).
+    let after: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
+    let leaks = log::leak_check(&mem_before, &after, &stats);
+    say(format!("leak check     {leaks}"));
+    result.map_err(|cause| RunStopped { cause, leaks })?;
+    if let (Some(path), Some(tr)) = (&out.trace, &pcfg.trace) {
+        let text = serde_json::to_string(&tr.to_json())?;
+        weights::write_file_atomic(path, text.as_bytes())
+            .with_context(|| format!("writing the trace {}", path.display()))?;
+        say(format!(
+            "trace          {} ({} spans; open in ui.perfetto.dev or chrome://tracing)",
+            path.display(),
+            tr.len()
+        ));
+    }
+    let summary = RunSummary {
+        history: std::mem::take(&mut steplog.history),
+        stats,
+        first_step,
+        checkpoint: last_ckpt,
+        backend: backend_name,
+        peak_rss_bytes: peak_rss_bytes(),
+        data_samples: source.data.len(),
+        gen_seconds,
+        load_seconds,
+        step_ms: std::mem::take(&mut steplog.step_ms),
+        checkpoint_seconds: ckpt_secs,
+        device_memory: if one_device {
+            bt.memory_report()
+        } else {
+            let parts: Option<Vec<String>> =
+                bes.iter().map(|b| b.memory_report().map(|m| format!("{}: {m}", b.name()))).collect();
+            parts.map(|p| p.join("; "))
+        },
+    };
+    print_summary(&summary);
+    Ok(summary)
+}
+
+/// "H200" on one device; "target on ..., drafter on ..." on several.
+fn backend_name<B: Backend>(bes: &[B], topo: &Topology) -> String {
+    let names = |idx: &[usize]| {
+        let n: Vec<String> = idx.iter().map(|&i| bes[i].name()).collect();
+        if n.len() > 1 && n.iter().all(|x| *x == n[0]) {
+            format!("{} x {}", n.len(), n[0])
+        } else {
+            n.join(", ")
+        }
+    };
+    if bes.len() == 1 {
+        bes[0].name()
+    } else {
+        format!("target on {}, drafter on {}", names(&topo.targets), names(&topo.drafters))
+    }
+}

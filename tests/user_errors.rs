@@ -1,0 +1,310 @@
+//! Bad input and the messages a new user reads: one regression test per defect found by trying
+//! the engine as a newcomer would (flags, paths, folders, data files), each named after it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use dflash_engine::faults::FaultPlan;
+use dflash_engine::session::{self, RunOptions};
+use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dflash-user-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Seconds per run: 2 steps on a few generated samples.
+fn quick(tag: &str) -> RunOptions {
+    let mut o = RunOptions::tiny_default();
+    o.data.gen_samples = 8;
+    o.data.seq_len = 24;
+    o.data.batch_size = 2;
+    o.data.anchors = 4;
+    o.model.block_size = 4;
+    o.train.steps = 2;
+    o.output.quiet = true;
+    o.output.out = tmp(tag);
+    o
+}
+
+fn bin() -> String {
+    std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string())
+}
+
+/// Runs the binary; returns the output and stderr as text.
+fn cli(args: &[&str], cwd: Option<&Path>) -> (Output, String) {
+    let mut c = Command::new(bin());
+    c.args(args);
+    if let Some(d) = cwd {
+        c.current_dir(d);
+    }
+    let out = c.output().expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, err)
+}
+
+const QUICK_ARGS: &[&str] = &[
+    "--gen-samples",
+    "8",
+    "--seq-len",
+    "24",
+    "--batch-size",
+    "2",
+    "--anchors",
+    "4",
+    "--block-size",
+    "4",
+    "--steps",
+    "2",
+];
+
+fn run_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["run", "--out", out];
+    v.extend_from_slice(QUICK_ARGS);
+    v.extend_from_slice(extra);
+    v
+}
+
+/// `--lr nan` trained, wrote an all-NaN checkpoint and exited 0; `--init-std nan` reported
+/// accuracy 1.000; negative and absurd values were accepted. Each now stops the binary before
+/// anything is written, naming the flag.
+#[test]
+fn non_finite_or_out_of_range_flags_stop_before_training() {
+    for (flag, value) in [
+        ("--lr", "nan"),
+        ("--lr", "inf"),
+        ("--lr", "1e30"),
+        ("--lr", "-1"),
+        ("--init-std", "nan"),
+        ("--clip", "nan"),
+        ("--warmup", "nan"),
+        ("--warmup", "-1"),
+        ("--gen-temperature", "-1"),
+    ] {
+        let out = tmp("bad-flag");
+        let o = out.display().to_string();
+        let arg = format!("{flag}={value}"); // `--lr -1` would read -1 as a flag
+        let (res, err) = cli(&run_args(&o, &[&arg]), None);
+        assert!(!res.status.success(), "{flag} {value} must fail: {err}");
+        assert!(err.contains(&format!("{flag} ")), "{flag} {value}: the error names the flag: {err}");
+        assert!(!out.join("latest").exists(), "{flag} {value}: nothing may be written");
+    }
+}
+
+/// `run --gen-prompt-len 0` and `gen-data --seq-len` up to 8 panicked in the generator; now they
+/// are errors naming the flag, and no file is written.
+#[test]
+fn degenerate_generation_lengths_are_errors_not_panics() {
+    let out = tmp("prompt0").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--gen-prompt-len", "0"]), None);
+    assert!(!res.status.success() && err.contains("--gen-prompt-len") && !err.contains("panicked"), "{err}");
+    for seq in ["1", "8", "9"] {
+        let file = tmp("gen").with_extension("jsonl");
+        let f = file.display().to_string();
+        let (res, err) = cli(&["gen-data", "--seq-len", seq, "--samples", "4", "--out", &f], None);
+        assert!(!res.status.success(), "--seq-len {seq} must fail: {err}");
+        assert!(err.contains("--seq-len") && !err.contains("panicked"), "--seq-len {seq}: {err}");
+        assert!(!file.exists(), "--seq-len {seq}: no file");
+    }
+    let file = tmp("gen0").with_extension("jsonl");
+    let f = file.display().to_string();
+    let (res, err) = cli(&["gen-data", "--samples", "0", "--out", &f], None);
+    assert!(!res.status.success() && err.contains("--samples"), "{err}");
+    assert!(!file.exists());
+}
+
+/// An absurd `--pad-to-tokens` or `--max-inflight` aborted the process on a multi-terabyte
+/// allocation; now the run refuses with the size it would need.
+#[test]
+fn absurd_sizes_are_refused_with_the_memory_they_need() {
+    let mut o = quick("pad");
+    o.data.pad_to_tokens = Some(1 << 40);
+    let e = format!("{:#}", session::run(&o, None).expect_err("too large"));
+    assert!(e.contains("--pad-to-tokens") && e.contains("GiB"), "{e}");
+    let mut o = quick("inflight");
+    o.exec.max_inflight = 1 << 30;
+    let e = format!("{:#}", session::run(&o, None).expect_err("too large"));
+    assert!(e.contains("--max-inflight"), "{e}");
+}
+
+/// An `--out` that cannot be written was found at the first checkpoint (100 steps lost), an
+/// unwritable `--trace` after the whole run. Both are checked before anything is loaded.
+#[test]
+fn unwritable_out_and_trace_are_found_before_training() {
+    let dir = tmp("unwritable");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let mut o = quick("x");
+    o.output.out = file.join("run");
+    let t0 = Instant::now();
+    let e = format!("{:#}", session::run(&o, None).expect_err("out under a file"));
+    assert!(e.contains("--out"), "{e}");
+    assert!(t0.elapsed().as_secs() < 5, "found before loading anything");
+    let mut o = quick("trace");
+    o.output.trace = Some(file.join("trace.json"));
+    let e = format!("{:#}", session::run(&o, None).expect_err("trace under a file"));
+    assert!(e.contains("--trace"), "{e}");
+    let mut o = quick("trace-dir");
+    o.output.trace = Some(dir.clone());
+    let e = format!("{:#}", session::run(&o, None).expect_err("trace is a folder"));
+    assert!(e.contains("--trace"), "{e}");
+}
+
+/// Running again into an `--out` holding checkpoints, without `--resume`, silently restarted and
+/// mixed two runs' checkpoints in one folder. Now it refuses and says what to do.
+#[test]
+fn a_second_run_into_a_run_folder_needs_resume() {
+    let o = quick("twice");
+    session::run(&o, None).unwrap();
+    let e = format!("{:#}", session::run(&o, None).expect_err("refused"));
+    assert!(e.contains("--resume") && e.contains("another --out"), "{e}");
+}
+
+/// A resume with another `--target-seed` silently trained against another target; `--warmup`,
+/// `--clip` and `--init-std` were not checked; `dir/./data.jsonl` and `dir/data.jsonl` were a
+/// mismatch while an edited data file was not. The fingerprint names each differing flag.
+#[test]
+fn resume_checks_every_setting_that_changes_results() {
+    let dir = tmp("fp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("data.jsonl");
+    session::gen_data("tiny", 12, 24, session::TINY_INIT_STD, &data).unwrap();
+    let mut o = quick("fp");
+    o.data.path = Some(data.clone());
+    o.train.steps = 4;
+    o.output.stop_after = Some(2);
+    session::run(&o, None).unwrap();
+    let resume = |f: &dyn Fn(&mut RunOptions)| {
+        let mut r = o.clone();
+        r.output.resume = true;
+        r.output.stop_after = Some(3);
+        f(&mut r);
+        session::run(&r, None)
+    };
+    for (flag, f) in [
+        ("--target-seed", &(|r: &mut RunOptions| r.model.target_seed = 1) as &dyn Fn(&mut RunOptions)),
+        ("--warmup", &|r: &mut RunOptions| r.train.warmup_frac = 0.5),
+        ("--clip", &|r: &mut RunOptions| r.train.clip = 0.5),
+        ("--init-std", &|r: &mut RunOptions| r.model.init_std = 0.1),
+    ] {
+        let e = format!("{:#}", resume(f).expect_err(flag));
+        assert!(e.contains(&format!("--{}:", flag.trim_start_matches("--"))), "{flag}: {e}");
+    }
+    // Another spelling of the same file resumes; execution settings may change.
+    let same = dir.join(".").join("data.jsonl");
+    let r = resume(&|r: &mut RunOptions| {
+        r.data.path = Some(same.clone());
+        r.exec.max_inflight = 3;
+    })
+    .expect("same data, another path");
+    assert_eq!(r.first_step, 2);
+    // Edited content does not.
+    let mut text = std::fs::read_to_string(&data).unwrap();
+    text = text.replacen("\"input_ids\":[", "\"input_ids\":[1,", 1).replacen("\"loss_mask\":[", "\"loss_mask\":[0,", 1);
+    std::fs::write(&data, text).unwrap();
+    let e = format!("{:#}", resume(&|_| {}).expect_err("edited data"));
+    assert!(e.contains("--data:"), "{e}");
+}
+
+/// `--anchors` beyond a sequence's candidates cost as if all were used (1000 anchors on 24-token
+/// samples: 26x the time and 400x the memory of 16, for the same loss). A batch now has as many
+/// block slots per sequence as the most anchors any of its sequences drew.
+#[test]
+fn anchors_beyond_the_candidates_cost_nothing() {
+    let s = Sample { input_ids: (0..24).collect(), loss_mask: [vec![0; 8], vec![1; 16]].concat() };
+    let spec = |n: usize| BatchSpec {
+        anchors_per_seq: n,
+        block_size: 4,
+        mask_token_id: 99,
+        gamma: 7.0,
+        pad_to_tokens: None,
+        seed: 1,
+    };
+    let few = build_batch(&[s.clone(), s.clone()], &spec(16), 0, 0).unwrap();
+    let many = build_batch(&[s.clone(), s], &spec(1000), 0, 0).unwrap();
+    assert_eq!(few.num_blocks, 2 * 15, "15 candidates per sequence");
+    assert_eq!(many.num_blocks, few.num_blocks);
+    assert_eq!(many.anchors, few.anchors);
+    let mut a = quick("anchors-16");
+    a.data.anchors = 16;
+    let mut b = quick("anchors-1000");
+    b.data.anchors = 1000;
+    let (ra, rb) = (session::run(&a, None).unwrap(), session::run(&b, None).unwrap());
+    assert_eq!(crate::common::losses(&ra), crate::common::losses(&rb));
+}
+
+/// The error headline was the leak check ("the run stopped (...)") with the cause under
+/// "Caused by"; now the cause comes first.
+#[test]
+fn a_failed_run_leads_with_its_cause() {
+    let mut o = quick("cause");
+    o.exec.faults = FaultPlan { producer_error_at: Some(1), ..Default::default() };
+    let e = session::run(&o, None).expect_err("fails");
+    let head = e.to_string();
+    assert!(head.starts_with("target side (producer) failed at step 2"), "{head}");
+    assert!(head.contains("leak check: no leaked slot or block"), "{head}");
+}
+
+/// `--target FILE` said the file "does not exist"; a local folder named like a preset silently
+/// shadowed the preset; the data line said "greedy" when sampling.
+#[test]
+fn target_and_data_lines_say_what_was_used() {
+    let dir = tmp("names");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, b"not a folder").unwrap();
+    let mut o = quick("file");
+    o.model.target = file.display().to_string();
+    let e = format!("{:#}", session::run(&o, None).expect_err("a file"));
+    assert!(e.contains("is a file") && !e.contains("does not exist"), "{e}");
+
+    let (res, err) = cli(&["init-model", "--preset", "tiny", "--out", "tiny"], Some(&dir));
+    assert!(res.status.success(), "{err}");
+    let out = dir.join("run").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--target", "tiny", "--gen-temperature", "0.7"]), Some(&dir));
+    assert!(res.status.success(), "{err}");
+    assert!(err.contains("using the folder ./tiny"), "{err}");
+    assert!(err.contains("sampled at temperature 0.7") && !err.contains("greedy"), "{err}");
+}
+
+/// `--quiet` hid the header and the summary, though it is documented to hide only the progress
+/// bar and the step lines.
+#[test]
+fn quiet_hides_only_the_bar_and_the_step_lines() {
+    let out = tmp("quiet").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--quiet"]), None);
+    assert!(res.status.success(), "{err}");
+    assert!(err.contains("backend ") && err.contains("== run summary"), "{err}");
+    assert!(!err.contains("  step |"), "{err}");
+    let out = tmp("loud").display().to_string();
+    let (_, err) = cli(&run_args(&out, &[]), None);
+    assert!(err.contains("  step |"), "{err}");
+}
+
+/// The summary said "queue mean depth 2.31 of 3" with `--max-inflight 2`: the depth counted a
+/// batch still waiting to enter the queue. It is now at most the queue's capacity.
+#[test]
+fn queue_depth_never_exceeds_max_inflight() {
+    let mut o = quick("depth");
+    o.train.steps = 6;
+    o.exec.max_inflight = 2;
+    let r = session::run(&o, None).unwrap();
+    assert_eq!(r.stats.queue_capacity, 2);
+    assert!(r.stats.queue_depth.iter().all(|&d| d <= 2), "{:?}", r.stats.queue_depth);
+    assert!(r.stats.mean_queue_depth() <= 2.0);
+}
+
+/// `inspect RUN_DIR` did not follow `latest`: it now shows the run's latest checkpoint.
+#[test]
+fn inspect_follows_latest_in_a_run_folder() {
+    let o = quick("inspect");
+    session::run(&o, None).unwrap();
+    let (res, err) = cli(&["inspect", &o.output.out.display().to_string()], None);
+    let text = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{err}");
+    assert!(text.contains("latest checkpoint step-00000002") && text.contains("drafter:"), "{text}");
+    assert!(text.contains("fc.weight"), "{text}");
+}
