@@ -33,7 +33,7 @@ done
 [ "${STREAM_TESTS:-}" = none ] && exit $status
 log="$OUT/sanitize-stream-order.log"
 # With two GPUs, the data-parallel drafter (NCCL all-reduce, two targets) goes through the same check.
-two=""; [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && two="nan_suite::gpu2_data_parallel_drafter_matches_lockstep"
+two=""; [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')" -ge 2 ] && two="nan_suite::gpu_data_parallel_drafter_matches_lockstep_on_two_gpus"
 STREAM_TESTS=${STREAM_TESTS:-"$PIPE_TESTS run::async run::split $two"}
 # NCCL (data-parallel runs) probes kernel images with cudaFuncGetAttributes and handles the
 # "no kernel image" answers itself; those API errors are not ours, so API errors are not reported

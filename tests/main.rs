@@ -7,6 +7,9 @@
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
+//!
+//! GPU tests are named `gpu_*` and those that need two GPUs contain `two_gpu` (`--skip two_gpu`
+//! leaves them out on a one-GPU machine; scripts/gpu-run.sh does).
 
 mod common;
 mod drafter_fd;
