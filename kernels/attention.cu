@@ -27,6 +27,17 @@
 //           attn_draft_bwd_prep, attn_draft_bwd_q, attn_draft_bwd_kv. One symbol per head dim;
 //           the Rust launcher picks by head_dim.
 //
+// Tiles (each constant below repeats its own reason): a drafter block's bs queries and the G q
+//   heads of one kv head all see the same keys (DESIGN.md section 8), so a CTA takes one (block,
+//   kv head) as a single M = bs * G row tile, 16 rows per warp (the M of one m16n8k16), against
+//   64-key K/V tiles (a 16 x 64 S tile is 32 f32 registers per thread; a 64 x 128 bf16 stage is
+//   16 KB). The causal forward gives each of its 4 warps two 16-row m-tiles (128 query rows of one
+//   head per CTA), so every K/V fragment read from shared memory feeds two MMAs; its 32-key tiles
+//   keep the 2 x 16 x 128 O accumulators plus S within 255 registers without spills, and 69.6 KB
+//   of shared memory at hd 128 lets two CTAs share an SM. bwd_kv owns 64 context keys per CTA
+//   (4 warps of 16) and takes a block's query rows 32 at a time (4 n8 tiles of S^T per warp): one
+//   CTA owns each context tile's dK/dV, so they are summed in a fixed order without atomics.
+//
 // Launch configurations (1-D grids and blocks; the kernels check blockDim and the dynamic
 // shared-memory size at entry and __trap() on a mismatch, so a launcher bug fails loudly instead
 // of reading garbage). LD = hd + 8 (bf16 elements per shared-memory row: 16 bytes of padding make
@@ -77,11 +88,11 @@
 // Bound: tensor-core compute at these shapes (~0.31 TFLOP per causal layer at 4 x 3072 tokens,
 //   32/8 heads, hd 128); with mma.sync and 16-32 rows per warp, shared-memory reads of K/V
 //   fragments and the softmax between the two MMAs are what hold it below the tensor peak.
-//   Target: >= 40% of the measured dense bf16 peak (~790 TFLOP/s on H200). Measured on H200
-//   (standalone harness, 2026-11-30): causal 4 x 3072, 32/8, hd 128: 1.63 ms = 190 TFLOP/s (24%);
-//   drafter 4 x 512 blocks x 16, contexts 3072, 32/8, hd 128: fwd 5.5 ms = 151 TFLOP/s, bwd_q
-//   8.3 ms = 150, bwd_kv 9.3 ms = 175 (19-22%). Next step toward the target: wgmma (sm_90a) with
-//   K/V via the bulk tensor copy engine.
+//   Target: >= 40% of the measured dense bf16 peak (~790 TFLOP/s on H200). Measured (H200,
+//   standalone harness): causal 4 x 3072, 32/8, hd 128: 1.63 ms = 190 TFLOP/s (24%); drafter
+//   4 x 512 blocks x 16, contexts 3072, 32/8, hd 128: fwd 5.5 ms = 151 TFLOP/s, bwd_q 8.3 ms =
+//   150, bwd_kv 9.3 ms = 175 (19-22%). The way to the target: wgmma (sm_90a) with K/V via the
+//   bulk tensor copy engine.
 #include <climits>
 
 #include "common.cuh"

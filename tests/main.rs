@@ -1,12 +1,16 @@
 //! The integration tests: one binary, one module per area.
 //!
+//! - `common`: shared helpers: random inputs, finite differences, small drafters, checkpoint readers
 //! - `ops_fd`: every op's backward against f64 finite differences (CPU exact backend)
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
-//! - `nan_suite`: async == sync bit for bit over every transport, split, pad and depth; debug
-//!   allocator modes; faults leave nothing behind
+//! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
+//! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
+//!
+//! GPU tests are named `gpu_*` and those that need two GPUs contain `two_gpu` (`--skip two_gpu`
+//! leaves them out on a one-GPU machine; scripts/gpu-run.sh does).
 
 mod common;
 mod drafter_fd;

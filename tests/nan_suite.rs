@@ -6,7 +6,8 @@
 //! pinned slot or device block behind.
 //!
 //! The CPU variants run everywhere (the same pipeline, slot pool and transports, with host
-//! memory); the `gpu_` variants run on the GPU machine.
+//! memory); the `gpu_` variants run on the GPU machine, those ending `_on_two_gpus` on two GPUs
+//! (without a second GPU they fail; scripts/gpu-run.sh skips them by name on a one-GPU machine).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -175,7 +176,7 @@ fn gpu_async_matches_sync_on_one_gpu() {
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_async_matches_sync_across_two_gpus() {
+fn gpu_async_matches_sync_on_two_gpus() {
     matrix(
         |tag| {
             let mut ro = small(tag, Device::Cuda);
@@ -380,19 +381,19 @@ fn topology_errors_say_what_to_change() {
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_data_parallel_drafter_matches_lockstep() {
+fn gpu_data_parallel_drafter_matches_lockstep_on_two_gpus() {
     data_parallel_matches_lockstep(Device::Cuda);
 }
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_round_robin_targets_match_sync() {
+fn gpu_round_robin_targets_match_sync_on_two_gpus() {
     round_robin_targets_match_sync(Device::Cuda, 1);
 }
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_faults_with_two_targets_and_two_ranks() {
+fn gpu_faults_with_two_targets_and_two_ranks_on_two_gpus() {
     faults_with_two_targets_and_two_ranks(Device::Cuda, vec![0, 1]);
 }
 
@@ -404,7 +405,7 @@ fn gpu_faults_end_the_run_cleanly() {
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_faults_end_the_run_cleanly() {
+fn gpu_faults_end_the_run_cleanly_on_two_gpus() {
     faults(Device::Cuda, vec![1], &[Transport::Peer, Transport::Host]);
 }
 
@@ -587,6 +588,6 @@ fn gpu_split_fc_is_exact_for_50_steps() {
 
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn gpu2_split_fc_is_exact_for_50_steps() {
+fn gpu_split_fc_is_exact_for_50_steps_on_two_gpus() {
     split_fc_is_exact_for_50_steps(&[vec![1], vec![0, 1]]);
 }

@@ -1,0 +1,148 @@
+//! Attention (kernels/attention.cu): the target's causal GQA forward and the drafter's block
+//! attention forward and backward, against the CPU.
+
+use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::{Backend, DraftAttnShape};
+use dflash_engine::tensor::DType;
+
+use super::{get, gpu, ids, put, rand, rel_err};
+
+trait AttnTest {
+    fn causal(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        starts: &[i32],
+        rows: usize,
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+    ) -> Vec<f32>;
+    fn draft(&self, sh: &DraftAttnShape, t: &[Vec<f32>; 6], anchors: &[i32], starts: &[i32]) -> Vec<Vec<f32>>;
+}
+
+impl<B: Backend> AttnTest for B {
+    fn causal(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        starts: &[i32],
+        rows: usize,
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+    ) -> Vec<f32> {
+        let s = self.compute_stream();
+        let mut o = self.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+        self.attn_causal_fwd(
+            &s,
+            &put(self, q, DType::BF16),
+            &put(self, k, DType::BF16),
+            &put(self, v, DType::BF16),
+            &mut o,
+            &ids(self, starts),
+            rows,
+            heads,
+            kvh,
+            hd,
+        )
+        .unwrap();
+        get(self, &o)
+    }
+    fn draft(&self, sh: &DraftAttnShape, t: &[Vec<f32>; 6], anchors: &[i32], starts: &[i32]) -> Vec<Vec<f32>> {
+        let s = self.compute_stream();
+        let b: Vec<B::Buf> = t.iter().map(|v| put(self, v, DType::BF16)).collect();
+        let (a, st) = (ids(self, anchors), ids(self, starts));
+        let qn = sh.q_rows() * sh.heads * sh.head_dim;
+        let mut o = self.alloc(&s, DType::BF16, qn).unwrap();
+        let mut lse = self.alloc(&s, DType::F32, sh.q_rows() * sh.heads).unwrap();
+        self.attn_draft_fwd(&s, sh, &b[0], &b[1], &b[2], &b[3], &b[4], &a, &st, &mut o, &mut lse).unwrap();
+        let kw = sh.kv_heads * sh.head_dim;
+        let mut gr: Vec<B::Buf> = [qn, sh.ctx_rows * kw, sh.ctx_rows * kw, sh.q_rows() * kw, sh.q_rows() * kw]
+            .iter()
+            .map(|&n| self.alloc(&s, DType::BF16, n).unwrap())
+            .collect();
+        {
+            let [g0, g1, g2, g3, g4] = &mut gr[..] else { unreachable!() };
+            self.attn_draft_bwd(
+                &s,
+                sh,
+                &b[0],
+                &b[1],
+                &b[2],
+                &b[3],
+                &b[4],
+                &a,
+                &st,
+                &o,
+                &lse,
+                &b[5],
+                [g0, g1, g2, g3, g4],
+            )
+            .unwrap();
+        }
+        let mut out = vec![get(self, &o), get(self, &lse)];
+        out.extend(gr.iter().map(|x| get(self, x)));
+        out
+    }
+}
+
+// The attention kernels round P and dS to bf16 before their second product (as FlashAttention
+// does), the CPU does not: a few bf16 ulps of the largest value. 1.5e-2 relative to the largest.
+const ATTN_TOL: f32 = 1.5e-2;
+
+/// Causal: ragged sequences (an empty one and a length-1 one), every head size.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    for hd in [16, 32, 64, 128] {
+        let starts = vec![0, 1, 1, 130, 200];
+        let (rows, heads, kvh) = (200, 4, 2);
+        let q = rand(rows * heads * hd, 70, 1.0);
+        let k = rand(rows * kvh * hd, 71, 1.0);
+        let v = rand(rows * kvh * hd, 72, 1.0);
+        rel_err(
+            &format!("causal attention hd {hd}"),
+            &g.causal(&q, &k, &v, &starts, rows, heads, kvh, hd),
+            &c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd),
+            ATTN_TOL,
+        );
+    }
+}
+
+/// Drafter: two sequences, anchors at 0 and at the end, padded blocks, block sizes 16 and 1.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_drafter_attention_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (hd, bs, heads, kvh) in [(16, 16, 4, 2), (128, 16, 32, 8), (64, 5, 6, 2), (32, 1, 4, 1)] {
+        let ctx_rows = 150;
+        let anchors = vec![0, 17, 99, -1, 3, 49, -1];
+        let starts = vec![0, 0, 0, 0, 100, 100, 100];
+        let sh = DraftAttnShape { num_blocks: 7, block_size: bs, ctx_rows, heads, kv_heads: kvh, head_dim: hd };
+        let (qn, kn, kb) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
+        let t = [
+            rand(qn, 80, 1.0),
+            rand(kn, 81, 1.0),
+            rand(kn, 82, 1.0),
+            rand(kb, 83, 1.0),
+            rand(kb, 84, 1.0),
+            rand(qn, 85, 1.0),
+        ];
+        let (a, b) = (g.draft(&sh, &t, &anchors, &starts), c.draft(&sh, &t, &anchors, &starts));
+        for (i, name) in ["o", "lse", "dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+            rel_err(
+                &format!("drafter attention {name} hd {hd} bs {bs} {heads}/{kvh}"),
+                &a[i],
+                &b[i],
+                if i == 1 { 1e-5 } else { ATTN_TOL },
+            );
+        }
+        // Padded blocks: exact zeros out.
+        let w = heads * hd;
+        assert!(a[0][3 * bs * w..4 * bs * w].iter().all(|&x| x == 0.0));
+    }
+}

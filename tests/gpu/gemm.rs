@@ -1,0 +1,194 @@
+//! The GEMMs: cuBLASLt's (linear, dX accumulated in place, dW in f32) and the FC projection's
+//! own kernels (kernels/fc.cu), against the CPU GEMM.
+
+use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::cuda::CudaBackend;
+use dflash_engine::backend::{Backend, Gemm};
+use dflash_engine::tensor::DType;
+
+use super::{bits_equal, get, gpu, put, rand, rel_err, BF16_TOL};
+
+fn gemm_case<B: Backend>(be: &B, g: &Gemm, a: &[f32], b: &[f32], c0: &[f32], out: DType) -> Vec<f32> {
+    let s = be.compute_stream();
+    let (a, b) = (put(be, a, DType::BF16), put(be, b, DType::BF16));
+    let mut c = put(be, c0, out);
+    be.gemm(&s, g, &a, 0, &b, 0, &mut c, 0).unwrap();
+    get(be, &c)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemm_matches_cpu() {
+    let g = gpu();
+    let c = CpuBackend::new();
+    for (m, n, k) in [(1, 1, 1), (7, 33, 65), (128, 256, 64), (300, 96, 520)] {
+        let a = rand(m * k, 1, 1.0);
+        let w = rand(n * k, 2, 1.0);
+        let gl = Gemm::linear(m, n, k);
+        rel_err(
+            &format!("gemm linear {m}x{n}x{k}"),
+            &gemm_case(&g, &gl, &a, &w, &vec![0.0; m * n], DType::BF16),
+            &gemm_case(&c, &gl, &a, &w, &vec![0.0; m * n], DType::BF16),
+            BF16_TOL,
+        );
+        let dy = rand(m * n, 3, 1.0);
+        let gd = Gemm::linear_dx(m, n, k, true);
+        let base = rand(m * k, 4, 1.0);
+        rel_err(
+            &format!("gemm dx (+=) {m}x{n}x{k}"),
+            &gemm_case(&g, &gd, &dy, &w, &base, DType::BF16),
+            &gemm_case(&c, &gd, &dy, &w, &base, DType::BF16),
+            BF16_TOL,
+        );
+        let gw = Gemm::linear_dw(m, n, k);
+        let acc = rand(n * k, 5, 1.0);
+        // f32 output: only the accumulation order differs (f32 sums of bf16 products).
+        rel_err(
+            &format!("gemm dW (f32 +=) {m}x{n}x{k}"),
+            &gemm_case(&g, &gw, &dy, &a, &acc, DType::F32),
+            &gemm_case(&c, &gw, &dy, &a, &acc, DType::F32),
+            1e-5,
+        );
+    }
+}
+
+// FC projection: kernels/fc.cu, both symbols, against the CPU GEMM.
+
+/// Elements appended after y[rows * h]: they start as NaN and must still be NaN afterwards (a
+/// ragged row or column tile that stores past the output would overwrite them).
+const FC_TAIL: usize = 256;
+
+/// y = x W^T on the GPU with `path` (None: the automatic choice), W at `w_off` inside `wbuf`.
+#[allow(clippy::too_many_arguments)]
+fn fc_gpu(
+    g: &CudaBackend,
+    x: &[f32],
+    wbuf: &[f32],
+    w_off: usize,
+    rows: usize,
+    h: usize,
+    k: usize,
+    path: Option<dflash_engine::backend::cuda::FcPath>,
+) -> Vec<f32> {
+    let s = g.compute_stream();
+    let (xb, wb) = (put(g, x, DType::BF16), put(g, wbuf, DType::BF16));
+    // NaN everywhere first: an output element the kernel forgets to write fails the comparison.
+    let mut y = put(g, &vec![f32::NAN; rows * h + FC_TAIL], DType::BF16);
+    match path {
+        Some(p) => g.fc_project_with(&s, &xb, &wb, w_off, &mut y, rows, h, k, p).unwrap(),
+        None => g.fc_project(&s, &xb, &wb, w_off, &mut y, rows, h, k).unwrap(),
+    }
+    let mut out = get(g, &y);
+    let tail = out.split_off(rows * h);
+    assert!(tail.iter().all(|v| v.is_nan()), "fc {rows}x{h}x{k} ({path:?}) wrote past y[rows * h]");
+    out
+}
+
+fn fc_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, h: usize, k: usize) -> Vec<f32> {
+    let c = CpuBackend::new();
+    let s = c.compute_stream();
+    let (xb, wb) = (put(&c, x, DType::BF16), put(&c, wbuf, DType::BF16));
+    let mut y = c.alloc(&s, DType::BF16, rows * h).unwrap();
+    c.gemm(&s, &Gemm::linear(rows, h, k), &xb, 0, &wb, w_off, &mut y, 0).unwrap();
+    get(&c, &y)
+}
+
+/// Both sides round the f32 sum of the same bf16 products once to bf16; only the order of the f32
+/// additions differs, which moves a sum by far less than 1e-4 of the largest output at these k.
+/// So every element must agree to one bf16 ulp of itself (2^-7 relative at most) plus that
+/// 1e-4 floor, and max |diff| / max |ref| must stay under BF16_TOL. A wrong, missing (NaN) or
+/// misplaced element fails the first check even when it is small.
+fn fc_close(what: &str, got: &[f32], want: &[f32]) {
+    rel_err(what, got, want, BF16_TOL);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let ulp = 2f32.powi(-7);
+    let bad: Vec<usize> = (0..want.len())
+        .filter(|&i| {
+            let diff = (got[i] - want[i]).abs(); // NaN when either side is NaN: counted as off
+            diff.is_nan() || diff > ulp * got[i].abs().max(want[i].abs()) + 1e-4 * scale
+        })
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!("{what}: {} elements off by more than one bf16 ulp; first at {i}: {} vs {}", bad.len(), got[i], want[i]);
+    }
+}
+
+/// The FC projection (kernels/fc.cu): the wgmma/TMA kernel and the simple fallback, each forced,
+/// and the automatic choice, against the CPU GEMM. Shapes: ragged rows (1, 100, 3072), column and
+/// K tails (h = 264, k = 136), the tiny preset (96 x 64 x 192), more tiles than SMs (persistent
+/// CTAs), an aligned nonzero weight offset, a misaligned one and k % 8 != 0 (the fast kernel must
+/// refuse; the automatic choice falls back), and 4096 x 4096 x 20480 against cuBLASLt in full and
+/// the CPU on sampled rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fc_kernel_matches_cpu() {
+    use dflash_engine::backend::cuda::FcPath;
+    let g = gpu();
+    // (rows, h, k, w_off, fast path possible)
+    let cases: [(usize, usize, usize, usize, bool); 12] = [
+        (1, 256, 64, 0, true),
+        (100, 512, 320, 64, true),
+        (3072, 256, 1024, 0, true),
+        (96, 64, 192, 0, true),
+        (800, 64, 320, 0, true),
+        (300, 264, 136, 8, true),
+        (130, 512, 4096, 0, true),
+        (1100, 4096, 256, 0, true),
+        (0, 64, 64, 0, true),
+        (100, 256, 192, 3, false),
+        (37, 72, 100, 0, false),
+        (5, 30, 64, 0, false),
+    ];
+    for (rows, h, k, w_off, fast_ok) in cases {
+        let x = rand((rows * k).max(1), 31, 1.0); // never an empty upload (rows = 0)
+                                                  // W inside a larger buffer of unrelated values: reading at the wrong offset shows.
+        let mut wbuf = rand(w_off + h * k + 64, 32, 1.0);
+        wbuf[w_off..w_off + h * k].copy_from_slice(&rand(h * k, 33, 1.0));
+        let want = fc_cpu(&x, &wbuf, w_off, rows, h, k);
+        let tag = format!("fc {rows}x{h}x{k} w_off {w_off}");
+        let simple = fc_gpu(&g, &x, &wbuf, w_off, rows, h, k, Some(FcPath::Simple));
+        fc_close(&format!("{tag} simple"), &simple, &want);
+        let auto = fc_gpu(&g, &x, &wbuf, w_off, rows, h, k, None);
+        fc_close(&format!("{tag} auto"), &auto, &want);
+        if fast_ok {
+            let fast = fc_gpu(&g, &x, &wbuf, w_off, rows, h, k, Some(FcPath::Fast));
+            fc_close(&format!("{tag} fast"), &fast, &want);
+            // The automatic choice is the fast kernel here, and the kernel is deterministic.
+            bits_equal(&format!("{tag} auto == fast"), &auto, &fast);
+        } else {
+            bits_equal(&format!("{tag} auto == simple"), &auto, &simple);
+            let s = g.compute_stream();
+            let (xb, wb) = (put(&g, &x, DType::BF16), put(&g, &wbuf, DType::BF16));
+            let mut y = g.alloc(&s, DType::BF16, rows * h).unwrap();
+            let forced = g.fc_project_with(&s, &xb, &wb, w_off, &mut y, rows, h, k, FcPath::Fast);
+            assert!(forced.is_err(), "{tag}: the fast kernel accepted operands it cannot take");
+        }
+    }
+
+    // The recipe-sized K: 320 k-blocks through the 4-stage ring, several tiles per CTA. Under
+    // compute-sanitizer (DFLASH_SANITIZE=1) a smaller K keeps the instrumented run to seconds;
+    // the shapes above already cover every tail.
+    let k = if std::env::var_os("DFLASH_SANITIZE").is_some() { 1024 } else { 20480 };
+    let (rows, h) = (4096, 4096);
+    let x = rand(rows * k, 41, 1.0);
+    let w = rand(h * k, 42, 1.0);
+    let tag = format!("fc {rows}x{h}x{k}");
+    let fast = fc_gpu(&g, &x, &w, 0, rows, h, k, Some(FcPath::Fast));
+    // Every element against the simple kernel (f32 sums rounded once, as the fast one) ...
+    let simple = fc_gpu(&g, &x, &w, 0, rows, h, k, Some(FcPath::Simple));
+    fc_close(&format!("{tag} fast vs simple"), &fast, &simple);
+    // ... and against cuBLASLt with the max-relative bound only: its algorithm may reduce split-K
+    // partials in bf16, which is more than one rounding.
+    // (Not under the sanitizers: racecheck reports hazards inside cuBLASLt's own kernel, which is
+    // not ours to check; our kernels are.)
+    if std::env::var_os("DFLASH_SANITIZE").is_none() {
+        let lt = gemm_case(&g, &Gemm::linear(rows, h, k), &x, &w, &vec![0.0; rows * h], DType::BF16);
+        rel_err(&format!("{tag} fast vs cuBLASLt"), &fast, &lt, BF16_TOL);
+    }
+    // The CPU on rows spread over every row tile position (first, last, tile edges).
+    let picked: Vec<usize> = vec![0, 1, 63, 64, 127, 128, 1000, 2047, 2048, 3333, 4094, 4095];
+    let xs: Vec<f32> = picked.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect();
+    let want = fc_cpu(&xs, &w, 0, picked.len(), h, k);
+    let got: Vec<f32> = picked.iter().flat_map(|&r| fast[r * h..(r + 1) * h].iter().copied()).collect();
+    fc_close(&format!("{tag} fast vs cpu (12 rows)"), &got, &want);
+}

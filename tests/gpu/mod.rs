@@ -1,0 +1,93 @@
+//! GPU tests: every CUDA kernel against the CPU reference on random inputs, training on CUDA
+//! against the CPU, determinism, and the Hugging Face / PyTorch oracles. All `#[ignore]`d here;
+//! the GPU machine runs them with `--include-ignored` (scripts/gpu-bundle.sh). Each fails when its
+//! GPU result is wrong, and fails (never passes) when no GPU is present.
+//!
+//! One module per kernel family (kernels/*.cu), then the whole-model checks. Every test name
+//! starts with `gpu_`; `gpu::MODULE::` selects a family (scripts/sanitize.sh does).
+//!
+//! - `gemm`: cuBLASLt's GEMM (linear, dX, dW) and the FC projection (kernels/fc.cu)
+//! - `norm`: RMSNorm forward and backward (kernels/rmsnorm.cu)
+//! - `elementwise`: RoPE (rope.cu), SwiGLU (swiglu.cu), the residual add (elementwise.cu)
+//! - `pack`: tap packing with noise (pack.cu) and the embedding gather (elementwise.cu)
+//! - `attention`: target causal attention and drafter attention forward/backward (attention.cu)
+//! - `cross_entropy`: fused lm_head loss, dlogits and argmax (cross_entropy.cu)
+//! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
+//! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity
+//! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
+
+mod attention;
+mod cross_entropy;
+mod elementwise;
+mod gemm;
+mod norm;
+mod optimizer;
+mod oracles;
+mod pack;
+mod training;
+
+use std::path::PathBuf;
+
+use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend};
+use dflash_engine::backend::Backend;
+use dflash_engine::rng::Philox;
+use dflash_engine::tensor::DType;
+
+fn gpu() -> CudaBackend {
+    CudaBackend::new(0, Mode::Normal).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
+}
+
+fn rand(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    let mut r = Philox::new(seed, [91, 91]);
+    (0..n).map(|_| (std as f64 * r.normal()) as f32).collect()
+}
+
+fn put<B: Backend>(be: &B, v: &[f32], dt: DType) -> B::Buf {
+    let s = be.compute_stream();
+    let mut b = be.alloc(&s, dt, v.len()).unwrap();
+    be.upload(&s, v, &mut b, 0).unwrap();
+    b
+}
+
+fn ids<B: Backend>(be: &B, v: &[i32]) -> B::Ids {
+    let s = be.compute_stream();
+    let mut b = be.alloc_ids(&s, v.len()).unwrap();
+    be.upload_ids(&s, v, &mut b).unwrap();
+    b
+}
+
+fn get<B: Backend>(be: &B, b: &B::Buf) -> Vec<f32> {
+    be.download(&be.compute_stream(), b).unwrap()
+}
+
+/// max |a - b| / max |b|: one number per comparison, printed, so the closing note can quote it.
+fn rel_err(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) -> f32 {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let scale = cpu.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    let err =
+        gpu.iter()
+            .zip(cpu)
+            .fold(0f32, |m, (a, b)| if a.is_nan() || b.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) });
+    let rel = err / scale;
+    println!("{what:<48} max rel err {rel:.3e} (tol {tol:.1e})");
+    assert!(rel <= tol, "{what}: max |gpu - cpu| / max |cpu| = {rel:e} > {tol:e}");
+    rel
+}
+
+fn bits_equal(what: &str, gpu: &[f32], cpu: &[f32]) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let diff = gpu.iter().zip(cpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    println!("{what:<48} bit-identical: {}", diff == 0);
+    assert_eq!(diff, 0, "{what}: {diff} elements differ");
+}
+
+// A bf16 result computed in f32 and rounded once differs from the CPU's only through summation
+// order: about one bf16 ulp (2^-8 relative) of the largest value; 1e-2 leaves room for two.
+const BF16_TOL: f32 = 1e-2;
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dflash-gpu-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
