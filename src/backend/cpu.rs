@@ -10,8 +10,8 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::slots::{SlotError, SlotMemory};
 use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
-use crate::pipeline::slots::{SlotError, SlotMemory};
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
 

@@ -11,11 +11,12 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod slots;
 
 use std::sync::Arc;
 
-use crate::pipeline::slots::SlotMemory;
 use crate::tensor::DType;
+pub use slots::{SlotError, SlotMemory};
 
 /// Errors an op reports before it runs (shapes, lengths) or while it runs (device errors).
 #[derive(Debug, thiserror::Error)]
@@ -170,7 +171,7 @@ pub trait Backend: Send + Sync + 'static {
     /// A point in a stream's work (a CUDA event); the host or another stream can wait for it.
     type Event: Clone + Send + Sync + 'static;
     /// Pinned host memory for the host-staged transport, with this backend's events
-    /// (`pipeline::slots`).
+    /// ([`slots`]; the pool over it is `pipeline::slots`).
     type HostMem: SlotMemory<Event = Self::Event>;
 
     /// Records the work enqueued on `s` so far.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 
 use super::{dev_err, device, CudaBackend, CudaBuf, Stream};
+use crate::backend::slots::{SlotError, SlotMemory};
 use crate::backend::{check_len, Result};
-use crate::pipeline::slots::{SlotError, SlotMemory};
 
 /// A recorded CUDA event, shared: the same completion can release a pinned slot and order a stream.
 pub type CudaEvent = Arc<device::Event>;
