@@ -11,23 +11,14 @@
 
 pub mod cpu;
 pub mod cuda;
+pub(crate) mod error;
 pub mod slots;
 
 use std::sync::Arc;
 
 use crate::tensor::DType;
+pub use error::{BackendError, NcclFailure, StartError};
 pub use slots::{SlotError, SlotMemory};
-
-/// Errors an op reports before it runs (shapes, lengths) or while it runs (device errors).
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    #[error("{op}: {what}")]
-    Shape { op: &'static str, what: String },
-    #[error("{op}: buffer is {found}, expected {expected}")]
-    DType { op: &'static str, expected: &'static str, found: &'static str },
-    #[error("device: {0}")]
-    Device(String),
-}
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 

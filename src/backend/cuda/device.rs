@@ -62,6 +62,16 @@ impl Drop for Event {
     }
 }
 
+/// The allocator's view of a failed allocation: out of memory (which it answers by emptying its
+/// cache and retrying once) or another driver failure (which it passes on).
+fn alloc_error(call: &'static str, bytes: usize, e: DriverError) -> AllocError {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        AllocError::OutOfMemory { requested: bytes, reserved: 0, allocated: 0 }
+    } else {
+        AllocError::Driver { call, bytes, source: e }
+    }
+}
+
 /// Raw device memory of one context; streams are named by their `CUstream` address.
 pub struct CudaMem {
     ctx: Arc<CudaContext>,
@@ -86,11 +96,7 @@ impl DeviceMem for CudaMem {
     fn raw_alloc(&mut self, bytes: usize) -> Result<u64, AllocError> {
         self.bind();
         // SAFETY: a plain device allocation; freed by raw_free.
-        unsafe { cu::malloc_sync(bytes) }.map_err(|_| AllocError::OutOfMemory {
-            requested: bytes,
-            reserved: 0,
-            allocated: 0,
-        })
+        unsafe { cu::malloc_sync(bytes) }.map_err(|e| alloc_error("cuMemAlloc", bytes, e))
     }
 
     fn raw_free(&mut self, ptr: u64) {
@@ -124,16 +130,28 @@ impl DeviceMem for CudaMem {
     fn alloc_async(&mut self, bytes: usize, stream: usize) -> Result<u64, AllocError> {
         self.bind();
         // SAFETY: stream-ordered allocation, freed by free_async.
-        unsafe { cu::malloc_async(stream as sys::CUstream, bytes) }.map_err(|_| AllocError::OutOfMemory {
-            requested: bytes,
-            reserved: 0,
-            allocated: 0,
-        })
+        unsafe { cu::malloc_async(stream as sys::CUstream, bytes) }
+            .map_err(|e| alloc_error("cuMemAllocAsync", bytes, e))
     }
 
     fn free_async(&mut self, ptr: u64, stream: usize) {
         self.bind();
         // SAFETY: `ptr` came from alloc_async; freed once, stream-ordered.
         let _ = unsafe { cu::free_async(ptr, stream as sys::CUstream) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_drivers_out_of_memory_is_out_of_memory_for_the_allocator() {
+        let oom = alloc_error("cuMemAlloc", 1 << 30, DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        // The allocator answers this one by emptying its cache and retrying once.
+        assert_eq!(oom, AllocError::OutOfMemory { requested: 1 << 30, reserved: 0, allocated: 0 });
+        let other = alloc_error("cuMemAlloc", 64, DriverError(sys::CUresult::CUDA_ERROR_NOT_INITIALIZED));
+        assert!(matches!(other, AllocError::Driver { call: "cuMemAlloc", bytes: 64, .. }), "{other:?}");
+        assert!(other.to_string().contains("cuMemAlloc of 64 bytes failed (CUDA_ERROR_NOT_INITIALIZED)"), "{other}");
     }
 }

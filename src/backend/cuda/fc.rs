@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 
-use super::{dev_err, i32c, i64c, off_ptr, Args, CudaBackend, CudaBuf, Stream};
+use super::{drv, i32c, i64c, off_ptr, Args, CudaBackend, CudaBuf, Stream};
 use crate::backend::{check_len, BackendError, Result};
 
 /// Which kernel of kernels/fc.cu computes the projection.
@@ -90,7 +90,7 @@ fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result
         )
     }
     .result()
-    .map_err(|e| dev_err(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix: {e:?}")))?;
+    .map_err(|e| drv(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix"), e))?;
     Ok(map)
 }
 

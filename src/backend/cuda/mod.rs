@@ -17,35 +17,37 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result as cu, sys, CudaContext, CudaStream};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result, StartError};
 use crate::tensor::DType;
-use alloc::{BlockId, CachingAllocator, Mode};
+use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
 pub use transport::{CudaEvent, CudaHostMem, PinnedSlot};
 
-fn dev_err(what: impl std::fmt::Display) -> BackendError {
-    BackendError::Device(what.to_string())
+/// A failed driver call while doing `what` (out of memory becomes [`BackendError::OutOfMemory`]).
+fn drv(what: impl Into<String>, e: DriverError) -> BackendError {
+    BackendError::driver(what, None, e)
 }
 
-/// Why the CUDA backend could not start, with what to do about it.
-pub fn probe() -> std::result::Result<(), String> {
+/// Whether the CUDA backend can start here: the number of visible devices, or why not (with what
+/// to do about it).
+pub fn probe() -> std::result::Result<usize, StartError> {
     // SAFETY: only asks the dynamic loader whether libcuda can be opened.
     if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver (libcuda.so) found: install the NVIDIA driver, or use --device cpu".into());
+        return Err(StartError::NoDriver);
     }
     if !crate::kernels::built() {
-        return Err("this binary was built without CUDA kernels (no nvcc at build time): run scripts/install-cuda-toolchain.sh and rebuild, or use --device cpu".into());
+        return Err(StartError::NoKernels);
     }
-    cu::init().map_err(|e| format!("the CUDA driver failed to initialise ({e:?}): check nvidia-smi"))?;
-    let n = cu::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e:?})"))?;
-    if n == 0 {
-        return Err("no CUDA device visible: check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu".into());
+    cu::init().map_err(StartError::DriverInit)?;
+    let n = cu::device::get_count().map_err(StartError::DriverInit)?;
+    match usize::try_from(n) {
+        Ok(0) | Err(_) => Err(StartError::NoDevices),
+        Ok(n) => Ok(n),
     }
-    Ok(())
 }
 
 /// A device buffer: a block of our allocator plus what it holds.
@@ -242,27 +244,36 @@ impl CudaBackend {
 
     /// Starts the backend on device `ordinal`: checks the driver, the device's compute
     /// capability (9.0 or newer: the kernels are sm_90a), loads every kernel.
-    pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, String> {
-        probe()?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e:?}"))?;
+    pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, StartError> {
+        let count = probe()?;
+        if ordinal >= count {
+            return Err(StartError::NoSuchDevice { ordinal, count });
+        }
+        let start = |source: BackendError| StartError::Backend { ordinal, source };
+        let ctx = CudaContext::new(ordinal).map_err(|e| start(drv("opening the context", e)))?;
         // Our allocator and streams do the bookkeeping; cudarc's per-slice events would only cost.
         // SAFETY: we never use cudarc's CudaSlice cross-stream tracking.
         unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| start(drv("reading the compute capability", e)))?;
         if major < 9 {
-            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}; this engine's kernels need 9.0 (Hopper) or newer. Use --device cpu."));
+            return Err(StartError::TooOld { ordinal, major, minor });
         }
         if major != 9 {
-            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}: the embedded cubins are sm_90a only (Hopper). Rebuild with the target added in build.rs, or use --device cpu."));
+            let cubin_arch = crate::kernels::CUBIN_ARCH;
+            return Err(StartError::UnsupportedArch { ordinal, major, minor, cubin_arch });
         }
-        let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| format!("{e:?}"))? as u32;
-        let smem_optin = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| format!("{e:?}"))?;
+        let attribute = |a: sys::CUdevice_attribute, what: &str| {
+            ctx.attribute(a).map_err(|e| start(drv(format!("reading the {what}"), e)))
+        };
+        let sm_count = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count")?;
+        let sm_count = u32::try_from(sm_count)
+            .map_err(|_| start(BackendError::Unsupported(format!("the driver reports {sm_count} SMs"))))?;
+        let smem_optin = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "opt-in shared memory per block",
+        )?;
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
-        let main = Stream(ctx.new_stream().map_err(|e| format!("{e:?}"))?);
+        let main = Stream(ctx.new_stream().map_err(|e| start(drv("creating the compute stream", e)))?);
         let mut f = HashMap::new();
         let mut wanted: Vec<String> = ELEMENTWISE
             .iter()
@@ -276,25 +287,23 @@ impl CudaBackend {
                 wanted.push(format!("{a}_bf16_hd{hd}"));
             }
         }
-        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        ctx.bind_to_thread().map_err(|e| start(drv("binding the context", e)))?;
         let mut modules = Vec::new();
         for (family, bytes) in crate::kernels::CUBINS {
             // SAFETY: the bytes are a cubin nvcc produced at build time, kept alive for 'static.
-            let m = unsafe { cu::module::load_data(bytes.as_ptr() as *const c_void) }.map_err(|e| format!("loading kernels/{family}.cu's cubin failed ({e:?}): the driver may be too old for CUDA 13.0 cubins"))?;
+            let m = unsafe { cu::module::load_data(bytes.as_ptr() as *const c_void) }
+                .map_err(|source| StartError::KernelLoad { family, source })?;
             modules.push((*family, m));
         }
         for name in &wanted {
             let family = kernel_family(name);
-            let module = modules
-                .iter()
-                .find(|(f, _)| *f == family)
-                .map(|(_, m)| *m)
-                .ok_or_else(|| format!("kernels/{family}.cu was not embedded in this binary"))?;
+            let module =
+                modules.iter().find(|(f, _)| *f == family).map(|(_, m)| *m).ok_or(StartError::MissingFamily(family))?;
             let cname = std::ffi::CString::new(name.as_str()).expect("kernel names have no NUL");
+            let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
             // SAFETY: the module was just loaded and is never unloaded.
             let func = unsafe { cu::module::get_function(module, cname) }
-                .map_err(|e| format!("kernel {name} is missing from kernels/{family}.cu's cubin ({e:?})"))?;
-            let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
+                .map_err(|source| StartError::MissingKernel { symbol: leaked, family, source })?;
             f.insert(leaked, func);
         }
         // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
@@ -309,7 +318,7 @@ impl CudaBackend {
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                     )
                 }
-                .map_err(|e| format!("{k}: {e:?}"))?;
+                .map_err(|e| start(drv(format!("{k}: reading its static shared memory"), e)))?;
                 // SAFETY: as above.
                 unsafe {
                     cu::function::set_function_attribute(
@@ -318,7 +327,7 @@ impl CudaBackend {
                         smem_optin - static_smem,
                     )
                 }
-                .map_err(|e| format!("{k}: {e:?}"))?;
+                .map_err(|e| start(drv(format!("{k}: raising its dynamic shared memory limit"), e)))?;
             }
         }
         // How many clusters of each cross-entropy cluster kernel are resident at once: it runs
@@ -329,21 +338,19 @@ impl CudaBackend {
         if let Some(k) = &only {
             if k != "cross_entropy_bf16" && !CeCluster::is_one(k) {
                 let names: Vec<_> = CE_CLUSTERS.iter().map(|c| c.name).collect();
-                return Err(format!(
-                    "DFLASH_CE_KERNEL={k} names no cross-entropy kernel (cross_entropy_bf16, {})",
-                    names.join(", ")
-                ));
+                let known = format!("cross_entropy_bf16, {}", names.join(", "));
+                return Err(StartError::UnknownCeKernel { value: k.clone(), known });
             }
         }
         let mut ce_clusters = Vec::new();
         for ce in CE_CLUSTERS.iter().filter(|c| only.as_deref().is_none_or(|k| k == c.name)) {
-            match ce_resident_clusters(f[ce.name], ce)? {
+            match ce_resident_clusters(f[ce.name], ce).map_err(start)? {
                 0 => {} // fits no cluster on this GPU: its vocabularies take the next one
                 n => ce_clusters.push((*ce, n)),
             }
         }
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
-        let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
+        let blas = blas::Lt::new()?;
         Ok(CudaBackend {
             ctx,
             main,
@@ -373,18 +380,28 @@ impl CudaBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(dev_err)
+        self.ctx.bind_to_thread().map_err(|e| drv(format!("binding {}'s context to this thread", self.name), e))
     }
 
-    fn raw_alloc(&self, s: &Stream, bytes: usize) -> Result<(u64, BlockId)> {
+    /// `bytes` of device memory owned by `s`; `what` says what for (in an out-of-memory error).
+    fn raw_alloc(&self, s: &Stream, bytes: usize, what: impl FnOnce() -> String) -> Result<(u64, BlockId)> {
         self.bind()?;
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
-        let b = p.alloc(s.id(), bytes.max(1)).map_err(|e| dev_err(e.to_string()))?;
-        Ok((p.ptr(b), b))
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        match p.alloc(s.id(), bytes.max(1)) {
+            Ok(b) => Ok((p.ptr(b), b)),
+            Err(e) => {
+                drop(p);
+                Err(alloc_error(e, format!("{} on {}", what(), self.name), cu::mem_get_info().ok()))
+            }
+        }
     }
 
     fn func(&self, name: &str) -> Result<sys::CUfunction> {
-        self.kernels.f.get(name).copied().ok_or_else(|| dev_err(format!("kernel {name} not loaded")))
+        self.kernels
+            .f
+            .get(name)
+            .copied()
+            .ok_or_else(|| BackendError::Unsupported(format!("kernel {name} was not loaded at start-up")))
     }
 
     fn launch(&self, s: &Stream, name: &str, grid: u32, block: u32, smem: u32, mut args: Args) -> Result<()> {
@@ -394,8 +411,9 @@ impl CudaBackend {
         // SAFETY: `params` point at boxed values of exactly the kernel's parameter types (each
         // launcher below builds them in the kernel's order), alive until after the call; the
         // device pointers come from live buffers the caller borrows for the call.
-        unsafe { cu::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, s.raw(), &mut params) }
-            .map_err(|e| dev_err(format!("launching {name}: {e:?}")))
+        unsafe { cu::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, s.raw(), &mut params) }.map_err(|e| {
+            drv(format!("launching {name} (grid {grid}, block {block}, {smem} bytes of shared memory)"), e)
+        })
     }
 
     /// Grid for a grid-stride elementwise kernel over `n` elements, 8 per thread.
@@ -406,7 +424,7 @@ impl CudaBackend {
 
     fn inv_freq(&self, s: &Stream, head_dim: usize, theta: f32) -> Result<u64> {
         let key = (head_dim, theta.to_bits());
-        let mut cache = self.inv_freq.lock().map_err(|_| dev_err("rope cache lock poisoned"))?;
+        let mut cache = self.inv_freq.lock().map_err(|_| BackendError::Poisoned("rope cache"))?;
         if let Some(b) = cache.get(&key) {
             return Ok(b.ptr);
         }
@@ -455,8 +473,25 @@ impl CudaBackend {
     }
 }
 
+/// An allocator error as a backend error, `context` saying what asked; out of memory carries the
+/// device's (free, total) bytes when known.
+fn alloc_error(e: AllocError, context: String, device: Option<(usize, usize)>) -> BackendError {
+    match e {
+        AllocError::OutOfMemory { requested, reserved, allocated } => BackendError::OutOfMemory {
+            context,
+            requested: Some(requested),
+            held: Some((reserved, allocated)),
+            device,
+            source: None,
+        },
+        AllocError::Driver { call, bytes, source } => {
+            BackendError::driver(format!("{context}: {call}"), Some(bytes), source).with_device_memory(device)
+        }
+    }
+}
+
 /// Co-resident clusters of a cross-entropy cluster kernel on this GPU (0: none fits).
-fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::Result<usize, String> {
+fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> Result<usize> {
     let config = sys::CUlaunchConfig {
         gridDimX: ce.ctas,
         gridDimY: 1,
@@ -474,7 +509,7 @@ fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::R
     // cluster shape is compiled into the kernel, so no attributes).
     unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
         .result()
-        .map_err(|e| format!("occupancy of {}: {e:?}", ce.name))?;
+        .map_err(|e| drv(format!("occupancy of {}", ce.name), e))?;
     Ok(n.max(0) as usize)
 }
 
@@ -536,7 +571,7 @@ impl Backend for CudaBackend {
 
     fn new_stream(&self) -> Result<Stream> {
         self.bind()?;
-        Ok(Stream(self.ctx.new_stream().map_err(dev_err)?))
+        Ok(Stream(self.ctx.new_stream().map_err(|e| drv("creating a stream", e))?))
     }
 
     fn hand_over(&self, from: &Stream, to: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
@@ -544,9 +579,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
-        let ev = device::Event::record(from.raw()).map_err(dev_err)?;
-        ev.wait_on(to.raw()).map_err(dev_err)?;
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        let ev = device::Event::record(from.raw()).map_err(|e| drv("hand_over: recording an event", e))?;
+        ev.wait_on(to.raw()).map_err(|e| drv("hand_over: waiting on an event", e))?;
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
         for b in bufs {
             p.record_use(b.block, to.id());
         }
@@ -562,18 +597,21 @@ impl Backend for CudaBackend {
 
     fn wait_event(&self, s: &Stream, ev: &CudaEvent) -> Result<()> {
         self.bind()?;
-        ev.wait_on(s.raw()).map_err(dev_err)
+        ev.wait_on(s.raw()).map_err(|e| drv("wait_event", e))
     }
 
     fn sync_event(&self, ev: &CudaEvent) -> Result<()> {
-        ev.synchronize().map_err(dev_err)
+        ev.synchronize().map_err(|e| drv("sync_event", e))
     }
 
     fn record_use(&self, s: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
         for b in bufs {
             if !Arc::ptr_eq(&b.pool, &self.pool) {
-                return Err(dev_err("record_use: a buffer of another device (copy it over first)"));
+                return Err(BackendError::Unsupported(format!(
+                    "record_use on {}: a buffer of another device (copy it over first)",
+                    self.name
+                )));
             }
             p.record_use(b.block, s.id());
         }
@@ -616,7 +654,7 @@ impl Backend for CudaBackend {
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
         self.bind()?;
-        Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(dev_err)?)))
+        Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(|e| drv("record_timed", e))?)))
     }
 
     fn elapsed_secs(&self, start: &CudaEvent, end: &CudaEvent) -> Option<f64> {
@@ -641,22 +679,30 @@ impl Backend for CudaBackend {
     fn synchronize(&self, s: &Stream) -> Result<()> {
         self.bind()?;
         // SAFETY: a live stream.
-        unsafe { cu::stream::synchronize(s.raw()) }.map_err(dev_err)
+        unsafe { cu::stream::synchronize(s.raw()) }.map_err(|e| drv(format!("synchronize on {}", self.name), e))
     }
 
     fn alloc(&self, s: &Stream, dtype: DType, len: usize) -> Result<CudaBuf> {
-        let (ptr, block) = self.raw_alloc(s, len * dtype.size_bytes())?;
+        let bytes = len.checked_mul(dtype.size_bytes()).ok_or_else(|| BackendError::Shape {
+            op: "alloc",
+            what: format!("{len} {} elements overflow a byte count", dtype.name()),
+        })?;
+        let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc of {len} {} elements", dtype.name()))?;
         let b = CudaBuf { ptr, len, dtype, block, pool: self.pool.clone() };
         // Zero-filled, as the trait promises (an async memset on the owner stream).
         // SAFETY: the block holds at least len * size bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, (len * dtype.size_bytes()).max(1), s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc: zero-filling", e))?;
         Ok(b)
     }
 
     fn alloc_ids(&self, s: &Stream, len: usize) -> Result<CudaIds> {
-        let (ptr, block) = self.raw_alloc(s, len * 4)?;
+        let bytes = len.checked_mul(4).ok_or_else(|| BackendError::Shape {
+            op: "alloc_ids",
+            what: format!("{len} i32 elements overflow a byte count"),
+        })?;
+        let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc_ids of {len} i32 elements"))?;
         // SAFETY: the block holds at least len * 4 bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, (len * 4).max(1), s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc_ids: zero-filling", e))?;
         Ok(CudaIds { ptr, len, block, pool: self.pool.clone() })
     }
 
@@ -677,13 +723,15 @@ impl Backend for CudaBackend {
         match dst.dtype {
             DType::F32 => {
                 // SAFETY: dst has room (checked); pageable memory is staged before the call returns.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }.map_err(dev_err)
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }
+                    .map_err(|e| drv(format!("upload of {} f32", host.len()), e))
             }
             DType::BF16 => {
                 // Across cores: a Qwen3-8B-sized target is 8 billion conversions at load.
                 let h: Vec<half::bf16> = host.par_iter().map(|&x| half::bf16::from_f32(x)).collect();
                 // SAFETY: as above.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }.map_err(dev_err)
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }
+                    .map_err(|e| drv(format!("upload of {} bf16", h.len()), e))
             }
         }
     }
@@ -692,7 +740,8 @@ impl Backend for CudaBackend {
         check_len("upload_ids", "dst", dst.len, 0, host.len())?;
         self.bind()?;
         // SAFETY: dst has room; pageable memory is staged before the call returns.
-        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }
+            .map_err(|e| drv(format!("upload_ids of {} i32", host.len()), e))
     }
 
     fn download(&self, s: &Stream, src: &CudaBuf) -> Result<Vec<f32>> {
@@ -701,14 +750,16 @@ impl Backend for CudaBackend {
             DType::F32 => {
                 let mut out = vec![0f32; src.len];
                 // SAFETY: out has src.len elements; synchronised before reading.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
                 self.synchronize(s)?;
                 Ok(out)
             }
             DType::BF16 => {
                 let mut out = vec![half::bf16::ZERO; src.len];
                 // SAFETY: as above.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
                 self.synchronize(s)?;
                 Ok(out.par_iter().map(|x| x.to_f32()).collect())
             }
@@ -719,7 +770,8 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut out = vec![0i32; src.len];
         // SAFETY: out has src.len elements; synchronised before reading.
-        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+            .map_err(|e| drv(format!("download_ids of {} i32", src.len), e))?;
         self.synchronize(s)?;
         Ok(out)
     }
@@ -745,7 +797,7 @@ impl Backend for CudaBackend {
                 unsafe {
                     cu::memcpy_dtod_async(off_ptr(dst, dst_off), off_ptr(src, src_off), n * a.size_bytes(), s.raw())
                 }
-                .map_err(dev_err)
+                .map_err(|e| drv(format!("copy of {n} {} elements", a.name()), e))
             }
             (DType::F32, DType::BF16) => self.launch(
                 s,
@@ -846,7 +898,7 @@ impl Backend for CudaBackend {
             self.bind()?;
             // SAFETY: `f` is a kernel of this context's loaded module; no dynamic shared memory.
             let per_sm = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, RMS_BLOCK as i32, 0) }
-                .map_err(|e| dev_err(format!("occupancy of rmsnorm_fwd_bf16: {e:?}")))?;
+                .map_err(|e| drv("occupancy of rmsnorm_fwd_bf16", e))?;
             let slots = usize::try_from(per_sm).unwrap_or(1).max(1) * self.sm_count as usize;
             grid = grid.min(slots);
         }
@@ -890,7 +942,8 @@ impl Backend for CudaBackend {
         let parts = rmsnorm_bwd_parts(rows, dim);
         // Not zero-filled (unlike `scratch`): the kernel writes every part's dim sums, and a memset
         // would move another parts * dim * 4 bytes (16 MB at 32768 x 4096).
-        let (ptr, block) = self.raw_alloc(s, parts * dim * 4)?;
+        let (ptr, block) =
+            self.raw_alloc(s, parts * dim * 4, || format!("rmsnorm_bwd: {parts} x {dim} f32 partial sums"))?;
         let partial = CudaBuf { ptr, len: parts * dim, dtype: DType::F32, block, pool: self.pool.clone() };
         let smem = u32::try_from(r * (dim + RMS_SLAB_PAD) * 4)
             .map_err(|_| BackendError::Shape { op: "rmsnorm_bwd", what: format!("dim {dim} too large") })?;
@@ -1398,10 +1451,11 @@ impl Backend for CudaBackend {
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
-        let (ptr, block) = self.raw_alloc(s, 8)?;
+        let (ptr, block) = self.raw_alloc(s, 8, || "count_nonfinite: its counter".into())?;
         let counter = CudaIds { ptr, len: 2, block, pool: self.pool.clone() };
         // SAFETY: 8 bytes allocated.
-        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }
+            .map_err(|e| drv("count_nonfinite: zeroing its counter", e))?;
         let name = if x.dtype == DType::F32 { "count_nonfinite_f32" } else { "count_nonfinite_bf16" };
         self.launch(s, name, self.ew_grid(x.len), 256, 0, Args::new().p(x.ptr).p(i64c(x.len)).p(counter.ptr))?;
         let words = self.download_ids(s, &counter)?;
@@ -1456,6 +1510,37 @@ fn draft_geom(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allocator_out_of_memory_becomes_a_typed_error_that_says_what_to_reduce() {
+        let e = AllocError::OutOfMemory { requested: 3 << 30, reserved: 70 << 30, allocated: 69 << 30 };
+        let e = alloc_error(e, "alloc of 1610612736 bf16 elements on cuda:0".into(), Some((512 << 20, 141 << 30)));
+        assert!(e.is_out_of_memory());
+        let m = e.to_string();
+        for part in [
+            "alloc of 1610612736 bf16 elements on cuda:0 asked for 3221225472 bytes (3072.0 MiB)",
+            "holds 71680.0 MiB of which 70656.0 MiB are in live buffers",
+            "512.0 MiB free of 144384.0 MiB",
+            "--batch-size, --seq-len, --logits-chunk or --pad-to-tokens",
+        ] {
+            assert!(m.contains(part), "{part:?} missing from {m}");
+        }
+    }
+
+    #[test]
+    fn driver_failures_of_the_allocator_keep_their_cause() {
+        use std::error::Error as _;
+        // What CudaMem returns for a cuMemAlloc that failed for another reason than memory.
+        let bad = DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        let e = alloc_error(AllocError::Driver { call: "cuMemAlloc", bytes: 4096, source: bad }, "alloc".into(), None);
+        assert!(!e.is_out_of_memory());
+        assert_eq!(e.to_string(), "alloc: cuMemAlloc: CUDA driver error CUDA_ERROR_ILLEGAL_ADDRESS");
+        assert!(e.source().is_some());
+        // A driver OOM reported as a Driver error of the allocator still reads as out of memory.
+        let oom = DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let e = alloc_error(AllocError::Driver { call: "cuMemAllocAsync", bytes: 64, source: oom }, "x".into(), None);
+        assert!(e.is_out_of_memory());
+    }
 
     #[test]
     fn cross_entropy_cluster_kernels_take_adjacent_vocab_ranges() {
