@@ -15,6 +15,7 @@ mod nccl;
 mod transport;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
@@ -113,16 +114,30 @@ impl CudaIds {
     }
 }
 
-/// A stream handle (cheap to clone).
+/// A stream handle (cheap to clone). Its id is unique for the process's lifetime: the allocator
+/// names streams by it, so a stream created after another was dropped never inherits that one's
+/// cached memory or pending uses, whatever address the driver gives its handle.
 #[derive(Clone)]
-pub struct Stream(pub Arc<CudaStream>);
+pub struct Stream {
+    id: u64,
+    inner: Arc<CudaStream>,
+}
+
+/// Ids handed to streams at creation; never reused.
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(0);
 
 impl Stream {
-    fn raw(&self) -> sys::CUstream {
-        self.0.cu_stream()
+    fn new(inner: Arc<CudaStream>) -> Self {
+        Stream { id: NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed), inner }
     }
-    fn id(&self) -> usize {
-        self.0.cu_stream() as usize
+    fn raw(&self) -> sys::CUstream {
+        self.inner.cu_stream()
+    }
+    fn id(&self) -> u64 {
+        self.id
+    }
+    pub fn cuda_stream(&self) -> &Arc<CudaStream> {
+        &self.inner
     }
 }
 
@@ -156,8 +171,8 @@ impl CeCluster {
 }
 
 pub struct CudaBackend {
-    /// Cached RoPE inverse frequencies per (head_dim, theta bits). First field: fields drop in
-    /// order, and these buffers must be freed while their owner stream (`main`) still exists.
+    /// Cached RoPE inverse frequencies per (head_dim, theta bits), owned by `main`. (The allocator
+    /// keeps every stream it names alive, so field order does not matter for their frees.)
     inv_freq: Mutex<HashMap<(usize, u32), CudaBuf>>,
     ctx: Arc<CudaContext>,
     main: Stream,
@@ -216,7 +231,7 @@ impl CudaBackend {
             "opt-in shared memory per block",
         )?;
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
-        let main = Stream(ctx.new_stream().map_err(|e| start(drv("creating the compute stream", e)))?);
+        let main = Stream::new(ctx.new_stream().map_err(|e| start(drv("creating the compute stream", e)))?);
         ctx.bind_to_thread().map_err(|e| start(drv("binding the context", e)))?;
         let kernels = Kernels::load(smem_optin)?;
         // How many clusters of each cross-entropy cluster kernel are resident at once: it runs
@@ -277,6 +292,7 @@ impl CudaBackend {
     fn raw_alloc(&self, s: &Stream, bytes: usize, what: impl FnOnce() -> String) -> Result<(u64, BlockId)> {
         self.bind()?;
         let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(s.id(), &s.inner);
         match p.alloc(s.id(), bytes.max(1)) {
             Ok(b) => Ok((p.ptr(b), b)),
             Err(e) => {
@@ -437,7 +453,7 @@ impl Backend for CudaBackend {
 
     fn new_stream(&self) -> Result<Stream> {
         self.bind()?;
-        Ok(Stream(self.ctx.new_stream().map_err(|e| drv("creating a stream", e))?))
+        Ok(Stream::new(self.ctx.new_stream().map_err(|e| drv("creating a stream", e))?))
     }
 
     fn hand_over(&self, from: &Stream, to: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
@@ -448,6 +464,7 @@ impl Backend for CudaBackend {
         let ev = device::Event::record(from.raw()).map_err(|e| drv("hand_over: recording an event", e))?;
         ev.wait_on(to.raw()).map_err(|e| drv("hand_over: waiting on an event", e))?;
         let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(to.id(), &to.inner);
         for b in bufs {
             p.record_use(b.block, to.id());
         }
@@ -472,6 +489,7 @@ impl Backend for CudaBackend {
 
     fn record_use(&self, s: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
         let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(s.id(), &s.inner);
         for b in bufs {
             if !Arc::ptr_eq(&b.pool, &self.pool) {
                 return Err(BackendError::Unsupported(format!(
@@ -1347,6 +1365,25 @@ fn draft_geom(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Streams were once named by their handle's address, which the driver reuses: a new stream
+    /// could inherit the cached blocks (and recorded uses) of a dropped one.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_new_stream_never_inherits_a_dropped_streams_memory() {
+        let be = CudaBackend::new(0, Mode::Normal).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+        let s1 = be.new_stream().expect("a stream");
+        let b = be.alloc(&s1, DType::F32, 1024).expect("memory");
+        let (p1, id1) = (b.ptr, s1.id());
+        drop(b); // cached in s1's pool
+        be.synchronize(&s1).expect("sync");
+        drop(s1);
+        let s2 = be.new_stream().expect("a stream");
+        assert_ne!(s2.id(), id1);
+        let b2 = be.alloc(&s2, DType::F32, 1024).expect("memory");
+        assert_ne!(b2.ptr, p1, "a new stream took memory cached for a dropped one");
+        be.synchronize(&s2).expect("sync");
+    }
 
     #[test]
     fn allocator_out_of_memory_becomes_a_typed_error_that_says_what_to_reduce() {
