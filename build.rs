@@ -1,6 +1,15 @@
 //! Compiles every `kernels/*.cu` to an sm_90a cubin with nvcc and embeds the cubins in the crate
 //! (`src/kernels.rs` includes the generated `$OUT_DIR/kernels.rs`).
 //!
+//! Also generated, from the sources alone (so CPU-only builds have them too):
+//! - `$OUT_DIR/launch_consts.rs`: kernels/launch.cuh, the launch geometry the kernels and their
+//!   launchers share, as Rust constants (`crate::kernels::launch`);
+//! - `$OUT_DIR/kernel_table.rs`: every `extern "C"` kernel of kernels/*.cu (macro-stamped ones
+//!   expanded) as a `Kernel` variant with its family, and one typed argument struct per signature
+//!   whose launcher checks and converts each argument in the kernel's order
+//!   (`src/backend/cuda/launch.rs` includes it). A parameter type without a Rust mapping fails the
+//!   build (see `rust_param`).
+//!
 //! nvcc is looked for in this order: `$NVCC`, `$CUDA_HOME/bin/nvcc`, the project-local toolchain
 //! that `scripts/install-cuda-toolchain.sh` installs (`.toolchain/py/nvidia/cu13/bin/nvcc`),
 //! `nvcc` on `PATH`, `/usr/local/cuda/bin/nvcc`.
@@ -51,6 +60,21 @@ fn main() {
     for path in sources.iter().chain(&headers) {
         println!("cargo::rerun-if-changed={}", path.display());
     }
+
+    // Generated from the sources, with or without nvcc: the launch constants and the kernel table
+    // (the Rust launchers compile, and are checked against the sources, in CPU-only builds too).
+    write_launch_consts(&out_dir, &parse_launch_consts(&kernels_dir.join("launch.cuh")));
+    let mut kernels = Vec::new();
+    for source in &sources {
+        let family = source.file_stem().and_then(|s| s.to_str()).expect("UTF-8 kernel file names");
+        let text = fs::read_to_string(source).unwrap_or_else(|e| panic!("reading {}: {e}", source.display()));
+        kernels.extend(parse_kernels(family, &text));
+    }
+    kernels.sort_by(|a, b| a.symbol.cmp(&b.symbol));
+    for pair in kernels.windows(2) {
+        assert!(pair[0].symbol != pair[1].symbol, "kernel {} is defined twice", pair[0].symbol);
+    }
+    write_kernel_table(&out_dir, &kernels);
 
     let require = env_flag("DFLASH_REQUIRE_KERNELS");
     let Some(nvcc) = find_nvcc(&manifest_dir) else {
@@ -300,4 +324,481 @@ fn write_generated(out_dir: &Path, built: bool, cubins: &[(String, PathBuf)]) {
     if fs::read_to_string(&dest).ok().as_deref() != Some(src.as_str()) {
         fs::write(&dest, src).unwrap_or_else(|e| panic!("writing {}: {e}", dest.display()));
     }
+}
+
+// ---- launch constants: kernels/launch.cuh -> $OUT_DIR/launch_consts.rs -------------------------
+
+/// One `constexpr` of kernels/launch.cuh: its name, value, and the comment lines above it.
+struct LaunchConst {
+    name: String,
+    value: i64,
+    doc: Vec<String>,
+}
+
+/// Parses kernels/launch.cuh (format in its header comment). Anything else on a line that is not a
+/// comment, blank, or `#pragma once` fails the build: the file must stay readable by this parser.
+fn parse_launch_consts(path: &Path) -> Vec<LaunchConst> {
+    let text = fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let mut consts: Vec<LaunchConst> = Vec::new();
+    let mut doc = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        let at = || format!("{}:{}", path.display(), i + 1);
+        if let Some(c) = line.strip_prefix("//") {
+            doc.push(c.trim().to_string());
+            continue;
+        }
+        if line.is_empty() || line == "#pragma once" {
+            doc.clear();
+            continue;
+        }
+        let body = line
+            .strip_prefix("constexpr ")
+            .and_then(|r| r.strip_suffix(';'))
+            .unwrap_or_else(|| panic!("{}: expected `constexpr <int type> NAME = <expr>;`, found {line:?}", at()));
+        let (decl, expr) = body.split_once('=').unwrap_or_else(|| panic!("{}: no `=` in {line:?}", at()));
+        let mut words: Vec<&str> = decl.split_whitespace().collect();
+        let name = words.pop().unwrap_or_else(|| panic!("{}: no name in {line:?}", at())).to_string();
+        let ty = words.join(" ");
+        if !matches!(ty.as_str(), "int" | "long long" | "unsigned" | "uint32_t") {
+            panic!("{}: {name} has type {ty:?}; launch.cuh holds integers (int, long long, unsigned)", at());
+        }
+        let known = |n: &str| consts.iter().find(|c| c.name == n).map(|c| c.value);
+        let value = eval_const_expr(expr, &known).unwrap_or_else(|e| panic!("{}: {name}: {e}", at()));
+        if value < 0 {
+            panic!("{}: {name} = {value}: launch constants are sizes and counts (>= 0)", at());
+        }
+        consts.push(LaunchConst { name, value, doc: std::mem::take(&mut doc) });
+    }
+    consts
+}
+
+/// Evaluates `+ - * / <<` and parentheses over integer literals (C suffixes allowed) and names.
+fn eval_const_expr(expr: &str, known: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+    let mut tokens = Vec::new();
+    let chars: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c.is_whitespace() {
+            i += 1;
+        } else if c.is_ascii_alphanumeric() || c == '_' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_') {
+                i += 1;
+            }
+            tokens.push(chars[start..i].iter().collect::<String>());
+        } else if c == '<' && chars.get(i + 1) == Some(&'<') {
+            tokens.push("<<".into());
+            i += 2;
+        } else if "+-*/()".contains(c) {
+            tokens.push(c.to_string());
+            i += 1;
+        } else {
+            return Err(format!("unexpected {c:?} in {expr:?}"));
+        }
+    }
+    let mut pos = 0;
+    let v = eval_shift(&tokens, &mut pos, known)?;
+    if pos != tokens.len() {
+        return Err(format!("trailing {:?} in {expr:?}", &tokens[pos..]));
+    }
+    Ok(v)
+}
+
+fn eval_shift(t: &[String], pos: &mut usize, known: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+    let mut v = eval_sum(t, pos, known)?;
+    while t.get(*pos).map(String::as_str) == Some("<<") {
+        *pos += 1;
+        let r = eval_sum(t, pos, known)?;
+        v = u32::try_from(r).ok().and_then(|r| v.checked_shl(r)).ok_or("shift out of range")?;
+    }
+    Ok(v)
+}
+
+fn eval_sum(t: &[String], pos: &mut usize, known: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+    let mut v = eval_product(t, pos, known)?;
+    while let Some(op) = t.get(*pos).filter(|o| *o == "+" || *o == "-").cloned() {
+        *pos += 1;
+        let r = eval_product(t, pos, known)?;
+        v = if op == "+" { v.checked_add(r) } else { v.checked_sub(r) }.ok_or("overflow")?;
+    }
+    Ok(v)
+}
+
+fn eval_product(t: &[String], pos: &mut usize, known: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+    let mut v = eval_atom(t, pos, known)?;
+    while let Some(op) = t.get(*pos).filter(|o| *o == "*" || *o == "/").cloned() {
+        *pos += 1;
+        let r = eval_atom(t, pos, known)?;
+        v = if op == "*" { v.checked_mul(r) } else { v.checked_div(r) }.ok_or("overflow or division by 0")?;
+    }
+    Ok(v)
+}
+
+fn eval_atom(t: &[String], pos: &mut usize, known: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+    let tok = t.get(*pos).ok_or("expression ends early")?.clone();
+    *pos += 1;
+    if tok == "(" {
+        let v = eval_shift(t, pos, known)?;
+        if t.get(*pos).map(String::as_str) != Some(")") {
+            return Err("missing `)`".into());
+        }
+        *pos += 1;
+        return Ok(v);
+    }
+    if tok.starts_with(|c: char| c.is_ascii_digit()) {
+        let digits = tok.trim_end_matches(['u', 'U', 'l', 'L']);
+        return digits.parse().map_err(|_| format!("bad literal {tok:?}"));
+    }
+    known(&tok).ok_or_else(|| format!("{tok:?} is not defined above it in launch.cuh"))
+}
+
+/// `$OUT_DIR/launch_consts.rs`: each constant as a `usize`, with its comment.
+fn write_launch_consts(out_dir: &Path, consts: &[LaunchConst]) {
+    let mut src = String::from("// @generated by build.rs from kernels/launch.cuh. Do not edit.\n\n");
+    for c in consts {
+        for d in &c.doc {
+            let _ = writeln!(src, "/// {d}");
+        }
+        let _ = writeln!(src, "pub const {}: usize = {};", c.name, c.value);
+    }
+    write_if_changed(&out_dir.join("launch_consts.rs"), &src);
+}
+
+fn write_if_changed(dest: &Path, src: &str) {
+    // Rewrite only on change, so an unchanged file does not look modified.
+    if fs::read_to_string(dest).ok().as_deref() != Some(src) {
+        fs::write(dest, src).unwrap_or_else(|e| panic!("writing {}: {e}", dest.display()));
+    }
+}
+
+// ---- the kernel table: extern "C" kernels of kernels/*.cu -> $OUT_DIR/kernel_table.rs ----------
+
+/// One `extern "C" __global__` kernel as its source declares it.
+struct KernelDecl {
+    symbol: String,
+    family: String,
+    /// `(C type without const/__restrict__/__grid_constant__, parameter name)`, in order.
+    params: Vec<(String, String)>,
+    /// The argument struct it launches with: kernels stamped out by one macro from one name
+    /// template (`attn_causal_fwd_bf16_hd##D`) share one, and are its variants.
+    group: String,
+    /// The macro argument that made this symbol (`"64"` for `..._hd64`); None outside macros.
+    variant: Option<String>,
+}
+
+/// Comments removed (they may mention `extern "C"`), line continuations joined.
+fn strip_comments(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let b = src.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+            i += 2;
+            while i + 1 < b.len() && !(b[i] == b'*' && b[i + 1] == b'/') {
+                i += 1;
+            }
+            i += 2;
+        } else if b[i] == b'\\' && b.get(i + 1) == Some(&b'\n') {
+            out.push(' ');
+            i += 2;
+        } else {
+            let ch_len = src[i..].chars().next().map_or(1, char::len_utf8);
+            out.push_str(&src[i..i + ch_len]);
+            i += ch_len;
+        }
+    }
+    out
+}
+
+/// Identifier characters, `#` included so a macro's name template (`name##D`) reads as one.
+fn is_ident_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '#'
+}
+
+/// The text inside the parentheses that open at `open` (an index of `(`), and the index after them.
+fn balanced(text: &str, open: usize) -> Option<(&str, usize)> {
+    let mut depth = 0usize;
+    for (i, c) in text[open..].char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some((&text[open + 1..open + i], open + i + 1));
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Splits on commas outside parentheses.
+fn split_args(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut depth, mut cur) = (0usize, String::new());
+    for c in s.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                out.push(cur.trim().to_string());
+                cur.clear();
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(c);
+    }
+    if !cur.trim().is_empty() {
+        out.push(cur.trim().to_string());
+    }
+    out
+}
+
+/// Every `extern "C" __global__ void [attributes] NAME(params)` in `text`: (name, params).
+fn kernel_decls(text: &str, at: &str) -> Vec<(String, Vec<(String, String)>)> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(k) = text[from..].find("extern \"C\"") {
+        let mut i = from + k + "extern \"C\"".len();
+        let rest = &text[i..];
+        let Some(v) = rest.find("void") else { panic!("{at}: extern \"C\" without `void`") };
+        assert!(rest[..v].contains("__global__"), "{at}: an extern \"C\" function that is not __global__");
+        i += v + 4;
+        // Skip attributes with arguments (__launch_bounds__(..), __cluster_dims__(..)); the next
+        // identifier followed by `(` is the kernel's name.
+        let (name, open) = loop {
+            let t = &text[i..];
+            let start = i + t.find(|c: char| is_ident_char(c)).unwrap_or_else(|| panic!("{at}: no kernel name"));
+            let len = text[start..].find(|c: char| !is_ident_char(c)).unwrap_or(text.len() - start);
+            let ident = &text[start..start + len];
+            let after = start + len + (text[start + len..].len() - text[start + len..].trim_start().len());
+            if !text[after..].starts_with('(') {
+                panic!("{at}: expected `(` after {ident}");
+            }
+            if ident.starts_with("__") {
+                i = balanced(text, after).unwrap_or_else(|| panic!("{at}: unbalanced {ident}(")).1;
+                continue;
+            }
+            break (ident.to_string(), after);
+        };
+        let (params, end) = balanced(text, open).unwrap_or_else(|| panic!("{at}: unbalanced parameters of {name}"));
+        let params = split_args(params).iter().map(|p| parse_param(p, &name, at)).collect();
+        out.push((name, params));
+        from = end;
+    }
+    out
+}
+
+/// `const __nv_bfloat16* __restrict__ x` -> ("__nv_bfloat16*", "x").
+fn parse_param(p: &str, kernel: &str, at: &str) -> (String, String) {
+    let spaced = p.replace('*', " * ");
+    let words: Vec<&str> =
+        spaced.split_whitespace().filter(|w| !matches!(*w, "const" | "__restrict__" | "__grid_constant__")).collect();
+    let (name, ty) = words.split_last().unwrap_or_else(|| panic!("{at}: empty parameter of {kernel}"));
+    (ty.join(" ").replace(" *", "*"), name.to_string())
+}
+
+/// The kernels of one `kernels/<family>.cu`: plain declarations, and the ones stamped out by
+/// function-like macros (`#define M(A, B) ... extern "C" ... name##A(...) ...` plus `M(x, y)` lines).
+fn parse_kernels(family: &str, source: &str) -> Vec<KernelDecl> {
+    let text = strip_comments(source);
+    let at = format!("kernels/{family}.cu");
+    let mut plain = String::new();
+    let mut macros: Vec<(String, Vec<String>, String)> = Vec::new();
+    for line in text.lines() {
+        let t = line.trim_start();
+        if let Some(def) = t.strip_prefix("#define") {
+            let def = def.trim_start();
+            let name_len = def.find(|c: char| !is_ident_char(c)).unwrap_or(def.len());
+            if def[name_len..].starts_with('(') && def.contains("extern \"C\"") {
+                let (params, end) = balanced(def, name_len).expect("a macro's parameter list closes");
+                let params = split_args(params);
+                macros.push((def[..name_len].to_string(), params, def[end..].to_string()));
+            }
+            continue;
+        }
+        plain.push_str(line);
+        plain.push('\n');
+    }
+    let mut out = Vec::new();
+    for (symbol, params) in kernel_decls(&plain, &at) {
+        out.push(KernelDecl { group: symbol.clone(), symbol, family: family.into(), params, variant: None });
+    }
+    for (mname, mparams, body) in &macros {
+        // The name template of each kernel in the body, and which macro parameter varies it.
+        let templates: Vec<(String, Vec<(String, String)>)> = kernel_decls(body, &at);
+        let mut from = 0;
+        while let Some(k) = plain[from..].find(mname.as_str()) {
+            let start = from + k;
+            let open = start + mname.len();
+            from = open;
+            let boundary = start == 0 || !plain[..start].ends_with(is_ident_char);
+            if !boundary || !plain[open..].starts_with('(') {
+                continue;
+            }
+            let (args, end) = balanced(&plain, open).unwrap_or_else(|| panic!("{at}: unbalanced {mname}("));
+            from = end;
+            let args = split_args(args);
+            assert_eq!(args.len(), mparams.len(), "{at}: {mname} takes {} arguments", mparams.len());
+            for (template, params) in &templates {
+                let mut symbol = template.replace("##", "");
+                let mut group = symbol.clone();
+                let mut variant = None;
+                for (p, a) in mparams.iter().zip(&args) {
+                    if template.contains(&format!("##{p}")) {
+                        symbol = template.replace(&format!("##{p}"), a).replace("##", "");
+                        group = template.replace(&format!("##{p}"), "");
+                        variant = Some(a.clone());
+                    } else if template == p {
+                        symbol = a.clone();
+                        group = mname.to_ascii_lowercase();
+                        variant = Some(a.clone());
+                    }
+                }
+                out.push(KernelDecl { symbol, family: family.into(), params: params.clone(), group, variant });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.symbol.cmp(&b.symbol));
+    out
+}
+
+fn camel(snake: &str) -> String {
+    snake
+        .split('_')
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut c = w.chars();
+            c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
+        })
+        .collect()
+}
+
+/// How a C parameter type crosses into Rust: (Rust field type, expression that turns field `f`
+/// into the value passed to the kernel, given the kernel and parameter names for errors).
+fn rust_param(ty: &str, kernel: &str, name: &str) -> (&'static str, String) {
+    match ty {
+        "__nv_bfloat16*" => ("DevPtr<half::bf16>", format!("self.{name}.arg(\"{kernel}\", \"{name}\")?")),
+        "float*" => ("DevPtr<f32>", format!("self.{name}.arg(\"{kernel}\", \"{name}\")?")),
+        "int*" => ("DevPtr<i32>", format!("self.{name}.arg(\"{kernel}\", \"{name}\")?")),
+        "unsigned long long*" => ("DevPtr<u64>", format!("self.{name}.arg(\"{kernel}\", \"{name}\")?")),
+        "int" => ("usize", format!("arg_i32(\"{kernel}\", \"{name}\", self.{name})?")),
+        "long long" => ("usize", format!("arg_i64(\"{kernel}\", \"{name}\", self.{name})?")),
+        "unsigned int" => ("u32", format!("self.{name}")),
+        "unsigned long long" => ("u64", format!("self.{name}")),
+        "float" => ("f32", format!("self.{name}")),
+        "CUtensorMap" => ("sys::CUtensorMap", format!("self.{name}")),
+        "TapPtrs" => ("TapPtrs", format!("self.{name}.arg(\"{kernel}\", \"{name}\")?")),
+        other => panic!(
+            "kernel {kernel}: parameter {name} has type {other:?}, which build.rs does not map to Rust; add it to \
+             rust_param (and, for a struct, a repr(C) twin in src/backend/cuda/launch.rs)"
+        ),
+    }
+}
+
+/// `$OUT_DIR/kernel_table.rs`, included by src/backend/cuda/launch.rs: the `Kernel` enum (one
+/// variant per symbol), and one argument struct per kernel (or per macro-stamped family of
+/// kernels with one signature) whose `launch` checks and converts every argument, in the kernel's
+/// order, before it launches.
+fn write_kernel_table(out_dir: &Path, kernels: &[KernelDecl]) {
+    let mut src =
+        String::from("// @generated by build.rs from the extern \"C\" kernels of kernels/*.cu. Do not edit.\n\n");
+    src.push_str("/// Every kernel: one variant per `extern \"C\"` symbol of kernels/*.cu, sorted by symbol.\n");
+    src.push_str("#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]\npub enum Kernel {\n");
+    for k in kernels {
+        let _ = writeln!(src, "    /// `{}` (kernels/{}.cu)\n    {},", k.symbol, k.family, camel(&k.symbol));
+    }
+    src.push_str("}\n\nimpl Kernel {\n");
+    let _ = writeln!(src, "    pub const ALL: [Kernel; {}] = [", kernels.len());
+    for k in kernels {
+        let _ = writeln!(src, "        Kernel::{},", camel(&k.symbol));
+    }
+    src.push_str("    ];\n\n    /// The `extern \"C\"` symbol.\n    pub fn symbol(self) -> &'static str {\n        match self {\n");
+    for k in kernels {
+        let _ = writeln!(src, "            Kernel::{} => {:?},", camel(&k.symbol), k.symbol);
+    }
+    src.push_str("        }\n    }\n\n    /// The file it is defined in: `kernels/<family>.cu`.\n    pub fn family(self) -> &'static str {\n        match self {\n");
+    for k in kernels {
+        let _ = writeln!(src, "            Kernel::{} => {:?},", camel(&k.symbol), k.family);
+    }
+    src.push_str("        }\n    }\n\n    /// Its C parameter list, as the source declares it (types normalised).\n    pub fn signature(self) -> &'static str {\n        match self {\n");
+    for k in kernels {
+        let sig: Vec<String> = k.params.iter().map(|(t, n)| format!("{t} {n}")).collect();
+        let _ = writeln!(src, "            Kernel::{} => {:?},", camel(&k.symbol), sig.join(", "));
+    }
+    src.push_str("        }\n    }\n}\n\n");
+
+    let mut groups: Vec<&str> = kernels.iter().map(|k| k.group.as_str()).collect();
+    groups.sort();
+    groups.dedup();
+    for group in groups {
+        let members: Vec<&KernelDecl> = kernels.iter().filter(|k| k.group == group).collect();
+        let first = members[0];
+        for m in &members[1..] {
+            assert_eq!(
+                m.params, first.params,
+                "{} and {} share an argument struct but not a signature",
+                m.symbol, first.symbol
+            );
+        }
+        let ty = camel(group);
+        let names: Vec<&str> = members.iter().map(|m| m.symbol.as_str()).collect();
+        let _ = writeln!(
+            src,
+            "/// The arguments of `{}` (kernels/{}.cu), in its order.\n#[derive(Clone, Copy)]\npub struct {ty} {{",
+            names.join("`, `"),
+            first.family
+        );
+        for (cty, name) in &first.params {
+            let (rty, _) = rust_param(cty, &first.symbol, name);
+            let _ = writeln!(src, "    /// `{cty} {name}`\n    pub {name}: {rty},");
+        }
+        src.push_str("}\n\n");
+        let _ = writeln!(src, "impl {ty} {{");
+        if members.len() == 1 && first.variant.is_none() {
+            let _ = writeln!(src, "    pub const KERNEL: Kernel = Kernel::{};", camel(&first.symbol));
+        } else {
+            src.push_str("    /// `(macro argument, kernel)` of every kernel stamped out with this signature.\n");
+            let _ = writeln!(src, "    pub const VARIANTS: [(&'static str, Kernel); {}] = [", members.len());
+            for m in &members {
+                let v = m.variant.as_deref().unwrap_or(&m.symbol);
+                let _ = writeln!(src, "        ({v:?}, Kernel::{}),", camel(&m.symbol));
+            }
+            src.push_str("    ];\n");
+        }
+        src.push_str("}\n\n");
+        let _ = writeln!(src, "impl KernelArgs for {ty} {{");
+        src.push_str("    fn takes(kernel: Kernel) -> bool {\n        matches!(kernel, ");
+        let pats: Vec<String> = members.iter().map(|m| format!("Kernel::{}", camel(&m.symbol))).collect();
+        src.push_str(&pats.join(" | "));
+        src.push_str(")\n    }\n\n");
+        src.push_str("    fn launch_raw(&self, kernel: Kernel, f: sys::CUfunction, cfg: &LaunchCfg, stream: sys::CUstream) -> Result<()> {\n");
+        src.push_str("        let symbol = kernel.symbol();\n");
+        for (cty, name) in &first.params {
+            let (_, conv) = rust_param(cty, "{symbol}", name);
+            let conv = conv.replace("\"{symbol}\"", "symbol");
+            let _ = writeln!(src, "        let mut {name} = {conv};");
+        }
+        let _ = writeln!(src, "        let mut params: [*mut std::ffi::c_void; {}] = [", first.params.len());
+        for (_, name) in &first.params {
+            let _ = writeln!(src, "            (&mut {name}) as *mut _ as *mut std::ffi::c_void,");
+        }
+        src.push_str("        ];\n");
+        src.push_str(
+            "        // SAFETY: `params` holds one pointer per kernel parameter, in the kernel's order, each to a\n        \
+             // local of the parameter's C type (the table above maps them), alive until the call returns;\n        \
+             // the pointers inside were checked non-null and aligned and come from live buffers the\n        \
+             // caller borrows for the call.\n",
+        );
+        src.push_str("        unsafe { launch_params(kernel, f, cfg, stream, &mut params) }\n    }\n}\n\n");
+    }
+    write_if_changed(&out_dir.join("kernel_table.rs"), &src);
 }

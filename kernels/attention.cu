@@ -96,6 +96,7 @@
 #include <climits>
 
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace attn {
 
@@ -103,33 +104,33 @@ typedef __nv_bfloat16 bf16;
 
 // Keys per K/V tile of the drafter kernels: a 16 x 64 S tile is 32 f32 registers per thread, and
 // 64 x 128 bf16 = 16 KB per stage.
-constexpr int KEYS = 64;
+constexpr int KEYS = ATTN_KEYS;
 // Query rows one warp owns: the M of one m16n8k16 MMA.
-constexpr int WARP_ROWS = 16;
+constexpr int WARP_ROWS = ATTN_WARP_ROWS;
 // Causal forward: 4 warps x 2 m-tiles = 128 query rows of one head per CTA, 32-key K/V tiles.
 // Two m-tiles per warp reuse every K/V fragment read from shared memory twice (measured on H200 at
 // Qwen3-8B shape: 190 TFLOP/s, against 154 with one m-tile and 64-key tiles); 32-key tiles keep
 // the 2 x 16 x 128 O accumulators plus S within 255 registers without spills, and 69.6 KB of
 // shared memory at hd 128 lets two CTAs share an SM.
-constexpr int CAUSAL_WARPS = 4;
-constexpr int CAUSAL_MT = 2;
-constexpr int CAUSAL_KEYS = 32;
-constexpr int CAUSAL_ROWS = CAUSAL_WARPS * CAUSAL_MT * WARP_ROWS;
+constexpr int CAUSAL_WARPS = ATTN_CAUSAL_WARPS;
+constexpr int CAUSAL_MT = ATTN_CAUSAL_MT;
+constexpr int CAUSAL_KEYS = ATTN_CAUSAL_KEYS;
+constexpr int CAUSAL_ROWS = ATTN_CAUSAL_ROWS;
 // Drafter forward: one m-tile (16 rows) per warp. Two were slower at M = 64 (101 vs 155 TFLOP/s):
 // a CTA of 2 warps leaves too few warps per SM.
 constexpr int DRAFT_FWD_MT = 1;
 // Drafter query tile limit: block_size * G rows, at most 8 warps.
-constexpr int DRAFT_MAX_ROWS = 128;
+constexpr int DRAFT_MAX_ROWS = ATTN_DRAFT_MAX_ROWS;
 // Drafter backward over context: 64 context rows (keys) per CTA, 4 warps of 16 keys each; the
 // query rows of a block are consumed in chunks of 32 (4 n8 tiles of S^T per warp).
-constexpr int KV_ROWS = 64;
-constexpr int KV_WARPS = KV_ROWS / WARP_ROWS;
-constexpr int KV_CHUNK = 32;
+constexpr int KV_ROWS = ATTN_KV_ROWS;
+constexpr int KV_WARPS = ATTN_KV_WARPS;
+constexpr int KV_CHUNK = ATTN_KV_CHUNK;
 // Visible-block list capacity of attn_draft_bwd_kv (static shared memory, 4 KB).
 constexpr int KV_LIST_CAP = 1024;
 // Block keys in the f32 P / dS side buffers of attn_draft_bwd_q: block_size <= 16 (DFLASH.md's
 // default; M <= 128 alone would allow 128 with G = 1), checked in the kernel.
-constexpr int MAX_BLOCK_KEYS = 16;
+constexpr int MAX_BLOCK_KEYS = ATTN_MAX_BLOCK_KEYS;
 
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -137,7 +138,7 @@ constexpr float LN2 = 0.6931471805599453f;
 template <int HD>
 struct Geo {
   static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128, "head_dim must be 16, 32, 64 or 128");
-  static constexpr int LD = HD + 8;      // shared-memory row pitch in bf16 elements
+  static constexpr int LD = HD + ATTN_LD_PAD;  // shared-memory row pitch in bf16 elements
   static constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
   static constexpr int KT = HD / 16;     // k-steps of 16 over the head dim
   static constexpr int NT = HD / 8;      // n8 tiles over the head dim

@@ -47,12 +47,12 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace cg = cooperative_groups;
 
-// Threads per CTA (one CTA per row). 512 = 16 warps: a 152K-vocab row is 37 chunks of 8 per
-// thread, and 4 CTAs fit on an SM.
-#define CE_BLOCK 512
+// Threads per CTA (one CTA per row): CE_BLOCK = 512 (launch.cuh) = 16 warps: a 152K-vocab row is
+// 37 chunks of 8 per thread, and 4 CTAs fit on an SM.
 #define CE_WARPS (CE_BLOCK / 32)
 // "No element seen yet" marker for a state's index.
 #define CE_NO_INDEX (-1)
@@ -603,20 +603,21 @@ __device__ __forceinline__ void cec_rows(__nv_bfloat16* logits, const int* __res
 // One cluster kernel: clusters of 8, CTAs of 512 threads, MAXC chunks per thread, a 2-stage ring,
 // MIN_CTAS CTAs per SM (the launch bounds' register budget).
 #define CEC_KERNEL(NAME, MAXC, MIN_CTAS)                                                              \
-  extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, MIN_CTAS)              \
+  extern "C" __global__ void __cluster_dims__(CEC_CTAS, 1, 1) __launch_bounds__(CEC_BLOCK, MIN_CTAS) \
       NAME(__nv_bfloat16* logits, const int* __restrict__ labels, const float* __restrict__ weights, \
            long long rows, int vocab, float grad_scale, float* __restrict__ loss,                    \
            int* __restrict__ argmax) {                                                               \
-    cec_rows<8, 512, MAXC, 2>(logits, labels, weights, rows, vocab, grad_scale, loss, argmax);        \
+    cec_rows<CEC_CTAS, CEC_BLOCK, MAXC, CEC_STAGES>(logits, labels, weights, rows, vocab, grad_scale, \
+                                                    loss, argmax);                                   \
   }
 
 // vocab % 8 == 0 in [32,768, 163,840] (Qwen3's 151,936, Llama 3's 128,256): two CTAs per SM,
 // 40 KB stages.
-CEC_KERNEL(cross_entropy_cluster_bf16, 5, 2)
+CEC_KERNEL(cross_entropy_cluster_bf16, CEC_CHUNKS, 2)
 
 // vocab % 8 == 0 in [163,848, 262,144] (Gemma's 262,144 and 256,000): one CTA per SM (a 64 KB
 // share: two CTAs' rings would not fit), 64 KB stages.
-CEC_KERNEL(cross_entropy_cluster_wide_bf16, 8, 1)
+CEC_KERNEL(cross_entropy_cluster_wide_bf16, CEC_WIDE_CHUNKS, 1)
 
 extern "C" __global__ void __launch_bounds__(CE_BLOCK)
     cross_entropy_bf16(__nv_bfloat16* logits, const int* __restrict__ labels,

@@ -73,33 +73,35 @@
 #include <cuda.h>  // CUtensorMap (the kernel parameter type of the TMA descriptors)
 
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace fc {
 
-// ---- fast path geometry (fc.rs repeats THREADS, SMEM_BYTES, BM, BN, BK; keep them in step) -----
-constexpr int BM = 128;                  // output rows per CTA tile (2 consumer warpgroups x 64)
-constexpr int BN = 256;                  // output columns per CTA tile (one m64n256 wgmma)
-constexpr int BK = 64;                   // K per stage: 64 bf16 = one 128-byte swizzle row
-constexpr int STAGES = 4;                // ring depth: 4 x 48 KB of the 227 KB of shared memory
+// ---- fast path geometry (launch.cuh holds what the launcher needs too) -------------------------
+constexpr int BM = FC_BM;                // output rows per CTA tile (2 consumer warpgroups x 64)
+constexpr int BN = FC_BN;                // output columns per CTA tile (one m64n256 wgmma)
+constexpr int BK = FC_BK;                // K per stage: 64 bf16 = one 128-byte swizzle row
+constexpr int STAGES = FC_STAGES;        // ring depth: 4 x 48 KB of the 227 KB of shared memory
 constexpr int GROUP_M = 16;              // row blocks per raster group (L2 reuse, see header)
 constexpr int WG_ROWS = 64;              // tile rows per consumer warpgroup (the M of wgmma)
-constexpr int THREADS = 384;             // producer warpgroup + 2 consumer warpgroups
+constexpr int THREADS = FC_THREADS;      // producer warpgroup + 2 consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;        // arrivals that free one stage (one per consumer warp)
 constexpr uint32_t A_STAGE_BYTES = BM * BK * 2;   // 16 KB: x box 64 x 128
 constexpr uint32_t B_STAGE_BYTES = BN * BK * 2;   // 32 KB: W box 64 x 256
 constexpr uint32_t STAGE_TX_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;  // TMA bytes per stage
-constexpr uint32_t SWIZZLE_ALIGN = 1024;  // 128-byte swizzle atom: 8 rows x 128 bytes
+constexpr uint32_t SWIZZLE_ALIGN = FC_SWIZZLE_ALIGN; // 128-byte swizzle atom: 8 rows x 128 bytes
 constexpr uint32_t BARRIER_BYTES = 2 * STAGES * 8;
-constexpr uint32_t SMEM_BYTES = STAGES * STAGE_TX_BYTES + BARRIER_BYTES + SWIZZLE_ALIGN;  // 197,696
-static_assert(SMEM_BYTES == 197696, "fc.rs FAST_SMEM_BYTES must match");
+constexpr uint32_t SMEM_BYTES = FC_SMEM_BYTES; // 197,696
+static_assert(SMEM_BYTES == STAGES * STAGE_TX_BYTES + BARRIER_BYTES + SWIZZLE_ALIGN,
+              "launch.cuh FC_SMEM_BYTES must cover the ring, its barriers and the alignment slack");
 static_assert(A_STAGE_BYTES % SWIZZLE_ALIGN == 0 && B_STAGE_BYTES % SWIZZLE_ALIGN == 0,
               "every stage must start on a swizzle atom");
 static_assert(BM == 2 * WG_ROWS && THREADS == 128 * 3 && CONSUMER_WARPS == 8, "2 consumer warpgroups");
 
 // ---- simple path geometry --------------------------------------------------------------------
-constexpr int S_TILE = 64;     // output tile edge
+constexpr int S_TILE = FC_S_TILE; // output tile edge
 constexpr int S_BK = 32;       // K per shared-memory step
-constexpr int S_THREADS = 256; // 16 x 16 threads, 4 x 4 outputs each
+constexpr int S_THREADS = FC_S_THREADS; // 16 x 16 threads, 4 x 4 outputs each
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
 

@@ -51,11 +51,11 @@
 //           (with the noise's product and add as two roundings; the one-FMA form, the same bits,
 //           has not been timed apart).
 #include "common.cuh"
+#include "launch.cuh"
 #include "philox.cuh"
 
-// Most tapped layers one call packs. DFLASH.md defaults use K = drafter layers (5); 16 leaves room
-// and keeps TapPtrs at 128 bytes of kernel parameters.
-#define MAX_TAPS 16
+// MAX_TAPS (launch.cuh): most tapped layers one call packs. DFLASH.md defaults use K = drafter
+// layers (5); 16 leaves room and keeps TapPtrs at 128 bytes of kernel parameters.
 
 struct TapPtrs {
   const __nv_bfloat16* p[MAX_TAPS];
@@ -110,16 +110,16 @@ __device__ __forceinline__ uint32_t add_noise_bf16(uint32_t bits16, uint32_t r, 
 
 // Units (8 bf16, 16 bytes) each thread of the fast path owns per work item: their loads are all
 // in flight together (64 bytes per thread).
-constexpr int PACK_UNITS = 4;
+// (PACK_UNITS, launch.cuh)
 // Launch bounds: at most PACK_MAX_BLOCK threads per block, and registers for PACK_MIN_BLOCKS such
 // blocks per SM (<= 64 per thread). Without the cap the noise path takes 80 registers (6 warps per
 // scheduler instead of 8) to keep every unit's Philox words live; with it the Philox rounds still
 // run before the loaded data is touched.
-#define PACK_MAX_BLOCK 256
+// (PACK_MAX_BLOCK, launch.cuh)
 #define PACK_MIN_BLOCKS 4
 // Largest hidden size of the fast path: unit indices within a row stay in 32-bit ints. (Larger
 // sizes take the scalar path, which is correct for any size.)
-#define PACK_VEC_MAX_HIDDEN (1LL << 30)
+// (PACK_VEC_MAX_HIDDEN, launch.cuh)
 
 // Split w into q = w / d and w - q * d; 32-bit division while w fits (every launch the launcher
 // makes), so no 64-bit division runs per work item.

@@ -25,12 +25,13 @@
 //           (~4.1 TB/s read + write on an H200) for n >= 2^26 (a drafter's gradient); below
 //           ~2^20 elements the two launches dominate. Measured (H200, n = 2^28): 4.3 TB/s read.
 #include "common.cuh"
+#include "launch.cuh"
 
 // Blocks of the partial pass = entries of `partial`. 1024 x 256 threads is ~8 resident blocks
 // per SM on a 132-SM H200: one full wave, enough loads in flight to stream at HBM rate.
-#define SUMSQ_PARTS 1024
+// (SUMSQ_PARTS, launch.cuh)
 // Threads per block, both kernels (8 warps).
-#define SUMSQ_BLOCK 256
+// (SUMSQ_BLOCK, launch.cuh)
 #define SUMSQ_WARPS (SUMSQ_BLOCK / 32)
 // Elements per group (one 16-byte access on the fast path).
 #define SUMSQ_GROUP 4

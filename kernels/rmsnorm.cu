@@ -69,25 +69,26 @@
 // Measured (H200, 32768 x 4096, N(0, 1) inputs): fwd 88.6%, bwd 91.0% of copy bandwidth (6 bytes
 //           per element counted for the backward).
 #include "common.cuh"
+#include "launch.cuh"
 
 // Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).
-#define RMS_BLOCK 256
+// (RMS_BLOCK, launch.cuh)
 #define RMS_WARPS (RMS_BLOCK / 32)
 // Largest dim whose backward uses warp teams; above it a whole block owns a row, so that a block's
 // dw accumulators (R * dim floats of shared memory) stay small.
-#define RMS_WARP_TEAM_MAX_DIM 1024
+// (RMS_WARP_TEAM_MAX_DIM, launch.cuh)
 // Floats of padding after each team's dw accumulator slab in the backward (rms_slab_stride).
-#define RMS_SLAB_PAD 4
+// (RMS_SLAB_PAD, launch.cuh)
 // Chunks of 8 a lane of a warp team owns (at most; fewer for dims that are not a power of two):
 // 4 independent 16-byte loads in flight per thread keep enough bytes in flight to cover HBM
 // latency even for dim = 16, where a team is a single thread.
 // (A constant, not a macro: nvcc does not expand macros inside #pragma unroll.)
-constexpr int RMS_CHUNKS_PER_LANE = 4;
+// (RMS_CHUNKS_PER_LANE, launch.cuh)
 // Most 16-byte chunks per thread the register-resident block-team paths hold (dim <= 8 * 256 * 4 =
 // 8192); larger dims take the two-pass loops.
 constexpr int RMS_REG_CHUNKS = 4;
 // Recommended upper bound on the backward's part count (see the launch rule).
-#define RMS_BWD_TARGET_PARTS 1024
+// (RMS_BWD_TARGET_PARTS, launch.cuh)
 // Resident blocks per SM the register allocation must allow (__launch_bounds__): 5 x 256 threads
 // (<= 48 registers) forward, 4 x 256 (<= 64 registers) backward: enough loads in flight to cover
 // HBM latency in a memory-bound kernel, without spills.

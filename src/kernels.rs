@@ -8,6 +8,12 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// Launch geometry shared with the kernels, parsed by build.rs from kernels/launch.cuh (the one
+/// place these numbers are written down).
+pub mod launch {
+    include!(concat!(env!("OUT_DIR"), "/launch_consts.rs"));
+}
+
 /// True when the kernels were compiled and embedded (nvcc was found at build time).
 pub fn built() -> bool {
     KERNELS_BUILT
@@ -61,10 +67,18 @@ mod tests {
             assert!(bytes.len() > ELF_MAGIC.len(), "kernels/{family}.cu: cubin is {} bytes", bytes.len());
             assert_eq!(&bytes[..4], ELF_MAGIC, "kernels/{family}.cu: cubin is not an ELF file");
         }
-        // The symbol table names every extern "C" entry point; the launchers look it up by name.
-        let pack = cubin("pack").expect("checked above");
-        let symbol = b"pack_taps_noise_bf16";
-        assert!(pack.windows(symbol.len()).any(|w| w == symbol), "pack cubin lacks pack_taps_noise_bf16");
+        // The symbol table names every extern "C" entry point; start-up resolves every kernel of
+        // the generated table (parsed from the sources) in its family's cubin.
+        for kernel in crate::backend::cuda::launch::Kernel::ALL {
+            let bytes = cubin(kernel.family()).unwrap_or_else(|| panic!("no cubin for {kernel:?}"));
+            let symbol = kernel.symbol().as_bytes();
+            assert!(
+                bytes.windows(symbol.len()).any(|w| w == symbol),
+                "kernels/{}.cu's cubin lacks {}",
+                kernel.family(),
+                kernel.symbol()
+            );
+        }
     }
 
     #[test]

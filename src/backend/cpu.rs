@@ -10,8 +10,8 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::slots::{SlotError, SlotMemory};
 use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
-use crate::pipeline::slots::{SlotError, SlotMemory};
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
 
@@ -121,7 +121,7 @@ struct GroupState {
 
 impl CpuGroup {
     fn reduce(&self, rank: usize, mine: Vec<f64>) -> Result<std::sync::Arc<Vec<f64>>> {
-        let gone = || BackendError::Device("all-reduce: another rank of the group stopped".into());
+        let gone = || BackendError::GroupAborted { op: "all_reduce_sum" };
         let mut st = self.state.lock().map_err(|_| gone())?;
         if st.aborted {
             return Err(gone());
@@ -136,7 +136,10 @@ impl CpuGroup {
             let mut sum = parts[0].clone();
             for p in &parts[1..] {
                 if p.len() != sum.len() {
-                    return Err(BackendError::Device("all-reduce: ranks passed buffers of different lengths".into()));
+                    return Err(BackendError::Shape {
+                        op: "all_reduce_sum",
+                        what: format!("ranks passed buffers of different lengths ({} and {})", sum.len(), p.len()),
+                    });
                 }
                 for (a, b) in sum.iter_mut().zip(p) {
                     *a += b;

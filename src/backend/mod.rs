@@ -11,22 +11,14 @@
 
 pub mod cpu;
 pub mod cuda;
+pub(crate) mod error;
+pub mod slots;
 
 use std::sync::Arc;
 
-use crate::pipeline::slots::SlotMemory;
 use crate::tensor::DType;
-
-/// Errors an op reports before it runs (shapes, lengths) or while it runs (device errors).
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    #[error("{op}: {what}")]
-    Shape { op: &'static str, what: String },
-    #[error("{op}: buffer is {found}, expected {expected}")]
-    DType { op: &'static str, expected: &'static str, found: &'static str },
-    #[error("device: {0}")]
-    Device(String),
-}
+pub use error::{BackendError, NcclFailure, StartError};
+pub use slots::{SlotError, SlotMemory};
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
@@ -170,7 +162,7 @@ pub trait Backend: Send + Sync + 'static {
     /// A point in a stream's work (a CUDA event); the host or another stream can wait for it.
     type Event: Clone + Send + Sync + 'static;
     /// Pinned host memory for the host-staged transport, with this backend's events
-    /// (`pipeline::slots`).
+    /// ([`slots`]; the pool over it is `pipeline::slots`).
     type HostMem: SlotMemory<Event = Self::Event>;
 
     /// Records the work enqueued on `s` so far.

@@ -22,43 +22,13 @@ use std::mem::ManuallyDrop;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
+pub use crate::backend::slots::{SlotError, SlotMemory};
 
 /// How often a blocked `acquire` re-queries release events while every unavailable slot is waiting
 /// for one. Events complete on the device, which cannot signal our condvar, so a waiter polls them
 /// (a guard returned without an event still wakes it at once). 100 us is small next to a staged H2D
 /// of a micro-batch (megabytes at tens of GB/s), and a poll is one non-blocking query per slot.
 const RELEASE_POLL: Duration = Duration::from_micros(100);
-
-#[derive(Debug, Error)]
-pub enum SlotError {
-    #[error(
-        "no pinned host slot became free within {waited:?}: every slot is held or waits for its H2D \
-         (check that the consumer releases its slots; raise the slot count if it does)"
-    )]
-    Timeout { waited: Duration },
-    #[error("the pinned slot pool is shut down: it hands out no more slots")]
-    Closed,
-    #[error("allocating pinned host slots failed: {0}")]
-    Alloc(String),
-    #[error("waiting for a pinned slot's release event failed: {0}")]
-    Event(String),
-}
-
-/// The memory and event primitives a [`SlotPool`] needs. On CUDA: `Slot` is a pinned host buffer
-/// (`cuMemHostAlloc` without the write-combined flag, freed by its `Drop`), `Event` a CUDA event
-/// recorded after the copy that reads the slot.
-pub trait SlotMemory: Send + Sync + 'static {
-    /// A pinned host buffer (not write-combined on CUDA). Dropping it frees it.
-    type Slot: Send;
-    /// Completion of a copy enqueued on a stream.
-    type Event: Send;
-    fn alloc_slot(&self, bytes: usize) -> Result<Self::Slot, SlotError>;
-    /// Non-blocking query. An error must read as "not done": the slot then stays out of use.
-    fn done(&self, ev: &Self::Event) -> bool;
-    /// The host blocks until the event has completed.
-    fn wait(&self, ev: &Self::Event) -> Result<(), SlotError>;
-}
 
 /// What the pool looks like now. `free + in_flight + lost == capacity` at all times.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

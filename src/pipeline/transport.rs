@@ -96,15 +96,12 @@ impl<'a, B: Backend> Link<'a, B> {
     /// slots of that size.
     pub fn new(kind: Transport, src: &'a B, dst: &'a B, max_bytes: usize, slots: usize) -> Result<Self> {
         if kind == Transport::Same && !std::ptr::eq(src, dst) {
-            return Err(BackendError::Device(
+            return Err(BackendError::Unsupported(
                 "--transport same needs the target and the drafter on one GPU: use p2p or host".into(),
             ));
         }
         let pool = match kind {
-            Transport::Host => Some(
-                SlotPool::new(src.host_mem(), slots.max(1), max_bytes.max(1))
-                    .map_err(|e| BackendError::Device(e.to_string()))?,
-            ),
+            Transport::Host => Some(SlotPool::new(src.host_mem(), slots.max(1), max_bytes.max(1))?),
             _ => None,
         };
         Ok(Link {
@@ -178,7 +175,7 @@ impl<'a, B: Backend> Link<'a, B> {
         let ready = self.src.record_event(s)?;
         let (dtype, len) = (self.src.dtype(&buf), self.src.len(&buf));
         let bytes = (len * dtype.size_bytes()) as u64;
-        let injected = || BackendError::Device(format!("injected fault: the {} copy failed", self.kind.name()));
+        let injected = || BackendError::Injected(format!("the {} copy failed", self.kind.name()));
         let parcel = match self.kind {
             Transport::Same => {
                 if fault {
@@ -199,7 +196,7 @@ impl<'a, B: Backend> Link<'a, B> {
             Transport::Host => {
                 let pool = self.pool.as_ref().expect("the host transport has a slot pool");
                 // Rule 5: the slot is ours (guarded) before its D2H is enqueued.
-                let mut slot = pool.acquire(SLOT_TIMEOUT).map_err(|e| BackendError::Device(e.to_string()))?;
+                let mut slot = pool.acquire(SLOT_TIMEOUT)?;
                 if fault {
                     return Err(injected()); // the guard returns the slot: nothing was enqueued
                 }

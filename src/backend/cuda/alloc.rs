@@ -56,15 +56,20 @@ pub enum AllocError {
     /// `raw_alloc`/`alloc_async` failed even after the cache was emptied. A `DeviceMem`
     /// implementation returns this with `reserved` and `allocated` 0; the allocator fills them.
     #[error(
-        "out of device memory: asked for {requested} bytes ({}) while this allocator holds {reserved} bytes ({}) of which {allocated} bytes ({}) are in live buffers; lower the batch size or the sequence length (or free other users of this GPU)",
+        "out of device memory: asked for {requested} bytes ({}) while this allocator holds {reserved} bytes ({}) of which {allocated} bytes ({}) are in live buffers; lower the batch size or the sequence length (--batch-size, --seq-len, --logits-chunk, --pad-to-tokens), or stop other users of this GPU",
         mib(*.requested),
         mib(*.reserved),
         mib(*.allocated)
     )]
     OutOfMemory { requested: usize, reserved: usize, allocated: usize },
-    /// Any other driver failure (the text names the call and the CUDA error).
-    #[error("device memory: {what}")]
-    Device { what: String },
+    /// Any other driver failure of a device-memory call.
+    #[error("device memory: {call} of {bytes} bytes failed ({})", crate::backend::error::cu_name(.source))]
+    Driver {
+        call: &'static str,
+        bytes: usize,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
 }
 
 fn mib(bytes: usize) -> String {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use cudarc::cublaslt::{result as lt, sys};
 
-use crate::backend::{BackendError, Gemm, Result};
+use crate::backend::{BackendError, Gemm, Result, StartError};
 use crate::tensor::DType;
 
 /// cuBLASLt workspace per call (32 MiB: what Hopper's heuristics ask for at large shapes).
@@ -44,17 +44,23 @@ pub struct Lt {
 unsafe impl Send for Lt {}
 unsafe impl Sync for Lt {}
 
-fn err(e: impl std::fmt::Debug) -> BackendError {
-    BackendError::Device(format!("cuBLASLt: {e:?}"))
+/// A failed cuBLASLt call while doing `what` for the GEMM `key`.
+fn err(what: &'static str, key: Key) -> impl FnOnce(lt::CublasError) -> BackendError {
+    move |e| {
+        let out = if key.f32_out { "f32" } else { "bf16" };
+        let shape = format!("m {} n {} k {} ta {} tb {}, {out} out", key.m, key.n, key.k, key.ta, key.tb);
+        BackendError::blas(format!("cuBLASLt {what} (gemm {shape})"), e)
+    }
 }
 
 impl Lt {
-    pub fn new() -> std::result::Result<Self, String> {
+    pub fn new() -> std::result::Result<Self, StartError> {
         // SAFETY: checks whether libcublasLt can be opened.
         if !unsafe { sys::is_culib_present() } {
-            return Err("libcublasLt.so not found (install the CUDA 13 cuBLAS runtime)".into());
+            return Err(StartError::NoCublasLt);
         }
-        let handle = lt::create_handle().map_err(|e| format!("{e:?}"))?;
+        let handle = lt::create_handle()
+            .map_err(|e| StartError::Blas { source: BackendError::blas("creating the cuBLASLt handle", e) })?;
         Ok(Lt { handle, plans: Mutex::new(HashMap::new()) })
     }
 
@@ -63,7 +69,7 @@ impl Lt {
         let out_t = if key.f32_out { sys::cudaDataType_t::CUDA_R_32F } else { bf };
         let desc =
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
-                .map_err(err)?;
+                .map_err(err("creating the matmul descriptor", key))?;
         // cuBLAS operand 1 = our B: (n x k) after its op.
         // cublasOperation_t as i32: 0 = N, 1 = T.
         let op1: i32 = i32::from(key.tb);
@@ -76,14 +82,14 @@ impl Lt {
                 &op1 as *const _ as *const c_void,
                 std::mem::size_of_val(&op1),
             )
-            .map_err(err)?;
+            .map_err(err("setting TRANSA", key))?;
             lt::set_matmul_desc_attribute(
                 desc,
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
                 &op2 as *const _ as *const c_void,
                 std::mem::size_of_val(&op2),
             )
-            .map_err(err)?;
+            .map_err(err("setting TRANSB", key))?;
         }
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
         // Stored shapes in column-major terms (rows, cols, ld).
@@ -92,15 +98,15 @@ impl Lt {
         } else {
             lt::create_matrix_layout(bf, n, k, n as i64)
         }
-        .map_err(err)?;
+        .map_err(err("creating the A layout", key))?;
         let b = if key.ta {
             lt::create_matrix_layout(bf, m, k, m as i64)
         } else {
             lt::create_matrix_layout(bf, k, m, k as i64)
         }
-        .map_err(err)?;
-        let c = lt::create_matrix_layout(out_t, n, m, n as i64).map_err(err)?;
-        let pref = lt::create_matmul_pref().map_err(err)?;
+        .map_err(err("creating the B layout", key))?;
+        let c = lt::create_matrix_layout(out_t, n, m, n as i64).map_err(err("creating the C layout", key))?;
+        let pref = lt::create_matmul_pref().map_err(err("creating the preference", key))?;
         let ws = WORKSPACE_BYTES as u64;
         // Reductions that add partial results in place are excluded: determinism first.
         let schemes: u32 = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32
@@ -113,15 +119,16 @@ impl Lt {
                 &ws as *const _ as *const c_void,
                 8,
             )
-            .map_err(err)?;
+            .map_err(err("setting the workspace size", key))?;
             lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                 &schemes as *const _ as *const c_void,
                 4,
             )
-            .map_err(err)?;
-            let h = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref).map_err(err);
+            .map_err(err("setting the reduction schemes", key))?;
+            let h = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref)
+                .map_err(err("choosing an algorithm", key));
             let _ = lt::destroy_matmul_pref(pref);
             h?.algo
         };
@@ -142,7 +149,7 @@ impl Lt {
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
         let key = Key { m: g.m, n: g.n, k: g.k, ta: g.ta, tb: g.tb, f32_out: c_dtype == DType::F32 };
-        let mut plans = self.plans.lock().map_err(|_| err("plan cache lock poisoned"))?;
+        let mut plans = self.plans.lock().map_err(|_| BackendError::Poisoned("cuBLASLt plan cache"))?;
         if !plans.contains_key(&key) {
             let p = self.plan(key)?;
             plans.insert(key, p);
@@ -171,6 +178,6 @@ impl Lt {
                 stream as sys::cudaStream_t,
             )
         }
-        .map_err(err)
+        .map_err(err("matmul", key))
     }
 }

@@ -1,8 +1,9 @@
 //! The CUDA side of the allocator's `DeviceMem`: raw allocations, events, poison fills.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{result as cu, sys, CudaContext, DriverError};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 
 use super::alloc::{AllocError, DeviceMem};
 
@@ -62,17 +63,46 @@ impl Drop for Event {
     }
 }
 
-/// Raw device memory of one context; streams are named by their `CUstream` address.
+/// The allocator's view of a failed allocation: out of memory (which it answers by emptying its
+/// cache and retrying once) or another driver failure (which it passes on).
+fn alloc_error(call: &'static str, bytes: usize, e: DriverError) -> AllocError {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        AllocError::OutOfMemory { requested: bytes, reserved: 0, allocated: 0 }
+    } else {
+        AllocError::Driver { call, bytes, source: e }
+    }
+}
+
+/// Raw device memory of one context. Streams are named by their unique id (`Stream::id`), never
+/// by the handle's address, which the driver reuses after a stream is destroyed; every stream the
+/// allocator has been told about is kept alive here, because it may still enqueue poison fills,
+/// event records and stream-ordered frees on it until the allocator itself is dropped.
 pub struct CudaMem {
     ctx: Arc<CudaContext>,
+    streams: HashMap<u64, Arc<CudaStream>>,
 }
 
 impl CudaMem {
     pub fn new(ctx: Arc<CudaContext>) -> Self {
-        CudaMem { ctx }
+        CudaMem { ctx, streams: HashMap::new() }
     }
+
+    /// Makes stream `id` known (and kept alive) before the allocator is given its id.
+    pub fn register(&mut self, id: u64, stream: &Arc<CudaStream>) {
+        self.streams.entry(id).or_insert_with(|| stream.clone());
+    }
+
     fn bind(&self) {
         let _ = self.ctx.bind_to_thread();
+    }
+
+    /// The handle of stream `id`. Every id reaches the allocator through a call that registered
+    /// it first, so a miss is a bug in the backend (the allocator's policy: misuse panics).
+    fn raw(&self, id: u64) -> sys::CUstream {
+        self.streams
+            .get(&id)
+            .unwrap_or_else(|| panic!("CudaMem: stream {id} was never registered with the allocator"))
+            .cu_stream()
     }
 }
 
@@ -80,17 +110,13 @@ impl CudaMem {
 unsafe impl Send for CudaMem {}
 
 impl DeviceMem for CudaMem {
-    type Stream = usize;
+    type Stream = u64;
     type Event = Option<Event>;
 
     fn raw_alloc(&mut self, bytes: usize) -> Result<u64, AllocError> {
         self.bind();
         // SAFETY: a plain device allocation; freed by raw_free.
-        unsafe { cu::malloc_sync(bytes) }.map_err(|_| AllocError::OutOfMemory {
-            requested: bytes,
-            reserved: 0,
-            allocated: 0,
-        })
+        unsafe { cu::malloc_sync(bytes) }.map_err(|e| alloc_error("cuMemAlloc", bytes, e))
     }
 
     fn raw_free(&mut self, ptr: u64) {
@@ -99,41 +125,53 @@ impl DeviceMem for CudaMem {
         let _ = unsafe { cu::free_sync(ptr) };
     }
 
-    fn record(&mut self, stream: usize) -> Option<Event> {
+    fn record(&mut self, stream: u64) -> Option<Event> {
         self.bind();
-        Event::record(stream as sys::CUstream).ok()
+        Event::record(self.raw(stream)).ok()
     }
 
     fn done(&mut self, ev: &Option<Event>) -> bool {
         ev.as_ref().is_none_or(|e| e.done())
     }
 
-    fn wait(&mut self, stream: usize, ev: &Option<Event>) {
+    fn wait(&mut self, stream: u64, ev: &Option<Event>) {
         if let Some(e) = ev {
             self.bind();
-            let _ = e.wait_on(stream as sys::CUstream);
+            let _ = e.wait_on(self.raw(stream));
         }
     }
 
-    fn poison(&mut self, ptr: u64, bytes: usize, stream: usize) {
+    fn poison(&mut self, ptr: u64, bytes: usize, stream: u64) {
         self.bind();
-        // SAFETY: the allocator poisons only blocks it owns and no one uses.
-        let _ = unsafe { cu::memset_d8_async(ptr, 0xFF, bytes, stream as sys::CUstream) };
+        // SAFETY: the allocator poisons only blocks it owns and no one uses; the stream is alive
+        // (registered streams are kept until the allocator is dropped).
+        let _ = unsafe { cu::memset_d8_async(ptr, 0xFF, bytes, self.raw(stream)) };
     }
 
-    fn alloc_async(&mut self, bytes: usize, stream: usize) -> Result<u64, AllocError> {
+    fn alloc_async(&mut self, bytes: usize, stream: u64) -> Result<u64, AllocError> {
         self.bind();
-        // SAFETY: stream-ordered allocation, freed by free_async.
-        unsafe { cu::malloc_async(stream as sys::CUstream, bytes) }.map_err(|_| AllocError::OutOfMemory {
-            requested: bytes,
-            reserved: 0,
-            allocated: 0,
-        })
+        // SAFETY: stream-ordered allocation on a live stream, freed by free_async.
+        unsafe { cu::malloc_async(self.raw(stream), bytes) }.map_err(|e| alloc_error("cuMemAllocAsync", bytes, e))
     }
 
-    fn free_async(&mut self, ptr: u64, stream: usize) {
+    fn free_async(&mut self, ptr: u64, stream: u64) {
         self.bind();
-        // SAFETY: `ptr` came from alloc_async; freed once, stream-ordered.
-        let _ = unsafe { cu::free_async(ptr, stream as sys::CUstream) };
+        // SAFETY: `ptr` came from alloc_async; freed once, stream-ordered on a live stream.
+        let _ = unsafe { cu::free_async(ptr, self.raw(stream)) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_drivers_out_of_memory_is_out_of_memory_for_the_allocator() {
+        let oom = alloc_error("cuMemAlloc", 1 << 30, DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        // The allocator answers this one by emptying its cache and retrying once.
+        assert_eq!(oom, AllocError::OutOfMemory { requested: 1 << 30, reserved: 0, allocated: 0 });
+        let other = alloc_error("cuMemAlloc", 64, DriverError(sys::CUresult::CUDA_ERROR_NOT_INITIALIZED));
+        assert!(matches!(other, AllocError::Driver { call: "cuMemAlloc", bytes: 64, .. }), "{other:?}");
+        assert!(other.to_string().contains("cuMemAlloc of 64 bytes failed (CUDA_ERROR_NOT_INITIALIZED)"), "{other}");
     }
 }

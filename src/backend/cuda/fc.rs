@@ -10,8 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 
-use super::{dev_err, i32c, i64c, off_ptr, Args, CudaBackend, CudaBuf, Stream};
+use super::launch::{self, DevPtr};
+use super::{drv, CudaBackend, CudaBuf, Stream};
 use crate::backend::{check_len, BackendError, Result};
+use crate::kernels::launch::{FC_BK, FC_BM, FC_BN, FC_SMEM_BYTES, FC_S_THREADS, FC_S_TILE, FC_THREADS};
 
 /// Which kernel of kernels/fc.cu computes the projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,19 +25,8 @@ pub enum FcPath {
     Simple,
 }
 
-/// The kernels of kernels/fc.cu, resolved at start-up with all the others (mod.rs).
-pub(super) const FC_KERNELS: [&str; 2] = ["fc_wgmma_bf16", "fc_simple_bf16"];
-
-// fc_wgmma_bf16's fixed launch (kernels/fc.cu THREADS, SMEM_BYTES, BM, BN, BK; it traps on a
-// different block size or less shared memory).
-const FAST_THREADS: u32 = 384;
-const FAST_SMEM_BYTES: u32 = 197_696;
-const FAST_BM: u32 = 128;
-const FAST_BN: u32 = 256;
-const FAST_BK: u32 = 64;
-// fc_simple_bf16's fixed launch (kernels/fc.cu S_THREADS, S_TILE).
-const SIMPLE_THREADS: u32 = 256;
-const SIMPLE_TILE: usize = 64;
+// fc_wgmma_bf16 traps on a block of other than FC_THREADS threads or less than FC_SMEM_BYTES of
+// shared memory; fc_simple_bf16 on other than FC_S_THREADS threads (kernels/launch.cuh).
 /// The bulk tensor copy engine wants 16-byte aligned base addresses and row pitches.
 const TMA_ALIGN: u64 = 16;
 
@@ -63,13 +54,14 @@ fn fast_path_blocker(x: u64, w: u64, y: u64, w_off: usize, h: usize, k: usize) -
 }
 
 /// A 2-D TMA descriptor over a row-major bf16 matrix `[outer, inner]` at `ptr`, read in boxes of
-/// `FAST_BK` x `box_outer` elements with the 128-byte swizzle the kernel's wgmma descriptors expect;
+/// `FC_BK` x `box_outer` elements with the 128-byte swizzle the kernel's wgmma descriptors expect;
 /// out-of-bounds box elements read as zero.
-fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result<sys::CUtensorMap> {
+fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: usize) -> Result<sys::CUtensorMap> {
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let dims: [u64; 2] = [inner as u64, outer as u64];
     let pitch: [u64; 1] = [inner as u64 * 2];
-    let boxes: [u32; 2] = [FAST_BK, box_outer];
+    let tile = |n: usize| u32::try_from(n).expect("launch.cuh's FC tiles are small");
+    let boxes: [u32; 2] = [tile(FC_BK), tile(box_outer)];
     let element_strides: [u32; 2] = [1, 1];
     // SAFETY: every array has the length rank 2 asks for (strides: rank - 1) and outlives the
     // call; `map` is a writable CUtensorMap. The call only encodes a descriptor on the host.
@@ -90,7 +82,7 @@ fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result
         )
     }
     .result()
-    .map_err(|e| dev_err(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix: {e:?}")))?;
+    .map_err(|e| drv(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix"), e))?;
     Ok(map)
 }
 
@@ -109,7 +101,8 @@ impl CudaBackend {
         h: usize,
         k: usize,
     ) -> Result<()> {
-        let path = match fast_path_blocker(x.ptr, off_ptr(w, w_off), y.ptr, w_off, h, k) {
+        let wp = w.ptr + (w_off * w.dtype.size_bytes()) as u64;
+        let path = match fast_path_blocker(x.ptr, wp, y.ptr, w_off, h, k) {
             Some(why) if rows > 0 && h > 0 => {
                 if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
                     eprintln!(
@@ -145,48 +138,28 @@ impl CudaBackend {
         check_len(OP, "x", x.len, 0, rows * k)?;
         check_len(OP, "w", w.len, w_off, h * k)?;
         check_len(OP, "y", y.len, 0, rows * h)?;
-        Self::need_bf16("fc_project x", x)?;
-        Self::need_bf16("fc_project w", w)?;
-        Self::need_bf16("fc_project y", y)?;
-        let (rows_i, h_i, k_i) = (i32c("rows", rows)?, i32c("h", h)?, i32c("k", k)?);
+        let (xp, wp, yp): (DevPtr<half::bf16>, DevPtr<half::bf16>, DevPtr<half::bf16>) =
+            (x.at(OP, 0)?, w.at(OP, w_off)?, y.at(OP, 0)?);
         if rows == 0 || h == 0 {
             return Ok(());
         }
-        let (xp, wp, yp) = (x.ptr, off_ptr(w, w_off), y.ptr);
         match path {
             FcPath::Fast => {
-                if let Some(why) = fast_path_blocker(xp, wp, yp, w_off, h, k) {
+                if let Some(why) = fast_path_blocker(xp.addr(), wp.addr(), yp.addr(), w_off, h, k) {
                     return Err(BackendError::Shape { op: OP, what: format!("fc_wgmma_bf16 cannot run: {why}") });
                 }
-                let map_x = tensor_map_2d(xp, k, rows, FAST_BM)?;
-                let map_w = tensor_map_2d(wp, k, h, FAST_BN)?;
-                let tiles = rows.div_ceil(FAST_BM as usize) * h.div_ceil(FAST_BN as usize);
+                let map_x = tensor_map_2d(xp.addr(), k, rows, FC_BM)?;
+                let map_w = tensor_map_2d(wp.addr(), k, h, FC_BN)?;
+                let tiles = rows.div_ceil(FC_BM) * h.div_ceil(FC_BN);
                 // Persistent: one CTA per SM at most (197 KB of shared memory each), >= 1 here.
-                let grid = tiles.min(self.sm_count as usize) as u32;
-                self.launch(
-                    s,
-                    "fc_wgmma_bf16",
-                    grid,
-                    FAST_THREADS,
-                    FAST_SMEM_BYTES,
-                    Args::new().p(map_x).p(map_w).p(yp).p(rows_i).p(h_i).p(k_i),
-                )
+                let grid = tiles.min(self.sm_count);
+                let args = launch::FcWgmmaBf16 { map_x, map_w, y: yp, rows, h, k };
+                self.launch(s, launch::FcWgmmaBf16::KERNEL, (grid, FC_THREADS, FC_SMEM_BYTES), args)
             }
             FcPath::Simple => {
-                let tiles = rows.div_ceil(SIMPLE_TILE) * h.div_ceil(SIMPLE_TILE);
-                let grid =
-                    u32::try_from(tiles).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| BackendError::Shape {
-                        op: OP,
-                        what: format!("{rows} x {h} needs {tiles} tiles of 64 x 64, more than a grid can hold"),
-                    })?;
-                self.launch(
-                    s,
-                    "fc_simple_bf16",
-                    grid,
-                    SIMPLE_THREADS,
-                    0,
-                    Args::new().p(xp).p(wp).p(yp).p(i64c(rows)).p(h_i).p(k_i),
-                )
+                let tiles = rows.div_ceil(FC_S_TILE) * h.div_ceil(FC_S_TILE);
+                let args = launch::FcSimpleBf16 { x: xp, w: wp, y: yp, rows, h, k };
+                self.launch(s, launch::FcSimpleBf16::KERNEL, (tiles, FC_S_THREADS, 0), args)
             }
         }
     }

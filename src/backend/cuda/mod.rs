@@ -10,42 +10,52 @@ pub mod alloc;
 mod blas;
 mod device;
 mod fc;
+pub mod launch;
 mod nccl;
 mod transport;
 
 use std::collections::HashMap;
-use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result as cu, sys, CudaContext, CudaStream};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result, StartError};
+use crate::kernels::launch::{
+    ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS, ATTN_KEYS, ATTN_KV_CHUNK, ATTN_KV_ROWS,
+    ATTN_KV_TILES, ATTN_KV_WARPS, ATTN_LD_PAD, ATTN_MAX_BLOCK_KEYS, ATTN_WARP_ROWS, CEC_BLOCK, CEC_CHUNKS, CEC_CTAS,
+    CEC_STAGES, CEC_WIDE_CHUNKS, CE_BLOCK, MAX_TAPS, PACK_MAX_BLOCK, PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK,
+    RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD, RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
+};
 use crate::tensor::DType;
-use alloc::{BlockId, CachingAllocator, Mode};
+use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
+use launch::{variant, DevPtr, Elem, Kernel, KernelArgs, Kernels, LaunchCfg, TapPtrs};
 pub use transport::{CudaEvent, CudaHostMem, PinnedSlot};
 
-fn dev_err(what: impl std::fmt::Display) -> BackendError {
-    BackendError::Device(what.to_string())
+/// A failed driver call while doing `what` (out of memory becomes [`BackendError::OutOfMemory`]).
+fn drv(what: impl Into<String>, e: DriverError) -> BackendError {
+    BackendError::driver(what, None, e)
 }
 
-/// Why the CUDA backend could not start, with what to do about it.
-pub fn probe() -> std::result::Result<(), String> {
+/// Whether the CUDA backend can start here: the number of visible devices, or why not (with what
+/// to do about it).
+pub fn probe() -> std::result::Result<usize, StartError> {
     // SAFETY: only asks the dynamic loader whether libcuda can be opened.
     if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver (libcuda.so) found: install the NVIDIA driver, or use --device cpu".into());
+        return Err(StartError::NoDriver);
     }
     if !crate::kernels::built() {
-        return Err("this binary was built without CUDA kernels (no nvcc at build time): run scripts/install-cuda-toolchain.sh and rebuild, or use --device cpu".into());
+        return Err(StartError::NoKernels);
     }
-    cu::init().map_err(|e| format!("the CUDA driver failed to initialise ({e:?}): check nvidia-smi"))?;
-    let n = cu::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e:?})"))?;
-    if n == 0 {
-        return Err("no CUDA device visible: check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu".into());
+    cu::init().map_err(StartError::DriverInit)?;
+    let n = cu::device::get_count().map_err(StartError::DriverInit)?;
+    match usize::try_from(n) {
+        Ok(0) | Err(_) => Err(StartError::NoDevices),
+        Ok(n) => Ok(n),
     }
-    Ok(())
 }
 
 /// A device buffer: a block of our allocator plus what it holds.
@@ -85,117 +95,91 @@ impl CudaBuf {
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
+
+    /// Elements `off..` as a kernel argument of element type `T`, which must be the buffer's dtype.
+    fn at<T: Elem>(&self, op: &'static str, off: usize) -> Result<DevPtr<T>> {
+        if self.dtype != T::DTYPE {
+            return Err(BackendError::DType { op, expected: T::DTYPE.name(), found: self.dtype.name() });
+        }
+        check_len(op, "offset", self.len, off, 0)?;
+        Ok(DevPtr::new(off_ptr(self, off)))
+    }
 }
 
-/// A stream handle (cheap to clone).
+impl CudaIds {
+    /// Elements `off..` as a kernel argument.
+    fn at(&self, op: &'static str, off: usize) -> Result<DevPtr<i32>> {
+        check_len(op, "offset", self.len, off, 0)?;
+        Ok(DevPtr::new(self.ptr + 4 * off as u64))
+    }
+}
+
+/// A stream handle (cheap to clone). Its id is unique for the process's lifetime: the allocator
+/// names streams by it, so a stream created after another was dropped never inherits that one's
+/// cached memory or pending uses, whatever address the driver gives its handle.
 #[derive(Clone)]
-pub struct Stream(pub Arc<CudaStream>);
+pub struct Stream {
+    id: u64,
+    inner: Arc<CudaStream>,
+}
+
+/// Ids handed to streams at creation; never reused.
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(0);
 
 impl Stream {
+    fn new(inner: Arc<CudaStream>) -> Self {
+        Stream { id: NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed), inner }
+    }
     fn raw(&self) -> sys::CUstream {
-        self.0.cu_stream()
+        self.inner.cu_stream()
     }
-    fn id(&self) -> usize {
-        self.0.cu_stream() as usize
+    fn id(&self) -> u64 {
+        self.id
+    }
+    pub fn cuda_stream(&self) -> &Arc<CudaStream> {
+        &self.inner
     }
 }
 
-/// Every kernel, resolved at start-up.
-struct Kernels {
-    f: HashMap<&'static str, sys::CUfunction>,
-}
-
-// SAFETY: CUfunction handles are immutable after load and valid for the context's lifetime;
-// the driver allows launching them from any thread with the context bound.
-unsafe impl Send for Kernels {}
-unsafe impl Sync for Kernels {}
-
-const ELEMENTWISE: [&str; 8] = [
-    "fill_f32",
-    "fill_bf16",
-    "convert_f32_to_bf16",
-    "convert_bf16_to_f32",
-    "add_inplace_bf16",
-    "count_nonfinite_f32",
-    "count_nonfinite_bf16",
-    "embed_bf16",
-];
-const OTHERS: [&str; 12] = [
-    "attn_draft_kv_ranges",
-    "pack_taps_noise_bf16",
-    "rmsnorm_fwd_bf16",
-    "rmsnorm_bwd_bf16",
-    "rmsnorm_dw_reduce_f32",
-    "rope_bf16",
-    "swiglu_fwd_bf16",
-    "swiglu_bwd_bf16",
-    "cross_entropy_bf16",
-    "adamw_f32",
-    "sum_squares_partial_f32",
-    "sum_partials_f32",
-];
-const ATTN: [&str; 5] =
-    ["attn_causal_fwd", "attn_draft_fwd", "attn_draft_bwd_prep", "attn_draft_bwd_q", "attn_draft_bwd_kv"];
-const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
-
-/// Constants the kernels fix (see each .cu header).
-const RMS_BLOCK: u32 = 256;
-const RMS_CHUNKS_PER_LANE: usize = 4;
-const RMS_SLAB_PAD: usize = 4;
-const RMS_BWD_TARGET_PARTS: usize = 1024;
-const CE_BLOCK: u32 = 512;
-/// An on-chip cross-entropy kernel (kernels/cross_entropy.cu): a cluster of `ctas` CTAs per
-/// row, CTAs of `block` threads, each thread owning `chunks` chunks of 8 of the row, `stages` row
-/// shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a row stays in L2
-/// between the streaming kernel's two passes anyway) to ctas x block x chunks x 8.
+/// An on-chip cross-entropy kernel (kernels/cross_entropy.cu): a cluster of `CEC_CTAS` CTAs per
+/// row, CTAs of `CEC_BLOCK` threads, each thread owning `chunks` chunks of 8 of the row,
+/// `CEC_STAGES` row shares in each CTA's ring; vocab % 8 == 0 from `min_vocab` (below 32,768 a
+/// row stays in L2 between the streaming kernel's two passes anyway) to CTAs x block x chunks x 8.
 #[derive(Clone, Copy, Debug)]
 struct CeCluster {
-    name: &'static str,
-    ctas: u32,
-    block: u32,
-    chunks: u32,
-    stages: u32,
+    kernel: Kernel,
+    chunks: usize,
     min_vocab: usize,
-}
-const fn ce_cluster(name: &'static str, block: u32, chunks: u32, stages: u32, min_vocab: usize) -> CeCluster {
-    CeCluster { name, ctas: 8, block, chunks, stages, min_vocab }
 }
 /// The cluster kernels: a vocabulary takes the first one that takes it. Up to 163,840 two CTAs
 /// fit on an SM; over it a CTA's 64 KB stages fit only one CTA per SM.
 const CE_CLUSTERS: [CeCluster; 2] = [
-    ce_cluster("cross_entropy_cluster_bf16", 512, 5, 2, 32_768),
-    ce_cluster("cross_entropy_cluster_wide_bf16", 512, 8, 2, 163_848),
+    CeCluster { kernel: Kernel::CrossEntropyClusterBf16, chunks: CEC_CHUNKS, min_vocab: 32_768 },
+    CeCluster { kernel: Kernel::CrossEntropyClusterWideBf16, chunks: CEC_WIDE_CHUNKS, min_vocab: 163_848 },
 ];
 impl CeCluster {
-    fn is_one(name: &str) -> bool {
-        CE_CLUSTERS.iter().any(|c| c.name == name)
-    }
     fn max_vocab(&self) -> usize {
-        (self.ctas * self.block * self.chunks * 8) as usize
+        CEC_CTAS * CEC_BLOCK * self.chunks * 8
     }
-    /// Dynamic shared memory: `stages` stages of a row share (chunks x block x 16 bytes).
-    fn smem(&self) -> u32 {
-        self.stages * self.chunks * self.block * 16
+    /// Dynamic shared memory: `CEC_STAGES` stages of a row share (chunks x block x 16 bytes).
+    fn smem(&self) -> usize {
+        CEC_STAGES * self.chunks * CEC_BLOCK * 16
     }
     fn takes(&self, vocab: usize) -> bool {
         vocab % 8 == 0 && (self.min_vocab..=self.max_vocab()).contains(&vocab)
     }
 }
 
-const SUMSQ_PARTS: u32 = 1024;
-const SUMSQ_BLOCK: u32 = 256;
-const MAX_TAPS: usize = 16;
-
 pub struct CudaBackend {
-    /// Cached RoPE inverse frequencies per (head_dim, theta bits). First field: fields drop in
-    /// order, and these buffers must be freed while their owner stream (`main`) still exists.
+    /// Cached RoPE inverse frequencies per (head_dim, theta bits), owned by `main`. (The allocator
+    /// keeps every stream it names alive, so field order does not matter for their frees.)
     inv_freq: Mutex<HashMap<(usize, u32), CudaBuf>>,
     ctx: Arc<CudaContext>,
     main: Stream,
     pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
     kernels: Kernels,
     blas: blas::Lt,
-    sm_count: u32,
+    sm_count: usize,
     /// The cross-entropy cluster kernels this GPU runs, each with its co-resident cluster count
     /// (the grid it is launched with), in order of preference.
     ce_clusters: Vec<(CeCluster, usize)>,
@@ -204,36 +188,12 @@ pub struct CudaBackend {
     name: String,
 }
 
-/// A pointer-sized kernel argument list builder: each value is boxed so its address is stable.
-struct Args(Vec<Box<dyn std::any::Any>>);
-
-impl Args {
-    fn new() -> Self {
-        Args(Vec::new())
-    }
-    fn p<T: Copy + 'static>(mut self, v: T) -> Self {
-        self.0.push(Box::new(v));
-        self
-    }
-    fn params(&mut self) -> Vec<*mut c_void> {
-        self.0.iter_mut().map(|b| (&mut **b) as *mut dyn std::any::Any as *mut c_void).collect()
-    }
-}
-
-fn i32c(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| BackendError::Shape { op: "launch", what: format!("{what} = {v} does not fit in i32") })
-}
-
-fn i64c(v: usize) -> i64 {
-    v as i64 // usize -> i64 cannot overflow for any buffer that fits in device memory
-}
-
 impl CudaBackend {
     /// The kernel `cross_entropy` runs for rows of `vocab` (16-byte aligned logits), with the
     /// number of clusters it launches (None: the streaming kernel, one CTA per row).
     pub fn cross_entropy_kernel(&self, vocab: usize) -> (&'static str, Option<usize>) {
-        self.ce_cluster_for(vocab).map_or(("cross_entropy_bf16", None), |(ce, n)| (ce.name, Some(n)))
+        self.ce_cluster_for(vocab)
+            .map_or((Kernel::CrossEntropyBf16.symbol(), None), |(ce, n)| (ce.kernel.symbol(), Some(n)))
     }
 
     fn ce_cluster_for(&self, vocab: usize) -> Option<(CeCluster, usize)> {
@@ -242,113 +202,65 @@ impl CudaBackend {
 
     /// Starts the backend on device `ordinal`: checks the driver, the device's compute
     /// capability (9.0 or newer: the kernels are sm_90a), loads every kernel.
-    pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, String> {
-        probe()?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e:?}"))?;
+    pub fn new(ordinal: usize, mode: Mode) -> std::result::Result<Self, StartError> {
+        let count = probe()?;
+        if ordinal >= count {
+            return Err(StartError::NoSuchDevice { ordinal, count });
+        }
+        let start = |source: BackendError| StartError::Backend { ordinal, source };
+        let ctx = CudaContext::new(ordinal).map_err(|e| start(drv("opening the context", e)))?;
         // Our allocator and streams do the bookkeeping; cudarc's per-slice events would only cost.
         // SAFETY: we never use cudarc's CudaSlice cross-stream tracking.
         unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| start(drv("reading the compute capability", e)))?;
         if major < 9 {
-            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}; this engine's kernels need 9.0 (Hopper) or newer. Use --device cpu."));
+            return Err(StartError::TooOld { ordinal, major, minor });
         }
         if major != 9 {
-            return Err(format!("CUDA device {ordinal} has compute capability {major}.{minor}: the embedded cubins are sm_90a only (Hopper). Rebuild with the target added in build.rs, or use --device cpu."));
+            let cubin_arch = crate::kernels::CUBIN_ARCH;
+            return Err(StartError::UnsupportedArch { ordinal, major, minor, cubin_arch });
         }
-        let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| format!("{e:?}"))? as u32;
-        let smem_optin = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| format!("{e:?}"))?;
+        let attribute = |a: sys::CUdevice_attribute, what: &str| {
+            ctx.attribute(a).map_err(|e| start(drv(format!("reading the {what}"), e)))
+        };
+        let sm_count = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count")?;
+        let sm_count = usize::try_from(sm_count)
+            .map_err(|_| start(BackendError::Unsupported(format!("the driver reports {sm_count} SMs"))))?;
+        let smem_optin = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "opt-in shared memory per block",
+        )?;
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
-        let main = Stream(ctx.new_stream().map_err(|e| format!("{e:?}"))?);
-        let mut f = HashMap::new();
-        let mut wanted: Vec<String> = ELEMENTWISE
-            .iter()
-            .chain(OTHERS.iter())
-            .chain(CE_CLUSTERS.iter().map(|c| &c.name))
-            .chain(fc::FC_KERNELS.iter())
-            .map(|s| s.to_string())
-            .collect();
-        for a in ATTN {
-            for hd in HEAD_DIMS {
-                wanted.push(format!("{a}_bf16_hd{hd}"));
-            }
-        }
-        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        let mut modules = Vec::new();
-        for (family, bytes) in crate::kernels::CUBINS {
-            // SAFETY: the bytes are a cubin nvcc produced at build time, kept alive for 'static.
-            let m = unsafe { cu::module::load_data(bytes.as_ptr() as *const c_void) }.map_err(|e| format!("loading kernels/{family}.cu's cubin failed ({e:?}): the driver may be too old for CUDA 13.0 cubins"))?;
-            modules.push((*family, m));
-        }
-        for name in &wanted {
-            let family = kernel_family(name);
-            let module = modules
-                .iter()
-                .find(|(f, _)| *f == family)
-                .map(|(_, m)| *m)
-                .ok_or_else(|| format!("kernels/{family}.cu was not embedded in this binary"))?;
-            let cname = std::ffi::CString::new(name.as_str()).expect("kernel names have no NUL");
-            // SAFETY: the module was just loaded and is never unloaded.
-            let func = unsafe { cu::module::get_function(module, cname) }
-                .map_err(|e| format!("kernel {name} is missing from kernels/{family}.cu's cubin ({e:?})"))?;
-            let leaked: &'static str = Box::leak(name.clone().into_boxed_str());
-            f.insert(leaked, func);
-        }
-        // Attention, the rmsnorm backward and the FC GEMM may use more than the default 48 KB of
-        // shared memory.
-        for (k, func) in &f {
-            if k.starts_with("attn_") || k.starts_with("fc_") || *k == "rmsnorm_bwd_bf16" || CeCluster::is_one(k) {
-                // The opt-in limit covers static + dynamic shared memory.
-                // SAFETY: a valid function handle and documented attributes.
-                let static_smem = unsafe {
-                    cu::function::get_function_attribute(
-                        *func,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-                    )
-                }
-                .map_err(|e| format!("{k}: {e:?}"))?;
-                // SAFETY: as above.
-                unsafe {
-                    cu::function::set_function_attribute(
-                        *func,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem_optin - static_smem,
-                    )
-                }
-                .map_err(|e| format!("{k}: {e:?}"))?;
-            }
-        }
+        let main = Stream::new(ctx.new_stream().map_err(|e| start(drv("creating the compute stream", e)))?);
+        ctx.bind_to_thread().map_err(|e| start(drv("binding the context", e)))?;
+        let kernels = Kernels::load(smem_optin)?;
         // How many clusters of each cross-entropy cluster kernel are resident at once: it runs
         // exactly that many, each streaming rows with the next row's loads in flight.
         // DFLASH_CE_KERNEL=<name> keeps only that kernel (cross_entropy_bf16: none), to compare
         // them on the same shapes.
         let only = std::env::var("DFLASH_CE_KERNEL").ok();
+        let streaming = Kernel::CrossEntropyBf16.symbol();
         if let Some(k) = &only {
-            if k != "cross_entropy_bf16" && !CeCluster::is_one(k) {
-                let names: Vec<_> = CE_CLUSTERS.iter().map(|c| c.name).collect();
-                return Err(format!(
-                    "DFLASH_CE_KERNEL={k} names no cross-entropy kernel (cross_entropy_bf16, {})",
-                    names.join(", ")
-                ));
+            if k != streaming && !CE_CLUSTERS.iter().any(|c| c.kernel.symbol() == k) {
+                let names: Vec<_> = CE_CLUSTERS.iter().map(|c| c.kernel.symbol()).collect();
+                let known = format!("{streaming}, {}", names.join(", "));
+                return Err(StartError::UnknownCeKernel { value: k.clone(), known });
             }
         }
         let mut ce_clusters = Vec::new();
-        for ce in CE_CLUSTERS.iter().filter(|c| only.as_deref().is_none_or(|k| k == c.name)) {
-            match ce_resident_clusters(f[ce.name], ce)? {
+        for ce in CE_CLUSTERS.iter().filter(|c| only.as_deref().is_none_or(|k| k == c.kernel.symbol())) {
+            match ce_resident_clusters(kernels.get(ce.kernel), ce).map_err(start)? {
                 0 => {} // fits no cluster on this GPU: its vocabularies take the next one
                 n => ce_clusters.push((*ce, n)),
             }
         }
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
-        let blas = blas::Lt::new().map_err(|e| format!("cuBLASLt: {e}"))?;
+        let blas = blas::Lt::new()?;
         Ok(CudaBackend {
             ctx,
             main,
             pool,
-            kernels: Kernels { f },
+            kernels,
             blas,
             sm_count,
             ce_clusters,
@@ -373,42 +285,47 @@ impl CudaBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(dev_err)
+        self.ctx.bind_to_thread().map_err(|e| drv(format!("binding {}'s context to this thread", self.name), e))
     }
 
-    fn raw_alloc(&self, s: &Stream, bytes: usize) -> Result<(u64, BlockId)> {
+    /// `bytes` of device memory owned by `s`; `what` says what for (in an out-of-memory error).
+    fn raw_alloc(&self, s: &Stream, bytes: usize, what: impl FnOnce() -> String) -> Result<(u64, BlockId)> {
         self.bind()?;
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
-        let b = p.alloc(s.id(), bytes.max(1)).map_err(|e| dev_err(e.to_string()))?;
-        Ok((p.ptr(b), b))
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(s.id(), &s.inner);
+        match p.alloc(s.id(), bytes.max(1)) {
+            Ok(b) => Ok((p.ptr(b), b)),
+            Err(e) => {
+                drop(p);
+                Err(alloc_error(e, format!("{} on {}", what(), self.name), cu::mem_get_info().ok()))
+            }
+        }
     }
 
-    fn func(&self, name: &str) -> Result<sys::CUfunction> {
-        self.kernels.f.get(name).copied().ok_or_else(|| dev_err(format!("kernel {name} not loaded")))
-    }
-
-    fn launch(&self, s: &Stream, name: &str, grid: u32, block: u32, smem: u32, mut args: Args) -> Result<()> {
-        let f = self.func(name)?;
-        let mut params = args.params();
+    /// Launches `kernel` with `args` (checked by the generated launcher before the launch).
+    fn launch<A: KernelArgs>(&self, s: &Stream, kernel: Kernel, cfg: (usize, usize, usize), args: A) -> Result<()> {
+        if !A::takes(kernel) {
+            return Err(BackendError::Unsupported(format!(
+                "{} was given the arguments of another signature ({})",
+                kernel.symbol(),
+                kernel.signature()
+            )));
+        }
+        let cfg = LaunchCfg::new(kernel, cfg.0, cfg.1, cfg.2)?;
         self.bind()?;
-        // SAFETY: `params` point at boxed values of exactly the kernel's parameter types (each
-        // launcher below builds them in the kernel's order), alive until after the call; the
-        // device pointers come from live buffers the caller borrows for the call.
-        unsafe { cu::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, s.raw(), &mut params) }
-            .map_err(|e| dev_err(format!("launching {name}: {e:?}")))
+        args.launch_raw(kernel, self.kernels.get(kernel), &cfg, s.raw())
     }
 
     /// Grid for a grid-stride elementwise kernel over `n` elements, 8 per thread.
-    fn ew_grid(&self, n: usize) -> u32 {
-        let want = n.div_ceil(8 * 256).max(1);
-        want.min(16 * self.sm_count as usize) as u32
+    fn ew_grid(&self, n: usize) -> usize {
+        n.div_ceil(8 * 256).clamp(1, 16 * self.sm_count)
     }
 
-    fn inv_freq(&self, s: &Stream, head_dim: usize, theta: f32) -> Result<u64> {
+    fn inv_freq(&self, s: &Stream, head_dim: usize, theta: f32) -> Result<DevPtr<f32>> {
         let key = (head_dim, theta.to_bits());
-        let mut cache = self.inv_freq.lock().map_err(|_| dev_err("rope cache lock poisoned"))?;
+        let mut cache = self.inv_freq.lock().map_err(|_| BackendError::Poisoned("rope cache"))?;
         if let Some(b) = cache.get(&key) {
-            return Ok(b.ptr);
+            return b.at("rope", 0);
         }
         // As Hugging Face (and cpu.rs) compute it: 1 / theta^(2i / d) in f32.
         let host: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
@@ -420,7 +337,7 @@ impl CudaBackend {
         self.upload(&main, &host, &mut b, 0)?;
         // Cached for every stream: the host waits once so no stream can read it early.
         self.synchronize(&main)?;
-        let p = b.ptr;
+        let p = b.at("rope", 0)?;
         cache.insert(key, b);
         Ok(p)
     }
@@ -430,14 +347,12 @@ impl CudaBackend {
         self.alloc(s, DType::F32, n)
     }
 
-    fn attn_name(base: &str, head_dim: usize) -> Result<String> {
-        if !HEAD_DIMS.contains(&head_dim) {
-            return Err(BackendError::Shape {
-                op: "attention",
-                what: format!("head_dim {head_dim} is not one of {HEAD_DIMS:?}"),
-            });
-        }
-        Ok(format!("{base}_bf16_hd{head_dim}"))
+    /// The kernel of an attention family for `head_dim` (one is compiled per supported head dim).
+    fn attn_kernel(op: &'static str, variants: &[(&'static str, Kernel)], head_dim: usize) -> Result<Kernel> {
+        variant(variants, &head_dim.to_string()).ok_or_else(|| {
+            let dims: Vec<&str> = variants.iter().map(|(d, _)| *d).collect();
+            BackendError::Shape { op, what: format!("head_dim {head_dim} is not one of the compiled {dims:?}") }
+        })
     }
 
     fn need_bf16(op: &'static str, b: &CudaBuf) -> Result<()> {
@@ -455,16 +370,34 @@ impl CudaBackend {
     }
 }
 
+/// An allocator error as a backend error, `context` saying what asked; out of memory carries the
+/// device's (free, total) bytes when known.
+fn alloc_error(e: AllocError, context: String, device: Option<(usize, usize)>) -> BackendError {
+    match e {
+        AllocError::OutOfMemory { requested, reserved, allocated } => BackendError::OutOfMemory {
+            context,
+            requested: Some(requested),
+            held: Some((reserved, allocated)),
+            device,
+            source: None,
+        },
+        AllocError::Driver { call, bytes, source } => {
+            BackendError::driver(format!("{context}: {call}"), Some(bytes), source).with_device_memory(device)
+        }
+    }
+}
+
 /// Co-resident clusters of a cross-entropy cluster kernel on this GPU (0: none fits).
-fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::Result<usize, String> {
+fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> Result<usize> {
+    let cfg = LaunchCfg::new(ce.kernel, CEC_CTAS, CEC_BLOCK, ce.smem())?;
     let config = sys::CUlaunchConfig {
-        gridDimX: ce.ctas,
+        gridDimX: cfg.grid(),
         gridDimY: 1,
         gridDimZ: 1,
-        blockDimX: ce.block,
+        blockDimX: cfg.block(),
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: ce.smem(),
+        sharedMemBytes: cfg.smem(),
         hStream: std::ptr::null_mut(),
         attrs: std::ptr::null_mut(),
         numAttrs: 0,
@@ -474,24 +407,8 @@ fn ce_resident_clusters(func: sys::CUfunction, ce: &CeCluster) -> std::result::R
     // cluster shape is compiled into the kernel, so no attributes).
     unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) }
         .result()
-        .map_err(|e| format!("occupancy of {}: {e:?}", ce.name))?;
-    Ok(n.max(0) as usize)
-}
-
-/// The kernels/*.cu file (cubin family) that defines a kernel.
-fn kernel_family(name: &str) -> &'static str {
-    match name {
-        n if n.starts_with("attn_") => "attention",
-        n if n.starts_with("fc_") => "fc",
-        n if n.starts_with("rmsnorm_") => "rmsnorm",
-        n if n.starts_with("swiglu_") => "swiglu",
-        n if n.starts_with("sum_") => "reduce",
-        "pack_taps_noise_bf16" => "pack",
-        "rope_bf16" => "rope",
-        n if n.starts_with("cross_entropy_") => "cross_entropy",
-        "adamw_f32" => "adamw",
-        _ => "elementwise",
-    }
+        .map_err(|e| drv(format!("occupancy of {}", ce.kernel.symbol()), e))?;
+    Ok(usize::try_from(n).unwrap_or(0))
 }
 
 fn off_ptr(b: &CudaBuf, off: usize) -> u64 {
@@ -501,8 +418,8 @@ fn off_ptr(b: &CudaBuf, off: usize) -> u64 {
 /// rmsnorm's team size T(dim), forward and backward (see kernels/rmsnorm.cu): warp teams up to
 /// dim 1024, then the whole block owns a row.
 fn rms_team(dim: usize) -> usize {
-    if dim > 1024 {
-        return RMS_BLOCK as usize;
+    if dim > RMS_WARP_TEAM_MAX_DIM {
+        return RMS_BLOCK;
     }
     let chunks = dim.div_ceil(8).div_ceil(RMS_CHUNKS_PER_LANE).max(1);
     chunks.next_power_of_two().min(32)
@@ -512,7 +429,7 @@ fn rms_team(dim: usize) -> usize {
 /// RMS_BWD_TARGET_PARTS parts. A function of rows and dim only, so dw's summation order (and bits)
 /// never depend on the device.
 fn rms_bwd_rows_per_part(rows: usize, dim: usize) -> usize {
-    (RMS_BLOCK as usize / rms_team(dim)).max(rows.div_ceil(RMS_BWD_TARGET_PARTS))
+    (RMS_BLOCK / rms_team(dim)).max(rows.div_ceil(RMS_BWD_TARGET_PARTS))
 }
 
 /// How many f32 dw partial sums rows (of `dim`) `rmsnorm_bwd` writes and then reduces: its scratch
@@ -536,7 +453,7 @@ impl Backend for CudaBackend {
 
     fn new_stream(&self) -> Result<Stream> {
         self.bind()?;
-        Ok(Stream(self.ctx.new_stream().map_err(dev_err)?))
+        Ok(Stream::new(self.ctx.new_stream().map_err(|e| drv("creating a stream", e))?))
     }
 
     fn hand_over(&self, from: &Stream, to: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
@@ -544,9 +461,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
-        let ev = device::Event::record(from.raw()).map_err(dev_err)?;
-        ev.wait_on(to.raw()).map_err(dev_err)?;
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        let ev = device::Event::record(from.raw()).map_err(|e| drv("hand_over: recording an event", e))?;
+        ev.wait_on(to.raw()).map_err(|e| drv("hand_over: waiting on an event", e))?;
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(to.id(), &to.inner);
         for b in bufs {
             p.record_use(b.block, to.id());
         }
@@ -562,18 +480,22 @@ impl Backend for CudaBackend {
 
     fn wait_event(&self, s: &Stream, ev: &CudaEvent) -> Result<()> {
         self.bind()?;
-        ev.wait_on(s.raw()).map_err(dev_err)
+        ev.wait_on(s.raw()).map_err(|e| drv("wait_event", e))
     }
 
     fn sync_event(&self, ev: &CudaEvent) -> Result<()> {
-        ev.synchronize().map_err(dev_err)
+        ev.synchronize().map_err(|e| drv("sync_event", e))
     }
 
     fn record_use(&self, s: &Stream, bufs: &[&CudaBuf]) -> Result<()> {
-        let mut p = self.pool.lock().map_err(|_| dev_err("allocator lock poisoned"))?;
+        let mut p = self.pool.lock().map_err(|_| BackendError::Poisoned("allocator"))?;
+        p.device().register(s.id(), &s.inner);
         for b in bufs {
             if !Arc::ptr_eq(&b.pool, &self.pool) {
-                return Err(dev_err("record_use: a buffer of another device (copy it over first)"));
+                return Err(BackendError::Unsupported(format!(
+                    "record_use on {}: a buffer of another device (copy it over first)",
+                    self.name
+                )));
             }
             p.record_use(b.block, s.id());
         }
@@ -616,7 +538,7 @@ impl Backend for CudaBackend {
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
         self.bind()?;
-        Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(dev_err)?)))
+        Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(|e| drv("record_timed", e))?)))
     }
 
     fn elapsed_secs(&self, start: &CudaEvent, end: &CudaEvent) -> Option<f64> {
@@ -641,22 +563,30 @@ impl Backend for CudaBackend {
     fn synchronize(&self, s: &Stream) -> Result<()> {
         self.bind()?;
         // SAFETY: a live stream.
-        unsafe { cu::stream::synchronize(s.raw()) }.map_err(dev_err)
+        unsafe { cu::stream::synchronize(s.raw()) }.map_err(|e| drv(format!("synchronize on {}", self.name), e))
     }
 
     fn alloc(&self, s: &Stream, dtype: DType, len: usize) -> Result<CudaBuf> {
-        let (ptr, block) = self.raw_alloc(s, len * dtype.size_bytes())?;
+        let bytes = len.checked_mul(dtype.size_bytes()).ok_or_else(|| BackendError::Shape {
+            op: "alloc",
+            what: format!("{len} {} elements overflow a byte count", dtype.name()),
+        })?;
+        let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc of {len} {} elements", dtype.name()))?;
         let b = CudaBuf { ptr, len, dtype, block, pool: self.pool.clone() };
         // Zero-filled, as the trait promises (an async memset on the owner stream).
         // SAFETY: the block holds at least len * size bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, (len * dtype.size_bytes()).max(1), s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc: zero-filling", e))?;
         Ok(b)
     }
 
     fn alloc_ids(&self, s: &Stream, len: usize) -> Result<CudaIds> {
-        let (ptr, block) = self.raw_alloc(s, len * 4)?;
+        let bytes = len.checked_mul(4).ok_or_else(|| BackendError::Shape {
+            op: "alloc_ids",
+            what: format!("{len} i32 elements overflow a byte count"),
+        })?;
+        let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc_ids of {len} i32 elements"))?;
         // SAFETY: the block holds at least len * 4 bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, (len * 4).max(1), s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc_ids: zero-filling", e))?;
         Ok(CudaIds { ptr, len, block, pool: self.pool.clone() })
     }
 
@@ -677,13 +607,15 @@ impl Backend for CudaBackend {
         match dst.dtype {
             DType::F32 => {
                 // SAFETY: dst has room (checked); pageable memory is staged before the call returns.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }.map_err(dev_err)
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }
+                    .map_err(|e| drv(format!("upload of {} f32", host.len()), e))
             }
             DType::BF16 => {
                 // Across cores: a Qwen3-8B-sized target is 8 billion conversions at load.
                 let h: Vec<half::bf16> = host.par_iter().map(|&x| half::bf16::from_f32(x)).collect();
                 // SAFETY: as above.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }.map_err(dev_err)
+                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }
+                    .map_err(|e| drv(format!("upload of {} bf16", h.len()), e))
             }
         }
     }
@@ -692,7 +624,8 @@ impl Backend for CudaBackend {
         check_len("upload_ids", "dst", dst.len, 0, host.len())?;
         self.bind()?;
         // SAFETY: dst has room; pageable memory is staged before the call returns.
-        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }
+            .map_err(|e| drv(format!("upload_ids of {} i32", host.len()), e))
     }
 
     fn download(&self, s: &Stream, src: &CudaBuf) -> Result<Vec<f32>> {
@@ -701,14 +634,16 @@ impl Backend for CudaBackend {
             DType::F32 => {
                 let mut out = vec![0f32; src.len];
                 // SAFETY: out has src.len elements; synchronised before reading.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
                 self.synchronize(s)?;
                 Ok(out)
             }
             DType::BF16 => {
                 let mut out = vec![half::bf16::ZERO; src.len];
                 // SAFETY: as above.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
                 self.synchronize(s)?;
                 Ok(out.par_iter().map(|x| x.to_f32()).collect())
             }
@@ -719,7 +654,8 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut out = vec![0i32; src.len];
         // SAFETY: out has src.len elements; synchronised before reading.
-        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }.map_err(dev_err)?;
+        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+            .map_err(|e| drv(format!("download_ids of {} i32", src.len), e))?;
         self.synchronize(s)?;
         Ok(out)
     }
@@ -745,31 +681,32 @@ impl Backend for CudaBackend {
                 unsafe {
                     cu::memcpy_dtod_async(off_ptr(dst, dst_off), off_ptr(src, src_off), n * a.size_bytes(), s.raw())
                 }
-                .map_err(dev_err)
+                .map_err(|e| drv(format!("copy of {n} {} elements", a.name()), e))
             }
-            (DType::F32, DType::BF16) => self.launch(
-                s,
-                "convert_f32_to_bf16",
-                self.ew_grid(n),
-                256,
-                0,
-                Args::new().p(off_ptr(src, src_off)).p(off_ptr(dst, dst_off)).p(i64c(n)),
-            ),
-            (DType::BF16, DType::F32) => self.launch(
-                s,
-                "convert_bf16_to_f32",
-                self.ew_grid(n),
-                256,
-                0,
-                Args::new().p(off_ptr(src, src_off)).p(off_ptr(dst, dst_off)).p(i64c(n)),
-            ),
+            (DType::F32, DType::BF16) => {
+                let args = launch::ConvertF32ToBf16 { src: src.at("copy", src_off)?, dst: dst.at("copy", dst_off)?, n };
+                self.launch(s, launch::ConvertF32ToBf16::KERNEL, (self.ew_grid(n), 256, 0), args)
+            }
+            (DType::BF16, DType::F32) => {
+                let args = launch::ConvertBf16ToF32 { src: src.at("copy", src_off)?, dst: dst.at("copy", dst_off)?, n };
+                self.launch(s, launch::ConvertBf16ToF32::KERNEL, (self.ew_grid(n), 256, 0), args)
+            }
             _ => unreachable!("two dtypes"),
         }
     }
 
     fn fill(&self, s: &Stream, dst: &mut CudaBuf, value: f32) -> Result<()> {
-        let name = if dst.dtype == DType::F32 { "fill_f32" } else { "fill_bf16" };
-        self.launch(s, name, self.ew_grid(dst.len), 256, 0, Args::new().p(dst.ptr).p(i64c(dst.len)).p(value))
+        let cfg = (self.ew_grid(dst.len), 256, 0);
+        match dst.dtype {
+            DType::F32 => {
+                let args = launch::FillF32 { x: dst.at("fill", 0)?, n: dst.len, v: value };
+                self.launch(s, launch::FillF32::KERNEL, cfg, args)
+            }
+            DType::BF16 => {
+                let args = launch::FillBf16 { x: dst.at("fill", 0)?, n: dst.len, v: value };
+                self.launch(s, launch::FillBf16::KERNEL, cfg, args)
+            }
+        }
     }
 
     fn gemm(
@@ -815,7 +752,8 @@ impl Backend for CudaBackend {
         check_len("add_inplace", "y", y.len, 0, x.len)?;
         Self::need_bf16("add_inplace", x)?;
         Self::need_bf16("add_inplace", y)?;
-        self.launch(s, "add_inplace_bf16", self.ew_grid(x.len), 256, 0, Args::new().p(x.ptr).p(y.ptr).p(i64c(x.len)))
+        let args = launch::AddInplaceBf16 { x: x.at("add_inplace", 0)?, y: y.at("add_inplace", 0)?, n: x.len };
+        self.launch(s, launch::AddInplaceBf16::KERNEL, (self.ew_grid(x.len), 256, 0), args)
     }
 
     fn rmsnorm_fwd(
@@ -835,29 +773,32 @@ impl Backend for CudaBackend {
         check_len("rmsnorm_fwd", "y", y.len, 0, rows * dim)?;
         check_len("rmsnorm_fwd", "rstd", rstd.len, 0, rows)?;
         Self::need_f32("rmsnorm_fwd rstd", rstd)?;
-        let r = RMS_BLOCK as usize / rms_team(dim);
-        let mut grid = rows.div_ceil(r).clamp(1, i32::MAX as usize);
+        let r = RMS_BLOCK / rms_team(dim);
+        let mut grid = rows.div_ceil(r).max(1);
         if r == 1 {
             // Block teams (dim > 1024) grid-stride over rows with the next row's loads issued
             // before this row's sum (kernels/rmsnorm.cu): one block per resident slot, so each
             // streams ~rows / slots rows. Warp teams: one row group per block, and the block
             // scheduler balances the tail.
-            let f = self.func("rmsnorm_fwd_bf16")?;
+            let f = self.kernels.get(launch::RmsnormFwdBf16::KERNEL);
             self.bind()?;
+            let block = i32::try_from(RMS_BLOCK).expect("launch.cuh's RMS_BLOCK is a block size");
             // SAFETY: `f` is a kernel of this context's loaded module; no dynamic shared memory.
-            let per_sm = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, RMS_BLOCK as i32, 0) }
-                .map_err(|e| dev_err(format!("occupancy of rmsnorm_fwd_bf16: {e:?}")))?;
-            let slots = usize::try_from(per_sm).unwrap_or(1).max(1) * self.sm_count as usize;
+            let per_sm = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, block, 0) }
+                .map_err(|e| drv("occupancy of rmsnorm_fwd_bf16", e))?;
+            let slots = usize::try_from(per_sm).unwrap_or(1).max(1) * self.sm_count;
             grid = grid.min(slots);
         }
-        self.launch(
-            s,
-            "rmsnorm_fwd_bf16",
-            u32::try_from(grid).unwrap_or(i32::MAX as u32),
-            RMS_BLOCK,
-            0,
-            Args::new().p(x.ptr).p(off_ptr(w, w_off)).p(y.ptr).p(rstd.ptr).p(i64c(rows)).p(i32c("dim", dim)?).p(eps),
-        )
+        let args = launch::RmsnormFwdBf16 {
+            x: x.at("rmsnorm_fwd", 0)?,
+            w: w.at("rmsnorm_fwd", w_off)?,
+            y: y.at("rmsnorm_fwd", 0)?,
+            rstd: rstd.at("rmsnorm_fwd", 0)?,
+            rows,
+            dim,
+            eps,
+        };
+        self.launch(s, launch::RmsnormFwdBf16::KERNEL, (grid, RMS_BLOCK, 0), args)
     }
 
     fn rmsnorm_bwd(
@@ -885,41 +826,35 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let r = RMS_BLOCK as usize / rms_team(dim);
+        let r = RMS_BLOCK / rms_team(dim);
         let rows_per_part = rms_bwd_rows_per_part(rows, dim);
         let parts = rmsnorm_bwd_parts(rows, dim);
         // Not zero-filled (unlike `scratch`): the kernel writes every part's dim sums, and a memset
         // would move another parts * dim * 4 bytes (16 MB at 32768 x 4096).
-        let (ptr, block) = self.raw_alloc(s, parts * dim * 4)?;
+        let (ptr, block) =
+            self.raw_alloc(s, parts * dim * 4, || format!("rmsnorm_bwd: {parts} x {dim} f32 partial sums"))?;
         let partial = CudaBuf { ptr, len: parts * dim, dtype: DType::F32, block, pool: self.pool.clone() };
-        let smem = u32::try_from(r * (dim + RMS_SLAB_PAD) * 4)
-            .map_err(|_| BackendError::Shape { op: "rmsnorm_bwd", what: format!("dim {dim} too large") })?;
-        self.launch(
-            s,
-            "rmsnorm_bwd_bf16",
-            parts as u32,
-            RMS_BLOCK,
-            smem,
-            Args::new()
-                .p(dy.ptr)
-                .p(x.ptr)
-                .p(off_ptr(w, w_off))
-                .p(rstd.ptr)
-                .p(dx.ptr)
-                .p(i32::from(accumulate_dx))
-                .p(partial.ptr)
-                .p(i64c(rows))
-                .p(i32c("dim", dim)?)
-                .p(i32c("rows_per_part", rows_per_part)?),
-        )?;
-        self.launch(
-            s,
-            "rmsnorm_dw_reduce_f32",
-            dim.div_ceil(32) as u32,
-            RMS_BLOCK,
-            0,
-            Args::new().p(partial.ptr).p(i32c("parts", parts)?).p(off_ptr(dw, dw_off)).p(i32c("dim", dim)?),
-        )
+        let smem = r * (dim + RMS_SLAB_PAD) * 4;
+        let args = launch::RmsnormBwdBf16 {
+            dy: dy.at("rmsnorm_bwd", 0)?,
+            x: x.at("rmsnorm_bwd", 0)?,
+            w: w.at("rmsnorm_bwd", w_off)?,
+            rstd: rstd.at("rmsnorm_bwd", 0)?,
+            dx: dx.at("rmsnorm_bwd", 0)?,
+            accumulate_dx: usize::from(accumulate_dx),
+            dw_partial: partial.at("rmsnorm_bwd", 0)?,
+            rows,
+            dim,
+            rows_per_part,
+        };
+        self.launch(s, launch::RmsnormBwdBf16::KERNEL, (parts, RMS_BLOCK, smem), args)?;
+        let args = launch::RmsnormDwReduceF32 {
+            dw_partial: partial.at("rmsnorm_bwd", 0)?,
+            parts,
+            dw: dw.at("rmsnorm_bwd", dw_off)?,
+            dim,
+        };
+        self.launch(s, launch::RmsnormDwReduceF32::KERNEL, (dim.div_ceil(32), RMS_BLOCK, 0), args)
     }
 
     fn rope(
@@ -939,35 +874,24 @@ impl Backend for CudaBackend {
             return Err(BackendError::Shape { op: "rope", what: format!("head_dim {head_dim} is odd") });
         }
         let inv = self.inv_freq(s, head_dim, theta)?;
-        let grid = (rows * heads * head_dim / 2).div_ceil(8 * 256).clamp(1, 16 * self.sm_count as usize) as u32;
-        self.launch(
-            s,
-            "rope_bf16",
-            grid,
-            256,
-            0,
-            Args::new()
-                .p(x.ptr)
-                .p(pos.ptr)
-                .p(inv)
-                .p(i64c(rows))
-                .p(i32c("heads", heads)?)
-                .p(i32c("head_dim", head_dim)?)
-                .p(i32::from(inverse)),
-        )
+        let grid = (rows * heads * head_dim / 2).div_ceil(8 * 256).clamp(1, 16 * self.sm_count);
+        let args = launch::RopeBf16 {
+            x: x.at("rope", 0)?,
+            pos: pos.at("rope", 0)?,
+            inv_freq: inv,
+            rows,
+            heads,
+            head_dim,
+            inverse: usize::from(inverse),
+        };
+        self.launch(s, launch::RopeBf16::KERNEL, (grid, 256, 0), args)
     }
 
     fn swiglu_fwd(&self, s: &Stream, gu: &CudaBuf, out: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
         check_len("swiglu_fwd", "gu", gu.len, 0, rows * 2 * inter)?;
         check_len("swiglu_fwd", "out", out.len, 0, rows * inter)?;
-        self.launch(
-            s,
-            "swiglu_fwd_bf16",
-            self.ew_grid(rows * inter),
-            256,
-            0,
-            Args::new().p(gu.ptr).p(out.ptr).p(i64c(rows)).p(i32c("inter", inter)?),
-        )
+        let args = launch::SwigluFwdBf16 { gu: gu.at("swiglu_fwd", 0)?, out: out.at("swiglu_fwd", 0)?, rows, inter };
+        self.launch(s, launch::SwigluFwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 
     fn swiglu_bwd(
@@ -982,14 +906,14 @@ impl Backend for CudaBackend {
         check_len("swiglu_bwd", "dout", dout.len, 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.len, 0, rows * 2 * inter)?;
         check_len("swiglu_bwd", "dgu", dgu.len, 0, rows * 2 * inter)?;
-        self.launch(
-            s,
-            "swiglu_bwd_bf16",
-            self.ew_grid(rows * inter),
-            256,
-            0,
-            Args::new().p(dout.ptr).p(gu.ptr).p(dgu.ptr).p(i64c(rows)).p(i32c("inter", inter)?),
-        )
+        let args = launch::SwigluBwdBf16 {
+            dout: dout.at("swiglu_bwd", 0)?,
+            gu: gu.at("swiglu_bwd", 0)?,
+            dgu: dgu.at("swiglu_bwd", 0)?,
+            rows,
+            inter,
+        };
+        self.launch(s, launch::SwigluBwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 
     fn embed(
@@ -1005,15 +929,16 @@ impl Backend for CudaBackend {
         check_len("embed", "ids", ids.len, 0, rows)?;
         check_len("embed", "out", out.len, 0, rows * dim)?;
         let vocab = table.len.saturating_sub(off) / dim.max(1);
-        let grid = (rows * dim.div_ceil(8)).div_ceil(256).clamp(1, 16 * self.sm_count as usize) as u32;
-        self.launch(
-            s,
-            "embed_bf16",
-            grid,
-            256,
-            0,
-            Args::new().p(off_ptr(table, off)).p(ids.ptr).p(out.ptr).p(i64c(rows)).p(i64c(dim)).p(i64c(vocab)),
-        )
+        let grid = (rows * dim.div_ceil(8)).div_ceil(256).clamp(1, 16 * self.sm_count);
+        let args = launch::EmbedBf16 {
+            table: table.at("embed", off)?,
+            ids: ids.at("embed", 0)?,
+            out: out.at("embed", 0)?,
+            rows,
+            dim,
+            vocab,
+        };
+        self.launch(s, launch::EmbedBf16::KERNEL, (grid, 256, 0), args)
     }
 
     fn pack_taps(
@@ -1038,43 +963,39 @@ impl Backend for CudaBackend {
             return Err(BackendError::Shape { op: "pack_taps", what: format!("noise std {noise_std}") });
         }
         check_len("pack_taps", "out", out.len, 0, rows * taps.len() * hidden)?;
-        let mut ptrs = [0u64; MAX_TAPS];
+        let mut ptrs = TapPtrs { p: [0; MAX_TAPS] };
         for (k, t) in taps.iter().enumerate() {
             check_len("pack_taps", "tap", t.len, 0, n_valid.min(rows) * hidden)?;
-            ptrs[k] = t.ptr;
+            ptrs.p[k] = t.at::<half::bf16>("pack_taps", 0)?.addr();
         }
         // kernels/pack.cu's fast path (hidden % 8 == 0, 16-byte aligned pointers): a block owns
         // one (row, tap) segment of hidden / 8 units, PACK_UNITS per thread, and the grid has one
         // work item per block, so the block scheduler balances the tail. The scalar path (ragged
         // or offset views) is a grid-stride loop over elements.
-        const PACK_UNITS: usize = 4; // kernels/pack.cu
-        let vec =
-            hidden % 8 == 0 && hidden <= 1 << 30 && out.ptr % 16 == 0 && ptrs[..taps.len()].iter().all(|p| p % 16 == 0);
+        let vec = hidden % 8 == 0
+            && hidden <= PACK_VEC_MAX_HIDDEN
+            && out.ptr % 16 == 0
+            && ptrs.p[..taps.len()].iter().all(|p| p % 16 == 0);
         let (grid, block) = if vec {
             let units = (hidden / 8).max(1);
-            let block = (units.div_ceil(PACK_UNITS).div_ceil(32) * 32).clamp(32, 256);
+            let block = (units.div_ceil(PACK_UNITS).div_ceil(32) * 32).clamp(32, PACK_MAX_BLOCK);
             let items = rows * taps.len() * units.div_ceil(block * PACK_UNITS);
-            (u32::try_from(items.clamp(1, i32::MAX as usize)).unwrap_or(1), block as u32)
+            (items.clamp(1, i32::MAX as usize), block)
         } else {
-            (self.ew_grid(rows * taps.len() * hidden), 256)
+            (self.ew_grid(rows * taps.len() * hidden), PACK_MAX_BLOCK)
         };
-        self.launch(
-            s,
-            "pack_taps_noise_bf16",
-            grid,
-            block,
-            0,
-            Args::new()
-                .p(ptrs)
-                .p(i32c("taps", taps.len())?)
-                .p(out.ptr)
-                .p(i64c(rows))
-                .p(i64c(hidden))
-                .p(i64c(n_valid))
-                .p(noise_std)
-                .p(seed)
-                .p(step),
-        )
+        let args = launch::PackTapsNoiseBf16 {
+            taps: ptrs,
+            num_taps: taps.len(),
+            out: out.at("pack_taps", 0)?,
+            rows,
+            hidden,
+            n_valid,
+            noise_std,
+            seed,
+            step,
+        };
+        self.launch(s, launch::PackTapsNoiseBf16::KERNEL, (grid, block, 0), args)
     }
 
     fn attn_causal_fwd(
@@ -1101,29 +1022,29 @@ impl Backend for CudaBackend {
                 what: format!("{heads} heads over {kv_heads} kv heads"),
             });
         }
-        let name = Self::attn_name("attn_causal_fwd", head_dim)?;
-        let ld = head_dim + 8;
-        let smem = ((128 + 4 * 32) * ld * 2) as u32;
-        let grid = (rows.div_ceil(128) * heads) as u32;
-        let num_seqs = seq_starts.len - 1;
-        self.launch(
-            s,
-            &name,
-            grid,
-            128,
-            smem,
-            Args::new()
-                .p(q.ptr)
-                .p(k.ptr)
-                .p(v.ptr)
-                .p(o.ptr)
-                .p(seq_starts.ptr)
-                .p(i32c("sequences", num_seqs)?)
-                .p(i64c(rows))
-                .p(i32c("heads", heads)?)
-                .p(i32c("kv_heads", kv_heads)?)
-                .p(1.0f32 / (head_dim as f32).sqrt()),
-        )
+        let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
+        // A CTA owns ATTN_CAUSAL_ROWS query rows of one head; shared memory holds them and
+        // ATTN_KV_TILES K/V tiles of ATTN_CAUSAL_KEYS keys, rows of head_dim + pad bf16.
+        let ld = head_dim + ATTN_LD_PAD;
+        let smem = (ATTN_CAUSAL_ROWS + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2;
+        let grid = rows.div_ceil(ATTN_CAUSAL_ROWS) * heads;
+        let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
+            op: "attn_causal_fwd",
+            what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
+        })?;
+        let args = launch::AttnCausalFwdBf16Hd {
+            q: q.at("attn_causal_fwd", 0)?,
+            k: k.at("attn_causal_fwd", 0)?,
+            v: v.at("attn_causal_fwd", 0)?,
+            o: o.at("attn_causal_fwd", 0)?,
+            seq_starts: seq_starts.at("attn_causal_fwd", 0)?,
+            num_seqs,
+            rows,
+            heads,
+            kv_heads,
+            scale: 1.0f32 / (head_dim as f32).sqrt(),
+        };
+        self.launch(s, kernel, (grid, ATTN_CAUSAL_WARPS * 32, smem), args)
     }
 
     fn attn_draft_fwd(
@@ -1143,27 +1064,29 @@ impl Backend for CudaBackend {
         let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
-        let name = Self::attn_name("attn_draft_fwd", sh.head_dim)?;
-        let smem = ((16 * g.w + 256) * g.ld * 2) as u32;
-        let grid = (sh.num_blocks * sh.kv_heads) as u32;
-        self.launch(
-            s,
-            &name,
-            grid,
-            (32 * g.w) as u32,
-            smem,
-            g.args(q, kc, vc, kb, vb)
-                .p(o.ptr)
-                .p(lse.ptr)
-                .p(anchors.ptr)
-                .p(ctx_start.ptr)
-                .p(i32c("blocks", sh.num_blocks)?)
-                .p(i32c("block_size", sh.block_size)?)
-                .p(i64c(sh.ctx_rows))
-                .p(sh.heads as i32)
-                .p(sh.kv_heads as i32)
-                .p(sh.scale()),
-        )
+        const OP: &str = "attn_draft_fwd";
+        let kernel = Self::attn_kernel(OP, &launch::AttnDraftFwdBf16Hd::VARIANTS, sh.head_dim)?;
+        // Shared memory: the query tile (w warps of ATTN_WARP_ROWS rows) and ATTN_KV_TILES K/V
+        // tiles of ATTN_KEYS keys.
+        let smem = (ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2;
+        let args = launch::AttnDraftFwdBf16Hd {
+            q: q.at(OP, 0)?,
+            kc: kc.at(OP, 0)?,
+            vc: vc.at(OP, 0)?,
+            kb: kb.at(OP, 0)?,
+            vb: vb.at(OP, 0)?,
+            o: o.at(OP, 0)?,
+            lse: lse.at(OP, 0)?,
+            anchors: anchors.at(OP, 0)?,
+            ctx_start: ctx_start.at(OP, 0)?,
+            num_blocks: sh.num_blocks,
+            block_size: sh.block_size,
+            ctx_rows: sh.ctx_rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            scale: sh.scale(),
+        };
+        self.launch(s, kernel, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)
     }
 
     fn attn_draft_bwd(
@@ -1192,96 +1115,94 @@ impl Backend for CudaBackend {
         check_len("attn_draft_bwd", "dvc", dvc.len, 0, sh.ctx_rows * g.kw)?;
         check_len("attn_draft_bwd", "dkb", dkb.len, 0, sh.q_rows() * g.kw)?;
         check_len("attn_draft_bwd", "dvb", dvb.len, 0, sh.q_rows() * g.kw)?;
-        if sh.block_size > 16 {
+        if sh.block_size > ATTN_MAX_BLOCK_KEYS {
             return Err(BackendError::Shape {
                 op: "attn_draft_bwd",
-                what: format!("block size {} (the kernel supports up to 16)", sh.block_size),
+                what: format!("block size {} (the kernel supports up to {ATTN_MAX_BLOCK_KEYS})", sh.block_size),
             });
         }
+        const OP: &str = "attn_draft_bwd";
         let hd = sh.head_dim;
         let dsum = self.scratch(s, sh.q_rows() * sh.heads)?;
-        let prep = Self::attn_name("attn_draft_bwd_prep", hd)?;
-        let grid = (qn / 8).div_ceil(256).max(1) as u32;
-        self.launch(
-            s,
-            &prep,
-            grid,
-            256,
-            0,
-            Args::new().p(o.ptr).p(d_o.ptr).p(dsum.ptr).p(i64c(sh.q_rows())).p(sh.heads as i32),
-        )?;
-        let nq = Self::attn_name("attn_draft_bwd_q", hd)?;
-        let smem = ((32 * g.w + 256) * g.ld * 2 + 2 * 16 * g.w * 16 * 4) as u32;
-        self.launch(
-            s,
-            &nq,
-            (sh.num_blocks * sh.kv_heads) as u32,
-            (32 * g.w) as u32,
-            smem,
-            g.args(q, kc, vc, kb, vb)
-                .p(lse.ptr)
-                .p(dsum.ptr)
-                .p(d_o.ptr)
-                .p(dq.ptr)
-                .p(dkb.ptr)
-                .p(dvb.ptr)
-                .p(anchors.ptr)
-                .p(ctx_start.ptr)
-                .p(sh.num_blocks as i32)
-                .p(sh.block_size as i32)
-                .p(i64c(sh.ctx_rows))
-                .p(sh.heads as i32)
-                .p(sh.kv_heads as i32)
-                .p(sh.scale()),
-        )?;
+        let prep = Self::attn_kernel(OP, &launch::AttnDraftBwdPrepBf16Hd::VARIANTS, hd)?;
+        let args = launch::AttnDraftBwdPrepBf16Hd {
+            o: o.at(OP, 0)?,
+            d_o: d_o.at(OP, 0)?,
+            dsum: dsum.at(OP, 0)?,
+            q_rows: sh.q_rows(),
+            heads: sh.heads,
+        };
+        self.launch(s, prep, ((qn / 8).div_ceil(256), 256, 0), args)?;
+        let nq = Self::attn_kernel(OP, &launch::AttnDraftBwdQBf16Hd::VARIANTS, hd)?;
+        // Shared memory: Q and dO tiles (w warps of ATTN_WARP_ROWS rows each), ATTN_KV_TILES K/V
+        // tiles, and the f32 P and dS side buffers of the block keys.
+        let smem = (2 * ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2
+            + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
+        let args = launch::AttnDraftBwdQBf16Hd {
+            q: q.at(OP, 0)?,
+            kc: kc.at(OP, 0)?,
+            vc: vc.at(OP, 0)?,
+            kb: kb.at(OP, 0)?,
+            vb: vb.at(OP, 0)?,
+            lse: lse.at(OP, 0)?,
+            dsum: dsum.at(OP, 0)?,
+            d_o: d_o.at(OP, 0)?,
+            dq: dq.at(OP, 0)?,
+            dkb: dkb.at(OP, 0)?,
+            dvb: dvb.at(OP, 0)?,
+            anchors: anchors.at(OP, 0)?,
+            ctx_start: ctx_start.at(OP, 0)?,
+            num_blocks: sh.num_blocks,
+            block_size: sh.block_size,
+            ctx_rows: sh.ctx_rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            scale: sh.scale(),
+        };
+        self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)?;
         // Each context row's range of candidate blocks, on the device (no host round trip).
         let db = self.alloc_ids(s, sh.ctx_rows)?;
         let de = self.alloc_ids(s, sh.ctx_rows)?;
         if sh.ctx_rows > 0 {
-            self.launch(
-                s,
-                "attn_draft_kv_ranges",
-                sh.ctx_rows.div_ceil(256).min(16 * self.sm_count as usize) as u32,
-                256,
-                0,
-                Args::new()
-                    .p(ctx_start.ptr)
-                    .p(i32c("num_blocks", sh.num_blocks)?)
-                    .p(i64c(sh.ctx_rows))
-                    .p(db.ptr)
-                    .p(de.ptr),
-            )?;
+            let args = launch::AttnDraftKvRanges {
+                ctx_start: ctx_start.at(OP, 0)?,
+                num_blocks: sh.num_blocks,
+                ctx_rows: sh.ctx_rows,
+                ctx_block_begin: db.at(OP, 0)?,
+                ctx_block_end: de.at(OP, 0)?,
+            };
+            let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
+            self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
         }
-        let nkv = Self::attn_name("attn_draft_bwd_kv", hd)?;
+        let nkv = Self::attn_kernel(OP, &launch::AttnDraftBwdKvBf16Hd::VARIANTS, hd)?;
+        // Query rows of a block (all heads of a KV head), padded to chunks of ATTN_KV_CHUNK.
         let m = sh.block_size * (sh.heads / sh.kv_heads);
-        let mp = 32 * m.div_ceil(32);
-        let smem = ((128 + 4 * mp) * g.ld * 2 + 16 * mp) as u32;
-        self.launch(
-            s,
-            &nkv,
-            (sh.ctx_rows.div_ceil(64).max(1) * sh.kv_heads) as u32,
-            128,
-            smem,
-            Args::new()
-                .p(q.ptr)
-                .p(kc.ptr)
-                .p(vc.ptr)
-                .p(lse.ptr)
-                .p(dsum.ptr)
-                .p(d_o.ptr)
-                .p(dkc.ptr)
-                .p(dvc.ptr)
-                .p(anchors.ptr)
-                .p(ctx_start.ptr)
-                .p(sh.num_blocks as i32)
-                .p(sh.block_size as i32)
-                .p(i64c(sh.ctx_rows))
-                .p(sh.heads as i32)
-                .p(sh.kv_heads as i32)
-                .p(sh.scale())
-                .p(db.ptr)
-                .p(de.ptr),
-        )
+        let mp = ATTN_KV_CHUNK * m.div_ceil(ATTN_KV_CHUNK);
+        // Shared memory: the CTA's K and V rows, 2 stages of Q and dO chunks, and 2 stages of the
+        // f32 lse and dsum of every padded row.
+        let smem = (2 * ATTN_KV_ROWS + 4 * mp) * g.ld * 2 + 4 * mp * 4;
+        let args = launch::AttnDraftBwdKvBf16Hd {
+            q: q.at(OP, 0)?,
+            kc: kc.at(OP, 0)?,
+            vc: vc.at(OP, 0)?,
+            lse: lse.at(OP, 0)?,
+            dsum: dsum.at(OP, 0)?,
+            d_o: d_o.at(OP, 0)?,
+            dkc: dkc.at(OP, 0)?,
+            dvc: dvc.at(OP, 0)?,
+            anchors: anchors.at(OP, 0)?,
+            ctx_start: ctx_start.at(OP, 0)?,
+            num_blocks: sh.num_blocks,
+            block_size: sh.block_size,
+            ctx_rows: sh.ctx_rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            scale: sh.scale(),
+            ctx_block_begin: db.at(OP, 0)?,
+            ctx_block_end: de.at(OP, 0)?,
+        };
+        let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
+        self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), args)
     }
 
     fn cross_entropy(
@@ -1310,50 +1231,37 @@ impl Backend for CudaBackend {
         }
         // A cluster kernel reads each row once; it needs 16-byte rows. Every kernel strides over
         // rows: a cluster kernel runs one cluster per resident slot.
-        let (name, grid, block, smem) = match self.ce_cluster_for(vocab) {
-            Some((ce, resident)) if logits.ptr % 16 == 0 => {
-                (ce.name, (rows.min(resident) * ce.ctas as usize) as u32, ce.block, ce.smem())
+        const OP: &str = "cross_entropy";
+        let (logits, labels, weights) = (logits.at(OP, 0)?, labels.at(OP, w_off)?, weights.at(OP, w_off)?);
+        let (loss, argmax) = (loss.at(OP, loss_off)?, argmax.at(OP, argmax_off)?);
+        match self.ce_cluster_for(vocab) {
+            Some((ce, resident)) if logits.addr() % 16 == 0 => {
+                let args = launch::CecKernel { logits, labels, weights, rows, vocab, grad_scale, loss, argmax };
+                self.launch(s, ce.kernel, (rows.min(resident) * CEC_CTAS, CEC_BLOCK, ce.smem()), args)
             }
-            _ => ("cross_entropy_bf16", rows.min(i32::MAX as usize) as u32, CE_BLOCK, 0),
-        };
-        self.launch(
-            s,
-            name,
-            grid,
-            block,
-            smem,
-            Args::new()
-                .p(logits.ptr)
-                .p(labels.ptr + 4 * w_off as u64)
-                .p(off_ptr(weights, w_off))
-                .p(i64c(rows))
-                .p(i32c("vocab", vocab)?)
-                .p(grad_scale)
-                .p(off_ptr(loss, loss_off))
-                .p(argmax.ptr + 4 * argmax_off as u64),
-        )
+            _ => {
+                let args = launch::CrossEntropyBf16 { logits, labels, weights, rows, vocab, grad_scale, loss, argmax };
+                self.launch(s, launch::CrossEntropyBf16::KERNEL, (rows.min(i32::MAX as usize), CE_BLOCK, 0), args)
+            }
+        }
     }
 
     fn sum_squares(&self, s: &Stream, x: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
         Self::need_f32("sum_squares", x)?;
         check_len("sum_squares", "out", out.len, 0, 1)?;
-        let partial = self.scratch(s, SUMSQ_PARTS as usize)?;
-        self.launch(
-            s,
-            "sum_squares_partial_f32",
-            SUMSQ_PARTS,
-            SUMSQ_BLOCK,
-            0,
-            Args::new().p(x.ptr).p(i64c(x.len)).p(partial.ptr),
-        )?;
-        self.launch(
-            s,
-            "sum_partials_f32",
-            1,
-            SUMSQ_BLOCK,
-            0,
-            Args::new().p(partial.ptr).p(SUMSQ_PARTS as i32).p(out.ptr),
-        )
+        let partial = self.scratch(s, SUMSQ_PARTS)?;
+        let args = launch::SumSquaresPartialF32 {
+            x: x.at("sum_squares", 0)?,
+            n: x.len,
+            partial: partial.at("sum_squares", 0)?,
+        };
+        self.launch(s, launch::SumSquaresPartialF32::KERNEL, (SUMSQ_PARTS, SUMSQ_BLOCK, 0), args)?;
+        let args = launch::SumPartialsF32 {
+            partial: partial.at("sum_squares", 0)?,
+            parts: SUMSQ_PARTS,
+            out: out.at("sum_squares", 0)?,
+        };
+        self.launch(s, launch::SumPartialsF32::KERNEL, (1, SUMSQ_BLOCK, 0), args)
     }
 
     fn adamw(
@@ -1372,38 +1280,43 @@ impl Backend for CudaBackend {
         }
         let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
         let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
-        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count as usize) as u32;
-        self.launch(
-            s,
-            "adamw_f32",
-            grid,
-            256,
-            0,
-            Args::new()
-                .p(master.ptr)
-                .p(grad.ptr)
-                .p(m.ptr)
-                .p(v.ptr)
-                .p(weights.ptr)
-                .p(i64c(n))
-                .p(hp.lr)
-                .p(hp.beta1)
-                .p(hp.beta2)
-                .p(hp.eps)
-                .p(hp.weight_decay)
-                .p(bc1)
-                .p(bc2)
-                .p(hp.grad_scale),
-        )
+        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count);
+        let args = launch::AdamwF32 {
+            master: master.at("adamw", 0)?,
+            grad: grad.at("adamw", 0)?,
+            m: m.at("adamw", 0)?,
+            v: v.at("adamw", 0)?,
+            w: weights.at("adamw", 0)?,
+            n,
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            wd: hp.weight_decay,
+            bc1,
+            bc2,
+            grad_scale: hp.grad_scale,
+        };
+        self.launch(s, launch::AdamwF32::KERNEL, (grid, 256, 0), args)
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
-        let (ptr, block) = self.raw_alloc(s, 8)?;
+        let (ptr, block) = self.raw_alloc(s, 8, || "count_nonfinite: its counter".into())?;
         let counter = CudaIds { ptr, len: 2, block, pool: self.pool.clone() };
         // SAFETY: 8 bytes allocated.
-        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }.map_err(dev_err)?;
-        let name = if x.dtype == DType::F32 { "count_nonfinite_f32" } else { "count_nonfinite_bf16" };
-        self.launch(s, name, self.ew_grid(x.len), 256, 0, Args::new().p(x.ptr).p(i64c(x.len)).p(counter.ptr))?;
+        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }
+            .map_err(|e| drv("count_nonfinite: zeroing its counter", e))?;
+        let (cfg, out) = ((self.ew_grid(x.len), 256, 0), DevPtr::<u64>::new(counter.ptr));
+        match x.dtype {
+            DType::F32 => {
+                let args = launch::CountNonfiniteF32 { x: x.at("count_nonfinite", 0)?, n: x.len, out };
+                self.launch(s, launch::CountNonfiniteF32::KERNEL, cfg, args)?;
+            }
+            DType::BF16 => {
+                let args = launch::CountNonfiniteBf16 { x: x.at("count_nonfinite", 0)?, n: x.len, out };
+                self.launch(s, launch::CountNonfiniteBf16::KERNEL, cfg, args)?;
+            }
+        }
         let words = self.download_ids(s, &counter)?;
         Ok(u64::from(words[0] as u32) | (u64::from(words[1] as u32) << 32))
     }
@@ -1413,14 +1326,10 @@ impl Backend for CudaBackend {
 struct DraftGeom {
     qw: usize,
     kw: usize,
+    /// Shared-memory row pitch in bf16 elements.
     ld: usize,
+    /// Warps of the query tile (ATTN_WARP_ROWS rows each).
     w: usize,
-}
-
-impl DraftGeom {
-    fn args(&self, q: &CudaBuf, kc: &CudaBuf, vc: &CudaBuf, kb: &CudaBuf, vb: &CudaBuf) -> Args {
-        Args::new().p(q.ptr).p(kc.ptr).p(vc.ptr).p(kb.ptr).p(vb.ptr)
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1439,8 +1348,8 @@ fn draft_geom(
         return Err(BackendError::Shape { op, what: format!("{} heads over {} kv heads", sh.heads, sh.kv_heads) });
     }
     let m = sh.block_size * (sh.heads / sh.kv_heads);
-    if m > 128 {
-        return Err(BackendError::Shape { op, what: format!("block_size x group = {m} > 128") });
+    if m > ATTN_DRAFT_MAX_ROWS {
+        return Err(BackendError::Shape { op, what: format!("block_size x group = {m} > {ATTN_DRAFT_MAX_ROWS}") });
     }
     let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
     check_len(op, "q", q.len, 0, sh.q_rows() * qw)?;
@@ -1450,12 +1359,62 @@ fn draft_geom(
     check_len(op, "vb", vb.len, 0, sh.q_rows() * kw)?;
     check_len(op, "anchors", anchors.len, 0, sh.num_blocks)?;
     check_len(op, "ctx_start", ctx_start.len, 0, sh.num_blocks)?;
-    Ok(DraftGeom { qw, kw, ld: sh.head_dim + 8, w: m.div_ceil(16) })
+    Ok(DraftGeom { qw, kw, ld: sh.head_dim + ATTN_LD_PAD, w: m.div_ceil(ATTN_WARP_ROWS) })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Streams were once named by their handle's address, which the driver reuses: a new stream
+    /// could inherit the cached blocks (and recorded uses) of a dropped one.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_new_stream_never_inherits_a_dropped_streams_memory() {
+        let be = CudaBackend::new(0, Mode::Normal).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+        let s1 = be.new_stream().expect("a stream");
+        let b = be.alloc(&s1, DType::F32, 1024).expect("memory");
+        let (p1, id1) = (b.ptr, s1.id());
+        drop(b); // cached in s1's pool
+        be.synchronize(&s1).expect("sync");
+        drop(s1);
+        let s2 = be.new_stream().expect("a stream");
+        assert_ne!(s2.id(), id1);
+        let b2 = be.alloc(&s2, DType::F32, 1024).expect("memory");
+        assert_ne!(b2.ptr, p1, "a new stream took memory cached for a dropped one");
+        be.synchronize(&s2).expect("sync");
+    }
+
+    #[test]
+    fn allocator_out_of_memory_becomes_a_typed_error_that_says_what_to_reduce() {
+        let e = AllocError::OutOfMemory { requested: 3 << 30, reserved: 70 << 30, allocated: 69 << 30 };
+        let e = alloc_error(e, "alloc of 1610612736 bf16 elements on cuda:0".into(), Some((512 << 20, 141 << 30)));
+        assert!(e.is_out_of_memory());
+        let m = e.to_string();
+        for part in [
+            "alloc of 1610612736 bf16 elements on cuda:0 asked for 3221225472 bytes (3072.0 MiB)",
+            "holds 71680.0 MiB of which 70656.0 MiB are in live buffers",
+            "512.0 MiB free of 144384.0 MiB",
+            "--batch-size, --seq-len, --logits-chunk or --pad-to-tokens",
+        ] {
+            assert!(m.contains(part), "{part:?} missing from {m}");
+        }
+    }
+
+    #[test]
+    fn driver_failures_of_the_allocator_keep_their_cause() {
+        use std::error::Error as _;
+        // What CudaMem returns for a cuMemAlloc that failed for another reason than memory.
+        let bad = DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        let e = alloc_error(AllocError::Driver { call: "cuMemAlloc", bytes: 4096, source: bad }, "alloc".into(), None);
+        assert!(!e.is_out_of_memory());
+        assert_eq!(e.to_string(), "alloc: cuMemAlloc: CUDA driver error CUDA_ERROR_ILLEGAL_ADDRESS");
+        assert!(e.source().is_some());
+        // A driver OOM reported as a Driver error of the allocator still reads as out of memory.
+        let oom = DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let e = alloc_error(AllocError::Driver { call: "cuMemAllocAsync", bytes: 64, source: oom }, "x".into(), None);
+        assert!(e.is_out_of_memory());
+    }
 
     #[test]
     fn cross_entropy_cluster_kernels_take_adjacent_vocab_ranges() {
@@ -1464,6 +1423,7 @@ mod tests {
         // The wide kernel starts one chunk of 8 past the first one's end; neither takes a
         // vocabulary that is not a multiple of 8 or lies outside its range.
         assert_eq!(b.min_vocab, a.max_vocab() + 8);
+        assert_eq!(launch::CecKernel::VARIANTS.map(|(_, k)| k), [a.kernel, b.kernel]);
         for v in [32_768, 151_936, 163_840] {
             assert!(a.takes(v) && !b.takes(v), "{v}");
         }

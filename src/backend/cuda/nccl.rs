@@ -9,8 +9,8 @@ use std::sync::RwLock;
 
 use cudarc::nccl::{result as nc, sys as ncs};
 
-use super::{dev_err, CudaBackend, CudaBuf, Stream};
-use crate::backend::{BackendError, Result};
+use super::{CudaBackend, CudaBuf, Stream};
+use crate::backend::{BackendError, NcclFailure, Result};
 use crate::tensor::DType;
 
 /// One rank's communicator (null for a group of one).
@@ -39,15 +39,6 @@ impl Drop for NcclComm {
     }
 }
 
-/// Why NCCL is missing, and the fix.
-fn no_nccl(n: usize) -> BackendError {
-    BackendError::Device(format!(
-        "data-parallel training on {n} drafter GPUs needs NCCL, and no libnccl.so was found. Install it \
-         (`pip install nvidia-nccl-cu13`, or the libnccl2 package) and put the folder holding libnccl.so on \
-         LD_LIBRARY_PATH (a pip install ships libnccl.so.2: link libnccl.so to it), or give one drafter GPU"
-    ))
-}
-
 pub(super) fn comm_group(group: &[&CudaBackend]) -> Result<Vec<NcclComm>> {
     let n = group.len();
     if n <= 1 {
@@ -55,21 +46,23 @@ pub(super) fn comm_group(group: &[&CudaBackend]) -> Result<Vec<NcclComm>> {
     }
     // SAFETY: only probes whether the shared library loads.
     if !unsafe { ncs::is_culib_present() } {
-        return Err(no_nccl(n));
+        return Err(BackendError::NcclMissing { ranks: n });
     }
     let devs: Vec<i32> = group.iter().map(|b| b.ctx.ordinal() as i32).collect();
     let mut sorted = devs.clone();
     sorted.sort_unstable();
     sorted.dedup();
     if sorted.len() != n {
-        return Err(BackendError::Device(format!(
+        return Err(BackendError::Unsupported(format!(
             "--drafter-gpus {devs:?}: each drafter rank needs its own GPU (a device is listed twice)"
         )));
     }
     let mut comms = vec![std::ptr::null_mut(); n];
     // SAFETY: `comms` has room for n communicators, `devs` lists n distinct valid ordinals.
-    unsafe { nc::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }
-        .map_err(|e| BackendError::Device(format!("ncclCommInitAll over GPUs {devs:?}: {e:?}")))?;
+    unsafe { nc::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }.map_err(|e| BackendError::Nccl {
+        context: format!("ncclCommInitAll over GPUs {devs:?}"),
+        source: NcclFailure(e.0),
+    })?;
     // Our own calls bind their context; NCCL's initialisation changed this thread's device.
     let _ = group[0].bind();
     Ok(comms.into_iter().map(|comm| NcclComm { comm: RwLock::new(comm), ranks: n }).collect())
@@ -81,12 +74,12 @@ impl CudaBackend {
             return Ok(());
         }
         if buf.dtype != DType::F32 {
-            return Err(dev_err("all_reduce_sum: gradients are f32"));
+            return Err(BackendError::DType { op: "all_reduce_sum", expected: "f32", found: buf.dtype.name() });
         }
-        let guard = comm.comm.read().map_err(|_| dev_err("all-reduce: communicator lock poisoned"))?;
+        let guard = comm.comm.read().map_err(|_| BackendError::Poisoned("NCCL communicator"))?;
         let c = *guard;
         if c.is_null() {
-            return Err(dev_err("all-reduce: the group was aborted (another rank stopped)"));
+            return Err(BackendError::GroupAborted { op: "all_reduce_sum" });
         }
         self.bind()?;
         let p = buf.ptr as *mut std::ffi::c_void;
@@ -103,7 +96,10 @@ impl CudaBackend {
                 s.raw() as ncs::cudaStream_t,
             )
         }
-        .map_err(|e| BackendError::Device(format!("ncclAllReduce: {e:?}")))?;
+        .map_err(|e| BackendError::Nccl {
+            context: format!("ncclAllReduce of {} f32 on {}", buf.len, self.name),
+            source: NcclFailure(e.0),
+        })?;
         Ok(())
     }
 

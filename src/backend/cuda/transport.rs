@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 
-use super::{dev_err, device, CudaBackend, CudaBuf, Stream};
-use crate::backend::{check_len, Result};
-use crate::pipeline::slots::{SlotError, SlotMemory};
+use super::{device, drv, CudaBackend, CudaBuf, Stream};
+use crate::backend::error::cu_name;
+use crate::backend::slots::{SlotError, SlotMemory};
+use crate::backend::{check_len, BackendError, Result};
 
 /// A recorded CUDA event, shared: the same completion can release a pinned slot and order a stream.
 pub type CudaEvent = Arc<device::Event>;
@@ -50,11 +51,11 @@ impl SlotMemory for CudaHostMem {
     type Event = CudaEvent;
 
     fn alloc_slot(&self, bytes: usize) -> std::result::Result<PinnedSlot, SlotError> {
-        self.ctx.bind_to_thread().map_err(|e| SlotError::Alloc(format!("{e:?}")))?;
+        self.ctx.bind_to_thread().map_err(|e| SlotError::Alloc(format!("binding the context: {}", cu_name(&e))))?;
         // SAFETY: a plain pinned allocation, freed by PinnedSlot's Drop. PORTABLE (every context
         // may use it), deliberately without WRITECOMBINED.
         let ptr = unsafe { cu::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| {
-            SlotError::Alloc(format!("cuMemHostAlloc of {bytes} bytes failed ({e:?}): lower --max-inflight"))
+            SlotError::Alloc(format!("cuMemHostAlloc of {bytes} bytes failed ({}): lower --max-inflight", cu_name(&e)))
         })?;
         Ok(PinnedSlot { ptr, bytes, ctx: self.ctx.clone() })
     }
@@ -64,14 +65,14 @@ impl SlotMemory for CudaHostMem {
     }
 
     fn wait(&self, ev: &CudaEvent) -> std::result::Result<(), SlotError> {
-        ev.synchronize().map_err(|e| SlotError::Event(format!("{e:?}")))
+        ev.synchronize().map_err(|e| SlotError::Event(cu_name(&e)))
     }
 }
 
 impl CudaBackend {
     pub(super) fn record_event_impl(&self, s: &Stream) -> Result<CudaEvent> {
         self.bind()?;
-        Ok(Arc::new(device::Event::record(s.raw()).map_err(dev_err)?))
+        Ok(Arc::new(device::Event::record(s.raw()).map_err(|e| drv("record_event", e))?))
     }
 
     pub(super) fn host_mem_impl(&self) -> Arc<CudaHostMem> {
@@ -92,7 +93,8 @@ impl CudaBackend {
         // SAFETY: the slot holds at least n bytes (checked) and stays alive until the copy's event
         // completed (the slot pool's rule); src is a live buffer of n bytes.
         let host = unsafe { std::slice::from_raw_parts_mut(dst.ptr as *mut u8, n) };
-        unsafe { cu::memcpy_dtoh_async(host, src.ptr, s.raw()) }.map_err(dev_err)
+        unsafe { cu::memcpy_dtoh_async(host, src.ptr, s.raw()) }
+            .map_err(|e| drv(format!("copy_to_host of {n} bytes"), e))
     }
 
     pub(super) fn copy_from_host_impl(&self, s: &Stream, src: &PinnedSlot, dst: &mut CudaBuf) -> Result<()> {
@@ -105,7 +107,8 @@ impl CudaBackend {
         // SAFETY: as above; pinned memory makes this a true async DMA, so the slot must outlive
         // the copy: its guard is released only after this stream's event.
         let host = unsafe { std::slice::from_raw_parts(src.ptr as *const u8, n) };
-        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }.map_err(dev_err)
+        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }
+            .map_err(|e| drv(format!("copy_from_host of {n} bytes"), e))
     }
 
     pub(super) fn copy_from_peer_impl(
@@ -124,7 +127,7 @@ impl CudaBackend {
         // Without peer access the driver would still copy, staged through host memory at a tenth
         // of the NVLink rate (37 against 391 GB/s measured on the H200 pair): never silently.
         if !same && !self.peer_access(src_be) {
-            return Err(dev_err(format!(
+            return Err(BackendError::Unsupported(format!(
                 "copy from {} to {}: the GPUs cannot access each other's memory (no peer access): use --transport host or auto",
                 src_be.name, self.name
             )));
@@ -132,12 +135,13 @@ impl CudaBackend {
         self.bind()?;
         if same {
             // SAFETY: two live buffers of at least n bytes on this device.
-            unsafe { cu::memcpy_dtod_async(dst.ptr, src.ptr, n, s.raw()) }.map_err(dev_err)
+            unsafe { cu::memcpy_dtod_async(dst.ptr, src.ptr, n, s.raw()) }
+                .map_err(|e| drv(format!("copy_from_peer on one device, {n} bytes"), e))
         } else {
             // SAFETY: live buffers on their own devices; the caller made `s` wait for the source's
             // last write and keeps the source alive until this copy's event completed.
             unsafe { cu::memcpy_peer_async(self.ctx.cu_ctx(), dst.ptr, src_be.ctx.cu_ctx(), src.ptr, n, s.raw()) }
-                .map_err(dev_err)
+                .map_err(|e| drv(format!("copy_from_peer {} -> {}, {n} bytes", src_be.name, self.name), e))
         }
     }
 

@@ -1,0 +1,89 @@
+// Launch geometry the kernels and their Rust launchers share: block sizes, tile sizes, shared-memory
+// layouts, argument limits. This file is the one place they are written down. The kernels include
+// it; build.rs parses it into Rust constants (`crate::kernels::launch`), so a launcher never restates
+// a number from a .cu file.
+//
+// Format (build.rs reads it): one `constexpr <int type> NAME = <expression>;` per line, the
+// expression made of integer literals, earlier names, + - * / << and parentheses. Comments say why
+// each value is what it is; the kernel file named in each section explains more.
+#pragma once
+
+// ---- attention.cu ----------------------------------------------------------------------------
+// Row pitch padding of every K/V/Q tile in shared memory, in bf16 elements (LD = head_dim + 8):
+// 16 bytes that put consecutive rows in different banks for ldmatrix.
+constexpr int ATTN_LD_PAD = 8;
+// Query rows one warp owns: the M of one m16n8k16 MMA.
+constexpr int ATTN_WARP_ROWS = 16;
+// Keys per K/V tile of the drafter kernels: a 16 x 64 S tile is 32 f32 registers per thread.
+constexpr int ATTN_KEYS = 64;
+// K/V tiles in flight (double-buffered K and V: 4 tiles of shared memory).
+constexpr int ATTN_KV_TILES = 4;
+// Causal forward: 4 warps x 2 m-tiles = 128 query rows of one head per CTA, 32-key K/V tiles.
+constexpr int ATTN_CAUSAL_WARPS = 4;
+constexpr int ATTN_CAUSAL_MT = 2;
+constexpr int ATTN_CAUSAL_KEYS = 32;
+constexpr int ATTN_CAUSAL_ROWS = ATTN_CAUSAL_WARPS * ATTN_CAUSAL_MT * ATTN_WARP_ROWS;
+// Drafter query tile limit: block_size * G rows, at most 8 warps.
+constexpr int ATTN_DRAFT_MAX_ROWS = 128;
+// Drafter backward over context: 64 context rows (keys) per CTA, 4 warps of 16 keys each; the
+// query rows of a block are consumed in chunks of 32.
+constexpr int ATTN_KV_ROWS = 64;
+constexpr int ATTN_KV_WARPS = ATTN_KV_ROWS / ATTN_WARP_ROWS;
+constexpr int ATTN_KV_CHUNK = 32;
+// Block keys in the f32 P / dS side buffers of attn_draft_bwd_q: block_size <= 16.
+constexpr int ATTN_MAX_BLOCK_KEYS = 16;
+
+// ---- cross_entropy.cu ------------------------------------------------------------------------
+// Threads per CTA of the streaming kernel (one CTA per row): 16 warps.
+constexpr int CE_BLOCK = 512;
+// Cluster kernels: clusters of 8 CTAs of 512 threads, a 2-stage ring of row shares per CTA; each
+// thread owns CEC_CHUNKS (first kernel) or CEC_WIDE_CHUNKS (wide kernel) chunks of 8 of the row.
+constexpr int CEC_CTAS = 8;
+constexpr int CEC_BLOCK = 512;
+constexpr int CEC_STAGES = 2;
+constexpr int CEC_CHUNKS = 5;
+constexpr int CEC_WIDE_CHUNKS = 8;
+
+// ---- fc.cu -----------------------------------------------------------------------------------
+// fc_wgmma_bf16: 128 x 256 output tiles, K stages of 64 (one 128-byte swizzle row), a 4-deep ring,
+// 384 threads (a producer warpgroup and 2 consumer warpgroups).
+constexpr int FC_BM = 128;
+constexpr int FC_BN = 256;
+constexpr int FC_BK = 64;
+constexpr int FC_STAGES = 4;
+constexpr int FC_THREADS = 384;
+// 128-byte swizzle atom (8 rows x 128 bytes): the ring starts on one.
+constexpr int FC_SWIZZLE_ALIGN = 1024;
+// The ring's bf16 stages, a full and an empty 8-byte barrier per stage, and the alignment slack.
+constexpr int FC_SMEM_BYTES = FC_STAGES * (FC_BM + FC_BN) * FC_BK * 2 + 2 * FC_STAGES * 8 + FC_SWIZZLE_ALIGN;
+// fc_simple_bf16: 64 x 64 output tiles, 256 threads (16 x 16, 4 x 4 outputs each).
+constexpr int FC_S_TILE = 64;
+constexpr int FC_S_THREADS = 256;
+
+// ---- pack.cu ---------------------------------------------------------------------------------
+// Most tapped layers one call packs: TapPtrs stays at 128 bytes of kernel parameters.
+constexpr int MAX_TAPS = 16;
+// Units (8 bf16, 16 bytes) each thread of the fast path owns per work item.
+constexpr int PACK_UNITS = 4;
+// Launch bounds of pack_taps_noise_bf16: at most this many threads per block.
+constexpr int PACK_MAX_BLOCK = 256;
+// Largest hidden size of the fast path: unit indices within a row stay in 32-bit ints.
+constexpr long long PACK_VEC_MAX_HIDDEN = 1LL << 30;
+
+// ---- reduce.cu -------------------------------------------------------------------------------
+// Blocks of the partial pass = entries of `partial` (one full wave on an H200), and threads per
+// block of both kernels; the summation order, hence the bits, depend on both.
+constexpr int SUMSQ_PARTS = 1024;
+constexpr int SUMSQ_BLOCK = 256;
+
+// ---- rmsnorm.cu ------------------------------------------------------------------------------
+// Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).
+constexpr int RMS_BLOCK = 256;
+// Largest dim that uses warp teams; above it a whole block owns a row.
+constexpr int RMS_WARP_TEAM_MAX_DIM = 1024;
+// Floats of padding after each team's dw accumulator slab in the backward.
+constexpr int RMS_SLAB_PAD = 4;
+// Chunks of 8 a lane of a warp team owns (at most).
+constexpr int RMS_CHUNKS_PER_LANE = 4;
+// Recommended upper bound on the backward's part count.
+constexpr int RMS_BWD_TARGET_PARTS = 1024;
