@@ -46,8 +46,17 @@ pub use exchange::{Exchange, Gate};
 pub use stats::{DeviceTimeline, PipelineStats, Trace};
 pub use transport::{Link, Parcel, Transport};
 
-/// Why a queue send failed: the receiving side is gone (a consequence, not a cause).
-const RECEIVER_GONE: &str = "the drafter side has stopped";
+/// Why a micro-batch could not be published.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishFailure {
+    /// The receiving drafter rank is gone: a consequence of its own failure, not a cause.
+    #[error("the drafter side has stopped")]
+    ReceiverGone,
+    #[error("waiting for the copy: {0}")]
+    Copy(BackendError),
+    #[error("injected fault: publish failed")]
+    Injected,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -62,7 +71,7 @@ pub enum PipelineError {
     #[error("target side (producer) panicked: {message}")]
     ProducerPanic { message: String },
     #[error("could not publish step {} micro-batch {micro} to the drafter: {reason}", .step + 1)]
-    Publish { step: u32, micro: usize, reason: String },
+    Publish { step: u32, micro: usize, reason: PublishFailure },
     #[error("the target side stopped before step {} arrived", .step + 1)]
     ProducerGone { step: u32 },
     #[error("{0}")]
@@ -80,7 +89,7 @@ impl PipelineError {
     fn is_consequence(&self) -> bool {
         match self {
             PipelineError::ProducerGone { .. } | PipelineError::Aborted(_) => true,
-            PipelineError::Publish { reason, .. } => reason == RECEIVER_GONE,
+            PipelineError::Publish { reason, .. } => matches!(reason, PublishFailure::ReceiverGone),
             _ => false,
         }
     }
@@ -669,13 +678,13 @@ fn publish<B: Backend>(
         let (step, micro) = (msg.step, msg.micro);
         let rank = micro % sh.ranks;
         if sh.cfg.faults.publish_error_at == Some(step) {
-            return Err(PipelineError::Publish { step, micro, reason: "injected fault: publish failed".into() });
+            return Err(PipelineError::Publish { step, micro, reason: PublishFailure::Injected });
         }
         let t0 = Instant::now();
         links[rank].settle(&mut msg.parcel).map_err(|e| PipelineError::Publish {
             step,
             micro,
-            reason: format!("waiting for the copy: {e}"),
+            reason: PublishFailure::Copy(e),
         })?;
         add_time(&sh.stats, |st| &mut st.publisher_wait_copy, t0.elapsed());
         if let Some(tr) = &sh.cfg.trace {
@@ -684,7 +693,7 @@ fn publish<B: Backend>(
         sh.depth.fetch_add(1, Ordering::SeqCst);
         if txs[rank].send(msg).is_err() {
             sh.depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
+            return Err(PipelineError::Publish { step, micro, reason: PublishFailure::ReceiverGone });
         }
         // Between the increment and a consumer's decrement the counter can read one above the
         // queues' capacity: what they hold is at most `max_inflight` per target-rank link.
@@ -825,7 +834,7 @@ fn produce<B: Backend>(
             let parcel = fwd[micro % sh.ranks].send(s, out, step, micro, &cfg.faults).map_err(berr(step))?;
             let t2 = Instant::now();
             if tx.send(Msg { step, micro, n_micro, step_weight, hb, parcel }).is_err() {
-                return Err(PipelineError::Publish { step, micro, reason: RECEIVER_GONE.into() });
+                return Err(PipelineError::Publish { step, micro, reason: PublishFailure::ReceiverGone });
             }
             waited += t_send.elapsed();
             add_time(&sh.stats, |st| &mut st.target_blocked, t2.elapsed());
