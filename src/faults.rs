@@ -18,6 +18,12 @@ pub struct FaultPlan {
     pub copy_error_at: Option<u32>,
     /// Every checkpoint first waits this long (a slow disk: the target side runs ahead meanwhile).
     pub checkpoint_delay_ms: Option<u64>,
+    /// The forced hazard of the NaN suite: the drafter's reads of this step are held back on
+    /// the device until the target's next step has allocated and written its buffers, so
+    /// memory the drafter still has to read is reused if the allocator ever allows it (it does
+    /// only in its test-only unsafe-reuse mode). Meaningful on one GPU with the same-device
+    /// transport; a no-op on the CPU.
+    pub hold_reads_at: Option<u32>,
     /// A checkpoint save aborts the process after writing its model file into the temporary
     /// folder, before the rename (proves a kill during a save is harmless).
     pub abort_mid_checkpoint: bool,

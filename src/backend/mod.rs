@@ -205,6 +205,16 @@ pub trait Backend: Send + Sync + 'static {
     fn elapsed_secs(&self, _start: &Self::Event, _end: &Self::Event) -> Option<f64> {
         None
     }
+    /// The NaN suite's forced hazard: `s` waits, on the device, until the 32-bit word at the
+    /// start of `flag` (zeroed by `fill`) is at least `value`, as written by `signal_flag` on
+    /// another stream. The CPU backend runs every op in host order, so both are no-ops there.
+    fn wait_flag(&self, _s: &Self::Stream, _flag: &Self::Buf, _value: u32) -> Result<()> {
+        Ok(())
+    }
+    /// Writes `value` to the 32-bit word at the start of `flag`, in `s`'s order.
+    fn signal_flag(&self, _s: &Self::Stream, _flag: &Self::Buf, _value: u32) -> Result<()> {
+        Ok(())
+    }
     /// Device memory currently handed out by the allocator, in bytes (None on the CPU).
     fn allocated_bytes(&self) -> Option<usize> {
         None

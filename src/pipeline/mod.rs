@@ -36,6 +36,7 @@ use crate::backend::{AdamStep, Backend, BackendError};
 use crate::faults::FaultPlan;
 use crate::model::drafter::{fc_backward, fc_forward, ParamGroup};
 use crate::model::target::Target;
+use crate::tensor::DType;
 use crate::train::batch::HostBatch;
 use crate::train::optim::OptimConfig;
 use crate::train::step::{
@@ -204,6 +205,40 @@ fn owner(cfg: &PipelineConfig, step: u32, targets: usize) -> usize {
     (step - cfg.first_step) as usize % targets
 }
 
+/// The forced hazard of the NaN suite (`FaultPlan::hold_reads_at`): the drafter's stream waits
+/// on `flag` before reading step `step`'s batch; the target thread starts its next step only
+/// after the drafter side dropped that batch, and signals `flag` on its stream after that
+/// step's pack. So the target allocates and writes while the batch is still to be read: with
+/// the allocator's cross-stream deferral the batch's memory is not reused (the losses stay
+/// bit-identical); without it (unsafe-reuse) the drafter reads the next step's data, every time.
+struct HeldReads<B: Backend> {
+    step: u32,
+    flag: B::Buf,
+    freed: Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl<B: Backend> HeldReads<B> {
+    fn mark_freed(&self) {
+        if let Ok(mut f) = self.freed.lock() {
+            *f = true;
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits until the held batch was dropped (bounded: a run that stopped before it goes on).
+    fn wait_freed(&self) {
+        let Ok(mut f) = self.freed.lock() else { return };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !*f && Instant::now() < deadline {
+            match self.cv.wait_timeout(f, Duration::from_millis(100)) {
+                Ok((g, _)) => f = g,
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// What every thread of a run shares.
 struct Shared<'a> {
     cfg: &'a PipelineConfig,
@@ -283,6 +318,12 @@ pub fn run<B: Backend>(
         Err(e) => return fail(PipelineError::Setup { transport: transport_name.clone(), source: e }),
     };
 
+    let hold = match make_hold(targets, &dbes, &target_streams, cfg) {
+        Ok(h) => h,
+        Err(e) => return fail(e),
+    };
+    let hold_ref = hold.as_ref();
+
     // producer p -> publisher p (rendezvous); publisher p -> rank r (bounded, one per pair).
     let mut prod_tx = Vec::new();
     let mut pub_rx = Vec::new();
@@ -355,7 +396,7 @@ pub fn run<B: Backend>(
             };
             producers.push(scope.spawn(move || {
                 let mut spans = Vec::new();
-                let r = produce(p, t.be, s, t.side, source, sh, links, back_ref, tx, brx, rtx, &mut spans)
+                let r = produce(p, t.be, s, t.side, source, sh, links, back_ref, tx, brx, rtx, hold_ref, &mut spans)
                     .map_err(|e| consequence_if_failed(sh, e));
                 if r.is_err() {
                     // A rank may wait for this target's step at the gate or for the others.
@@ -383,7 +424,7 @@ pub fn run<B: Backend>(
             let on_failure = &on_failure;
             others.push(scope.spawn(move || {
                 let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    let io = RankIo { fwd: links, back: bl, rxs, back_tx: btx, report_rx: rrx };
+                    let io = RankIo { fwd: links, back: bl, rxs, back_tx: btx, report_rx: rrx, hold: None };
                     consume(r, be, side, comm, sh, io, None)
                 }));
                 settle_rank(sh, &res, on_failure);
@@ -395,7 +436,8 @@ pub fn run<B: Backend>(
                 let links: Vec<&Link<'_, B>> = fwd.iter().map(|row| &row[r]).collect();
                 let comm = &comms_ref[r];
                 let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    let io = RankIo { fwd: links, back: back.get(r), rxs, back_tx: btx, report_rx: rrx };
+                    let io =
+                        RankIo { fwd: links, back: back.get(r), rxs, back_tx: btx, report_rx: rrx, hold: hold_ref };
                     consume(r, be, side, comm, sh, io, Some(on_step))
                 }));
                 settle_rank(sh, &res, &on_failure);
@@ -548,6 +590,33 @@ fn device_timeline<B: Backend>(be: &B, sp: &TargetSpans<B>) -> Option<DeviceTime
         span: Duration::from_secs_f64(span),
         waiting: Duration::from_secs_f64(waiting),
     })
+}
+
+/// The held reads of `FaultPlan::hold_reads_at`, on one target and one drafter rank only (the
+/// forced hazard needs the batch handed over on one device). The flag lives on the drafter's
+/// stream and is also written on the target's.
+fn make_hold<B: Backend>(
+    targets: &[TargetRank<'_, B>],
+    dbes: &[&B],
+    target_streams: &[B::Stream],
+    cfg: &PipelineConfig,
+) -> Result<Option<HeldReads<B>>, PipelineError> {
+    let Some(step) = cfg.faults.hold_reads_at else { return Ok(None) };
+    if targets.len() != 1 || dbes.len() != 1 || step + 1 >= cfg.end_step || step < cfg.first_step {
+        return Err(PipelineError::Config(format!(
+            "the held-reads fault needs one target, one drafter rank and a step before the last (got step {step})"
+        )));
+    }
+    let setup = |e| PipelineError::Setup { transport: "held reads".into(), source: e };
+    let be = dbes[0];
+    let ds = be.compute_stream();
+    let mut flag = be.alloc(&ds, DType::F32, 1).map_err(setup)?;
+    be.fill(&ds, &mut flag, 0.0).map_err(setup)?;
+    // The target's stream writes the flag only after this zeroing.
+    let ready = be.record_event(&ds).map_err(setup)?;
+    targets[0].be.wait_event(&target_streams[0], &ready).map_err(setup)?;
+    targets[0].be.record_use(&target_streams[0], &[&flag]).map_err(setup)?;
+    Ok(Some(HeldReads { step, flag, freed: Mutex::new(false), cv: std::sync::Condvar::new() }))
 }
 
 /// The synchronous reference on one device: target and drafter alternate on the calling thread,
@@ -723,6 +792,7 @@ fn produce<B: Backend>(
     tx: SyncSender<Msg<B>>,
     back_rx: Vec<Receiver<Back<B>>>,
     report_tx: Vec<Sender<Report>>,
+    hold: Option<&HeldReads<B>>,
     spans: &mut TargetSpans<B>,
 ) -> Result<(), PipelineError> {
     let cfg = sh.cfg;
@@ -771,10 +841,17 @@ fn produce<B: Backend>(
         let step_weight: f64 = hbs.iter().map(|hb| hb.weight_sum).sum();
         let t_start = be.record_timed(s).map_err(berr(step))?;
         let mut wait_before = std::mem::take(&mut waited);
+        let held = hold.filter(|h| h.step + 1 == step);
+        if let Some(h) = held {
+            h.wait_freed();
+        }
         let mut packed = Vec::with_capacity(hbs.len());
         for hb in hbs {
             let x = target_pack(be, s, &tside.target, &hb, cfg.noise, step).map_err(berr(step))?;
             packed.push((hb, x));
+        }
+        if let Some(h) = held {
+            be.signal_flag(s, &h.flag, 1).map_err(berr(step))?;
         }
         add_time(&sh.stats, |st| &mut st.target_busy, t0.elapsed());
         if let Some(tr) = &cfg.trace {
@@ -960,6 +1037,7 @@ struct RankIo<'l, 'a, B: Backend> {
     rxs: Vec<Receiver<Msg<B>>>,
     back_tx: Sender<Back<B>>,
     report_rx: Receiver<Report>,
+    hold: Option<&'l HeldReads<B>>,
 }
 
 /// Drafter rank `rank`: receives its micro-batches of each step (from the step's target), trains
@@ -997,7 +1075,7 @@ fn consume_steps<B: Backend>(
     on_step: &mut Option<&mut OnStep<'_, B>>,
     timed: &mut TimedSpans<B>,
 ) -> Result<(), PipelineError> {
-    let RankIo { fwd, back, rxs, back_tx, report_rx } = io;
+    let RankIo { fwd, back, rxs, back_tx, report_rx, hold } = io;
     let cfg = sh.cfg;
     let s = be.compute_stream();
     let name = track("drafter", rank, sh.ranks);
@@ -1048,10 +1126,21 @@ fn consume_steps<B: Backend>(
             Some(r) => FcPlace::Remote(r),
             None => FcPlace::Local,
         };
-        let batches = pending.into_iter().map(|(hb, buf)| {
-            let ctx = if sh.split { Context::Projected(buf) } else { Context::Packed(buf) };
-            Ok((hb, ctx))
-        });
+        let held = hold.filter(|h| h.step == step);
+        if let Some(h) = held {
+            be.wait_flag(&s, &h.flag, 1).map_err(berr)?;
+        }
+        let batches = pending
+            .into_iter()
+            .map(|(hb, buf)| {
+                let ctx = if sh.split { Context::Projected(buf) } else { Context::Packed(buf) };
+                Ok((hb, ctx))
+            })
+            // Asked once more after the last micro-batch was consumed and dropped.
+            .chain(std::iter::from_fn(move || {
+                held.inspect(|h| h.mark_freed());
+                None
+            }));
         let (metrics, times) =
             drafter_step(be, &s, side, step, step_weight, batches, &mut group, fc, rank == 0, sh.optim).map_err(
                 |e| match e {

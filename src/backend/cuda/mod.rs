@@ -483,6 +483,37 @@ impl Backend for CudaBackend {
         ev.wait_on(s.raw()).map_err(|e| drv("wait_event", e))
     }
 
+    fn wait_flag(&self, s: &Stream, flag: &CudaBuf, value: u32) -> Result<()> {
+        self.bind()?;
+        check_len("wait_flag", "flag", flag.len, 0, 1)?;
+        // SAFETY: `flag` is a live device allocation of at least 4 bytes (checked above) that
+        // outlives the wait (the caller keeps it until the streams are joined); the stream is live.
+        let r = unsafe {
+            sys::cuStreamWaitValue32_v2(
+                s.raw(),
+                flag.ptr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        };
+        r.result().map_err(|e| drv("cuStreamWaitValue32", e))
+    }
+
+    fn signal_flag(&self, s: &Stream, flag: &CudaBuf, value: u32) -> Result<()> {
+        self.bind()?;
+        check_len("signal_flag", "flag", flag.len, 0, 1)?;
+        // SAFETY: as in `wait_flag`.
+        let r = unsafe {
+            sys::cuStreamWriteValue32_v2(
+                s.raw(),
+                flag.ptr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        };
+        r.result().map_err(|e| drv("cuStreamWriteValue32", e))
+    }
+
     fn sync_event(&self, ev: &CudaEvent) -> Result<()> {
         ev.synchronize().map_err(|e| drv("sync_event", e))
     }
