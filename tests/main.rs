@@ -4,6 +4,8 @@
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
+//! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
+//!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `nan_suite`: async == sync bit for bit over every transport, split, pad and depth; debug
 //!   allocator modes; faults leave nothing behind
 
@@ -13,4 +15,5 @@ mod gpu;
 mod nan_suite;
 mod ops_fd;
 mod pitfalls;
+mod qwen35;
 mod run;
