@@ -344,3 +344,98 @@ fn gdn_state_carries_across_calls_in_both_forms() {
     }
     assert!(rel_err(&got, &want) < 1e-12);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The whole target
+// ---------------------------------------------------------------------------------------------
+
+use dflash_engine::config::TargetConfig;
+use dflash_engine::model::target::{names, Target, TargetInputs, TargetShape};
+use dflash_engine::tensor::DType;
+use dflash_engine::weights::{init_value_bf16, target_tensor_specs};
+
+/// The qwen3.5-tiny preset's weights (as `run` generates them) on the exact backend.
+fn tiny_target(taps: Vec<usize>, all_layers: bool, std: f32) -> Target<Exact> {
+    let cfg = TargetConfig::preset("qwen3.5-tiny").unwrap();
+    let specs = target_tensor_specs(&cfg);
+    Target::load(&be(), TargetShape::from(&cfg), taps, all_layers, |name, dims| {
+        let (t, spec) = specs.iter().enumerate().find(|(_, s)| s.name == name).expect("a preset tensor");
+        assert_eq!(spec.shape, dims, "{name}");
+        let n: usize = dims.iter().product();
+        Ok::<_, dflash_engine::backend::BackendError>(
+            (0..n as u64).map(|e| init_value_bf16(spec.role, 3, t as u32, e, std).to_f32()).collect(),
+        )
+    })
+    .unwrap()
+}
+
+fn tokens(n: usize, seed: u64) -> Vec<i32> {
+    randn(n, seed, 1.0).iter().map(|x| ((x.abs() * 1000.0) as i32) % 250).collect()
+}
+
+/// Taps of a packed batch of sequences `lens` (positions restart per sequence).
+fn taps_of(t: &Target<Exact>, ids: &[i32], lens: &[usize]) -> Vec<Vec<f64>> {
+    let rows = ids.len();
+    let pos: Vec<i32> = lens.iter().flat_map(|&l| 0..l as i32).collect();
+    let mut starts = vec![0i32];
+    for &l in lens {
+        starts.push(starts.last().unwrap() + l as i32);
+    }
+    let h = t.shape.hidden;
+    let mut out: Vec<_> = t.taps.iter().map(|_| be().alloc(&S, DType::BF16, rows * h).unwrap()).collect();
+    let inp = TargetInputs { ids: &ids.to_vec(), pos: &pos, seq_starts: &starts, rows };
+    t.forward_taps(&be(), &S, &inp, &mut out).unwrap();
+    out.into_iter().map(|b| b.data).collect()
+}
+
+#[test]
+fn packed_batch_taps_equal_separate_sequences() {
+    // Taps at a linear layer (1), the first full layer (3) and a later linear layer (6); the
+    // middle sequence is longer than a delta-rule chunk.
+    let taps = vec![1, 3, 6];
+    let t = tiny_target(taps.clone(), false, 0.05);
+    let lens = [5usize, 70, 12];
+    let ids = tokens(lens.iter().sum(), 60);
+    let packed = taps_of(&t, &ids, &lens);
+    let h = t.shape.hidden;
+    let mut r0 = 0;
+    for &len in &lens {
+        let alone = taps_of(&t, &ids[r0..r0 + len], &[len]);
+        for k in 0..taps.len() {
+            let err = rel_err(&packed[k][r0 * h..(r0 + len) * h], &alone[k]);
+            assert!(err < 1e-12, "tap {} of the sequence at row {r0}: {err:e}", taps[k]);
+        }
+        r0 += len;
+    }
+    // Layers change the stream (a tap is not just the embedding): each tap differs from the last.
+    assert!(rel_err(&packed[0], &packed[1]) > 1e-3 && rel_err(&packed[1], &packed[2]) > 1e-3);
+}
+
+#[test]
+fn decoding_step_by_step_gives_the_forward_logits() {
+    let t = tiny_target(vec![7], true, 0.05);
+    let (n, len, h, v) = (3usize, 11usize, t.shape.hidden, t.shape.vocab);
+    let seqs: Vec<Vec<i32>> = (0..n).map(|b| tokens(len, 70 + b as u64)).collect();
+    // The forward: every sequence's last-layer stream, final norm, lm_head.
+    let ids: Vec<i32> = seqs.concat();
+    let last = taps_of(&t, &ids, &vec![len; n]).remove(0);
+    let rows = n * len;
+    let mut xn = buf(vec![0.0; rows * h]);
+    be().rmsnorm1p_fwd(&S, &buf(last), &t.weights, t.table.off(names::FINAL_NORM), &mut xn, rows, h, t.shape.eps)
+        .unwrap();
+    let mut want = buf32(vec![0.0; rows * v]);
+    let g = dflash_engine::backend::Gemm::linear(rows, v, h);
+    be().gemm(&S, &g, &xn, 0, &t.weights, t.table.off(names::LM_HEAD), &mut want, 0).unwrap();
+    // Decoding: one token per sequence per step over the cache.
+    let mut cache = t.new_cache(&be(), &S, n, len).unwrap();
+    let mut logits = buf32(vec![0.0; n * v]);
+    for step in 0..len {
+        let cur: Vec<i32> = seqs.iter().map(|q| q[step]).collect();
+        t.decode_step(&be(), &S, &mut cache, &cur, step, &mut logits).unwrap();
+        for b in 0..n {
+            let row = (b * len + step) * v;
+            let err = rel_err(&logits.data[b * v..(b + 1) * v], &want.data[row..row + v]);
+            assert!(err < 1e-10, "sequence {b} position {step}: {err:e}");
+        }
+    }
+}
