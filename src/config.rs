@@ -14,7 +14,8 @@ use std::path::Path;
 const FROM_STRING: &str = "<config string>";
 
 /// Names accepted by [`TargetConfig::preset`].
-pub const PRESET_NAMES: [&str; 3] = ["tiny", "small", "qwen3-8b-shape"];
+pub const PRESET_NAMES: [&str; 6] =
+    ["tiny", "small", "qwen3-8b-shape", "qwen3.5-tiny", "qwen3.5-small", "qwen3.6-27b-shape"];
 
 /// Drafter depth used when the caller does not choose one (public DFlash drafters use 5).
 pub const DEFAULT_DRAFTER_LAYERS: usize = 5;
@@ -25,6 +26,11 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 /// unused row, 151669, is the mask token public DFlash drafters for Qwen3 use.
 pub const QWEN3_VOCAB_SIZE: usize = 151_936;
 pub const QWEN3_MASK_TOKEN_ID: u32 = 151_669;
+
+/// Qwen3.5/3.6's embedding has 248,320 rows; public DFlash drafters for them use 248070 as the
+/// mask token.
+pub const QWEN35_VOCAB_SIZE: usize = 248_320;
+pub const QWEN35_MASK_TOKEN_ID: u32 = 248_070;
 
 /// Everything that can be wrong with a config. Each message names the source (file path or
 /// `<config string>`) and, where it is not obvious, what to do about it.
@@ -48,7 +54,9 @@ pub enum ConfigError {
     InvalidField { file: String, field: &'static str, reason: String },
     #[error(
         "{file}: model_type is \"{model_type}\", but only Qwen3 dense targets (model_type \"qwen3\", \
-         Qwen3ForCausalLM) are supported; MoE and other families are not implemented"
+         Qwen3ForCausalLM) and Qwen3.5/3.6 dense hybrid targets (model_type \"qwen3_5\" or \
+         \"qwen3_5_text\") are supported; MoE (qwen3_moe, qwen3_5_moe) and other families are not \
+         implemented: train against a dense model"
     )]
     UnsupportedModel { file: String, model_type: String },
     #[error(
@@ -254,12 +262,16 @@ fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| ConfigError::Io { file: path.display().to_string(), source })
 }
 
-/// Reads the RoPE base frequency, accepting transformers-4 style (top-level `rope_theta`,
-/// optional `rope_scaling`) and transformers-5 style (`rope_parameters: {rope_theta, rope_type}`).
-/// Any scaling type other than "default" changes the rotation and is rejected.
-fn read_rope_theta(f: &Fields) -> Result<f64> {
+/// The RoPE fields of a config: base frequency and the fraction of each head that rotates, when
+/// the file names them. Accepts transformers-4 style (top-level `rope_theta`,
+/// `partial_rotary_factor`, optional `rope_scaling`) and transformers-5 style (`rope_parameters:
+/// {rope_type, rope_theta, partial_rotary_factor}`). Any type other than "default" changes the
+/// rotation and is rejected. Multimodal keys (`mrope_section`, `mrope_interleaved`) are ignored:
+/// for text-only input every position row is equal and M-RoPE is plain 1-D RoPE.
+fn read_rope(f: &Fields) -> Result<(Option<f64>, Option<f64>)> {
     let top = f.opt_f64("rope_theta")?;
-    let mut nested = None;
+    let top_partial = f.opt_f64("partial_rotary_factor")?;
+    let (mut nested, mut nested_partial) = (None, None);
     for field in ["rope_parameters", "rope_scaling"] {
         let Some(obj) = f.opt_object(field)? else { continue };
         let rope_type = match obj.opt_str("rope_type")? {
@@ -275,31 +287,190 @@ fn read_rope_theta(f: &Fields) -> Result<f64> {
             });
         }
         if let Some(p) = obj.opt_f64("partial_rotary_factor")? {
-            if p != 1.0 {
-                return Err(f.invalid(
-                    field,
-                    format!("has partial_rotary_factor {p}; only full-width RoPE (1.0) is implemented"),
-                ));
-            }
+            nested_partial = Some(p);
         }
         if field == "rope_parameters" {
             nested = obj.opt_f64("rope_theta")?;
         }
     }
-    let theta = match (top, nested) {
+    let agree = |field: &'static str, a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if a != b => {
+            Err(f.invalid(field, format!("is {a} but rope_parameters.{field} is {b}; they must agree (remove one)")))
+        }
+        (Some(a), _) | (None, Some(a)) => Ok(Some(a)),
+        (None, None) => Ok(None),
+    };
+    let theta = agree("rope_theta", top, nested)?;
+    if let Some(theta) = theta {
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(f.invalid("rope_theta", format!("is {theta}; it must be a positive number")));
+        }
+    }
+    let partial = agree("partial_rotary_factor", top_partial, nested_partial)?;
+    if let Some(p) = partial {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(f.invalid("partial_rotary_factor", format!("is {p}; it must be in (0, 1]")));
+        }
+    }
+    Ok((theta, partial))
+}
+
+/// The RoPE base of a Qwen3-style config (full-width rotation only; 1e6 when absent, Qwen3's value
+/// and transformers' Qwen3Config default).
+fn read_rope_theta(f: &Fields) -> Result<f64> {
+    let (theta, partial) = read_rope(f)?;
+    if let Some(p) = partial {
+        if p != 1.0 {
             return Err(f.invalid(
-                "rope_theta",
-                format!("is {a} but rope_parameters.rope_theta is {b}; they must agree (remove one)"),
+                "partial_rotary_factor",
+                format!("is {p}; only full-width RoPE (1.0) is implemented for this model type"),
+            ));
+        }
+    }
+    Ok(theta.unwrap_or(1e6))
+}
+
+/// The fields every supported target shares: the decoder shape. `default_head_dim` is the model
+/// family's default when `head_dim` is absent (None: `hidden_size / num_attention_heads`).
+struct CommonShape {
+    vocab_size: usize,
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    intermediate_size: usize,
+    rms_norm_eps: f64,
+}
+
+fn read_common_shape(f: &Fields, default_head_dim: Option<usize>, hint: &'static str) -> Result<CommonShape> {
+    let hidden_size = f.req_positive("hidden_size", hint)?;
+    let num_hidden_layers = f.req_positive("num_hidden_layers", hint)?;
+    let num_attention_heads = f.req_positive("num_attention_heads", hint)?;
+    let intermediate_size = f.req_positive("intermediate_size", hint)?;
+    let vocab_size = f.req_positive("vocab_size", hint)?;
+    // Absent means multi-head attention, as in transformers.
+    let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+    let head_dim = match (f.opt_usize("head_dim")?, default_head_dim) {
+        (Some(hd), _) | (None, Some(hd)) => hd,
+        (None, None) if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
+        (None, None) => {
+            return Err(f.invalid(
+                "head_dim",
+                format!(
+                    "is absent and hidden_size {hidden_size} is not a multiple of \
+                     num_attention_heads {num_attention_heads}; set head_dim explicitly"
+                ),
             ))
         }
-        (Some(a), _) | (None, Some(a)) => a,
-        (None, None) => 1e6, // Qwen3's value, and transformers' Qwen3Config default
     };
-    if !(theta.is_finite() && theta > 0.0) {
-        return Err(f.invalid("rope_theta", format!("is {theta}; it must be a positive number")));
+    if f.opt_bool("use_sliding_window")? == Some(true) {
+        return Err(f.invalid(
+            "use_sliding_window",
+            "is true; sliding-window attention is not implemented (Qwen3 dense checkpoints \
+             ship with it off)",
+        ));
     }
-    Ok(theta)
+    if let Some(act) = f.opt_str("hidden_act")? {
+        if act != "silu" {
+            return Err(f.invalid("hidden_act", format!("is \"{act}\"; only \"silu\" (SwiGLU) is implemented")));
+        }
+    }
+    if f.opt_bool("attention_bias")? == Some(true) {
+        return Err(f.invalid("attention_bias", "is true; attention biases are not implemented (Qwen3 has none)"));
+    }
+    Ok(CommonShape {
+        vocab_size,
+        hidden_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        intermediate_size,
+        rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
+    })
+}
+
+/// Refuses a drafter checkpoint's config where a target's is expected.
+fn refuse_drafter(f: &Fields, architectures: &[String]) -> Result<()> {
+    if architectures.iter().any(|a| a == "DFlashDraftModel") {
+        return Err(f.invalid(
+            "architectures",
+            "names a DFlash drafter (DFlashDraftModel); point the target path at the target \
+             model's folder, not at a drafter checkpoint",
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Architecture families
+// ---------------------------------------------------------------------------------------------
+
+/// The token mixer of one Qwen3.5/3.6 decoder layer (`layer_types[i]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerType {
+    /// Gated DeltaNet (`"linear_attention"`).
+    Linear,
+    /// Gated full attention (`"full_attention"`).
+    Full,
+}
+
+impl LayerType {
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            LayerType::Linear => "linear_attention",
+            LayerType::Full => "full_attention",
+        }
+    }
+}
+
+/// What a Qwen3.5/3.6 hybrid target adds to the shared decoder shape (QWEN35.md section 1). The
+/// full-attention layers use the shared `num_attention_heads`, `num_key_value_heads` and
+/// `head_dim`, with the sigmoid output gate (`q_proj` has `2 * nq * hd` rows).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HybridConfig {
+    pub layer_types: Vec<LayerType>,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_conv_kernel_dim: usize,
+    /// Fraction of each full-attention head that RoPE rotates (0.25: 64 of 256 dims).
+    pub partial_rotary_factor: f64,
+}
+
+impl HybridConfig {
+    /// `Kd = HK * dk`: width of the query and of the key part of `in_proj_qkv`.
+    pub fn key_dim(&self) -> usize {
+        self.linear_num_key_heads * self.linear_key_head_dim
+    }
+    /// `Vd = HV * dv`.
+    pub fn value_dim(&self) -> usize {
+        self.linear_num_value_heads * self.linear_value_head_dim
+    }
+    /// Channels of the depthwise convolution, `2 * Kd + Vd` (q | k | v).
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Dims of a full-attention head that rotate, `head_dim * partial_rotary_factor`.
+    pub fn rotary_dim(&self, head_dim: usize) -> usize {
+        (head_dim as f64 * self.partial_rotary_factor).round() as usize
+    }
+    /// The layer types transformers derives when a config lists none: every `interval`-th layer
+    /// (`i % interval == interval - 1`) is full attention.
+    pub fn default_layer_types(num_layers: usize, interval: usize) -> Vec<LayerType> {
+        (0..num_layers).map(|i| if (i + 1) % interval == 0 { LayerType::Full } else { LayerType::Linear }).collect()
+    }
+}
+
+/// The architecture family of a target; the model code asks this instead of the model type.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arch {
+    /// Qwen3 dense: plain-`w` RMSNorm, GQA with QK-norm and full RoPE, SwiGLU.
+    Qwen3,
+    /// Qwen3.5/3.6 dense hybrid: Gated DeltaNet and gated full attention, `1 + w` norms.
+    Qwen35(HybridConfig),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -332,6 +503,8 @@ pub struct TargetConfig {
     pub eos_token_id: Vec<u32>,
     /// The embedding row used for the drafter's mask slots, when the config names one.
     pub mask_token_id: Option<u32>,
+    /// The architecture family and what it adds to the shape above.
+    pub arch: Arch,
 }
 
 impl TargetConfig {
@@ -355,79 +528,156 @@ impl TargetConfig {
         let model_type = f.opt_str("model_type")?.ok_or(ConfigError::MissingField {
             file: file.to_string(),
             field: "model_type",
-            hint: "a Qwen3 config.json has \"model_type\": \"qwen3\"",
+            hint: "a Qwen3 config.json has \"model_type\": \"qwen3\" (Qwen3.5/3.6: \"qwen3_5\")",
         })?;
-        if model_type != "qwen3" {
-            return Err(ConfigError::UnsupportedModel { file: file.to_string(), model_type: model_type.to_string() });
+        match model_type {
+            "qwen3" => Self::read_qwen3(&f),
+            // The vision-language wrapper: the text model's fields sit under `text_config`.
+            "qwen3_5" => {
+                let text = f.opt_object("text_config")?.ok_or(ConfigError::MissingField {
+                    file: file.to_string(),
+                    field: "text_config",
+                    hint: "a Qwen3.5/3.6 vision-language config.json (model_type \"qwen3_5\") nests the \
+                           text model under text_config",
+                })?;
+                if let Some(inner) = text.opt_str("model_type")? {
+                    if inner != "qwen3_5_text" {
+                        return Err(ConfigError::UnsupportedModel {
+                            file: file.to_string(),
+                            model_type: format!("{inner} (text_config)"),
+                        });
+                    }
+                }
+                Self::read_qwen35(&text, Some(&f))
+            }
+            "qwen3_5_text" => Self::read_qwen35(&f, None),
+            other => Err(ConfigError::UnsupportedModel { file: file.to_string(), model_type: other.to_string() }),
         }
+    }
+
+    fn read_qwen3(f: &Fields) -> Result<Self> {
         let architectures = f.opt_str_list("architectures")?;
-        if architectures.iter().any(|a| a == "DFlashDraftModel") {
-            return Err(f.invalid(
-                "architectures",
-                "names a DFlash drafter (DFlashDraftModel); point the target path at the target \
-                 model's folder, not at a drafter checkpoint",
-            ));
-        }
-        const SHAPE_HINT: &str = "every Qwen3 config.json has it; is this the right file?";
-        let hidden_size = f.req_positive("hidden_size", SHAPE_HINT)?;
-        let num_hidden_layers = f.req_positive("num_hidden_layers", SHAPE_HINT)?;
-        let num_attention_heads = f.req_positive("num_attention_heads", SHAPE_HINT)?;
-        let intermediate_size = f.req_positive("intermediate_size", SHAPE_HINT)?;
-        let vocab_size = f.req_positive("vocab_size", SHAPE_HINT)?;
-        // Absent means multi-head attention, as in transformers' Qwen3Config.
-        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
-        let head_dim = match f.opt_usize("head_dim")? {
-            Some(hd) => hd,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => {
-                return Err(f.invalid(
-                    "head_dim",
-                    format!(
-                        "is absent and hidden_size {hidden_size} is not a multiple of \
-                         num_attention_heads {num_attention_heads}; set head_dim explicitly"
-                    ),
-                ))
-            }
-        };
-        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
-        let rope_theta = read_rope_theta(&f)?;
-
-        if f.opt_bool("use_sliding_window")? == Some(true) {
-            return Err(f.invalid(
-                "use_sliding_window",
-                "is true; sliding-window attention is not implemented (Qwen3 dense checkpoints \
-                 ship with it off)",
-            ));
-        }
-        if let Some(act) = f.opt_str("hidden_act")? {
-            if act != "silu" {
-                return Err(f.invalid("hidden_act", format!("is \"{act}\"; only \"silu\" (SwiGLU) is implemented")));
-            }
-        }
-        if f.opt_bool("attention_bias")? == Some(true) {
-            return Err(f.invalid("attention_bias", "is true; attention biases are not implemented (Qwen3 has none)"));
-        }
-
+        refuse_drafter(f, &architectures)?;
+        let c = read_common_shape(f, None, "every Qwen3 config.json has it; is this the right file?")?;
         let cfg = TargetConfig {
-            model_type: model_type.to_string(),
+            model_type: "qwen3".to_string(),
             architectures,
-            vocab_size,
-            hidden_size,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            intermediate_size,
-            rms_norm_eps,
-            rope_theta,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            intermediate_size: c.intermediate_size,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: read_rope_theta(f)?,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             // transformers' Qwen3Config default; it bounds nothing in training.
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32_768),
             bos_token_id: f.opt_u32("bos_token_id")?,
             eos_token_id: f.opt_u32_list("eos_token_id")?,
             mask_token_id: f.opt_u32("mask_token_id")?,
+            arch: Arch::Qwen3,
         };
-        cfg.validate_in(file)?;
+        cfg.validate_in(f.file)?;
+        Ok(cfg)
+    }
+
+    /// A Qwen3.5/3.6 text config: `f` is the flat text-only file, or the `text_config` object of
+    /// a vision-language wrapper `outer` (whose top level may hold `architectures`,
+    /// `tie_word_embeddings` and token ids). Defaults are transformers' `Qwen3_5TextConfig`'s.
+    fn read_qwen35(f: &Fields, outer: Option<&Fields>) -> Result<Self> {
+        let architectures = match outer {
+            Some(o) => o.opt_str_list("architectures")?,
+            None => f.opt_str_list("architectures")?,
+        };
+        refuse_drafter(f, &architectures)?;
+        let c = read_common_shape(f, Some(256), "every Qwen3.5/3.6 text config has it; is this the right file?")?;
+        let (theta, partial) = read_rope(f)?;
+        let rope_theta = theta.ok_or(ConfigError::MissingField {
+            file: f.file.to_string(),
+            field: "rope_parameters.rope_theta",
+            hint: "Qwen3.5/3.6 configs give it in rope_parameters (older files: top-level rope_theta)",
+        })?;
+        let layer_types = match f.get("layer_types") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v.as_str() {
+                    Some("linear_attention") => Ok(LayerType::Linear),
+                    Some("full_attention") => Ok(LayerType::Full),
+                    _ => Err(f.invalid(
+                        "layer_types",
+                        format!(
+                            "entry {i} is {v}; each entry must be \"linear_attention\" or \"full_attention\" \
+                             (other layer types are not implemented)"
+                        ),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(v) => return Err(f.invalid("layer_types", format!("must be a list of strings, found {v}"))),
+            None => {
+                let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    return Err(f.invalid("full_attention_interval", "is 0; it must be positive"));
+                }
+                HybridConfig::default_layer_types(c.num_hidden_layers, interval)
+            }
+        };
+        if f.opt_bool("attn_output_gate")? == Some(false) {
+            return Err(f.invalid(
+                "attn_output_gate",
+                "is false; Qwen3.5/3.6 full attention always has the sigmoid output gate (q_proj with \
+                 2 * heads * head_dim rows), an ungated variant is not implemented",
+            ));
+        }
+        let hybrid = HybridConfig {
+            layer_types,
+            linear_num_key_heads: f.opt_usize("linear_num_key_heads")?.unwrap_or(16),
+            linear_num_value_heads: f.opt_usize("linear_num_value_heads")?.unwrap_or(32),
+            linear_key_head_dim: f.opt_usize("linear_key_head_dim")?.unwrap_or(128),
+            linear_value_head_dim: f.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+            linear_conv_kernel_dim: f.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            partial_rotary_factor: partial.unwrap_or(0.25),
+        };
+        // Fields the wrapper may hold at its top level instead of in text_config.
+        let either_bool = |field: &'static str| -> Result<Option<bool>> {
+            match outer {
+                Some(o) => Ok(o.opt_bool(field)?.or(f.opt_bool(field)?)),
+                None => f.opt_bool(field),
+            }
+        };
+        let either_u32 = |field: &'static str| -> Result<Option<u32>> {
+            match (f.opt_u32(field)?, outer) {
+                (Some(x), _) => Ok(Some(x)),
+                (None, Some(o)) => o.opt_u32(field),
+                (None, None) => Ok(None),
+            }
+        };
+        let mut eos_token_id = f.opt_u32_list("eos_token_id")?;
+        if let (true, Some(o)) = (eos_token_id.is_empty(), outer) {
+            eos_token_id = o.opt_u32_list("eos_token_id")?;
+        }
+        let cfg = TargetConfig {
+            model_type: "qwen3_5_text".to_string(),
+            architectures,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            intermediate_size: c.intermediate_size,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta,
+            tie_word_embeddings: either_bool("tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32_768),
+            bos_token_id: either_u32("bos_token_id")?,
+            eos_token_id,
+            mask_token_id: either_u32("mask_token_id")?,
+            arch: Arch::Qwen35(hybrid),
+        };
+        cfg.validate_in(f.file)?;
         Ok(cfg)
     }
 
@@ -439,7 +689,11 @@ impl TargetConfig {
     fn validate_in(&self, file: &str) -> Result<()> {
         let invalid =
             |field: &'static str, reason: String| ConfigError::InvalidField { file: file.to_string(), field, reason };
-        if self.model_type != "qwen3" {
+        let family_type = match self.arch {
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen35(_) => "qwen3_5_text",
+        };
+        if self.model_type != family_type {
             return Err(ConfigError::UnsupportedModel { file: file.to_string(), model_type: self.model_type.clone() });
         }
         for (field, v) in [
@@ -494,14 +748,67 @@ impl TargetConfig {
         for &id in &self.eos_token_id {
             in_vocab("eos_token_id", id)?;
         }
+        match &self.arch {
+            Arch::Qwen3 => Ok(()),
+            Arch::Qwen35(hy) => self.validate_hybrid(hy, file),
+        }
+    }
+
+    fn validate_hybrid(&self, hy: &HybridConfig, file: &str) -> Result<()> {
+        let invalid =
+            |field: &'static str, reason: String| ConfigError::InvalidField { file: file.to_string(), field, reason };
+        if hy.layer_types.len() != self.num_hidden_layers {
+            return Err(invalid(
+                "layer_types",
+                format!(
+                    "lists {} layers but num_hidden_layers is {}; give one entry per layer",
+                    hy.layer_types.len(),
+                    self.num_hidden_layers
+                ),
+            ));
+        }
+        for (field, v) in [
+            ("linear_num_key_heads", hy.linear_num_key_heads),
+            ("linear_num_value_heads", hy.linear_num_value_heads),
+            ("linear_key_head_dim", hy.linear_key_head_dim),
+            ("linear_value_head_dim", hy.linear_value_head_dim),
+            ("linear_conv_kernel_dim", hy.linear_conv_kernel_dim),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "is 0; it must be positive".to_string()));
+            }
+        }
+        if hy.linear_num_value_heads % hy.linear_num_key_heads != 0 {
+            return Err(invalid(
+                "linear_num_value_heads",
+                format!(
+                    "({}) is not a multiple of linear_num_key_heads ({}); each key head must serve the same \
+                     number of value heads",
+                    hy.linear_num_value_heads, hy.linear_num_key_heads
+                ),
+            ));
+        }
+        let rot = hy.rotary_dim(self.head_dim);
+        let exact = self.head_dim as f64 * hy.partial_rotary_factor;
+        if rot == 0 || rot % 2 != 0 || (exact - rot as f64).abs() > 1e-9 {
+            return Err(invalid(
+                "partial_rotary_factor",
+                format!(
+                    "({}) times head_dim {} gives {exact} rotating dims; it must be a positive even whole number",
+                    hy.partial_rotary_factor, self.head_dim
+                ),
+            ));
+        }
         Ok(())
     }
 
     /// A named shape for random-initialised targets: `tiny` (tests, CPU), `small` (CPU runs that
-    /// learn something), `qwen3-8b-shape` (Qwen3-8B's exact shape, for GPU benchmarks).
+    /// learn something), `qwen3-8b-shape` (Qwen3-8B's exact shape, for GPU benchmarks), and the
+    /// Qwen3.5/3.6 hybrids `qwen3.5-tiny` (8 layers, 2 of them full attention; trains on the CPU
+    /// in minutes), `qwen3.5-small` (GPU tests) and `qwen3.6-27b-shape` (QWEN35.md section 1).
     ///
-    /// Special tokens of `tiny`/`small` sit at the top of the vocabulary like Qwen3's do:
-    /// bos = V-3, eos = V-2, mask = V-1, so ids `0..V-3` are ordinary tokens.
+    /// Special tokens of the tiny and small presets sit at the top of the vocabulary like Qwen3's
+    /// do: bos = V-3, eos = V-2, mask = V-1, so ids `0..V-3` are ordinary tokens.
     pub fn preset(name: &str) -> Result<Self> {
         let base = |vocab: usize, hidden, layers, heads, kv, hd, inter| TargetConfig {
             model_type: "qwen3".to_string(),
@@ -520,6 +827,24 @@ impl TargetConfig {
             bos_token_id: Some(vocab as u32 - 3),
             eos_token_id: vec![vocab as u32 - 2],
             mask_token_id: Some(vocab as u32 - 1),
+            arch: Arch::Qwen3,
+        };
+        // Linear-attention heads (key, value) and head dims (key, value), conv kernel 4, a quarter
+        // of each full-attention head rotating, every 4th layer full attention.
+        let hybrid = |cfg: TargetConfig, hk, hv, dk, dv| TargetConfig {
+            model_type: "qwen3_5_text".to_string(),
+            architectures: vec!["Qwen3_5ForCausalLM".to_string()],
+            rope_theta: 1e7,
+            arch: Arch::Qwen35(HybridConfig {
+                layer_types: HybridConfig::default_layer_types(cfg.num_hidden_layers, 4),
+                linear_num_key_heads: hk,
+                linear_num_value_heads: hv,
+                linear_key_head_dim: dk,
+                linear_value_head_dim: dv,
+                linear_conv_kernel_dim: 4,
+                partial_rotary_factor: 0.25,
+            }),
+            ..cfg
         };
         let cfg = match name {
             "tiny" => base(256, 64, 6, 4, 2, 16, 192),
@@ -531,10 +856,27 @@ impl TargetConfig {
                 mask_token_id: Some(QWEN3_MASK_TOKEN_ID),
                 ..base(QWEN3_VOCAB_SIZE, 4096, 36, 32, 8, 128, 12_288)
             },
+            "qwen3.5-tiny" => hybrid(base(256, 64, 8, 4, 2, 16, 192), 2, 4, 16, 16),
+            "qwen3.5-small" => hybrid(base(4096, 256, 8, 8, 2, 64, 768), 4, 8, 32, 32),
+            "qwen3.6-27b-shape" => TargetConfig {
+                max_position_embeddings: 262_144,
+                bos_token_id: None,
+                eos_token_id: Vec::new(),
+                mask_token_id: Some(QWEN35_MASK_TOKEN_ID),
+                ..hybrid(base(QWEN35_VOCAB_SIZE, 5120, 64, 24, 4, 256, 17_408), 16, 48, 128, 128)
+            },
             _ => return Err(ConfigError::UnknownPreset { name: name.to_string() }),
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The hybrid fields of a Qwen3.5/3.6 target (None for Qwen3 dense).
+    pub fn hybrid(&self) -> Option<&HybridConfig> {
+        match &self.arch {
+            Arch::Qwen3 => None,
+            Arch::Qwen35(hy) => Some(hy),
+        }
     }
 
     pub fn layer_dims(&self) -> LayerDims {
@@ -551,7 +893,22 @@ impl TargetConfig {
     pub fn num_params(&self) -> u64 {
         let vh = self.vocab_size as u64 * self.hidden_size as u64;
         let head = if self.tie_word_embeddings { 0 } else { vh };
-        vh + head + self.num_hidden_layers as u64 * self.layer_dims().params_per_layer() + self.hidden_size as u64
+        let layers = match &self.arch {
+            Arch::Qwen3 => self.num_hidden_layers as u64 * self.layer_dims().params_per_layer(),
+            Arch::Qwen35(hy) => {
+                let d = self.layer_dims();
+                let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+                let shared = 3 * i * h + 2 * h; // MLP and the two layer norms
+                let (q, kv, hd) = (d.q_dim() as u64, d.kv_dim() as u64, d.head_dim as u64);
+                // q_proj has the gate rows too: 2 * nq * hd.
+                let full = 2 * q * h + 2 * kv * h + h * q + 2 * hd;
+                let (c, vd, hv) = (hy.conv_dim() as u64, hy.value_dim() as u64, hy.linear_num_value_heads as u64);
+                let k = hy.linear_conv_kernel_dim as u64;
+                let linear = c * h + vd * h + 2 * hv * h + c * k + 2 * hv + hy.linear_value_head_dim as u64 + h * vd;
+                hy.layer_types.iter().map(|t| shared + if *t == LayerType::Full { full } else { linear }).sum()
+            }
+        };
+        vh + head + layers + self.hidden_size as u64
     }
 
     /// The mask token the drafter uses: the config's `mask_token_id`, else Qwen3's 151669 when the
@@ -560,13 +917,18 @@ impl TargetConfig {
         match self.mask_token_id {
             Some(id) => Ok(id),
             None if self.vocab_size == QWEN3_VOCAB_SIZE => Ok(QWEN3_MASK_TOKEN_ID),
+            None if self.vocab_size == QWEN35_VOCAB_SIZE => Ok(QWEN35_MASK_TOKEN_ID),
             None => Err(ConfigError::NoMaskToken { vocab_size: self.vocab_size }),
         }
     }
 
     /// A `config.json` that transformers 5 `Qwen3ForCausalLM.from_pretrained` loads (and 4.5x
-    /// too: both `rope_theta` and `rope_parameters` are written, and `dtype` and `torch_dtype`).
+    /// too: both `rope_theta` and `rope_parameters` are written, and `dtype` and `torch_dtype`);
+    /// for a Qwen3.5/3.6 target, the flat text-only layout `Qwen3_5ForCausalLM` loads.
     pub fn to_hf_value(&self) -> Value {
+        if let Arch::Qwen35(hy) = &self.arch {
+            return self.to_hf_value_qwen35(hy);
+        }
         let mut v = json!({
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -589,6 +951,51 @@ impl TargetConfig {
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
             "sliding_window": null,
             "use_sliding_window": false,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "bfloat16",
+            "dtype": "bfloat16",
+            "use_cache": true,
+            "vocab_size": self.vocab_size,
+        });
+        if let (Some(id), Value::Object(map)) = (self.mask_token_id, &mut v) {
+            map.insert("mask_token_id".to_string(), json!(id));
+        }
+        v
+    }
+
+    /// The flat text-only Qwen3.5/3.6 config (`Qwen3_5ForCausalLM`, model_type
+    /// "qwen3_5_text"), as `save_pretrained` writes one for a text config.
+    fn to_hf_value_qwen35(&self, hy: &HybridConfig) -> Value {
+        let layer_types: Vec<&str> = hy.layer_types.iter().map(|t| t.hf_name()).collect();
+        let mut v = json!({
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "attn_output_gate": true,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos_json(&self.eos_token_id),
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": layer_types,
+            "linear_conv_kernel_dim": hy.linear_conv_kernel_dim,
+            "linear_key_head_dim": hy.linear_key_head_dim,
+            "linear_num_key_heads": hy.linear_num_key_heads,
+            "linear_num_value_heads": hy.linear_num_value_heads,
+            "linear_value_head_dim": hy.linear_value_head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": hy.partial_rotary_factor,
+            },
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": "bfloat16",
             "dtype": "bfloat16",
@@ -1059,14 +1466,22 @@ mod tests {
         for name in PRESET_NAMES {
             let cfg = TargetConfig::preset(name).unwrap();
             let v = cfg.to_hf_value();
-            assert_eq!(v["architectures"], json!(["Qwen3ForCausalLM"]));
-            assert_eq!(v["model_type"], "qwen3");
+            if cfg.hybrid().is_some() {
+                assert_eq!(v["architectures"], json!(["Qwen3_5ForCausalLM"]));
+                assert_eq!(v["model_type"], "qwen3_5_text");
+                assert_eq!(v["rope_parameters"]["partial_rotary_factor"], 0.25);
+                assert_eq!(v["rope_parameters"]["rope_theta"], 1e7);
+                assert_eq!(v["layer_types"].as_array().unwrap().len(), cfg.num_hidden_layers);
+            } else {
+                assert_eq!(v["architectures"], json!(["Qwen3ForCausalLM"]));
+                assert_eq!(v["model_type"], "qwen3");
+                assert_eq!(v["rope_parameters"]["rope_theta"], v["rope_theta"]);
+            }
             assert_eq!(v["torch_dtype"], "bfloat16");
             assert_eq!(v["dtype"], "bfloat16");
             assert_eq!(v["hidden_act"], "silu");
             assert_eq!(v["attention_bias"], false);
             assert_eq!(v["rope_parameters"]["rope_type"], "default");
-            assert_eq!(v["rope_parameters"]["rope_theta"], v["rope_theta"]);
             assert_eq!(v["use_cache"], true);
             let back = TargetConfig::from_json_str(&cfg.to_hf_json()).unwrap();
             assert_eq!(back, cfg, "{name}");
@@ -1222,6 +1637,201 @@ mod tests {
                 m.insert(k.into(), v.clone());
             });
             assert!(matches!(TargetConfig::from_json_str(&text), Err(ConfigError::InvalidField { .. })), "{k}");
+        }
+    }
+
+    /// Qwen3.6-27B's text config (QWEN35.md section 1), as the vision-language wrapper nests it.
+    const QWEN36_27B_VLM: &str = r#"{
+      "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+      "image_token_id": 248056, "video_token_id": 248057, "tie_word_embeddings": false,
+      "vision_config": {"model_type": "qwen3_5", "depth": 27, "hidden_size": 1152},
+      "text_config": {
+        "model_type": "qwen3_5_text", "attention_bias": false, "attention_dropout": 0.0,
+        "attn_output_gate": true, "eos_token_id": 248044, "head_dim": 256, "hidden_act": "silu",
+        "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention",
+          "linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1,
+        "num_attention_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+          "rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "vocab_size": 248320
+      }
+    }"#;
+
+    /// The same text model as a flat text-only config (what `save_pretrained` writes for a text
+    /// config), with the older spellings: no layer_types (the every-4th default), top-level RoPE.
+    const QWEN36_27B_TEXT_OLD: &str = r#"{
+      "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+      "attn_output_gate": true, "eos_token_id": 248044, "head_dim": 256, "hidden_act": "silu",
+      "hidden_size": 5120, "intermediate_size": 17408, "full_attention_interval": 4,
+      "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+      "linear_num_value_heads": 48, "linear_value_head_dim": 128,
+      "max_position_embeddings": 262144, "num_attention_heads": 24, "num_hidden_layers": 64,
+      "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 10000000,
+      "partial_rotary_factor": 0.25, "tie_word_embeddings": false, "vocab_size": 248320
+    }"#;
+
+    fn text_of(vlm: &str, edit: impl FnOnce(&mut Map<String, Value>)) -> String {
+        with(vlm, |m| edit(m.get_mut("text_config").unwrap().as_object_mut().unwrap()))
+    }
+
+    #[test]
+    fn qwen36_27b_both_layouts_match_the_preset() {
+        let vlm = TargetConfig::from_json_str(QWEN36_27B_VLM).unwrap();
+        let flat = TargetConfig::from_json_str(QWEN36_27B_TEXT_OLD).unwrap();
+        let hy = vlm.hybrid().expect("a hybrid config");
+        assert_eq!(vlm.architectures, vec!["Qwen3_5ForConditionalGeneration"]);
+        assert_eq!((vlm.hidden_size, vlm.num_hidden_layers, vlm.intermediate_size), (5120, 64, 17408));
+        assert_eq!((vlm.num_attention_heads, vlm.num_key_value_heads, vlm.head_dim), (24, 4, 256));
+        assert_eq!((hy.linear_num_key_heads, hy.linear_num_value_heads), (16, 48));
+        assert_eq!((hy.linear_key_head_dim, hy.linear_value_head_dim, hy.linear_conv_kernel_dim), (128, 128, 4));
+        assert_eq!((vlm.rope_theta, hy.partial_rotary_factor, hy.rotary_dim(vlm.head_dim)), (1e7, 0.25, 64));
+        assert_eq!((vlm.vocab_size, vlm.tie_word_embeddings, vlm.rms_norm_eps), (248_320, false, 1e-6));
+        let full: Vec<usize> = (0..64).filter(|&i| hy.layer_types[i] == LayerType::Full).collect();
+        assert_eq!(full, (0..16).map(|k| 4 * k + 3).collect::<Vec<_>>(), "layers 3, 7, ..., 63");
+        assert_eq!((hy.key_dim(), hy.value_dim(), hy.conv_dim()), (2048, 6144, 10240));
+        assert_eq!(vlm.resolved_mask_token_id().unwrap(), 248_070);
+        // The flat layout and the older spellings read to the same model.
+        assert_eq!(TargetConfig { architectures: flat.architectures.clone(), ..vlm.clone() }, flat);
+        // And both are the preset's shape (the preset names no eos and sets the mask token).
+        let preset = TargetConfig::preset("qwen3.6-27b-shape").unwrap();
+        let read = TargetConfig {
+            architectures: preset.architectures.clone(),
+            eos_token_id: Vec::new(),
+            mask_token_id: Some(248_070),
+            ..flat
+        };
+        assert_eq!(read, preset);
+        // Qwen3.6-27B: about 26.9 B parameters in the text model (untied head).
+        assert_eq!(preset.num_params(), 26_895_998_464);
+    }
+
+    #[test]
+    fn qwen35_defaults_follow_transformers() {
+        // No layer_types and no interval: every 4th layer; no partial_rotary_factor: 0.25;
+        // no head_dim: 256.
+        let text = with(QWEN36_27B_TEXT_OLD, |m| {
+            m.remove("full_attention_interval");
+            m.remove("partial_rotary_factor");
+            m.remove("head_dim");
+            m.insert("num_hidden_layers".into(), json!(8));
+        });
+        let cfg = TargetConfig::from_json_str(&text).unwrap();
+        let hy = cfg.hybrid().unwrap();
+        use LayerType::{Full as F, Linear as L};
+        assert_eq!(hy.layer_types, vec![L, L, L, F, L, L, L, F]);
+        assert_eq!((hy.partial_rotary_factor, cfg.head_dim), (0.25, 256));
+        let text = with(&text, |m| {
+            m.insert("full_attention_interval".into(), json!(2));
+        });
+        let hy = TargetConfig::from_json_str(&text).unwrap().hybrid().unwrap().clone();
+        assert_eq!(hy.layer_types, vec![L, F, L, F, L, F, L, F]);
+    }
+
+    #[test]
+    fn qwen35_errors_name_the_problem() {
+        // MoE, in either layout.
+        for moe in [with(QWEN36_27B_VLM, |m| {
+            m.insert("model_type".into(), json!("qwen3_5_moe"));
+        })] {
+            let e = TargetConfig::from_json_str(&moe).unwrap_err();
+            assert!(matches!(&e, ConfigError::UnsupportedModel { model_type, .. } if model_type == "qwen3_5_moe"));
+            assert!(e.to_string().contains("qwen3_5_moe") && e.to_string().contains("dense"), "{e}");
+        }
+        let inner_moe = text_of(QWEN36_27B_VLM, |t| {
+            t.insert("model_type".into(), json!("qwen3_5_moe_text"));
+        });
+        assert!(matches!(TargetConfig::from_json_str(&inner_moe), Err(ConfigError::UnsupportedModel { .. })));
+        // A wrapper without its text model.
+        let no_text = with(QWEN36_27B_VLM, |m| {
+            m.remove("text_config");
+        });
+        assert!(matches!(
+            TargetConfig::from_json_str(&no_text),
+            Err(ConfigError::MissingField { field: "text_config", .. })
+        ));
+        // An unknown layer type, named with its index.
+        let bad_layer = text_of(QWEN36_27B_VLM, |t| {
+            t["layer_types"][5] = json!("sliding_attention");
+        });
+        let e = TargetConfig::from_json_str(&bad_layer).unwrap_err();
+        assert!(matches!(e, ConfigError::InvalidField { field: "layer_types", .. }), "{e}");
+        assert!(e.to_string().contains("entry 5") && e.to_string().contains("sliding_attention"), "{e}");
+        // layer_types of the wrong length.
+        let short = text_of(QWEN36_27B_VLM, |t| {
+            t["layer_types"].as_array_mut().unwrap().pop();
+        });
+        assert!(matches!(
+            TargetConfig::from_json_str(&short),
+            Err(ConfigError::InvalidField { field: "layer_types", .. })
+        ));
+        // RoPE scaling.
+        let yarn = text_of(QWEN36_27B_VLM, |t| {
+            t["rope_parameters"]["rope_type"] = json!("yarn");
+        });
+        assert!(matches!(
+            TargetConfig::from_json_str(&yarn),
+            Err(ConfigError::UnsupportedRope { field: "rope_parameters", .. })
+        ));
+        // An ungated full attention, value heads that key heads do not divide, a rotary width
+        // that is not a whole even number of dims, a missing theta.
+        for (field, v) in [
+            ("attn_output_gate", json!(false)),
+            ("linear_num_value_heads", json!(40)),
+            ("partial_rotary_factor", json!(0.3)),
+        ] {
+            let text = with(QWEN36_27B_TEXT_OLD, |m| {
+                m.insert(field.into(), v.clone());
+            });
+            match TargetConfig::from_json_str(&text).unwrap_err() {
+                ConfigError::InvalidField { field: f, file, .. } => {
+                    assert_eq!((f, file.as_str()), (field, FROM_STRING))
+                }
+                e => panic!("{field}: {e}"),
+            }
+        }
+        let no_theta = with(QWEN36_27B_TEXT_OLD, |m| {
+            m.remove("rope_theta");
+        });
+        assert!(matches!(TargetConfig::from_json_str(&no_theta), Err(ConfigError::MissingField { .. })));
+        // Partial RoPE stays refused for Qwen3 dense.
+        let q3 = with(QWEN3_8B_V4, |m| {
+            m.insert("partial_rotary_factor".into(), json!(0.5));
+        });
+        assert!(TargetConfig::from_json_str(&q3).is_err());
+    }
+
+    #[test]
+    fn qwen35_presets_have_the_promised_shapes() {
+        let t = TargetConfig::preset("qwen3.5-tiny").unwrap();
+        let hy = t.hybrid().unwrap();
+        assert_eq!(t.num_hidden_layers, 8);
+        assert_eq!(hy.layer_types.iter().filter(|&&k| k == LayerType::Full).count(), 2);
+        assert_eq!((t.hidden_size, t.vocab_size, t.mask_token_id), (64, 256, Some(255)));
+        let s = TargetConfig::preset("qwen3.5-small").unwrap();
+        assert!(s.num_params() > t.num_params());
+        // The file transformers reads back is the same config.
+        for name in ["qwen3.5-tiny", "qwen3.5-small", "qwen3.6-27b-shape"] {
+            let cfg = TargetConfig::preset(name).unwrap();
+            assert_eq!(TargetConfig::from_json_str(&cfg.to_hf_json()).unwrap(), cfg, "{name}");
         }
     }
 

@@ -55,7 +55,8 @@ enum Cmd {
 
 #[derive(Args)]
 struct RunArgs {
-    /// Target: a preset (tiny, small, qwen3-8b-shape) generated in memory, or a Hugging Face
+    /// Target: a preset (tiny, small, qwen3-8b-shape; Qwen3.5/3.6 hybrids qwen3.5-tiny,
+    /// qwen3.5-small, qwen3.6-27b-shape) generated in memory, or a Hugging Face
     /// checkpoint folder (config.json + *.safetensors).
     #[arg(long, default_value = "tiny")]
     target: String,
@@ -179,7 +180,8 @@ struct RunArgs {
 
 #[derive(Args)]
 struct InitArgs {
-    /// tiny, small or qwen3-8b-shape.
+    /// tiny, small, qwen3-8b-shape (Qwen3 dense), or qwen3.5-tiny, qwen3.5-small, qwen3.6-27b-shape
+    /// (Qwen3.5/3.6 hybrid: a text-only Qwen3_5ForCausalLM checkpoint).
     #[arg(long, default_value = "tiny")]
     preset: String,
     #[arg(long, default_value_t = 0)]

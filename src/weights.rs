@@ -7,7 +7,7 @@
 //! not match its config) is a typed [`WeightsError`] whose message says which file, which tensor
 //! and what to do; nothing here panics on bad input.
 
-use crate::config::{ConfigError, DrafterConfig, LayerDims, TargetConfig};
+use crate::config::{Arch, ConfigError, DrafterConfig, HybridConfig, LayerDims, LayerType, TargetConfig};
 use crate::rng;
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -70,8 +70,20 @@ pub enum WeightsError {
         .path.display()
     )]
     Truncated { path: PathBuf, needed: u64, actual: u64 },
-    #[error("tensor `{name}` not found in {}{}", fmt_paths(.searched), fmt_suggestions(.suggestions))]
-    MissingTensor { name: String, searched: Vec<PathBuf>, suggestions: Vec<String> },
+    #[error(
+        "tensor `{name}`{} not found in {}{}",
+        fmt_expected(.expected),
+        fmt_paths(.searched),
+        fmt_suggestions(.suggestions)
+    )]
+    MissingTensor { name: String, expected: Option<Vec<usize>>, searched: Vec<PathBuf>, suggestions: Vec<String> },
+    #[error(
+        "cannot tell where the text model's tensors are in {}: {reason}. A Hugging Face checkpoint \
+         has `model.embed_tokens.weight` (text-only) or `model.language_model.embed_tokens.weight` \
+         (vision-language) beside the matching `norm.weight`",
+        fmt_paths(.searched)
+    )]
+    NoTextModel { searched: Vec<PathBuf>, reason: String },
     #[error(
         "tensor `{name}` in {} has shape {found:?}, but {expected:?} was expected from the \
          config; the weights do not match config.json",
@@ -93,6 +105,13 @@ pub type Result<T, E = WeightsError> = std::result::Result<T, E>;
 fn fmt_paths(paths: &[PathBuf]) -> String {
     let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     names.join(", ")
+}
+
+fn fmt_expected(shape: &Option<Vec<usize>>) -> String {
+    match shape {
+        Some(s) => format!(" (expected shape {s:?} from config.json)"),
+        None => String::new(),
+    }
 }
 
 fn fmt_suggestions(names: &[String]) -> String {
@@ -128,7 +147,12 @@ pub mod names {
 
     /// `model.layers.{i}.<suffix>` of the target.
     pub fn target_layer(i: usize, t: LayerTensor) -> String {
-        format!("model.layers.{i}.{}", t.suffix())
+        target_layer_part(i, t.suffix())
+    }
+
+    /// `model.layers.{i}.{suffix}`, for any suffix.
+    pub fn target_layer_part(i: usize, suffix: &str) -> String {
+        format!("model.layers.{i}.{suffix}")
     }
 
     /// Drafter checkpoints use the public DFlash layout: no `model.` prefix, plus fc and
@@ -215,12 +239,153 @@ impl LayerTensor {
     }
 }
 
-/// What a tensor is, which decides its random init: Embedding/Linear ~ N(0, std), Norm = 1.
+/// The tensors of one Qwen3.5/3.6 hybrid decoder layer (QWEN35.md section 1): the shared norms
+/// and MLP, plus the gated full attention or the Gated DeltaNet, whichever the layer's type is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HybridTensor {
+    InputLayernorm,
+    PostAttentionLayernorm,
+    GateProj,
+    UpProj,
+    DownProj,
+    // Gated full attention.
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    QNorm,
+    KNorm,
+    // Gated DeltaNet.
+    InProjQkv,
+    InProjZ,
+    InProjB,
+    InProjA,
+    Conv1d,
+    ALog,
+    DtBias,
+    GatedNorm,
+    OutProj,
+}
+
+impl HybridTensor {
+    /// A layer's tensors in file (and init-stream) order.
+    pub fn of_layer(kind: LayerType) -> &'static [HybridTensor] {
+        use HybridTensor::*;
+        match kind {
+            LayerType::Full => &[
+                InputLayernorm,
+                QProj,
+                KProj,
+                VProj,
+                OProj,
+                QNorm,
+                KNorm,
+                PostAttentionLayernorm,
+                GateProj,
+                UpProj,
+                DownProj,
+            ],
+            LayerType::Linear => &[
+                InputLayernorm,
+                InProjQkv,
+                InProjZ,
+                InProjB,
+                InProjA,
+                Conv1d,
+                ALog,
+                DtBias,
+                GatedNorm,
+                OutProj,
+                PostAttentionLayernorm,
+                GateProj,
+                UpProj,
+                DownProj,
+            ],
+        }
+    }
+
+    pub fn suffix(self) -> &'static str {
+        use HybridTensor::*;
+        match self {
+            InputLayernorm => "input_layernorm.weight",
+            PostAttentionLayernorm => "post_attention_layernorm.weight",
+            GateProj => "mlp.gate_proj.weight",
+            UpProj => "mlp.up_proj.weight",
+            DownProj => "mlp.down_proj.weight",
+            QProj => "self_attn.q_proj.weight",
+            KProj => "self_attn.k_proj.weight",
+            VProj => "self_attn.v_proj.weight",
+            OProj => "self_attn.o_proj.weight",
+            QNorm => "self_attn.q_norm.weight",
+            KNorm => "self_attn.k_norm.weight",
+            InProjQkv => "linear_attn.in_proj_qkv.weight",
+            InProjZ => "linear_attn.in_proj_z.weight",
+            InProjB => "linear_attn.in_proj_b.weight",
+            InProjA => "linear_attn.in_proj_a.weight",
+            Conv1d => "linear_attn.conv1d.weight",
+            ALog => "linear_attn.A_log",
+            DtBias => "linear_attn.dt_bias",
+            GatedNorm => "linear_attn.norm.weight",
+            OutProj => "linear_attn.out_proj.weight",
+        }
+    }
+
+    /// Shapes as transformers stores them (`nn.Linear` `[out, in]`, `nn.Conv1d` `[C, 1, K]`).
+    pub fn shape(self, d: &LayerDims, hy: &HybridConfig) -> Vec<usize> {
+        use HybridTensor::*;
+        let (h, i) = (d.hidden_size, d.intermediate_size);
+        let hv = hy.linear_num_value_heads;
+        match self {
+            InputLayernorm | PostAttentionLayernorm => vec![h],
+            GateProj | UpProj => vec![i, h],
+            DownProj => vec![h, i],
+            // Per head: the query's head_dim rows, then the gate's.
+            QProj => vec![2 * d.q_dim(), h],
+            KProj | VProj => vec![d.kv_dim(), h],
+            OProj => vec![h, d.q_dim()],
+            QNorm | KNorm => vec![d.head_dim],
+            InProjQkv => vec![hy.conv_dim(), h],
+            InProjZ => vec![hy.value_dim(), h],
+            InProjB | InProjA => vec![hv, h],
+            Conv1d => vec![hy.conv_dim(), 1, hy.linear_conv_kernel_dim],
+            ALog | DtBias => vec![hv],
+            GatedNorm => vec![hy.linear_value_head_dim],
+            OutProj => vec![h, hy.value_dim()],
+        }
+    }
+
+    pub fn role(self, hy: &HybridConfig) -> TensorRole {
+        use HybridTensor::*;
+        match self {
+            InputLayernorm | PostAttentionLayernorm | QNorm | KNorm => TensorRole::NormOffset,
+            GatedNorm => TensorRole::Norm,
+            Conv1d => TensorRole::Conv { kernel: hy.linear_conv_kernel_dim },
+            ALog => TensorRole::ALog,
+            DtBias => TensorRole::DtBias,
+            _ => TensorRole::Linear,
+        }
+    }
+}
+
+/// What a tensor is, which decides its random init (see [`init_value_bf16`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorRole {
+    /// ~ N(0, std).
     Embedding,
+    /// ~ N(0, std).
     Linear,
+    /// A plain-`w` norm: 1.
     Norm,
+    /// A `1 + w` norm (Qwen3.5/3.6): `w` ~ N(0, std), near 0 like transformers' zero init but not
+    /// exactly 0, so a forward that ignores `w` is caught by a comparison.
+    NormOffset,
+    /// A depthwise causal convolution's kernel: ~ N(0, 1 / (3 * kernel)), the variance of
+    /// PyTorch's default `Conv1d` init (uniform within +-1/sqrt(fan_in), fan_in = kernel).
+    Conv { kernel: usize },
+    /// Gated DeltaNet `A_log = ln(A)`, `A ~ U(0.01, 16)` as transformers initialises it.
+    ALog,
+    /// Gated DeltaNet `dt_bias`: 1, as transformers initialises it.
+    DtBias,
 }
 
 /// One expected tensor: its name, shape and role.
@@ -244,20 +409,42 @@ impl TensorSpec {
 /// Every tensor of a Qwen3 target, in file order: embedding, layers 0..L (in
 /// [`LayerTensor::ALL`] order), final norm, then `lm_head` unless tied. The position in this list
 /// is the tensor's random-init stream ([`init_normal`]).
+///
+/// Names are the text-only layout's (`model.` prefix); [`ModelFiles`] maps them onto a
+/// vision-language checkpoint's `model.language_model.` prefix.
 pub fn target_tensor_specs(cfg: &TargetConfig) -> Vec<TensorSpec> {
     let d = cfg.layer_dims();
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut specs = vec![TensorSpec::new(names::EMBED_TOKENS, vec![v, h], TensorRole::Embedding)];
-    for i in 0..cfg.num_hidden_layers {
-        for t in LayerTensor::ALL {
-            specs.push(TensorSpec::new(names::target_layer(i, t), t.shape(&d), t.role()));
+    let final_norm = match &cfg.arch {
+        Arch::Qwen3 => {
+            for i in 0..cfg.num_hidden_layers {
+                for t in LayerTensor::ALL {
+                    specs.push(TensorSpec::new(names::target_layer(i, t), t.shape(&d), t.role()));
+                }
+            }
+            TensorRole::Norm
         }
-    }
-    specs.push(TensorSpec::new(names::FINAL_NORM, vec![h], TensorRole::Norm));
+        Arch::Qwen35(hy) => {
+            for i in 0..cfg.num_hidden_layers {
+                specs.extend(hybrid_layer_specs(i, &d, hy));
+            }
+            TensorRole::NormOffset
+        }
+    };
+    specs.push(TensorSpec::new(names::FINAL_NORM, vec![h], final_norm));
     if !cfg.tie_word_embeddings {
         specs.push(TensorSpec::new(names::LM_HEAD, vec![v, h], TensorRole::Linear));
     }
     specs
+}
+
+/// The tensors of hybrid layer `i` (its type from `hy.layer_types[i]`), in file order.
+pub fn hybrid_layer_specs(i: usize, d: &LayerDims, hy: &HybridConfig) -> Vec<TensorSpec> {
+    HybridTensor::of_layer(hy.layer_types[i])
+        .iter()
+        .map(|&t| TensorSpec::new(names::target_layer_part(i, t.suffix()), t.shape(d, hy), t.role(hy)))
+        .collect()
 }
 
 /// Every trained tensor of a drafter, in checkpoint order: fc `[H, K*H]`, hidden_norm, layers,
@@ -439,6 +626,7 @@ impl TensorStore {
     fn entry(&self, name: &str) -> Result<&Entry> {
         self.entries.get(name).ok_or_else(|| WeightsError::MissingTensor {
             name: name.to_string(),
+            expected: None,
             searched: self.shards.iter().map(|s| s.path.clone()).collect(),
             suggestions: near_names(name, self.entries.keys().map(String::as_str)),
         })
@@ -461,7 +649,12 @@ impl TensorStore {
 
     /// Checks that `name` exists with exactly `expected_shape` and a float dtype we convert.
     pub fn check(&self, name: &str, expected_shape: &[usize]) -> Result<()> {
-        let e = self.entry(name)?;
+        let e = self.entry(name).map_err(|err| match err {
+            WeightsError::MissingTensor { name, searched, suggestions, .. } => {
+                WeightsError::MissingTensor { name, expected: Some(expected_shape.to_vec()), searched, suggestions }
+            }
+            other => other,
+        })?;
         let file = || self.shards[e.shard].path.clone();
         if e.shape != expected_shape {
             return Err(WeightsError::WrongShape {
@@ -580,11 +773,21 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 /// A target checkpoint folder: its validated `config.json` and its memory-mapped tensors, with
 /// every tensor the config implies checked for presence, shape and dtype at open.
+///
+/// Tensors are asked for by their text-only names (`model.…`, `lm_head.weight`). Where the text
+/// model's tensors really live is found by probing the stored names: `model.` in text-only
+/// checkpoints, `model.language_model.` in vision-language ones. Tensors the target does not use
+/// (`model.visual.*`, the `mtp.*` head) are never read.
 pub struct ModelFiles {
     dir: PathBuf,
     config: TargetConfig,
     tensors: TensorStore,
+    /// What replaces `model.` in a text-only name to give the stored name.
+    prefix: String,
 }
+
+/// The prefix the text-only layout uses for the text model's tensors.
+const TEXT_PREFIX: &str = "model.";
 
 impl ModelFiles {
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
@@ -598,7 +801,8 @@ impl ModelFiles {
         }
         let config = TargetConfig::from_file(&config_path)?;
         let tensors = TensorStore::open_dir(dir)?;
-        let files = ModelFiles { dir: dir.to_path_buf(), config, tensors };
+        let prefix = probe_text_prefix(&tensors)?;
+        let files = ModelFiles { dir: dir.to_path_buf(), config, tensors, prefix };
         files.check_target_tensors()?;
         Ok(files)
     }
@@ -606,9 +810,22 @@ impl ModelFiles {
     /// Every tensor of [`target_tensor_specs`] is present with its shape and a supported dtype.
     pub fn check_target_tensors(&self) -> Result<()> {
         for spec in target_tensor_specs(&self.config) {
-            self.tensors.check(&spec.name, &spec.shape)?;
+            self.tensors.check(&self.stored_name(&spec.name), &spec.shape)?;
         }
         Ok(())
+    }
+
+    /// The stored name of a tensor asked for by its text-only name.
+    pub fn stored_name(&self, name: &str) -> String {
+        match name.strip_prefix(TEXT_PREFIX) {
+            Some(rest) => format!("{}{rest}", self.prefix),
+            None => name.to_string(),
+        }
+    }
+
+    /// Where the text model's tensors are: `model.` or `model.language_model.`.
+    pub fn text_prefix(&self) -> &str {
+        &self.prefix
     }
 
     pub fn dir(&self) -> &Path {
@@ -624,19 +841,21 @@ impl ModelFiles {
     }
 
     pub fn has(&self, name: &str) -> bool {
-        self.tensors.has(name)
+        self.tensors.has(&self.stored_name(name))
     }
 
     pub fn tensor_info(&self, name: &str) -> Result<TensorMeta> {
-        self.tensors.tensor_info(name)
+        self.tensors.tensor_info(&self.stored_name(name))
     }
 
     pub fn tensor_bytes(&self, name: &str) -> Result<RawTensor<'_>> {
-        self.tensors.tensor_bytes(name)
+        self.tensors.tensor_bytes(&self.stored_name(name))
     }
 
+    /// One tensor converted to f32 after checking its shape. Loading converts tensor by tensor,
+    /// so the host never holds an f32 copy of the whole model.
     pub fn tensor_f32(&self, name: &str, expected_shape: &[usize]) -> Result<Vec<f32>> {
-        self.tensors.tensor_f32(name, expected_shape)
+        self.tensors.tensor_f32(&self.stored_name(name), expected_shape)
     }
 
     /// The tensor that acts as lm_head `[V, H]`: `lm_head.weight`, or the embedding when the
@@ -647,6 +866,32 @@ impl ModelFiles {
         } else {
             names::LM_HEAD
         }
+    }
+}
+
+/// Finds the text model's prefix from the stored names: a `…embed_tokens.weight` with a
+/// `…norm.weight` beside it, outside the vision tower and the multi-token-prediction head.
+fn probe_text_prefix(store: &TensorStore) -> Result<String> {
+    const EMBED: &str = "embed_tokens.weight";
+    let mut found: Vec<&str> = store
+        .entries
+        .keys()
+        .filter_map(|n| n.strip_suffix(EMBED))
+        .filter(|p| p.starts_with(TEXT_PREFIX) && p.ends_with('.') && !p.contains("visual."))
+        .filter(|p| store.has(&format!("{p}norm.weight")))
+        .collect();
+    found.sort_unstable();
+    let searched = || store.shards.iter().map(|s| s.path.clone()).collect();
+    match found.as_slice() {
+        [one] => Ok(one.to_string()),
+        [] => Err(WeightsError::NoTextModel {
+            searched: searched(),
+            reason: "no `model.…embed_tokens.weight` with a `norm.weight` beside it".into(),
+        }),
+        many => Err(WeightsError::NoTextModel {
+            searched: searched(),
+            reason: format!("several candidates ({}) ", many.join(", ")),
+        }),
     }
 }
 
@@ -788,15 +1033,26 @@ pub fn init_normal(seed: u64, stream: u32, elem: u64) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
+/// A uniform in (0, 1] from the same counter as [`init_normal`] (its first 53-bit word).
+#[inline]
+fn init_uniform(seed: u64, stream: u32, elem: u64) -> f64 {
+    const TWO_POW_M53: f64 = 1.0 / 9_007_199_254_740_992.0;
+    let key = [seed as u32, (seed >> 32) as u32];
+    let w = rng::philox4x32_10([elem as u32, (elem >> 32) as u32, stream, rng::domain::INIT], key);
+    1.0 - (((u64::from(w[0]) << 32) | u64::from(w[1])) >> 11) as f64 * TWO_POW_M53
+}
+
 /// The stored bf16 value of element `elem` of a randomly initialised tensor:
-/// `bf16(f32(std * init_normal(seed, stream, elem)))` for embeddings/linears, 1.0 for norms.
+/// `bf16(f32(std * init_normal(seed, stream, elem)))` for embeddings, linears and `1 + w` norms,
+/// 1.0 for plain norms and `dt_bias`, and the fixed-scale draws of [`TensorRole`]'s other roles.
 #[inline]
 pub fn init_value_bf16(role: TensorRole, seed: u64, stream: u32, elem: u64, init_std: f32) -> bf16 {
+    let normal = |std: f64| bf16::from_f32((std * init_normal(seed, stream, elem)) as f32);
     match role {
-        TensorRole::Norm => bf16::ONE,
-        TensorRole::Embedding | TensorRole::Linear => {
-            bf16::from_f32((f64::from(init_std) * init_normal(seed, stream, elem)) as f32)
-        }
+        TensorRole::Norm | TensorRole::DtBias => bf16::ONE,
+        TensorRole::Embedding | TensorRole::Linear | TensorRole::NormOffset => normal(f64::from(init_std)),
+        TensorRole::Conv { kernel } => normal(1.0 / (3.0 * kernel.max(1) as f64).sqrt()),
+        TensorRole::ALog => bf16::from_f32((0.01 + (16.0 - 0.01) * init_uniform(seed, stream, elem)).ln() as f32),
     }
 }
 
@@ -959,12 +1215,194 @@ mod tests {
                         assert_eq!(v[e], want, "{}[{e}]", spec.name);
                     }
                 }
+                other => panic!("{}: a Qwen3 target has no {other:?} tensor", spec.name),
             }
         }
         assert_eq!(files.lm_head_name(), names::LM_HEAD);
         // The config.json that was written is the one transformers should load.
         let written: Value = serde_json::from_str(&std::fs::read_to_string(dir.0.join(CONFIG_FILE)).unwrap()).unwrap();
         assert_eq!(written, cfg.to_hf_value());
+    }
+
+    /// The key list of transformers' `Qwen3_5ForCausalLM` for a text config, written out from
+    /// its modeling source (`Qwen3_5GatedDeltaNet.__init__`, `Qwen3_5Attention.__init__`,
+    /// `Qwen3_5DecoderLayer`, `Qwen3_5TextModel`, the untied `lm_head`), with the shapes of its
+    /// `nn.Linear([out, in])`, `nn.Conv1d` (`[C, 1, K]`, groups = C) and `nn.Parameter`s.
+    fn hf_qwen35_keys(cfg: &TargetConfig) -> Vec<(String, Vec<usize>)> {
+        let hy = cfg.hybrid().unwrap();
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (hk, hv, dk, dv) =
+            (hy.linear_num_key_heads, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim);
+        let (kd, vd, k) = (hk * dk, hv * dv, hy.linear_conv_kernel_dim);
+        let mut keys = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        for l in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let mixer: Vec<(&str, Vec<usize>)> = match hy.layer_types[l] {
+                LayerType::Full => vec![
+                    ("self_attn.q_proj.weight", vec![nq * hd * 2, h]),
+                    ("self_attn.k_proj.weight", vec![nkv * hd, h]),
+                    ("self_attn.v_proj.weight", vec![nkv * hd, h]),
+                    ("self_attn.o_proj.weight", vec![h, nq * hd]),
+                    ("self_attn.q_norm.weight", vec![hd]),
+                    ("self_attn.k_norm.weight", vec![hd]),
+                ],
+                LayerType::Linear => vec![
+                    ("linear_attn.conv1d.weight", vec![2 * kd + vd, 1, k]),
+                    ("linear_attn.dt_bias", vec![hv]),
+                    ("linear_attn.A_log", vec![hv]),
+                    ("linear_attn.norm.weight", vec![dv]),
+                    ("linear_attn.out_proj.weight", vec![h, vd]),
+                    ("linear_attn.in_proj_qkv.weight", vec![2 * kd + vd, h]),
+                    ("linear_attn.in_proj_z.weight", vec![vd, h]),
+                    ("linear_attn.in_proj_b.weight", vec![hv, h]),
+                    ("linear_attn.in_proj_a.weight", vec![hv, h]),
+                ],
+            };
+            for (s, shape) in mixer {
+                keys.push((p(s), shape));
+            }
+            keys.push((p("mlp.gate_proj.weight"), vec![i, h]));
+            keys.push((p("mlp.up_proj.weight"), vec![i, h]));
+            keys.push((p("mlp.down_proj.weight"), vec![h, i]));
+            keys.push((p("input_layernorm.weight"), vec![h]));
+            keys.push((p("post_attention_layernorm.weight"), vec![h]));
+        }
+        keys.push(("model.norm.weight".to_string(), vec![h]));
+        keys.push(("lm_head.weight".to_string(), vec![v, h]));
+        keys.sort();
+        keys
+    }
+
+    fn qwen35_tiny() -> TargetConfig {
+        TargetConfig::preset("qwen3.5-tiny").unwrap()
+    }
+
+    #[test]
+    fn qwen35_tiny_checkpoint_has_exactly_transformers_keys_and_sane_init() {
+        let cfg = qwen35_tiny();
+        let dir = TempDir::new("q35-init");
+        init_target(&cfg, 11, 0.05, &dir.0).unwrap();
+        let files = ModelFiles::open(&dir.0).unwrap();
+        assert_eq!(files.config(), &cfg);
+        assert_eq!(files.text_prefix(), "model.");
+        let mut stored: Vec<(String, Vec<usize>)> = files
+            .tensors()
+            .names()
+            .iter()
+            .map(|n| (n.to_string(), files.tensors().tensor_info(n).unwrap().shape))
+            .collect();
+        stored.sort();
+        assert_eq!(stored, hf_qwen35_keys(&cfg), "no missing and no unexpected keys");
+        let specs = target_tensor_specs(&cfg);
+        assert_eq!(specs.iter().map(TensorSpec::numel).sum::<u64>(), cfg.num_params());
+        let written: Value = serde_json::from_str(&std::fs::read_to_string(dir.0.join(CONFIG_FILE)).unwrap()).unwrap();
+        assert_eq!(written["architectures"], json!(["Qwen3_5ForCausalLM"]));
+        assert_eq!(written["model_type"], "qwen3_5_text");
+        let get = |name: &str| {
+            let info = files.tensor_info(name).unwrap();
+            files.tensor_f32(name, &info.shape).unwrap()
+        };
+        // `1 + w` norms near 0 (not exactly: a forward ignoring w must show), the GDN output norm
+        // and dt_bias 1, A_log = ln(U(0.01, 16)), the conv at PyTorch's default scale.
+        for name in
+            ["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.q_norm.weight"]
+        {
+            let w = get(name);
+            assert!(w.iter().all(|x| x.abs() < 0.3) && w.iter().any(|&x| x != 0.0), "{name}: {w:?}");
+        }
+        assert!(get("model.layers.0.linear_attn.norm.weight").iter().all(|&x| x == 1.0));
+        assert!(get("model.layers.0.linear_attn.dt_bias").iter().all(|&x| x == 1.0));
+        let a_log = get("model.layers.1.linear_attn.A_log");
+        assert!(a_log.iter().all(|&x| x >= (0.01f32).ln() - 0.01 && x <= (16f32).ln() + 0.01), "{a_log:?}");
+        assert!(a_log.windows(2).any(|w| w[0] != w[1]));
+        let conv = get("model.layers.0.linear_attn.conv1d.weight");
+        let sd = (conv.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / conv.len() as f64).sqrt();
+        assert!((sd - (1.0f64 / 12.0).sqrt()).abs() < 0.03, "conv sd {sd}");
+    }
+
+    /// A vision-language layout: the text model under `model.language_model.`, plus a vision
+    /// tower and an MTP head the target never reads.
+    fn write_vlm_copy(src: &ModelFiles, dir: &Path, drop: Option<&str>, reshape: Option<&str>) {
+        let mut tensors = Vec::new();
+        for name in src.tensors().names() {
+            if Some(name) == drop {
+                continue;
+            }
+            let raw = src.tensors().tensor_bytes(name).unwrap();
+            let new_name = match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name.to_string(),
+            };
+            let mut shape = raw.shape.to_vec();
+            if Some(name) == reshape {
+                shape = vec![shape.iter().product()];
+            }
+            tensors.push((new_name, raw.dtype, shape, raw.bytes.to_vec()));
+        }
+        tensors.push(("model.visual.blocks.0.attn.qkv.weight".into(), Dtype::BF16, vec![2, 2], vec![0; 8]));
+        tensors.push(("mtp.fc.weight".into(), Dtype::BF16, vec![2, 2], vec![0; 8]));
+        tensors.push(("mtp.layers.0.embed_tokens.weight".into(), Dtype::BF16, vec![2, 2], vec![0; 8]));
+        write_safetensors_atomic(dir.join(SINGLE_FILE), &tensors, None).unwrap();
+        let text = src.config().to_hf_value();
+        let vlm = json!({
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": false,
+            "text_config": text,
+        });
+        let mut vlm = vlm;
+        vlm["text_config"]["model_type"] = json!("qwen3_5_text");
+        write_file_atomic(dir.join(CONFIG_FILE), vlm.to_string().as_bytes()).unwrap();
+    }
+
+    #[test]
+    fn vlm_layout_is_found_by_probing_and_reads_the_same_tensors() {
+        let src_dir = TempDir::new("q35-src");
+        init_target(&qwen35_tiny(), 5, 0.05, &src_dir.0).unwrap();
+        let src = ModelFiles::open(&src_dir.0).unwrap();
+        let dir = TempDir::new("q35-vlm");
+        write_vlm_copy(&src, &dir.0, None, None);
+        let vlm = ModelFiles::open(&dir.0).unwrap();
+        assert_eq!(vlm.text_prefix(), "model.language_model.");
+        assert_eq!(vlm.config().architectures, vec!["Qwen3_5ForConditionalGeneration"]);
+        for spec in target_tensor_specs(src.config()) {
+            assert_eq!(
+                vlm.tensor_f32(&spec.name, &spec.shape).unwrap(),
+                src.tensor_f32(&spec.name, &spec.shape).unwrap()
+            );
+        }
+        assert_eq!(vlm.stored_name("lm_head.weight"), "lm_head.weight");
+    }
+
+    #[test]
+    fn missing_or_misshaped_linear_attn_tensor_names_tensor_file_and_shape() {
+        let src_dir = TempDir::new("q35-src2");
+        init_target(&qwen35_tiny(), 5, 0.05, &src_dir.0).unwrap();
+        let src = ModelFiles::open(&src_dir.0).unwrap();
+        let dir = TempDir::new("q35-missing");
+        write_vlm_copy(&src, &dir.0, Some("model.layers.2.linear_attn.A_log"), None);
+        let e = ModelFiles::open(&dir.0).err().unwrap();
+        match &e {
+            WeightsError::MissingTensor { name, expected, searched, .. } => {
+                assert_eq!(name, "model.language_model.layers.2.linear_attn.A_log");
+                assert_eq!(expected, &Some(vec![4]));
+                assert_eq!(searched, &vec![dir.0.join(SINGLE_FILE)]);
+            }
+            other => panic!("{other}"),
+        }
+        let msg = e.to_string();
+        assert!(msg.contains("A_log") && msg.contains("[4]") && msg.contains(SINGLE_FILE), "{msg}");
+        let dir = TempDir::new("q35-shape");
+        write_vlm_copy(&src, &dir.0, None, Some("model.layers.0.linear_attn.conv1d.weight"));
+        match ModelFiles::open(&dir.0).err().unwrap() {
+            WeightsError::WrongShape { name, file, expected, found } => {
+                assert_eq!(name, "model.language_model.layers.0.linear_attn.conv1d.weight");
+                assert_eq!(file, dir.0.join(SINGLE_FILE));
+                assert_eq!((expected, found), (vec![128, 1, 4], vec![512]));
+            }
+            other => panic!("{other}"),
+        }
     }
 
     #[test]
@@ -1043,8 +1481,9 @@ mod tests {
         let files = ModelFiles::open(&dir.0).unwrap();
         let typo = "model.layers.0.self_attn.q_proj.weights";
         match files.tensor_f32(typo, &[64, 64]) {
-            Err(WeightsError::MissingTensor { name, searched, suggestions }) => {
+            Err(WeightsError::MissingTensor { name, expected, searched, suggestions }) => {
                 assert_eq!(name, typo);
+                assert_eq!(expected, Some(vec![64, 64]));
                 assert_eq!(searched, vec![dir.0.join(SINGLE_FILE)]);
                 assert_eq!(suggestions[0], "model.layers.0.self_attn.q_proj.weight");
             }

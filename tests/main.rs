@@ -5,6 +5,8 @@
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
+//! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
+//!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
@@ -18,5 +20,6 @@ mod gpu;
 mod nan_suite;
 mod ops_fd;
 mod pitfalls;
+mod qwen35;
 mod run;
 mod user_errors;

@@ -100,6 +100,7 @@ fn tiny_target_shape() -> TargetShape {
         eps: 1e-6,
         rope_theta: 1e6,
         tied_embeddings: false,
+        arch: dflash_engine::config::Arch::Qwen3,
     }
 }
 

@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 
 use super::slots::{SlotError, SlotMemory};
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result};
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
 
@@ -1064,6 +1064,523 @@ impl<F: Real> Backend for CpuBackend<F> {
 
     fn count_nonfinite(&self, _s: &CpuStream, x: &CpuBuf<F>) -> Result<u64> {
         Ok(x.data.iter().filter(|v| !v.is_finite()).count() as u64)
+    }
+
+    fn rmsnorm1p_fwd(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        w_off: usize,
+        y: &mut CpuBuf<F>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rmsnorm1p_fwd", "x", x.data.len(), 0, rows * dim)?;
+        check_len("rmsnorm1p_fwd", "w", w.data.len(), w_off, dim)?;
+        check_len("rmsnorm1p_fwd", "y", y.data.len(), 0, rows * dim)?;
+        let w = &w.data[w_off..w_off + dim];
+        let (ydt, eps) = (y.dtype, F::from_f32(eps));
+        y.data[..rows * dim].par_chunks_mut(dim).enumerate().for_each(|(r, yr)| {
+            let xr = &x.data[r * dim..(r + 1) * dim];
+            let inv = F::ONE / (dot(xr, xr) / F::from_f64(dim as f64) + eps).sqrt();
+            for c in 0..dim {
+                yr[c] = self.st(ydt, xr[c] * inv * (F::ONE + w[c]));
+            }
+        });
+        Ok(())
+    }
+
+    fn gated_rmsnorm_fwd(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        z: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        w_off: usize,
+        y: &mut CpuBuf<F>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("gated_rmsnorm_fwd", "x", x.data.len(), 0, rows * dim)?;
+        check_len("gated_rmsnorm_fwd", "z", z.data.len(), 0, rows * dim)?;
+        check_len("gated_rmsnorm_fwd", "w", w.data.len(), w_off, dim)?;
+        check_len("gated_rmsnorm_fwd", "y", y.data.len(), 0, rows * dim)?;
+        let w = &w.data[w_off..w_off + dim];
+        let (ydt, eps) = (y.dtype, F::from_f32(eps));
+        y.data[..rows * dim].par_chunks_mut(dim).enumerate().for_each(|(r, yr)| {
+            let xr = &x.data[r * dim..(r + 1) * dim];
+            let zr = &z.data[r * dim..(r + 1) * dim];
+            let inv = F::ONE / (dot(xr, xr) / F::from_f64(dim as f64) + eps).sqrt();
+            for c in 0..dim {
+                yr[c] = self.st(ydt, xr[c] * inv * w[c] * silu(zr[c]));
+            }
+        });
+        Ok(())
+    }
+
+    fn rope_partial(
+        &self,
+        _s: &CpuStream,
+        x: &mut CpuBuf<F>,
+        pos: &Vec<i32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        let width = heads * head_dim;
+        check_len("rope_partial", "x", x.data.len(), 0, rows * width)?;
+        check_len("rope_partial", "pos", pos.len(), 0, rows)?;
+        if rot_dim % 2 != 0 || rot_dim == 0 || rot_dim > head_dim {
+            return Err(BackendError::Shape {
+                op: "rope_partial",
+                what: format!("rot_dim {rot_dim} must be even, positive and at most head_dim {head_dim}"),
+            });
+        }
+        // The inverse frequencies of a rot_dim-wide RoPE, as transformers computes them.
+        let inv_freq = Self::rope_inv_freq(rot_dim, theta);
+        let half = rot_dim / 2;
+        let dt = x.dtype;
+        x.data[..rows * width].par_chunks_mut(width).enumerate().for_each(|(r, xr)| {
+            let p = pos[r] as f32;
+            for i in 0..half {
+                let ang = p * inv_freq[i];
+                let (c, sn) = (F::from_f32(ang.cos()), F::from_f32(ang.sin()));
+                for h in 0..heads {
+                    let o = h * head_dim;
+                    let (a, b) = (xr[o + i], xr[o + i + half]);
+                    xr[o + i] = self.st(dt, a * c - b * sn);
+                    xr[o + i + half] = self.st(dt, b * c + a * sn);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn copy_strided(
+        &self,
+        _s: &CpuStream,
+        src: &CpuBuf<F>,
+        src_off: usize,
+        src_stride: usize,
+        dst: &mut CpuBuf<F>,
+        dst_off: usize,
+        dst_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("copy_strided", "src", src.data.len(), src_off + (rows - 1) * src_stride, width)?;
+        check_len("copy_strided", "dst", dst.data.len(), dst_off + (rows - 1) * dst_stride, width)?;
+        let dt = dst.dtype;
+        for r in 0..rows {
+            let (a, b) = (src_off + r * src_stride, dst_off + r * dst_stride);
+            for c in 0..width {
+                dst.data[b + c] = self.st(dt, src.data[a + c]);
+            }
+        }
+        Ok(())
+    }
+
+    fn sigmoid_mul(&self, _s: &CpuStream, x: &mut CpuBuf<F>, gate: &CpuBuf<F>) -> Result<()> {
+        check_len("sigmoid_mul", "gate", gate.data.len(), 0, x.data.len())?;
+        let dt = x.dtype;
+        x.data.par_iter_mut().zip(gate.data.par_iter()).for_each(|(v, &g)| {
+            *v = self.st(dt, *v / (F::ONE + (-g).exp()));
+        });
+        Ok(())
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        w_off: usize,
+        y: &mut CpuBuf<F>,
+        seq_starts: &Vec<i32>,
+        rows: usize,
+        channels: usize,
+        kernel: usize,
+    ) -> Result<()> {
+        check_len("causal_conv1d_silu", "x", x.data.len(), 0, rows * channels)?;
+        check_len("causal_conv1d_silu", "w", w.data.len(), w_off, channels * kernel)?;
+        check_len("causal_conv1d_silu", "y", y.data.len(), 0, rows * channels)?;
+        let start_of = row_starts("causal_conv1d_silu", seq_starts, rows)?;
+        let w = &w.data[w_off..w_off + channels * kernel];
+        let dt = y.dtype;
+        y.data[..rows * channels].par_chunks_mut(channels).enumerate().for_each(|(t, yr)| {
+            // Taps before the sequence start read zeros (left padding restarts per sequence).
+            let first = (t + 1).saturating_sub(kernel).max(start_of[t]);
+            for c in 0..channels {
+                let mut acc = F::ZERO;
+                for src in first..=t {
+                    acc += w[c * kernel + (kernel - 1 - (t - src))] * x.data[src * channels + c];
+                }
+                yr[c] = self.st(dt, silu(acc));
+            }
+        });
+        Ok(())
+    }
+
+    fn gdn_gates(
+        &self,
+        _s: &CpuStream,
+        b: &CpuBuf<F>,
+        a: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        a_log_off: usize,
+        dt_bias_off: usize,
+        beta: &mut CpuBuf<F>,
+        g: &mut CpuBuf<F>,
+        rows: usize,
+        heads: usize,
+    ) -> Result<()> {
+        let n = rows * heads;
+        for (name, len) in [("b", b.data.len()), ("a", a.data.len()), ("beta", beta.data.len()), ("g", g.data.len())] {
+            check_len("gdn_gates", name, len, 0, n)?;
+        }
+        check_len("gdn_gates", "A_log", w.data.len(), a_log_off, heads)?;
+        check_len("gdn_gates", "dt_bias", w.data.len(), dt_bias_off, heads)?;
+        let (bdt, gdt) = (beta.dtype, g.dtype);
+        for i in 0..n {
+            let h = i % heads;
+            beta.data[i] = self.st(bdt, F::ONE / (F::ONE + (-b.data[i]).exp()));
+            let decay_rate = w.data[a_log_off + h].exp();
+            g.data[i] = self.st(gdt, -decay_rate * softplus(a.data[i] + w.data[dt_bias_off + h]));
+        }
+        Ok(())
+    }
+
+    fn l2norm_fwd(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        y: &mut CpuBuf<F>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+    ) -> Result<()> {
+        check_len("l2norm_fwd", "x", x.data.len(), 0, rows * dim)?;
+        check_len("l2norm_fwd", "y", y.data.len(), 0, rows * dim)?;
+        let (dt, eps, scale) = (y.dtype, F::from_f32(eps), F::from_f32(scale));
+        y.data[..rows * dim].par_chunks_mut(dim).enumerate().for_each(|(r, yr)| {
+            let xr = &x.data[r * dim..(r + 1) * dim];
+            let inv = scale / (dot(xr, xr) + eps).sqrt();
+            for c in 0..dim {
+                yr[c] = self.st(dt, xr[c] * inv);
+            }
+        });
+        Ok(())
+    }
+
+    fn gdn_recurrent_fwd(
+        &self,
+        _s: &CpuStream,
+        sh: &GdnShape,
+        q: &CpuBuf<F>,
+        k: &CpuBuf<F>,
+        v: &CpuBuf<F>,
+        g: &CpuBuf<F>,
+        beta: &CpuBuf<F>,
+        seq_starts: &Vec<i32>,
+        o: &mut CpuBuf<F>,
+        state: Option<&mut CpuBuf<F>>,
+    ) -> Result<()> {
+        self.gdn_fwd("gdn_recurrent_fwd", sh, [q, k, v, g, beta], seq_starts, o, state, gdn_head_recurrent)
+    }
+
+    fn gdn_chunked_fwd(
+        &self,
+        _s: &CpuStream,
+        sh: &GdnShape,
+        q: &CpuBuf<F>,
+        k: &CpuBuf<F>,
+        v: &CpuBuf<F>,
+        g: &CpuBuf<F>,
+        beta: &CpuBuf<F>,
+        seq_starts: &Vec<i32>,
+        o: &mut CpuBuf<F>,
+        state: Option<&mut CpuBuf<F>>,
+    ) -> Result<()> {
+        self.gdn_fwd("gdn_chunked_fwd", sh, [q, k, v, g, beta], seq_starts, o, state, gdn_head_chunked)
+    }
+}
+
+#[inline]
+fn silu<F: Real>(x: F) -> F {
+    x / (F::ONE + (-x).exp())
+}
+
+/// `ln(1 + e^x)`, linear above 20 as PyTorch's `softplus` (beta 1, threshold 20) is.
+#[inline]
+fn softplus<F: Real>(x: F) -> F {
+    if x.to_f64() > 20.0 {
+        x
+    } else {
+        (F::ONE + x.exp()).ln()
+    }
+}
+
+/// Each row's sequence start from `seq_starts` (sequence `b` is rows `seq_starts[b]..
+/// seq_starts[b+1]`); rows past the last listed end belong to the last sequence.
+fn row_starts(op: &'static str, seq_starts: &[i32], rows: usize) -> Result<Vec<usize>> {
+    let ranges = seq_ranges(op, seq_starts, rows)?;
+    let mut start_of = vec![0usize; rows];
+    for (a, b) in ranges {
+        start_of[a..b].iter_mut().for_each(|s| *s = a);
+    }
+    Ok(start_of)
+}
+
+/// The sequences of a packed batch as row ranges covering `0..rows`.
+fn seq_ranges(op: &'static str, seq_starts: &[i32], rows: usize) -> Result<Vec<(usize, usize)>> {
+    let bad = |what: String| BackendError::Shape { op, what };
+    let starts: Vec<usize> = seq_starts
+        .iter()
+        .map(|&s| usize::try_from(s).map_err(|_| bad(format!("negative sequence start {s}"))))
+        .collect::<Result<_>>()?;
+    if starts.first() != Some(&0) || starts.windows(2).any(|w| w[0] > w[1]) {
+        return Err(bad(format!("seq_starts {seq_starts:?} must rise from 0")));
+    }
+    let mut ranges: Vec<(usize, usize)> =
+        starts.windows(2).map(|w| (w[0].min(rows), w[1].min(rows))).filter(|(a, b)| a < b).collect();
+    let end = ranges.last().map_or(0, |r| r.1);
+    if end < rows {
+        ranges.push((end, rows));
+    }
+    Ok(ranges)
+}
+
+/// One (sequence, value head) of the gated delta rule: `q, k` rows of `dk`, `v` rows of `dv`,
+/// `g, beta` per row, the state `s [dk, dv]` in and out; returns the outputs, rows of `dv`.
+type GdnHead<F> = fn(&[&[F]], &[&[F]], &[&[F]], &[F], &[F], &mut [F], usize) -> Vec<F>;
+
+/// The definition, token by token (transformers' `torch_recurrent_gated_delta_rule`).
+fn gdn_head_recurrent<F: Real>(
+    q: &[&[F]],
+    k: &[&[F]],
+    v: &[&[F]],
+    g: &[F],
+    beta: &[F],
+    s: &mut [F],
+    dv: usize,
+) -> Vec<F> {
+    let dk = s.len() / dv;
+    let mut out = vec![F::ZERO; q.len() * dv];
+    let mut delta = vec![F::ZERO; dv];
+    for t in 0..q.len() {
+        let decay = g[t].exp();
+        s.iter_mut().for_each(|x| *x = *x * decay);
+        // delta = beta (v - S^T k)
+        for c in 0..dv {
+            let mut kv = F::ZERO;
+            for i in 0..dk {
+                kv += s[i * dv + c] * k[t][i];
+            }
+            delta[c] = beta[t] * (v[t][c] - kv);
+        }
+        for i in 0..dk {
+            for c in 0..dv {
+                s[i * dv + c] += k[t][i] * delta[c];
+            }
+        }
+        for c in 0..dv {
+            let mut acc = F::ZERO;
+            for i in 0..dk {
+                acc += s[i * dv + c] * q[t][i];
+            }
+            out[t * dv + c] = acc;
+        }
+    }
+    out
+}
+
+/// The chunked form (flash-linear-attention's `chunk_gated_delta_rule`), chunks of
+/// [`GDN_CHUNK`] from the sequence start. Within a chunk, with `G` the cumulative log decay from
+/// the chunk start and `A[i][j] = beta_i (k_i . k_j) exp(G_i - G_j)` for `j < i`, the unit
+/// lower-triangular systems `(I + A) W = diag(beta exp(G)) K` and `(I + A) U = diag(beta) V`
+/// give the WY factors by forward substitution; then `V' = U - W S`,
+/// `o_i = exp(G_i) q_i^T S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j` and
+/// `S = exp(G_last) S + sum_j exp(G_last - G_j) k_j V'_j^T`.
+fn gdn_head_chunked<F: Real>(
+    q: &[&[F]],
+    k: &[&[F]],
+    v: &[&[F]],
+    g: &[F],
+    beta: &[F],
+    s: &mut [F],
+    dv: usize,
+) -> Vec<F> {
+    let dk = s.len() / dv;
+    let n = q.len();
+    let mut out = vec![F::ZERO; n * dv];
+    let mut c0 = 0;
+    while c0 < n {
+        let len = GDN_CHUNK.min(n - c0);
+        let (qc, kc, vc) = (&q[c0..c0 + len], &k[c0..c0 + len], &v[c0..c0 + len]);
+        let mut cum = vec![F::ZERO; len];
+        let mut acc = F::ZERO;
+        for i in 0..len {
+            acc += g[c0 + i];
+            cum[i] = acc;
+        }
+        let b = &beta[c0..c0 + len];
+        // Strictly lower A, row-major [len, len].
+        let mut a = vec![F::ZERO; len * len];
+        for i in 0..len {
+            for j in 0..i {
+                a[i * len + j] = b[i] * dot(kc[i], kc[j]) * (cum[i] - cum[j]).exp();
+            }
+        }
+        // Forward substitution for W [len, dk] and U [len, dv].
+        let mut w = vec![F::ZERO; len * dk];
+        let mut u = vec![F::ZERO; len * dv];
+        for i in 0..len {
+            let (ei, bi) = (cum[i].exp(), b[i]);
+            for d in 0..dk {
+                w[i * dk + d] = bi * ei * kc[i][d];
+            }
+            for c in 0..dv {
+                u[i * dv + c] = bi * vc[i][c];
+            }
+            for j in 0..i {
+                let aij = a[i * len + j];
+                for d in 0..dk {
+                    let wj = w[j * dk + d];
+                    w[i * dk + d] = w[i * dk + d] - aij * wj;
+                }
+                for c in 0..dv {
+                    let uj = u[j * dv + c];
+                    u[i * dv + c] = u[i * dv + c] - aij * uj;
+                }
+            }
+        }
+        // V' = U - W S.
+        let mut vp = u;
+        for i in 0..len {
+            for c in 0..dv {
+                let mut ws = F::ZERO;
+                for d in 0..dk {
+                    ws += w[i * dk + d] * s[d * dv + c];
+                }
+                vp[i * dv + c] = vp[i * dv + c] - ws;
+            }
+        }
+        // Outputs: the state entering the chunk, plus the intra-chunk attention over V'.
+        for i in 0..len {
+            let ei = cum[i].exp();
+            let qk: Vec<F> = (0..=i).map(|j| dot(qc[i], kc[j]) * (cum[i] - cum[j]).exp()).collect();
+            for c in 0..dv {
+                let mut qs = F::ZERO;
+                for d in 0..dk {
+                    qs += qc[i][d] * s[d * dv + c];
+                }
+                let mut intra = F::ZERO;
+                for (j, &x) in qk.iter().enumerate() {
+                    intra += x * vp[j * dv + c];
+                }
+                out[(c0 + i) * dv + c] = ei * qs + intra;
+            }
+        }
+        // The state leaving the chunk.
+        let last = cum[len - 1];
+        let end_decay = last.exp();
+        s.iter_mut().for_each(|x| *x = *x * end_decay);
+        for j in 0..len {
+            let e = (last - cum[j]).exp();
+            for d in 0..dk {
+                let kd = e * kc[j][d];
+                for c in 0..dv {
+                    s[d * dv + c] += kd * vp[j * dv + c];
+                }
+            }
+        }
+        c0 += len;
+    }
+    out
+}
+
+impl<F: Real> CpuBackend<F> {
+    /// Shared driver of the two gated-delta-rule forms: checks shapes, runs every (sequence,
+    /// value head) in parallel with `head`, writes the outputs (one rounding each) and the states.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_fwd(
+        &self,
+        op: &'static str,
+        sh: &GdnShape,
+        [q, k, v, g, beta]: [&CpuBuf<F>; 5],
+        seq_starts: &[i32],
+        o: &mut CpuBuf<F>,
+        state: Option<&mut CpuBuf<F>>,
+        head: GdnHead<F>,
+    ) -> Result<()> {
+        let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
+        if k_heads == 0 || v_heads % k_heads != 0 {
+            return Err(BackendError::Shape { op, what: format!("{v_heads} value heads over {k_heads} key heads") });
+        }
+        let (kw, vw) = (k_heads * dk, v_heads * dv);
+        check_len(op, "q", q.data.len(), 0, rows * kw)?;
+        check_len(op, "k", k.data.len(), 0, rows * kw)?;
+        check_len(op, "v", v.data.len(), 0, rows * vw)?;
+        check_len(op, "g", g.data.len(), 0, rows * v_heads)?;
+        check_len(op, "beta", beta.data.len(), 0, rows * v_heads)?;
+        check_len(op, "o", o.data.len(), 0, rows * vw)?;
+        let ranges = seq_ranges(op, seq_starts, rows)?;
+        let per_state = dk * dv;
+        if let Some(st) = &state {
+            check_len(op, "state", st.data.len(), 0, ranges.len() * v_heads * per_state)?;
+        }
+        let init: Option<&[F]> = state.as_ref().map(|st| &st.data[..]);
+        let group = v_heads / k_heads;
+        let results: Vec<(Vec<F>, Vec<F>)> = (0..ranges.len() * v_heads)
+            .into_par_iter()
+            .map(|task| {
+                let (b, h) = (task / v_heads, task % v_heads);
+                let (r0, r1) = ranges[b];
+                let kh = h / group;
+                fn rows_of<F>(x: &[F], rows: std::ops::Range<usize>, width: usize, head: usize, d: usize) -> Vec<&[F]> {
+                    rows.map(|t| &x[t * width + head * d..][..d]).collect()
+                }
+                let qs = rows_of(&q.data, r0..r1, kw, kh, dk);
+                let ks = rows_of(&k.data, r0..r1, kw, kh, dk);
+                let vs = rows_of(&v.data, r0..r1, vw, h, dv);
+                let gs: Vec<F> = (r0..r1).map(|t| g.data[t * v_heads + h]).collect();
+                let bs: Vec<F> = (r0..r1).map(|t| beta.data[t * v_heads + h]).collect();
+                let mut s = match init {
+                    Some(st) => st[task * per_state..(task + 1) * per_state].to_vec(),
+                    None => vec![F::ZERO; per_state],
+                };
+                let out = head(&qs, &ks, &vs, &gs, &bs, &mut s, dv);
+                (out, s)
+            })
+            .collect();
+        let odt = o.dtype;
+        for (task, (out, _)) in results.iter().enumerate() {
+            let (b, h) = (task / v_heads, task % v_heads);
+            let (r0, r1) = ranges[b];
+            for (i, t) in (r0..r1).enumerate() {
+                for c in 0..dv {
+                    o.data[t * vw + h * dv + c] = self.st(odt, out[i * dv + c]);
+                }
+            }
+        }
+        if let Some(st) = state {
+            let sdt = st.dtype;
+            for (task, (_, s)) in results.iter().enumerate() {
+                for (d, &x) in st.data[task * per_state..(task + 1) * per_state].iter_mut().zip(s) {
+                    *d = self.st(sdt, x);
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -119,6 +119,30 @@ impl DraftAttnShape {
     }
 }
 
+/// Tokens per chunk of the chunked gated delta rule (QWEN35.md section 4; flash-linear-attention's
+/// `chunk_gated_delta_rule` uses the same): the intra-chunk system is a 64 x 64 unit
+/// lower-triangular solve per (chunk, value head).
+pub const GDN_CHUNK: usize = 64;
+
+/// The shapes of one gated-delta-rule call (QWEN35.md section 4): `q, k [rows, k_heads * k_dim]`
+/// (already L2-normalised, `q` scaled by `k_dim^-0.5`), `v, o [rows, v_heads * v_dim]`,
+/// `g, beta [rows, v_heads]`; value head `h` reads query/key head `h / (v_heads / k_heads)`. The
+/// optional state is f32 `[sequences, v_heads, k_dim, v_dim]`: the state each sequence starts from
+/// (zero when absent), overwritten with the state after its last token.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnShape {
+    pub rows: usize,
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+}
+
+/// The error of an op that only the CPU reference implements so far.
+pub fn no_kernel(op: &str) -> BackendError {
+    BackendError::Unsupported(format!("{op} has no CUDA kernel yet: use --device cpu"))
+}
+
 /// One AdamW update on f32 masters (DFLASH.md section 4).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamStep {
@@ -479,4 +503,168 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// Number of non-finite elements (the NaN checks).
     fn count_nonfinite(&self, s: &Self::Stream, x: &Self::Buf) -> Result<u64>;
+
+    // ---- Qwen3.5/3.6 hybrid target (forward only; QWEN35.md). The defaults are for backends
+    // without these kernels yet: they fail with a message naming the op. ----
+    /// `y = x * rsqrt(mean(x^2) + eps) * (1 + w)` per row of `dim` (the zero-centred RMSNorm of
+    /// every Qwen3.5/3.6 norm but the Gated DeltaNet output norm), f32 math, one rounding.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm1p_fwd(
+        &self,
+        _s: &Self::Stream,
+        _x: &Self::Buf,
+        _w: &Self::Buf,
+        _w_off: usize,
+        _y: &mut Self::Buf,
+        _rows: usize,
+        _dim: usize,
+        _eps: f32,
+    ) -> Result<()> {
+        Err(no_kernel("rmsnorm1p_fwd"))
+    }
+    /// `y = x * rsqrt(mean(x^2) + eps) * w * silu(z)` per row of `dim` (the Gated DeltaNet output
+    /// norm: plain `w`, gated by `z`).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_rmsnorm_fwd(
+        &self,
+        _s: &Self::Stream,
+        _x: &Self::Buf,
+        _z: &Self::Buf,
+        _w: &Self::Buf,
+        _w_off: usize,
+        _y: &mut Self::Buf,
+        _rows: usize,
+        _dim: usize,
+        _eps: f32,
+    ) -> Result<()> {
+        Err(no_kernel("gated_rmsnorm_fwd"))
+    }
+    /// Partial rotate-half RoPE in place on `x[rows, heads * head_dim]`: dims `[0, rot_dim)` of
+    /// each head rotate in pairs `(j, j + rot_dim/2)` with `inv_freq_j = theta^(-2j/rot_dim)`,
+    /// dims `[rot_dim, head_dim)` pass through.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_partial(
+        &self,
+        _s: &Self::Stream,
+        _x: &mut Self::Buf,
+        _pos: &Self::Ids,
+        _rows: usize,
+        _heads: usize,
+        _head_dim: usize,
+        _rot_dim: usize,
+        _theta: f32,
+    ) -> Result<()> {
+        Err(no_kernel("rope_partial"))
+    }
+    /// `dst[dst_off + r*dst_stride ..][..width] = src[src_off + r*src_stride ..][..width]` for
+    /// each of `rows` rows (splitting interleaved projections: query | gate, q | k | v).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_strided(
+        &self,
+        _s: &Self::Stream,
+        _src: &Self::Buf,
+        _src_off: usize,
+        _src_stride: usize,
+        _dst: &mut Self::Buf,
+        _dst_off: usize,
+        _dst_stride: usize,
+        _rows: usize,
+        _width: usize,
+    ) -> Result<()> {
+        Err(no_kernel("copy_strided"))
+    }
+    /// `x *= sigmoid(gate)` elementwise over `x`'s length (the gated attention's output gate).
+    fn sigmoid_mul(&self, _s: &Self::Stream, _x: &mut Self::Buf, _gate: &Self::Buf) -> Result<()> {
+        Err(no_kernel("sigmoid_mul"))
+    }
+    /// Depthwise causal convolution then SiLU over `x[rows, channels]`, per sequence
+    /// `seq_starts[b]..seq_starts[b+1]` with zero left padding at every sequence start:
+    /// `y[t, c] = silu(sum_j w[c, j] * x[t - (kernel-1) + j, c])`, `w` at `w_off` laid out
+    /// `[channels, 1, kernel]` as transformers stores `conv1d.weight`.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv1d_silu(
+        &self,
+        _s: &Self::Stream,
+        _x: &Self::Buf,
+        _w: &Self::Buf,
+        _w_off: usize,
+        _y: &mut Self::Buf,
+        _seq_starts: &Self::Ids,
+        _rows: usize,
+        _channels: usize,
+        _kernel: usize,
+    ) -> Result<()> {
+        Err(no_kernel("causal_conv1d_silu"))
+    }
+    /// The Gated DeltaNet gates from `b, a [rows, heads]`: `beta = sigmoid(b)` and
+    /// `g = -exp(A_log) * softplus(a + dt_bias)` (a log decay, `g <= 0`), with `A_log` and
+    /// `dt_bias` (`[heads]` each) read from `w` at their offsets.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_gates(
+        &self,
+        _s: &Self::Stream,
+        _b: &Self::Buf,
+        _a: &Self::Buf,
+        _w: &Self::Buf,
+        _a_log_off: usize,
+        _dt_bias_off: usize,
+        _beta: &mut Self::Buf,
+        _g: &mut Self::Buf,
+        _rows: usize,
+        _heads: usize,
+    ) -> Result<()> {
+        Err(no_kernel("gdn_gates"))
+    }
+    /// `y = scale * x * rsqrt(sum(x^2) + eps)` per row of `dim` (per-head L2 norm of the Gated
+    /// DeltaNet's q and k; `scale = k_dim^-0.5` for q).
+    #[allow(clippy::too_many_arguments)]
+    fn l2norm_fwd(
+        &self,
+        _s: &Self::Stream,
+        _x: &Self::Buf,
+        _y: &mut Self::Buf,
+        _rows: usize,
+        _dim: usize,
+        _eps: f32,
+        _scale: f32,
+    ) -> Result<()> {
+        Err(no_kernel("l2norm_fwd"))
+    }
+    /// The gated delta rule token by token, the definition (see [`GdnShape`]): per value head,
+    /// `S = exp(g_t) S; S += beta_t k_t (v_t - S^T k_t)^T; o_t = S^T q_t`, restarting at every
+    /// sequence start.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_recurrent_fwd(
+        &self,
+        _s: &Self::Stream,
+        _sh: &GdnShape,
+        _q: &Self::Buf,
+        _k: &Self::Buf,
+        _v: &Self::Buf,
+        _g: &Self::Buf,
+        _beta: &Self::Buf,
+        _seq_starts: &Self::Ids,
+        _o: &mut Self::Buf,
+        _state: Option<&mut Self::Buf>,
+    ) -> Result<()> {
+        Err(no_kernel("gdn_recurrent_fwd"))
+    }
+    /// The same outputs as [`Backend::gdn_recurrent_fwd`] in chunks of [`GDN_CHUNK`] tokens (WY
+    /// form: a unit lower-triangular solve per chunk, then one pass over the chunks carrying `S`).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_chunked_fwd(
+        &self,
+        _s: &Self::Stream,
+        _sh: &GdnShape,
+        _q: &Self::Buf,
+        _k: &Self::Buf,
+        _v: &Self::Buf,
+        _g: &Self::Buf,
+        _beta: &Self::Buf,
+        _seq_starts: &Self::Ids,
+        _o: &mut Self::Buf,
+        _state: Option<&mut Self::Buf>,
+    ) -> Result<()> {
+        Err(no_kernel("gdn_chunked_fwd"))
+    }
 }

@@ -1,0 +1,198 @@
+//! Qwen3 dense: plain-`w` RMSNorm, GQA attention with per-head QK-norm and full rotate-half RoPE,
+//! SwiGLU MLP, no biases.
+
+use super::{attend, names, Attend, DecodeIds, Family, KvCache, LayerCache, Target, TargetInputs, TargetShape};
+use crate::backend::{Backend, Gemm, Result};
+use crate::config::LayerDims;
+use crate::model::ParamTable;
+use crate::tensor::DType;
+use crate::weights::LayerTensor;
+
+pub(super) struct Qwen3;
+
+/// Appends one decoder layer's tensors named `{prefix}{suffix}` in `LayerTensor::ALL` order, with
+/// up right after gate so the MLP's first projection is one `[2 * inter, hidden]` GEMM.
+pub fn push_layer(
+    t: &mut ParamTable,
+    prefix: &str,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inter: usize,
+) {
+    let dims = LayerDims {
+        hidden_size: hidden,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: inter,
+    };
+    for part in LayerTensor::ALL {
+        let name = format!("{prefix}{}", part.suffix());
+        if part == LayerTensor::UpProj {
+            t.push_adjacent(name, &part.shape(&dims));
+        } else {
+            t.push(name, &part.shape(&dims));
+        }
+    }
+}
+
+impl<B: Backend> Family<B> for Qwen3 {
+    fn param_table(&self, shape: &TargetShape, last: usize) -> ParamTable {
+        let mut t = ParamTable::default();
+        t.push(names::EMBED, &[shape.vocab, shape.hidden]);
+        for l in 0..=last {
+            push_layer(
+                &mut t,
+                &names::layer(l, ""),
+                shape.hidden,
+                shape.heads,
+                shape.kv_heads,
+                shape.head_dim,
+                shape.inter,
+            );
+        }
+        t.push(names::FINAL_NORM, &[shape.hidden]);
+        t.push(names::LM_HEAD, &[shape.vocab, shape.hidden]);
+        t
+    }
+
+    fn forward_taps(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        inp: &TargetInputs<'_, B>,
+        taps_out: &mut [B::Buf],
+    ) -> Result<()> {
+        let (rows, h) = (inp.rows, t.shape.hidden);
+        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let mut x = be.alloc(s, DType::BF16, rows * h)?;
+        be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
+        for l in 0..=t.last_layer() {
+            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts))?;
+            t.copy_taps(be, s, l, &x, rows, taps_out)?;
+        }
+        Ok(())
+    }
+
+    fn new_cache(&self, t: &Target<B>, be: &B, s: &B::Stream, batch: usize, max_len: usize) -> Result<KvCache<B>> {
+        let n = batch * max_len * t.shape.kv_width();
+        let mut layers = Vec::new();
+        for _ in 0..t.loaded_layers {
+            layers.push(LayerCache::Attention { k: be.alloc(s, DType::BF16, n)?, v: be.alloc(s, DType::BF16, n)? });
+        }
+        Ok(KvCache { layers, batch, max_len })
+    }
+
+    fn decode_step(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        tokens: &B::Ids,
+        step: usize,
+        logits: &mut B::Buf,
+    ) -> Result<()> {
+        let sh = &t.shape;
+        let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
+        let w = &t.weights;
+        let ids = DecodeIds::new(be, s, n, step, max_len)?;
+        let mut sc = Scratch::new(be, s, sh, n)?;
+        let mut x = be.alloc(s, DType::BF16, n * h)?;
+        be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
+        for (l, lc) in cache.layers.iter_mut().enumerate() {
+            let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
+            let how = Attend::Cached { k, v, max_len, step, anchors: &ids.anchors, ctx_start: &ids.ctx_start };
+            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, how)?;
+        }
+        be.rmsnorm_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
+        be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
+    }
+}
+
+/// One decoder layer on `x [rows, hidden]` in place.
+#[allow(clippy::too_many_arguments)]
+fn layer<B: Backend>(
+    t: &Target<B>,
+    be: &B,
+    s: &B::Stream,
+    l: usize,
+    x: &mut B::Buf,
+    sc: &mut Scratch<B>,
+    pos: &B::Ids,
+    how: Attend<'_, B>,
+) -> Result<()> {
+    let sh = &t.shape;
+    let (rows, h, qw, kw) = (sc.rows, sh.hidden, sh.q_width(), sh.kv_width());
+    let w = &t.weights;
+    let off = |part: &str| t.table.off(&names::layer(l, part));
+    be.rmsnorm_fwd(s, x, w, off("input_layernorm.weight"), &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
+    be.gemm(s, &Gemm::linear(rows, qw, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.q_pre, 0)?;
+    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.k_proj.weight"), &mut sc.k_pre, 0)?;
+    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.v_proj.weight"), &mut sc.v, 0)?;
+    let (heads, kv_heads, hd) = (sh.heads, sh.kv_heads, sh.head_dim);
+    be.rmsnorm_fwd(s, &sc.q_pre, w, off("self_attn.q_norm.weight"), &mut sc.q, &mut sc.rstd, rows * heads, hd, sh.eps)?;
+    be.rmsnorm_fwd(
+        s,
+        &sc.k_pre,
+        w,
+        off("self_attn.k_norm.weight"),
+        &mut sc.k,
+        &mut sc.rstd,
+        rows * kv_heads,
+        hd,
+        sh.eps,
+    )?;
+    be.rope(s, &mut sc.q, pos, rows, heads, hd, sh.rope_theta, false)?;
+    be.rope(s, &mut sc.k, pos, rows, kv_heads, hd, sh.rope_theta, false)?;
+    attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
+    // Projection then residual add, each rounded to bf16, as a bf16 Hugging Face forward does.
+    be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)?;
+    be.add_inplace(s, x, &sc.tmp)?;
+    be.rmsnorm_fwd(s, x, w, off("post_attention_layernorm.weight"), &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
+    be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
+    be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
+    be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
+    be.add_inplace(s, x, &sc.tmp)
+}
+
+/// Per-layer temporaries, allocated once per forward and reused by every layer.
+struct Scratch<B: Backend> {
+    rows: usize,
+    xn: B::Buf,
+    rstd: B::Buf,
+    q_pre: B::Buf,
+    q: B::Buf,
+    k_pre: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+    tmp: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize) -> Result<Self> {
+        let bf = |n: usize| be.alloc(s, DType::BF16, n);
+        Ok(Scratch {
+            rows: t,
+            xn: bf(t * sh.hidden)?,
+            rstd: be.alloc(s, DType::F32, t * sh.heads.max(1))?,
+            q_pre: bf(t * sh.q_width())?,
+            q: bf(t * sh.q_width())?,
+            k_pre: bf(t * sh.kv_width())?,
+            k: bf(t * sh.kv_width())?,
+            v: bf(t * sh.kv_width())?,
+            o: bf(t * sh.q_width())?,
+            lse: be.alloc(s, DType::F32, t * sh.heads)?,
+            gu: bf(t * 2 * sh.inter)?,
+            act: bf(t * sh.inter)?,
+            tmp: bf(t * sh.hidden)?,
+        })
+    }
+}

@@ -1,0 +1,381 @@
+//! Qwen3.5/3.6 dense hybrid (QWEN35.md): decoder layers whose token mixer is a Gated DeltaNet
+//! (linear attention) or a gated full attention, as `layer_types` says; every RMSNorm but the
+//! DeltaNet's output norm is `1 + w`; full attention rotates only the first
+//! `head_dim * partial_rotary_factor` dims.
+//!
+//! Rounding follows a bf16 Hugging Face forward: every projection, the convolution's output, beta,
+//! the DeltaNet output and each norm round to bf16; the L2-normalised q and k, the log decays `g`
+//! and the recurrent state stay f32 (flash-linear-attention keeps them in f32 inside its kernel).
+
+use super::{attend, names, Attend, DecodeIds, Family, KvCache, LayerCache, Target, TargetInputs, TargetShape};
+use crate::backend::{Backend, GdnShape, Gemm, Result};
+use crate::config::{Arch, HybridConfig, LayerType};
+use crate::model::ParamTable;
+use crate::tensor::DType;
+use crate::weights::{hybrid_layer_specs, HybridTensor};
+
+pub(super) struct Qwen35;
+
+/// The eps of the per-head L2 norm of q and k (fixed in transformers and flash-linear-attention).
+const L2NORM_EPS: f32 = 1e-6;
+
+fn hybrid(sh: &TargetShape) -> &HybridConfig {
+    match &sh.arch {
+        Arch::Qwen35(hy) => hy,
+        Arch::Qwen3 => unreachable!("the Qwen3.5 family runs Qwen3.5 shapes only"),
+    }
+}
+
+impl<B: Backend> Family<B> for Qwen35 {
+    fn param_table(&self, shape: &TargetShape, last: usize) -> ParamTable {
+        let (hy, dims) = (hybrid(shape), shape.layer_dims());
+        let mut t = ParamTable::default();
+        t.push(names::EMBED, &[shape.vocab, shape.hidden]);
+        for l in 0..=last {
+            for spec in hybrid_layer_specs(l, &dims, hy) {
+                // Up right after gate: the MLP's first projection is one [2 * inter, hidden] GEMM.
+                if spec.name.ends_with(HybridTensor::UpProj.suffix()) {
+                    t.push_adjacent(spec.name, &spec.shape);
+                } else {
+                    t.push(spec.name, &spec.shape);
+                }
+            }
+        }
+        t.push(names::FINAL_NORM, &[shape.hidden]);
+        t.push(names::LM_HEAD, &[shape.vocab, shape.hidden]);
+        t
+    }
+
+    fn forward_taps(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        inp: &TargetInputs<'_, B>,
+        taps_out: &mut [B::Buf],
+    ) -> Result<()> {
+        let (rows, h) = (inp.rows, t.shape.hidden);
+        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let mut x = be.alloc(s, DType::BF16, rows * h)?;
+        be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
+        for l in 0..=t.last_layer() {
+            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Run::Packed { seq_starts: inp.seq_starts })?;
+            t.copy_taps(be, s, l, &x, rows, taps_out)?;
+        }
+        Ok(())
+    }
+
+    fn new_cache(&self, t: &Target<B>, be: &B, s: &B::Stream, batch: usize, max_len: usize) -> Result<KvCache<B>> {
+        let (sh, hy) = (&t.shape, hybrid(&t.shape));
+        let mut layers = Vec::new();
+        for l in 0..t.loaded_layers {
+            layers.push(match hy.layer_types[l] {
+                LayerType::Full => {
+                    let n = batch * max_len * sh.kv_width();
+                    LayerCache::Attention { k: be.alloc(s, DType::BF16, n)?, v: be.alloc(s, DType::BF16, n)? }
+                }
+                LayerType::Linear => LayerCache::Linear {
+                    qkv: be.alloc(s, DType::BF16, batch * max_len * hy.conv_dim())?,
+                    state: be.alloc(
+                        s,
+                        DType::F32,
+                        batch * hy.linear_num_value_heads * hy.linear_key_head_dim * hy.linear_value_head_dim,
+                    )?,
+                },
+            });
+        }
+        Ok(KvCache { layers, batch, max_len })
+    }
+
+    fn decode_step(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        tokens: &B::Ids,
+        step: usize,
+        logits: &mut B::Buf,
+    ) -> Result<()> {
+        let (sh, hy) = (&t.shape, hybrid(&t.shape));
+        let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
+        let k = hy.linear_conv_kernel_dim;
+        let w = &t.weights;
+        let ids = DecodeIds::new(be, s, n, step, max_len)?;
+        let to_i32 = |x: usize| {
+            i32::try_from(x)
+                .map_err(|_| crate::backend::BackendError::Shape { op: "decode_step", what: format!("{x} rows") })
+        };
+        // The convolution window of each sequence is a sequence of its own (k rows), and each
+        // sequence's token is a sequence of one row for the recurrent step.
+        let mut win_starts = be.alloc_ids(s, n + 1)?;
+        be.upload_ids(s, &(0..=n).map(|b| to_i32(b * k)).collect::<Result<Vec<_>>>()?, &mut win_starts)?;
+        let mut one_starts = be.alloc_ids(s, n + 1)?;
+        be.upload_ids(s, &(0..=n).map(to_i32).collect::<Result<Vec<_>>>()?, &mut one_starts)?;
+        let mut win = be.alloc(s, DType::BF16, n * k * hy.conv_dim())?;
+        let mut win_out = be.alloc(s, DType::BF16, n * k * hy.conv_dim())?;
+        let mut sc = Scratch::new(be, s, sh, n)?;
+        let mut x = be.alloc(s, DType::BF16, n * h)?;
+        be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
+        for (l, lc) in cache.layers.iter_mut().enumerate() {
+            let run = Run::Decode {
+                cache: lc,
+                step,
+                max_len,
+                ids: &ids,
+                win: &mut win,
+                win_out: &mut win_out,
+                win_starts: &win_starts,
+                one_starts: &one_starts,
+            };
+            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, run)?;
+        }
+        be.rmsnorm1p_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, n, h, sh.eps)?;
+        be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
+    }
+}
+
+/// How a layer runs: over a packed batch (taps), or one token per sequence over a cache.
+enum Run<'a, B: Backend> {
+    Packed {
+        seq_starts: &'a B::Ids,
+    },
+    Decode {
+        cache: &'a mut LayerCache<B>,
+        step: usize,
+        max_len: usize,
+        ids: &'a DecodeIds<B>,
+        /// `[batch * kernel, conv channels]`: each sequence's last `kernel` convolution inputs.
+        win: &'a mut B::Buf,
+        win_out: &'a mut B::Buf,
+        win_starts: &'a B::Ids,
+        one_starts: &'a B::Ids,
+    },
+}
+
+/// One decoder layer on `x [rows, hidden]` in place (QWEN35.md section 5).
+#[allow(clippy::too_many_arguments)]
+fn layer<B: Backend>(
+    t: &Target<B>,
+    be: &B,
+    s: &B::Stream,
+    l: usize,
+    x: &mut B::Buf,
+    sc: &mut Scratch<B>,
+    pos: &B::Ids,
+    run: Run<'_, B>,
+) -> Result<()> {
+    let sh = &t.shape;
+    let (rows, h) = (sc.rows, sh.hidden);
+    let w = &t.weights;
+    let off = |part: &str| t.table.off(&names::layer(l, part));
+    be.rmsnorm1p_fwd(s, x, w, off("input_layernorm.weight"), &mut sc.xn, rows, h, sh.eps)?;
+    match hybrid(sh).layer_types[l] {
+        LayerType::Full => gated_attention(t, be, s, l, sc, pos, run)?,
+        LayerType::Linear => gated_delta_net(t, be, s, l, sc, run)?,
+    }
+    be.add_inplace(s, x, &sc.tmp)?;
+    be.rmsnorm1p_fwd(s, x, w, off("post_attention_layernorm.weight"), &mut sc.xn, rows, h, sh.eps)?;
+    be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
+    be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
+    be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
+    be.add_inplace(s, x, &sc.tmp)
+}
+
+/// Gated full attention (QWEN35.md section 3) on `sc.xn`, into `sc.tmp`.
+fn gated_attention<B: Backend>(
+    t: &Target<B>,
+    be: &B,
+    s: &B::Stream,
+    l: usize,
+    sc: &mut Scratch<B>,
+    pos: &B::Ids,
+    run: Run<'_, B>,
+) -> Result<()> {
+    let sh = &t.shape;
+    let (rows, h, qw, kw) = (sc.rows, sh.hidden, sh.q_width(), sh.kv_width());
+    let (heads, kv_heads, hd) = (sh.heads, sh.kv_heads, sh.head_dim);
+    let rot = hybrid(sh).rotary_dim(hd);
+    let w = &t.weights;
+    let off = |part: &str| t.table.off(&names::layer(l, part));
+    // q_proj rows are head-major [q_0 | gate_0 | q_1 | gate_1 | ...].
+    be.gemm(s, &Gemm::linear(rows, 2 * qw, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.qg, 0)?;
+    be.copy_strided(s, &sc.qg, 0, 2 * hd, &mut sc.q_pre, 0, hd, rows * heads, hd)?;
+    be.copy_strided(s, &sc.qg, hd, 2 * hd, &mut sc.gate, 0, hd, rows * heads, hd)?;
+    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.k_proj.weight"), &mut sc.k_pre, 0)?;
+    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.v_proj.weight"), &mut sc.v, 0)?;
+    be.rmsnorm1p_fwd(s, &sc.q_pre, w, off("self_attn.q_norm.weight"), &mut sc.q, rows * heads, hd, sh.eps)?;
+    be.rmsnorm1p_fwd(s, &sc.k_pre, w, off("self_attn.k_norm.weight"), &mut sc.k, rows * kv_heads, hd, sh.eps)?;
+    be.rope_partial(s, &mut sc.q, pos, rows, heads, hd, rot, sh.rope_theta)?;
+    be.rope_partial(s, &mut sc.k, pos, rows, kv_heads, hd, rot, sh.rope_theta)?;
+    let how = match run {
+        Run::Packed { seq_starts } => Attend::Causal(seq_starts),
+        Run::Decode { cache: LayerCache::Attention { k, v }, step, max_len, ids, .. } => {
+            Attend::Cached { k, v, max_len, step, anchors: &ids.anchors, ctx_start: &ids.ctx_start }
+        }
+        Run::Decode { .. } => unreachable!("a full-attention layer has an attention cache"),
+    };
+    attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
+    be.sigmoid_mul(s, &mut sc.o, &sc.gate)?;
+    be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)
+}
+
+/// Gated DeltaNet (QWEN35.md section 4) on `sc.xn`, into `sc.tmp`: chunked over a packed batch,
+/// one recurrent step per sequence when decoding.
+fn gated_delta_net<B: Backend>(
+    t: &Target<B>,
+    be: &B,
+    s: &B::Stream,
+    l: usize,
+    sc: &mut Scratch<B>,
+    run: Run<'_, B>,
+) -> Result<()> {
+    let (sh, hy) = (&t.shape, hybrid(&t.shape));
+    let (rows, h) = (sc.rows, sh.hidden);
+    let (c, kd, vd, kernel) = (hy.conv_dim(), hy.key_dim(), hy.value_dim(), hy.linear_conv_kernel_dim);
+    let (hk, hv, dk, dv) =
+        (hy.linear_num_key_heads, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim);
+    let w = &t.weights;
+    let off = |part: &str| t.table.off(&names::layer(l, part));
+    be.gemm(s, &Gemm::linear(rows, c, h), &sc.xn, 0, w, off("linear_attn.in_proj_qkv.weight"), &mut sc.qkv, 0)?;
+    be.gemm(s, &Gemm::linear(rows, vd, h), &sc.xn, 0, w, off("linear_attn.in_proj_z.weight"), &mut sc.z, 0)?;
+    be.gemm(s, &Gemm::linear(rows, hv, h), &sc.xn, 0, w, off("linear_attn.in_proj_b.weight"), &mut sc.b, 0)?;
+    be.gemm(s, &Gemm::linear(rows, hv, h), &sc.xn, 0, w, off("linear_attn.in_proj_a.weight"), &mut sc.a, 0)?;
+    let conv_w = off("linear_attn.conv1d.weight");
+    let gsh = GdnShape { rows, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
+    // The convolution; then the split, the norms and the gates; then the delta rule.
+    let core = match run {
+        Run::Packed { seq_starts } => {
+            be.causal_conv1d_silu(s, &sc.qkv, w, conv_w, &mut sc.conv, seq_starts, rows, c, kernel)?;
+            Core::<B>::Chunked(seq_starts)
+        }
+        Run::Decode {
+            cache: LayerCache::Linear { qkv, state },
+            step,
+            max_len,
+            win,
+            win_out,
+            win_starts,
+            one_starts,
+            ..
+        } => {
+            // Append this token's inputs, gather each sequence's last `kernel` inputs (zeros
+            // before its start), convolve them, keep the last row.
+            for b in 0..rows {
+                be.copy(s, &sc.qkv, b * c, qkv, (b * max_len + step) * c, c)?;
+            }
+            be.fill(s, win, 0.0)?;
+            for b in 0..rows {
+                for j in 0..kernel {
+                    if step + 1 + j >= kernel {
+                        let p = step + 1 + j - kernel;
+                        be.copy(s, qkv, (b * max_len + p) * c, win, (b * kernel + j) * c, c)?;
+                    }
+                }
+            }
+            be.causal_conv1d_silu(s, win, w, conv_w, win_out, win_starts, rows * kernel, c, kernel)?;
+            be.copy_strided(s, win_out, (kernel - 1) * c, kernel * c, &mut sc.conv, 0, c, rows, c)?;
+            Core::Recurrent(state, one_starts)
+        }
+        Run::Decode { .. } => unreachable!("a linear-attention layer has a recurrent cache"),
+    };
+    be.copy_strided(s, &sc.conv, 0, c, &mut sc.q_raw, 0, kd, rows, kd)?;
+    be.copy_strided(s, &sc.conv, kd, c, &mut sc.k_raw, 0, kd, rows, kd)?;
+    be.copy_strided(s, &sc.conv, 2 * kd, c, &mut sc.lv, 0, vd, rows, vd)?;
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    be.l2norm_fwd(s, &sc.q_raw, &mut sc.qn, rows * hk, dk, L2NORM_EPS, q_scale)?;
+    be.l2norm_fwd(s, &sc.k_raw, &mut sc.kn, rows * hk, dk, L2NORM_EPS, 1.0)?;
+    let (a_log, dt_bias) = (off("linear_attn.A_log"), off("linear_attn.dt_bias"));
+    be.gdn_gates(s, &sc.b, &sc.a, w, a_log, dt_bias, &mut sc.beta, &mut sc.g, rows, hv)?;
+    let (q, k, v, g, beta) = (&sc.qn, &sc.kn, &sc.lv, &sc.g, &sc.beta);
+    match core {
+        Core::Chunked(seq_starts) => be.gdn_chunked_fwd(s, &gsh, q, k, v, g, beta, seq_starts, &mut sc.core, None)?,
+        Core::Recurrent(state, starts) => {
+            be.gdn_recurrent_fwd(s, &gsh, q, k, v, g, beta, starts, &mut sc.core, Some(state))?
+        }
+    }
+    be.gated_rmsnorm_fwd(s, &sc.core, &sc.z, w, off("linear_attn.norm.weight"), &mut sc.y, rows * hv, dv, sh.eps)?;
+    be.gemm(s, &Gemm::linear(rows, h, vd), &sc.y, 0, w, off("linear_attn.out_proj.weight"), &mut sc.tmp, 0)
+}
+
+/// Which form of the delta rule a Gated DeltaNet layer runs.
+enum Core<'a, B: Backend> {
+    /// Chunked over the packed batch's sequences, from a zero state.
+    Chunked(&'a B::Ids),
+    /// One token per sequence from the cached state (updated in place).
+    Recurrent(&'a mut B::Buf, &'a B::Ids),
+}
+
+/// Per-layer temporaries for either layer type, allocated once per forward.
+struct Scratch<B: Backend> {
+    rows: usize,
+    xn: B::Buf,
+    tmp: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+    // Gated attention.
+    qg: B::Buf,
+    q_pre: B::Buf,
+    gate: B::Buf,
+    q: B::Buf,
+    k_pre: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+    // Gated DeltaNet.
+    qkv: B::Buf,
+    conv: B::Buf,
+    z: B::Buf,
+    b: B::Buf,
+    a: B::Buf,
+    q_raw: B::Buf,
+    k_raw: B::Buf,
+    lv: B::Buf,
+    qn: B::Buf,
+    kn: B::Buf,
+    beta: B::Buf,
+    g: B::Buf,
+    core: B::Buf,
+    y: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize) -> Result<Self> {
+        let hy = hybrid(sh);
+        let bf = |n: usize| be.alloc(s, DType::BF16, n);
+        let f32 = |n: usize| be.alloc(s, DType::F32, n);
+        let (qw, kw, hv) = (sh.q_width(), sh.kv_width(), hy.linear_num_value_heads);
+        Ok(Scratch {
+            rows: t,
+            xn: bf(t * sh.hidden)?,
+            tmp: bf(t * sh.hidden)?,
+            gu: bf(t * 2 * sh.inter)?,
+            act: bf(t * sh.inter)?,
+            qg: bf(t * 2 * qw)?,
+            q_pre: bf(t * qw)?,
+            gate: bf(t * qw)?,
+            q: bf(t * qw)?,
+            k_pre: bf(t * kw)?,
+            k: bf(t * kw)?,
+            v: bf(t * kw)?,
+            o: bf(t * qw)?,
+            lse: f32(t * sh.heads)?,
+            qkv: bf(t * hy.conv_dim())?,
+            conv: bf(t * hy.conv_dim())?,
+            z: bf(t * hy.value_dim())?,
+            b: bf(t * hv)?,
+            a: bf(t * hv)?,
+            q_raw: bf(t * hy.key_dim())?,
+            k_raw: bf(t * hy.key_dim())?,
+            lv: bf(t * hy.value_dim())?,
+            // L2-normalised q and k stay f32, as inside flash-linear-attention's kernel.
+            qn: f32(t * hy.key_dim())?,
+            kn: f32(t * hy.key_dim())?,
+            beta: bf(t * hv)?,
+            g: f32(t * hv)?,
+            core: bf(t * hy.value_dim())?,
+            y: bf(t * hy.value_dim())?,
+        })
+    }
+}
