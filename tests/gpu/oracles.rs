@@ -237,3 +237,115 @@ fn gpu_drafter_matches_pytorch() {
         }
     }
 }
+
+/// The engine's taps of one packed batch on `be` (`None` where the backend has no kernel for
+/// one of the target's ops yet).
+fn packed_taps<B: Backend>(
+    be: &B,
+    dir: &std::path::Path,
+    cfg: &dflash_engine::config::TargetConfig,
+    taps: &[usize],
+    tokens: &[i32],
+    lens: &[usize],
+) -> Option<Vec<Vec<f32>>> {
+    use dflash_engine::model::target::{Target, TargetInputs, TargetShape};
+    let files = dflash_engine::weights::ModelFiles::open(dir).unwrap();
+    let target = Target::load(be, TargetShape::from(cfg), taps.to_vec(), false, |n, d| -> anyhow::Result<Vec<f32>> {
+        Ok(files.tensor_f32(n, d)?)
+    })
+    .unwrap();
+    let st = be.compute_stream();
+    let rows = tokens.len();
+    let pos: Vec<i32> = lens.iter().flat_map(|&l| 0..l as i32).collect();
+    let mut starts = vec![0i32];
+    for &l in lens {
+        starts.push(starts.last().unwrap() + l as i32);
+    }
+    let mut outs: Vec<_> = taps.iter().map(|_| be.alloc(&st, DType::BF16, rows * cfg.hidden_size).unwrap()).collect();
+    let inputs = TargetInputs { ids: &ids(be, tokens), pos: &ids(be, &pos), seq_starts: &ids(be, &starts), rows };
+    match target.forward_taps(be, &st, &inputs, &mut outs) {
+        Ok(()) => Some(outs.iter().map(|o| get(be, o)).collect()),
+        Err(dflash_engine::backend::BackendError::Unsupported(why)) => {
+            println!("  {}: {why}", be.name());
+            None
+        }
+        Err(e) => panic!("forward on {}: {e}", be.name()),
+    }
+}
+
+/// The Qwen3.5/3.6 hybrid target's taps against transformers' `Qwen3_5ForCausalLM` on the same
+/// checkpoint (tests/reference/hf_qwen35_taps.py), on a packed batch of ragged sequences (one
+/// longer than a 64-token chunk and not a multiple of it): a tap after a Gated DeltaNet layer and
+/// one after a full-attention layer. transformers runs in f32 and in bf16; the engine's error
+/// against the f32 result must be at most 1.5x transformers' own bf16 error. The CPU backend
+/// (the reference) always; CUDA where the hybrid ops have kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_qwen35_taps_match_hugging_face() {
+    use dflash_engine::backend::cpu::CpuBackend;
+    use dflash_engine::config::TargetConfig;
+    let g = gpu();
+    for preset in ["qwen3.5-tiny", "qwen3.5-small"] {
+        let cfg = TargetConfig::preset(preset).unwrap();
+        let dflash_engine::config::Arch::Qwen35(hy) = &cfg.arch else { panic!("{preset} is not a hybrid preset") };
+        // true: full attention.
+        let kinds: Vec<bool> = hy.layer_types.iter().map(|t| *t == dflash_engine::config::LayerType::Full).collect();
+        let linear = (0..cfg.num_hidden_layers).find(|&i| !kinds[i]).expect("a linear layer");
+        let full = (0..cfg.num_hidden_layers).find(|&i| kinds[i]).expect("a full-attention layer");
+        let taps = vec![linear.min(full), linear.max(full)];
+        let dir = tmp(&format!("hf35-{preset}"));
+        dflash_engine::weights::init_target(&cfg, 3, 0.05, dir.join("model")).unwrap();
+        let lens = [100usize, 37, 5];
+        let n: usize = lens.iter().sum();
+        let mut r = Philox::new(9, [2, 2]);
+        let tokens: Vec<i32> = (0..n).map(|_| r.below(cfg.vocab_size as u64 - 3) as i32).collect();
+        let mut starts = vec![0i32];
+        for &l in &lens {
+            starts.push(starts.last().unwrap() + l as i32);
+        }
+        let to_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        dflash_engine::weights::write_safetensors_atomic(
+            &dir.join("in.safetensors"),
+            &[
+                ("input_ids".to_string(), safetensors::Dtype::I32, vec![n], to_bytes(&tokens)),
+                ("seq_starts".to_string(), safetensors::Dtype::I32, vec![lens.len() + 1], to_bytes(&starts)),
+            ],
+            None,
+        )
+        .unwrap();
+        let layers = taps.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+        python(
+            "hf_qwen35_taps.py",
+            &[
+                format!("--model={}", dir.join("model").display()),
+                format!("--input={}", dir.join("in.safetensors").display()),
+                format!("--layers={layers}"),
+                format!("--out={}", dir.join("out.safetensors").display()),
+                "--device=cuda".to_string(),
+            ],
+        );
+        let hf = dflash_engine::weights::TensorStore::open_file(dir.join("out.safetensors")).unwrap();
+        let cpu = CpuBackend::new();
+        let engines: Vec<(String, Vec<Vec<f32>>)> = [
+            packed_taps(&cpu, &dir.join("model"), &cfg, &taps, &tokens, &lens).map(|t| (cpu.name(), t)),
+            packed_taps(&g, &dir.join("model"), &cfg, &taps, &tokens, &lens).map(|t| (g.name(), t)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        for (k, &l) in taps.iter().enumerate() {
+            let f32_ref = hf.tensor_f32(&format!("tap_{l}_float32"), &[n, cfg.hidden_size]).unwrap();
+            let bf16 = hf.tensor_f32(&format!("tap_{l}_bfloat16"), &[n, cfg.hidden_size]).unwrap();
+            let scale = f32_ref.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            let err = |a: &[f32]| a.iter().zip(&f32_ref).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            let hf_bf16 = err(&bf16);
+            let kind = if kinds[l] { "full attention" } else { "Gated DeltaNet" };
+            println!("{preset} layer {l} ({kind}): transformers bf16 vs f32 {hf_bf16:.3e}");
+            for (name, t) in &engines {
+                let ours = err(&t[k]);
+                println!("  engine on {name} vs transformers f32: {ours:.3e} ({:.2}x its bf16)", ours / hf_bf16);
+                assert!(ours <= 1.5 * hf_bf16, "{preset} layer {l} on {name}: {ours:.3e} > 1.5 x {hf_bf16:.3e}");
+            }
+        }
+    }
+}
