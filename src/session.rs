@@ -85,6 +85,8 @@ pub struct RunOptions {
     /// CUDA devices of the target and of the drafter (empty drafter list: the target's).
     pub target_gpus: Vec<usize>,
     pub drafter_gpus: Vec<usize>,
+    /// Write TensorBoard event files under `<out>/tb/` beside `<out>/metrics.jsonl`.
+    pub tensorboard: bool,
 }
 
 impl RunOptions {
@@ -132,6 +134,7 @@ impl RunOptions {
             transport: None,
             target_gpus: vec![0],
             drafter_gpus: Vec::new(),
+            tensorboard: true,
         }
     }
 }
@@ -571,6 +574,11 @@ fn run_on<B: Backend>(
     };
 
     std::fs::create_dir_all(&opts.out).with_context(|| format!("creating the output folder {}", opts.out.display()))?;
+    // Metrics log (train/metrics.rs): metrics.jsonl continued from first_step, TensorBoard events.
+    let mut metrics = crate::train::metrics::MetricsLog::open(&opts.out, first_step, opts.tensorboard)?;
+    if let Some(note) = metrics.note() {
+        say(note);
+    }
     let pb = bar(opts.quiet, u64::from(opts.steps), "train");
     pb.set_position(u64::from(first_step));
     let mut history = Vec::new();
@@ -593,7 +601,7 @@ fn run_on<B: Backend>(
     let mut ckpt_secs = 0.0f64;
     let mut on_step = |m: &StepMetrics,
                        side: &mut DrafterSide<B>,
-                       _st: &PipelineStats|
+                       st: &PipelineStats|
      -> Result<Control, Box<dyn std::error::Error + Send + Sync>> {
         let ms = last_t.elapsed().as_secs_f64() * 1e3;
         last_t = Instant::now();
@@ -618,6 +626,8 @@ fn run_on<B: Backend>(
             );
         }
         history.push(m.clone());
+        // Before the checkpoint: a saved step always has its metrics line.
+        metrics.record_step(m, ms, st)?;
         let stop =
             interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || opts.stop_after.is_some_and(|n| done >= n);
         step_ms.push(ms);
@@ -983,8 +993,17 @@ pub fn faults_from_env() -> Faults {
     f
 }
 
-/// `dflash-engine inspect DIR`: a target checkpoint's config and tensors, or a drafter's.
+/// `dflash-engine inspect DIR`: a target checkpoint's config and tensors, or a drafter's; for a
+/// run folder its last metrics line, then its latest checkpoint.
 pub fn inspect(dir: &Path) -> Result<()> {
+    if let Some(last) = crate::train::metrics::describe_last(dir)? {
+        println!("{last}");
+    }
+    let latest = dir.join(checkpoint::LATEST_FILE);
+    if !dir.join("config.json").exists() && latest.is_file() {
+        let name = std::fs::read_to_string(&latest).with_context(|| format!("reading {}", latest.display()))?;
+        return inspect(&dir.join(name.trim()));
+    }
     let cfg_text = std::fs::read_to_string(dir.join("config.json"))
         .with_context(|| format!("{}: no readable config.json", dir.display()))?;
     let store = weights::TensorStore::open_dir(dir)?;
