@@ -318,17 +318,18 @@ impl MetricsLog {
             op: "open for appending",
             source,
         })?;
-        let tb = if tensorboard {
-            let dir = out.join(TENSORBOARD_DIR);
-            if first_step == 0 {
-                for old in tensorboard::existing_event_files(&dir)? {
-                    std::fs::remove_file(&old).map_err(|source| MetricsError::Io {
-                        path: old.clone(),
-                        op: "remove",
-                        source,
-                    })?;
-                }
+        let dir = out.join(TENSORBOARD_DIR);
+        if first_step == 0 {
+            // Event files of an earlier run into this folder would otherwise mix with this one's.
+            for old in tensorboard::existing_event_files(&dir)? {
+                std::fs::remove_file(&old).map_err(|source| MetricsError::Io {
+                    path: old.clone(),
+                    op: "remove",
+                    source,
+                })?;
             }
+        }
+        let tb = if tensorboard {
             let mut w = EventWriter::create(&dir)?;
             // Steps are 1-based in the log: the first step this run writes is first_step + 1,
             // and every older event from that step on is superseded.
