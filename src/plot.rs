@@ -109,6 +109,9 @@ pub fn ema(xs: &[f64], smooth: f64) -> Vec<f64> {
         .collect()
 }
 
+/// The (step, value) points of one line.
+type Line = Vec<(f64, f64)>;
+
 /// The four panels: title, y-axis label, the value of a record.
 type Panel = (&'static str, &'static str, fn(&MetricsRecord) -> f64);
 const PANELS: [Panel; 4] = [
@@ -265,7 +268,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, runs: &[Run], smooth:
             .draw()
             .map_err(draw_err)?;
         // Non-finite values (a skipped step's loss) are left out of both lines.
-        let lines: Vec<(Vec<(f64, f64)>, Vec<(f64, f64)>)> = runs
+        let lines: Vec<(Line, Line)> = runs
             .iter()
             .map(|run| {
                 let raw: Vec<(f64, f64)> =

@@ -76,7 +76,7 @@ fn crc32c(data: &[u8]) -> u32 {
 }
 
 fn masked(c: u32) -> u32 {
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 enum Wire<'a> {
@@ -181,12 +181,15 @@ fn read_event_file(path: &Path) -> Vec<Event> {
     out
 }
 
+/// Per tag, the (step, value) points TensorBoard shows.
+type View = BTreeMap<String, Vec<(i64, f32)>>;
+
 /// What TensorBoard shows for a folder of event files: files in name order, each must open with
 /// its file version; a `SessionLog.START` at step s drops everything seen with a step >= s.
-fn tensorboard_view(dir: &Path) -> (BTreeMap<String, Vec<(i64, f32)>>, Vec<Vec<Event>>) {
+fn tensorboard_view(dir: &Path) -> (View, Vec<Vec<Event>>) {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
-    let mut view: BTreeMap<String, Vec<(i64, f32)>> = BTreeMap::new();
+    let mut view = View::new();
     let mut all = Vec::new();
     for f in &files {
         assert!(f.file_name().unwrap().to_str().unwrap().contains("tfevents"), "{}", f.display());
@@ -389,8 +392,8 @@ fn plot_refuses_what_it_cannot_draw() {
     );
     assert!(!out.exists(), "nothing is written when a folder is refused");
     assert!(matches!(plot::plot(&[empty_file], &out, 0.9), Err(PlotError::NoSteps { .. })));
-    assert!(matches!(plot::plot(&[good.clone()], &root.join("x.jpg"), 0.9), Err(PlotError::Format { .. })));
-    assert!(matches!(plot::plot(&[good.clone()], &out, 1.0), Err(PlotError::Smooth(_))));
+    assert!(matches!(plot::plot(std::slice::from_ref(&good), &root.join("x.jpg"), 0.9), Err(PlotError::Format { .. })));
+    assert!(matches!(plot::plot(std::slice::from_ref(&good), &out, 1.0), Err(PlotError::Smooth(_))));
 
     // The command line: a non-zero exit and the message on stderr.
     let o = Command::new(bin()).arg("plot").arg(&empty_dir).arg("--out").arg(&out).output().unwrap();
