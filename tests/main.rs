@@ -5,6 +5,7 @@
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall
 //! - `run`: `dflash-engine run` end to end on the CPU (learning, resume, crash safety, split-FC, faults)
+//! - `metrics`: metrics.jsonl across stop and resume, TensorBoard event files, `plot`, `inspect`
 //! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
@@ -17,6 +18,7 @@
 mod common;
 mod drafter_fd;
 mod gpu;
+mod metrics;
 mod nan_suite;
 mod ops_fd;
 mod pitfalls;

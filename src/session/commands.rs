@@ -17,6 +17,9 @@ use crate::weights;
 /// `dflash-engine inspect DIR`: a target checkpoint's config and tensors, or a drafter's. A run
 /// folder (`--out` of `run`) shows its latest checkpoint.
 pub fn inspect(dir: &Path) -> Result<()> {
+    if let Some(last) = crate::train::metrics::describe_last(dir)? {
+        println!("{last}");
+    }
     let dir: PathBuf = match checkpoint::latest_name(dir)? {
         Some(name) if !dir.join("config.json").is_file() => {
             println!("run folder {}: latest checkpoint {name}", dir.display());

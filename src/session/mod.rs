@@ -207,7 +207,11 @@ fn run_on<B: Backend>(
         lockstep: e.sync,
     };
 
-    // The steps: log each, checkpoint when due.
+    // The steps: log each (terminal, metrics.jsonl, TensorBoard), checkpoint when due.
+    let mut metrics = crate::train::metrics::MetricsLog::open(&out.out, first_step, out.tensorboard)?;
+    if let Some(note) = metrics.note() {
+        say(note);
+    }
     let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
     let mut last_ckpt = None;
     let mut ckpt_secs = 0.0f64;
@@ -215,9 +219,11 @@ fn run_on<B: Backend>(
     let fc_home = tsides[0].fc.as_ref();
     let mut on_step = |m: &StepMetrics,
                        side: &mut DrafterSide<B>,
-                       _st: &PipelineStats|
+                       st: &PipelineStats|
      -> Result<Control, Box<dyn std::error::Error + Send + Sync>> {
-        steplog.step(m);
+        let ms = steplog.step(m);
+        // Before the checkpoint: a saved step always has its metrics line.
+        metrics.record_step(m, ms, st)?;
         let done = m.step + 1;
         let stop =
             interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || out.stop_after.is_some_and(|n| done >= n);

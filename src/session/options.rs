@@ -112,6 +112,8 @@ pub struct OutputOptions {
     pub stop_after: Option<u32>,
     /// A Chrome/Perfetto trace of the pipeline.
     pub trace: Option<PathBuf>,
+    /// TensorBoard event files under `<out>/tb/` beside `<out>/metrics.jsonl`.
+    pub tensorboard: bool,
 }
 
 /// Everything `run` needs; the CLI fills it (see `main.rs` for each flag's help).
@@ -182,6 +184,7 @@ impl RunOptions {
                 quiet: false,
                 stop_after: None,
                 trace: None,
+                tensorboard: true,
             },
         }
     }

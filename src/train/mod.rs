@@ -3,5 +3,6 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod generate;
+pub mod metrics;
 pub mod optim;
 pub mod step;
