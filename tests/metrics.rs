@@ -346,8 +346,9 @@ fn steps_past_the_checkpoint_and_a_torn_line_give_way_on_resume() {
     assert_eq!(files[1].iter().filter(|e| !e.scalars.is_empty()).map(|e| e.step).collect::<Vec<_>>(), [5, 6]);
     assert!(files[2][1].session_start && files[2][1].step == 5);
 
-    // A fresh run (no --resume) into the same folder replaces the record.
-    session::run(
+    // A fresh run (no --resume) into a folder that holds checkpoints is refused: two runs never
+    // mix their checkpoints or their records.
+    let e = session::run(
         &{
             let mut ro = opts.clone();
             ro.train.steps = 2;
@@ -355,10 +356,9 @@ fn steps_past_the_checkpoint_and_a_torn_line_give_way_on_resume() {
         },
         None,
     )
-    .unwrap();
-    assert_eq!(records(&opts.output.out).iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2]);
-    let files = assert_tensorboard_matches(&opts.output.out, &records(&opts.output.out));
-    assert_eq!(files.len(), 1);
+    .expect_err("refused without --resume");
+    assert!(format!("{e:#}").contains("--resume"), "{e:#}");
+    assert_eq!(deterministic(&records(&opts.output.out)), deterministic(&recs), "the record is untouched");
 }
 
 fn synthetic_run(dir: &Path, steps: u32, scale: f64) {
