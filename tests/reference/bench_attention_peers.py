@@ -95,13 +95,22 @@ def drafter(results, window):
     suffix = "_sliding" if window else ""
     with torch.no_grad():
         results["draft_fwd" + suffix] = median_ms(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
-    out = flex(q, k, v, block_mask=mask, enable_gqa=True)
-
-    def bwd():
-        q.grad = k.grad = v.grad = None
-        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-    results["draft_bwd" + suffix] = median_ms(bwd)
+    # The backward alone: each sample runs a fresh forward (untimed; compiled backward graphs do
+    # not allow retaining the graph), then times the backward.
+    times = []
+    for i in range(25):
+        out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+        torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.autograd.grad(out, (q, k, v), dout)
+        b.record()
+        b.synchronize()
+        if i >= 5:
+            times.append(a.elapsed_time(b))
+    times.sort()
+    results["draft_bwd" + suffix] = times[len(times) // 2]
 
 
 def main():
