@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::target::push_layer;
 use super::ParamTable;
+use crate::backend::profile::{self, Region};
 use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
 use crate::rng::{self, Philox};
 use crate::tensor::DType;
@@ -275,6 +276,7 @@ impl<B: Backend> Drafter<B> {
         let ash = self.attn_shape(inp);
         let table = &self.body.table;
         let w = &self.body.weights;
+        let _region = profile::enter(Region::Drafter);
 
         // Context: ctx = hidden_norm(Y), shared by every layer.
         let mut ctx = be.alloc(s, DType::BF16, tc * h)?;
@@ -385,6 +387,7 @@ impl<B: Backend> Drafter<B> {
         let chunk = sh.logits_chunk_rows.max(1).min(tb.max(1));
         let mut logits = be.alloc(s, DType::BF16, chunk * sh.vocab)?;
         let mut c0 = 0;
+        let loss_region = profile::enter(Region::Loss);
         while c0 < tb {
             let rows = chunk.min(tb - c0);
             let g = Gemm::linear(rows, sh.vocab, h);
@@ -407,6 +410,7 @@ impl<B: Backend> Drafter<B> {
             c0 += rows;
         }
         drop(logits);
+        drop(loss_region);
 
         // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's
         // K/V-injection gradient.
