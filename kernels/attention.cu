@@ -70,7 +70,8 @@
 //     K/V rows of a sequence finite (a masked score contributes exactly 0 * v; rows outside the
 //     tile's key range are zero-filled, but in a query tile that straddles two sequences the
 //     earlier sequence's values are multiplied by 0 for the later sequence's rows).
-//   drafter: 1 <= block_size, M = block_size * G <= 128; bwd_q also block_size <= 16 (the f32
+//   drafter: window >= 0 (0 is a full layer, the Rust side's None; Some(0) is refused there);
+//     1 <= block_size, M = block_size * G <= 128; bwd_q also block_size <= 16 (the f32
 //     P/dS side buffers of the block keys); for a >= 0: ctx_start[j] >= 0 and
 //     ctx_start[j] + a <= ctx_rows (as cpu.rs DraftGeom checks). Violations trap.
 //   bwd_kv: for every context row t, [ctx_block_begin[t], ctx_block_end[t]) must contain every
@@ -88,6 +89,8 @@
 //   bwd_q    FLOPs 6*hd*G*bs*kv_heads*sum_j n_j + 4*hd*M*bs*kv_heads per block (block keys).
 //   bwd_kv   FLOPs 8*hd*G*bs*kv_heads*sum_j a_j; re-reads q/d_o of each block once per 64-row
 //            context tile it sees.
+//   sliding  (window W) every a_j above becomes min(a_j, W - 1): the tiles start at slot 0's window
+//            (masked per slot inside), and bwd_kv skips the blocks whose windows miss its tile.
 // Bound: tensor-core compute at these shapes (~0.31 TFLOP per causal layer at 4 x 3072 tokens,
 //   32/8 heads, hd 128); with mma.sync and 16-32 rows per warp, shared-memory reads of K/V
 //   fragments and the softmax between the two MMAs are what hold it below the tensor peak.

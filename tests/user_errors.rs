@@ -319,5 +319,8 @@ fn drafter_config_conflicts_and_mismatches_are_named() {
     let mut o = quick("recipe-mismatch");
     o.model.drafter_config = Some("qwen3.6-27b".into());
     let e = format!("{:#}", session::run(&o, None).unwrap_err());
-    assert!(e.contains("--drafter-config qwen3.6-27b") && e.contains("hidden_size is 5120 in the drafter but 64"), "{e}");
+    assert!(
+        e.contains("--drafter-config qwen3.6-27b") && e.contains("hidden_size is 5120 in the drafter but 64"),
+        "{e}"
+    );
 }
