@@ -347,8 +347,15 @@ fn main() {
             causal_f,
         );
         let nb = 4 * 512;
-        let sh =
-            DraftAttnShape { num_blocks: nb, block_size: 16, ctx_rows: t_rows, heads, kv_heads: kvh, head_dim: hd };
+        let sh = DraftAttnShape {
+            num_blocks: nb,
+            block_size: 16,
+            ctx_rows: t_rows,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            window: None,
+        };
         let mut anchors = Vec::new();
         let mut cs = Vec::new();
         for b in 0..4 {

@@ -10,6 +10,9 @@
 //               (STRICTLY before the anchor) then the bs rows of block j itself (bidirectional);
 //               o = softmax(scale q.k) v, lse = m + ln(sum exp(s - m)) (natural log, f32).
 //               a < 0 (padded block): o = +0, lse = 0.
+//               window W > 0 (a sliding-window layer, DFLASH.md section 3): slot r sees context
+//               rows a + r - (W - 1) <= u < a and block slots <= r (causal inside the block);
+//               W == 0: full attention as above.
 //   draft bwd   p = exp(scale q.k - lse), dp = do.v, ds = p (dp - dsum) scale, dsum = do.o;
 //               dq = sum_keys ds k; dk = sum_rows ds q; dv = sum_rows p do. Every gradient is
 //               written (=), never accumulated into (+=), and no floating-point atomics exist:
@@ -67,7 +70,8 @@
 //     K/V rows of a sequence finite (a masked score contributes exactly 0 * v; rows outside the
 //     tile's key range are zero-filled, but in a query tile that straddles two sequences the
 //     earlier sequence's values are multiplied by 0 for the later sequence's rows).
-//   drafter: 1 <= block_size, M = block_size * G <= 128; bwd_q also block_size <= 16 (the f32
+//   drafter: window >= 0 (0 is a full layer, the Rust side's None; Some(0) is refused there);
+//     1 <= block_size, M = block_size * G <= 128; bwd_q also block_size <= 16 (the f32
 //     P/dS side buffers of the block keys); for a >= 0: ctx_start[j] >= 0 and
 //     ctx_start[j] + a <= ctx_rows (as cpu.rs DraftGeom checks). Violations trap.
 //   bwd_kv: for every context row t, [ctx_block_begin[t], ctx_block_end[t]) must contain every
@@ -85,6 +89,8 @@
 //   bwd_q    FLOPs 6*hd*G*bs*kv_heads*sum_j n_j + 4*hd*M*bs*kv_heads per block (block keys).
 //   bwd_kv   FLOPs 8*hd*G*bs*kv_heads*sum_j a_j; re-reads q/d_o of each block once per 64-row
 //            context tile it sees.
+//   sliding  (window W) every a_j above becomes min(a_j, W - 1): the tiles start at slot 0's window
+//            (masked per slot inside), and bwd_kv skips the blocks whose windows miss its tile.
 // Bound: tensor-core compute at these shapes (~0.31 TFLOP per causal layer at 4 x 3072 tokens,
 //   32/8 heads, hd 128); with mma.sync and 16-32 rows per warp, shared-memory reads of K/V
 //   fragments and the softmax between the two MMAs are what hold it below the tensor peak.
@@ -557,6 +563,21 @@ __device__ __forceinline__ void draft_checks(int block_size, int heads, int kv_h
   }
 }
 
+// The first key (in the virtual sequence of DraftCta) that any slot of a block anchored at a sees:
+// 0 in a full layer (window == 0), slot 0's window start max(0, a - (W - 1)) in a sliding one.
+__device__ __forceinline__ index_t draft_first_key(index_t a, int window) {
+  return window > 0 ? max((index_t)0, a - (index_t)(window - 1)) : (index_t)0;
+}
+
+// Whether slot r sees key u of the virtual sequence: u < nk, and in a sliding layer
+// (window W > 0) a context key u < a needs u >= a + r - (W - 1), a block key (slot u - a) needs
+// u - a <= r.
+__device__ __forceinline__ bool draft_visible(index_t u, index_t a, index_t nk, int r, int window) {
+  if (u >= nk) return false;
+  if (window <= 0) return true;
+  return u < a ? u >= a + r - (index_t)(window - 1) : u - a <= (index_t)r;
+}
+
 // The key tile loader of the virtual sequence (see DraftCta).
 template <int HD>
 __device__ __forceinline__ void draft_load_kv(bf16* sK, bf16* sV, index_t k0, index_t a, index_t nk, index_t cs,
@@ -594,10 +615,11 @@ __device__ __forceinline__ void draft_fwd(const bf16* __restrict__ q, const bf16
                                           const bf16* __restrict__ vb, bf16* __restrict__ o, float* __restrict__ lse,
                                           const int* __restrict__ anchors, const int* __restrict__ ctx_start,
                                           int num_blocks, int block_size, index_t ctx_rows, int heads, int kv_heads,
-                                          float scale) {
+                                          float scale, int window) {
   (void)ctx_rows;
   constexpr int LD = Geo<HD>::LD;
   constexpr int MT = DRAFT_FWD_MT, WR = MT * WARP_ROWS;
+  if (window < 0) __trap();
   draft_checks(block_size, heads, kv_heads);
   DraftCta d(num_blocks, block_size, heads, kv_heads);
   const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
@@ -618,6 +640,8 @@ __device__ __forceinline__ void draft_fwd(const bf16* __restrict__ q, const bf16
   const index_t cs = ctx_start[d.j];
   const index_t nk = a + d.bs;
   const index_t blk_row0 = d.j * d.bs;
+  // A sliding layer's earliest visible key is slot 0's a - (W - 1): the tiles start there.
+  const index_t u0 = draft_first_key(a, window);
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [MP][LD]
@@ -627,7 +651,7 @@ __device__ __forceinline__ void draft_fwd(const bf16* __restrict__ q, const bf16
   load_rows<HD>(sQ, MP, q, [&](int m) -> const bf16* {
     return m < d.M ? q + d.q_row(m) * qw + (index_t)d.q_head(m) * HD : nullptr;
   });
-  draft_load_kv<HD>(sK, sV, 0, a, nk, cs, blk_row0, kw, d.g, kc, vc, kb, vb);
+  draft_load_kv<HD>(sK, sV, u0, a, nk, cs, blk_row0, kw, d.g, kc, vc, kb, vb);
   cp_async_commit();
 
   float acc[MT][HD / 8][4];
@@ -641,25 +665,29 @@ __device__ __forceinline__ void draft_fwd(const bf16* __restrict__ q, const bf16
   }
   const float sl2 = scale * LOG2E;
   const uint32_t sQw = smem_u32(sQ + warp * WR * LD);
-  const index_t nkt = (nk + KEYS - 1) / KEYS;
+  const index_t nkt = (nk - u0 + KEYS - 1) / KEYS;
 
   for (index_t kt = 0; kt < nkt; ++kt) {
     const int st = (int)(kt & 1);
     if (kt + 1 < nkt) {
-      draft_load_kv<HD>(sK + (st ^ 1) * KEYS * LD, sV + (st ^ 1) * KEYS * LD, (kt + 1) * KEYS, a, nk, cs, blk_row0,
-                        kw, d.g, kc, vc, kb, vb);
+      draft_load_kv<HD>(sK + (st ^ 1) * KEYS * LD, sV + (st ^ 1) * KEYS * LD, u0 + (kt + 1) * KEYS, a, nk, cs,
+                        blk_row0, kw, d.g, kc, vc, kb, vb);
     }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const index_t k0 = kt * KEYS;
+    const index_t k0 = u0 + kt * KEYS;
     float s[MT][KEYS / 8][4];
     mma_abt<HD, KEYS / 8, MT>(s, sQw, smem_u32(sK + st * KEYS * LD), lane);
-    // Every query row sees the same keys: only the tail of the last tile is masked.
+    // In a full layer every query row sees the same keys: only the tail of the last tile is
+    // masked. A sliding layer masks per slot (window start, causal block) in every tile.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      softmax_tile<HD, KEYS / 8>(s[mt], acc[mt], m[mt], l[mt], sl2, k0 + KEYS > nk, lane,
-                                 [&](int, int col) { return k0 + col < nk; });
+      const int mrow0 = warp * WR + mt * WARP_ROWS + gr;
+      softmax_tile<HD, KEYS / 8>(s[mt], acc[mt], m[mt], l[mt], sl2, window > 0 || k0 + KEYS > nk, lane,
+                                 [&](int half, int col) {
+                                   return draft_visible(k0 + col, a, nk, (mrow0 + 8 * half) % d.bs, window);
+                                 });
     }
     mma_pb<HD, KEYS / 8, MT>(acc, s, smem_u32(sV + st * KEYS * LD), lane);
     __syncthreads();
@@ -728,11 +756,11 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
                                             bf16* __restrict__ dq, bf16* __restrict__ dkb, bf16* __restrict__ dvb,
                                             const int* __restrict__ anchors, const int* __restrict__ ctx_start,
                                             int num_blocks, int block_size, index_t ctx_rows, int heads,
-                                            int kv_heads, float scale) {
+                                            int kv_heads, float scale, int window) {
   (void)ctx_rows;
   constexpr int LD = Geo<HD>::LD;
   draft_checks(block_size, heads, kv_heads);
-  if (block_size > MAX_BLOCK_KEYS) __trap();
+  if (block_size > MAX_BLOCK_KEYS || window < 0) __trap();
   DraftCta d(num_blocks, block_size, heads, kv_heads);
   const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
   const int MP = d.W * WARP_ROWS;
@@ -751,6 +779,7 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
   }
   const index_t cs = ctx_start[d.j];
   const index_t nk = a + d.bs;
+  const index_t u0 = draft_first_key(a, window);
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [MP][LD]
@@ -766,7 +795,7 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
   load_rows<HD>(sO, MP, d_o, [&](int mr) -> const bf16* {
     return mr < d.M ? d_o + d.q_row(mr) * qw + (index_t)d.q_head(mr) * HD : nullptr;
   });
-  draft_load_kv<HD>(sK, sV, 0, a, nk, cs, blk_row0, kw, d.g, kc, vc, kb, vb);
+  draft_load_kv<HD>(sK, sV, u0, a, nk, cs, blk_row0, kw, d.g, kc, vc, kb, vb);
   cp_async_commit();
 
   // Row statistics of this thread's rows; padding rows get lse = +inf (p = 0) and dsum = 0.
@@ -790,14 +819,14 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
   const float sl2 = scale * LOG2E;
   const uint32_t sQw = smem_u32(sQ + warp * WARP_ROWS * LD);
   const uint32_t sOw = smem_u32(sO + warp * WARP_ROWS * LD);
-  const index_t nkt = (nk + KEYS - 1) / KEYS;
+  const index_t nkt = (nk - u0 + KEYS - 1) / KEYS;
   constexpr int HALF = KEYS / 2;
 
   for (index_t kt = 0; kt < nkt; ++kt) {
     const int st = (int)(kt & 1);
     if (kt + 1 < nkt) {
-      draft_load_kv<HD>(sK + (st ^ 1) * KEYS * LD, sV + (st ^ 1) * KEYS * LD, (kt + 1) * KEYS, a, nk, cs, blk_row0,
-                        kw, d.g, kc, vc, kb, vb);
+      draft_load_kv<HD>(sK + (st ^ 1) * KEYS * LD, sV + (st ^ 1) * KEYS * LD, u0 + (kt + 1) * KEYS, a, nk, cs,
+                        blk_row0, kw, d.g, kc, vc, kb, vb);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -805,7 +834,7 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
     // Two halves of 32 keys: S and dP of a whole 64-key tile plus dq would not fit in registers.
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
-      const index_t k0 = kt * KEYS + half * HALF;
+      const index_t k0 = u0 + kt * KEYS + half * HALF;
       const uint32_t sKh = smem_u32(sK + (st * KEYS + half * HALF) * LD);
       const uint32_t sVh = smem_u32(sV + (st * KEYS + half * HALF) * LD);
       float s[1][HALF / 8][4], dp[1][HALF / 8][4];
@@ -817,10 +846,11 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
         for (int e = 0; e < 4; ++e) {
           const int hh = e >> 1;
           const index_t u = k0 + n * 8 + 2 * tq + (e & 1);
-          const float p = u < nk ? exp2f(fmaf(s[0][n][e], sl2, -lse2[hh])) : 0.f;
+          const int mr = warp * WARP_ROWS + gr + 8 * hh;
+          const bool vis = draft_visible(u, a, nk, mr % d.bs, window);
+          const float p = vis ? exp2f(fmaf(s[0][n][e], sl2, -lse2[hh])) : 0.f;
           const float ds = p * (dp[0][n][e] - dsm[hh]) * scale;
           if (u >= a && u < nk) {
-            const int mr = warp * WARP_ROWS + gr + 8 * hh;
             sP[mr * MAX_BLOCK_KEYS + (int)(u - a)] = p;
             sDS[mr * MAX_BLOCK_KEYS + (int)(u - a)] = ds;
           }
@@ -880,9 +910,10 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
                                              const int* __restrict__ anchors, const int* __restrict__ ctx_start,
                                              int num_blocks, int block_size, index_t ctx_rows, int heads,
                                              int kv_heads, float scale, const int* __restrict__ ctx_block_begin,
-                                             const int* __restrict__ ctx_block_end) {
+                                             const int* __restrict__ ctx_block_end, int window) {
   constexpr int LD = Geo<HD>::LD;
   draft_checks(block_size, heads, kv_heads);
+  if (window < 0) __trap();
   const int G = heads / kv_heads, bs = block_size, M = bs * G;
   const int MP = (M + KV_CHUNK - 1) / KV_CHUNK * KV_CHUNK;
   require_launch(KV_WARPS * 32, (size_t)(2 * KV_ROWS + 4 * MP) * LD * 2 + (size_t)4 * MP * 4);
@@ -989,12 +1020,13 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
       cp_async_4(smem_u32(sD + st * MP + mr), dsum + idx);
     }
   };
-  // Rows [cs, cs + a) of the context see block j; padded blocks see nothing.
+  // Rows [cs + first, cs + a) of the context see block j (first = 0 in a full layer, slot 0's
+  // window start in a sliding one); padded blocks see nothing.
   auto tile_sees = [&](int jj) -> bool {
     const index_t aa = anchors[jj];
     if (aa < 0) return false;
     const index_t c0 = ctx_start[jj];
-    return c0 < t_end && c0 + aa > t0;
+    return c0 + draft_first_key(aa, window) < t_end && c0 + aa > t0;
   };
 
   int st = 0;
@@ -1031,11 +1063,16 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
       cp_async_wait<1>();
       __syncthreads();
       const index_t cs = ctx_start[jj];
-      const index_t ce = cs + anchors[jj];  // rows [cs, ce) see block jj
-      if (tw0 < tw1 && cs < tw1 && ce > tw0) {
+      const index_t ce = cs + anchors[jj];  // rows [cs, ce) see block jj (a full layer)
+      if (tw0 < tw1 && cs + draft_first_key(anchors[jj], window) < tw1 && ce > tw0) {
         bool vis[2];
+        // Sliding layer: context row t is seen by the slots r <= (t - cs) - a + (W - 1).
+        index_t last_slot[2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) vis[hh] = trow[hh] < t_end && trow[hh] >= cs && trow[hh] < ce;
+        for (int hh = 0; hh < 2; ++hh) {
+          vis[hh] = trow[hh] < t_end && trow[hh] >= cs && trow[hh] < ce;
+          last_slot[hh] = window > 0 ? trow[hh] - ce + (index_t)(window - 1) : (index_t)INT_MAX;
+        }
         const bf16* sQs = sQ + st * MP * LD;
         const bf16* sOs = sO + st * MP * LD;
         const float* sLs = sL + st * MP;
@@ -1053,7 +1090,8 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
             for (int e = 0; e < 4; ++e) {
               const float lv = (e & 1) ? l2.y : l2.x;
               const float dv_ = (e & 1) ? d2.y : d2.x;
-              const float p = vis[e >> 1] ? exp2f(fmaf(s[0][nn][e], sl2, -lv * LOG2E)) : 0.f;
+              const bool seen = vis[e >> 1] && (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1];
+              const float p = seen ? exp2f(fmaf(s[0][nn][e], sl2, -lv * LOG2E)) : 0.f;
               s[0][nn][e] = p;
               dp[0][nn][e] = p * (dp[0][nn][e] - dv_) * scale;
             }
@@ -1093,9 +1131,9 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
   extern "C" __global__ void __launch_bounds__(256, 1) attn_draft_fwd_bf16_hd##D(                                  \
       const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb,       \
       const __nv_bfloat16* vb, __nv_bfloat16* o, float* lse, const int* anchors, const int* ctx_start,         \
-      int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale) {               \
+      int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {   \
     attn::draft_fwd<D>(q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size, ctx_rows, heads, \
-                       kv_heads, scale);                                                                         \
+                       kv_heads, scale, window);                                                                 \
   }                                                                                                              \
   extern "C" __global__ void attn_draft_bwd_prep_bf16_hd##D(const __nv_bfloat16* o, const __nv_bfloat16* d_o,  \
                                                             float* dsum, long long q_rows, int heads) {          \
@@ -1105,17 +1143,17 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
       const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb,       \
       const __nv_bfloat16* vb, const float* lse, const float* dsum, const __nv_bfloat16* d_o,                  \
       __nv_bfloat16* dq, __nv_bfloat16* dkb, __nv_bfloat16* dvb, const int* anchors, const int* ctx_start,     \
-      int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale) {               \
+      int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {   \
     attn::draft_bwd_q<D>(q, kc, vc, kb, vb, lse, dsum, d_o, dq, dkb, dvb, anchors, ctx_start, num_blocks,      \
-                         block_size, ctx_rows, heads, kv_heads, scale);                                          \
+                         block_size, ctx_rows, heads, kv_heads, scale, window);                                  \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(attn::KV_WARPS * 32, 2) attn_draft_bwd_kv_bf16_hd##D(            \
       const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const float* lse,              \
       const float* dsum, const __nv_bfloat16* d_o, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors, \
       const int* ctx_start, int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads,        \
-      float scale, const int* ctx_block_begin, const int* ctx_block_end) {                                       \
+      float scale, const int* ctx_block_begin, const int* ctx_block_end, int window) {                           \
     attn::draft_bwd_kv<D>(q, kc, vc, lse, dsum, d_o, dkc, dvc, anchors, ctx_start, num_blocks, block_size,     \
-                          ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end);                     \
+                          ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);             \
   }
 
 ATTN_EXPORT(16)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|prof8b|pipe8b|pipe8b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|prof8b|pipe8b|pipe8b2|run27b|run27b2]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
+# T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
+# hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
+# named (not part of all),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
 # skipped and the count printed.
@@ -12,6 +15,8 @@ B=gpu-bundle
 export DFLASH_REPO_ROOT=$PWD DFLASH_BIN=$PWD/gpu-bundle/dflash-engine
 what=${*:-all}
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
+# Modes only run when named (not part of all: each takes minutes of a whole H200).
+named() { [[ " $what " == *" $1 "* ]]; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
@@ -75,6 +80,38 @@ if has pipe8b2; then
   echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"
   make8b
   $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --drafter-gpus 1 --out /tmp/q8b-bench2 2>&1 | tee "$OUT/pipe8b2.log" || status=1
+fi
+# The Qwen3.6-27B drafter recipe (4 sliding layers of window 2048 + 1 full, H 5120, 32 x 128 query
+# heads, 8 KV heads, MLP 17408): 4 x 3072 tokens, 512 anchors, block 16; a few steps, no checkpoint
+# (masters and moments of the 1.7B-parameter drafter alone are ~28 GB). One H200: ~52 GB of target
+# weights (layers up to the last tap) + ~31 GB of drafter state + activations; the summary prints
+# tokens/s, the target's and the drafter's share of the step and the device's peak memory.
+T27B=${T27B:-qwen3.6-27b-shape}
+make27b_data() {
+  [ -f /tmp/q27b-data.jsonl ] || python3 -c '
+import json, random
+r = random.Random(0)
+with open("/tmp/q27b-data.jsonl", "w") as f:
+    for _ in range(64):
+        ids = [r.randrange(248000) for _ in range(3072)]
+        f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 256 + [1] * (3072 - 256)}) + "\n")'
+}
+Q27B="--target $T27B --init-std 0.02 --data /tmp/q27b-data.jsonl --drafter-config qwen3.6-27b --batch-size 4 --seq-len 3072 --anchors 512 --lr 6e-4"
+if named run27b; then
+  echo "== Qwen3.6-27B drafter recipe (target $T27B, random weights, random-token data), one GPU"
+  make27b_data
+  $B/dflash-engine run --device cuda $Q27B --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint --no-tensorboard \
+    --out /tmp/q27b-run 2>&1 | tee "$OUT/run27b.log" || status=1
+fi
+if named run27b2; then
+  echo "== Qwen3.6-27B drafter recipe, target on GPU 0, drafter on GPU 1"
+  if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')" -lt 2 ]; then
+    echo "run27b2 skipped: it needs two GPUs" | tee "$OUT/run27b2.log"
+  else
+  make27b_data
+  $B/dflash-engine run --device cuda $Q27B --drafter-gpus 1 --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint \
+    --no-tensorboard --out /tmp/q27b-run2 2>&1 | tee "$OUT/run27b2.log" || status=1
+  fi
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

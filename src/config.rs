@@ -74,6 +74,11 @@ pub enum ConfigError {
     #[error("unknown preset \"{name}\"; valid presets: {}", PRESET_NAMES.join(", "))]
     UnknownPreset { name: String },
     #[error(
+        "--drafter-config {name}: not a built-in recipe ({}) and not a drafter config.json file",
+        RECIPE_NAMES.join(", ")
+    )]
+    UnknownRecipe { name: String },
+    #[error(
         "tap layer {id} is out of range: the target has {num_layers} decoder layers, so tap ids \
          must be in 0..{num_layers} (0-based; vLLM-style ids are one higher)"
     )]
@@ -1138,9 +1143,147 @@ pub struct DrafterConfig {
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Vec<u32>,
+    /// The attention kind of each layer (config `layer_types`, one per layer).
+    pub layer_types: Vec<DraftLayerType>,
+    /// The window of the sliding layers (`sliding_window`); `None` when no layer slides.
+    pub sliding_window: Option<usize>,
 }
 
+/// A drafter layer's attention (DFLASH.md section 3, "Per-layer attention kind").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftLayerType {
+    /// `"full_attention"`: the whole context before the anchor, the whole block.
+    Full,
+    /// `"sliding_attention"`: the last `sliding_window` positions, causal inside the block.
+    Sliding,
+}
+
+impl DraftLayerType {
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            DraftLayerType::Full => "full_attention",
+            DraftLayerType::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// The built-in drafter recipes (`--drafter-config NAME`): the published DFlash drafter shapes.
+pub const RECIPE_NAMES: [&str; 2] = ["qwen3-8b", "qwen3.6-27b"];
+
 impl DrafterConfig {
+    /// A published drafter shape by name ([`RECIPE_NAMES`]): `qwen3-8b` (SpecForge
+    /// `configs/qwen3-8b-dflash.json`: the target's geometry, 5 full layers) and `qwen3.6-27b`
+    /// (`configs/qwen3.6-27b-dflash.json`: H 5120, 32 x 128 query heads, 8 KV heads, MLP 17408,
+    /// 4 sliding layers of window 2048 then 1 full layer, RoPE theta 1e7, mask token 248070).
+    pub fn recipe(name: &str) -> Result<Self> {
+        #[allow(clippy::too_many_arguments)]
+        fn base(
+            hidden: usize,
+            inter: usize,
+            vocab: usize,
+            target_layers: usize,
+            theta: f64,
+            mask: u32,
+            max_pos: usize,
+        ) -> DrafterConfig {
+            DrafterConfig {
+                num_layers: 5,
+                block_size: 16,
+                mask_token_id: mask,
+                target_layer_ids: default_tap_layers(target_layers, 5),
+                num_target_layers: target_layers,
+                gamma: default_gamma(16),
+                hidden_size: hidden,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                intermediate_size: inter,
+                vocab_size: vocab,
+                rms_norm_eps: 1e-6,
+                rope_theta: theta,
+                max_position_embeddings: max_pos,
+                bos_token_id: None,
+                eos_token_id: Vec::new(),
+                layer_types: vec![DraftLayerType::Full; 5],
+                sliding_window: None,
+            }
+        }
+        let cfg = match name {
+            "qwen3-8b" => DrafterConfig {
+                bos_token_id: Some(151_643),
+                eos_token_id: vec![151_645],
+                ..base(4096, 12_288, QWEN3_VOCAB_SIZE, 36, 1e6, 151_669, 40_960)
+            },
+            "qwen3.6-27b" => DrafterConfig {
+                layer_types: [[DraftLayerType::Sliding; 4].as_slice(), &[DraftLayerType::Full]].concat(),
+                sliding_window: Some(2048),
+                ..base(5120, 17_408, 248_320, 64, 1e7, 248_070, 262_144)
+            },
+            _ => return Err(ConfigError::UnknownRecipe { name: name.to_string() }),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A recipe name, a config.json path or a folder holding one, as `--drafter-config` takes
+    /// it: an existing file or folder wins over a recipe of the same name.
+    pub fn from_name_or_file(spec: &str) -> Result<Self> {
+        let path = Path::new(spec);
+        if path.is_file() {
+            return Self::from_file(path);
+        }
+        if path.is_dir() && path.join("config.json").is_file() {
+            return Self::from_file(path.join("config.json"));
+        }
+        Self::recipe(spec)
+    }
+
+    /// Whether any layer slides (then `sliding_window` is set).
+    pub fn any_sliding(&self) -> bool {
+        self.layer_types.contains(&DraftLayerType::Sliding)
+    }
+
+    /// The attention window of layer `l`: `None` for a full layer.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        match self.layer_types.get(l) {
+            Some(DraftLayerType::Sliding) => self.sliding_window,
+            _ => None,
+        }
+    }
+
+    /// The first field where `other` (e.g. a warm start's checkpoint config) describes another
+    /// drafter than `self`, as (field, self's value, other's value): geometry, layer kinds,
+    /// window, taps, block size, mask token, norm eps and RoPE. Training settings (the loss
+    /// gamma) and token ids other than the mask may differ.
+    pub fn first_difference(&self, other: &DrafterConfig) -> Option<(&'static str, String, String)> {
+        let pairs: [(&'static str, String, String); 14] = [
+            ("hidden_size", self.hidden_size.to_string(), other.hidden_size.to_string()),
+            ("num_hidden_layers", self.num_layers.to_string(), other.num_layers.to_string()),
+            ("num_attention_heads", self.num_attention_heads.to_string(), other.num_attention_heads.to_string()),
+            ("num_key_value_heads", self.num_key_value_heads.to_string(), other.num_key_value_heads.to_string()),
+            ("head_dim", self.head_dim.to_string(), other.head_dim.to_string()),
+            ("intermediate_size", self.intermediate_size.to_string(), other.intermediate_size.to_string()),
+            ("vocab_size", self.vocab_size.to_string(), other.vocab_size.to_string()),
+            ("block_size", self.block_size.to_string(), other.block_size.to_string()),
+            (
+                "dflash_config.target_layer_ids",
+                format!("{:?}", self.target_layer_ids),
+                format!("{:?}", other.target_layer_ids),
+            ),
+            ("dflash_config.mask_token_id", self.mask_token_id.to_string(), other.mask_token_id.to_string()),
+            ("layer_types", format!("{:?}", self.layer_type_names()), format!("{:?}", other.layer_type_names())),
+            ("sliding_window", format!("{:?}", self.sliding_window), format!("{:?}", other.sliding_window)),
+            ("rms_norm_eps", self.rms_norm_eps.to_string(), other.rms_norm_eps.to_string()),
+            ("rope_theta", self.rope_theta.to_string(), other.rope_theta.to_string()),
+        ];
+        pairs.into_iter().find(|(_, a, b)| a != b)
+    }
+
+    /// `layer_types` as the config spells them.
+    pub fn layer_type_names(&self) -> Vec<&'static str> {
+        self.layer_types.iter().map(|t| t.hf_name()).collect()
+    }
+
     /// A drafter for `target`. `taps: None` uses [`default_tap_layers`] with `n = num_layers`.
     /// The mask token comes from [`TargetConfig::resolved_mask_token_id`]; change the field
     /// afterwards (and call [`DrafterConfig::validate`]) to override it.
@@ -1175,6 +1318,8 @@ impl DrafterConfig {
             max_position_embeddings: target.max_position_embeddings,
             bos_token_id: target.bos_token_id,
             eos_token_id: target.eos_token_id.clone(),
+            layer_types: vec![DraftLayerType::Full; num_layers],
+            sliding_window: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1212,6 +1357,22 @@ impl DrafterConfig {
                 return Err(bad(field, "is 0; it must be positive".into()));
             }
         }
+        if self.layer_types.len() != self.num_layers {
+            return Err(bad(
+                "layer_types",
+                format!("lists {} layers but num_hidden_layers is {}", self.layer_types.len(), self.num_layers),
+            ));
+        }
+        if self.any_sliding() && !self.sliding_window.is_some_and(|w| w >= 1) {
+            return Err(bad(
+                "sliding_window",
+                "is missing or 0, but layer_types has sliding_attention layers: set it to the window (e.g. 2048)"
+                    .into(),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(bad("rms_norm_eps", format!("is {}; it must be a positive number", self.rms_norm_eps)));
+        }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(bad(
                 "num_attention_heads",
@@ -1246,26 +1407,26 @@ impl DrafterConfig {
         h * self.num_taps() as u64 * h + h + self.num_layers as u64 * self.layer_dims().params_per_layer() + h
     }
 
-    /// Checks that this drafter (e.g. from a checkpoint) fits `target`.
+    /// Checks that this drafter (e.g. from a config file or a checkpoint) fits `target`: the
+    /// hidden size and vocabulary (it borrows the target's embedding and lm_head), the target
+    /// depth its taps were chosen for, and the tap range. The attention geometry, RoPE theta and
+    /// norm eps are the drafter's own (DFLASH.md section 3).
     pub fn check_against_target(&self, target: &TargetConfig) -> Result<()> {
         let pairs = [
-            ("num_target_layers", self.num_target_layers, target.num_hidden_layers),
             ("hidden_size", self.hidden_size, target.hidden_size),
             ("vocab_size", self.vocab_size, target.vocab_size),
-            ("num_attention_heads", self.num_attention_heads, target.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads, target.num_key_value_heads),
-            ("head_dim", self.head_dim, target.head_dim),
+            ("num_target_layers", self.num_target_layers, target.num_hidden_layers),
         ];
         for (field, d, t) in pairs {
             if d != t {
                 return Err(ConfigError::TargetMismatch { field, drafter: d.to_string(), target: t.to_string() });
             }
         }
-        if self.rope_theta != target.rope_theta {
+        if let Some(&id) = self.target_layer_ids.iter().find(|&&id| id >= target.num_hidden_layers) {
             return Err(ConfigError::TargetMismatch {
-                field: "rope_theta",
-                drafter: self.rope_theta.to_string(),
-                target: target.rope_theta.to_string(),
+                field: "dflash_config.target_layer_ids",
+                drafter: format!("{:?} (tap {id})", self.target_layer_ids),
+                target: format!("{} layers (taps must be below it)", target.num_hidden_layers),
             });
         }
         validate_tap_layers(target.num_hidden_layers, &self.target_layer_ids)
@@ -1297,7 +1458,7 @@ impl DrafterConfig {
             "hidden_size": self.hidden_size,
             "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size,
-            "layer_types": vec!["full_attention"; self.num_layers],
+            "layer_types": self.layer_type_names(),
             "max_position_embeddings": self.max_position_embeddings,
             "max_window_layers": self.num_layers,
             "num_attention_heads": self.num_attention_heads,
@@ -1307,8 +1468,8 @@ impl DrafterConfig {
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "sliding_window": null,
-            "use_sliding_window": false,
+            "sliding_window": if self.any_sliding() { json!(self.sliding_window) } else { Value::Null },
+            "use_sliding_window": self.any_sliding(),
             "tie_word_embeddings": false,
             "use_cache": true,
             "vocab_size": self.vocab_size,
@@ -1371,7 +1532,32 @@ impl DrafterConfig {
                 .ok_or_else(|| f.invalid("dflash_config", "target_layer_ids must be a list of layer ids"))?,
             Some(_) => return Err(f.invalid("dflash_config", "target_layer_ids must be a list of layer ids")),
         };
+        let layer_types = match f.get("layer_types") {
+            None => vec![DraftLayerType::Full; num_layers],
+            Some(_) => f
+                .opt_str_list("layer_types")?
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(DraftLayerType::Full),
+                    "sliding_attention" => Ok(DraftLayerType::Sliding),
+                    other => Err(f.invalid(
+                        "layer_types",
+                        format!("has \"{other}\"; a drafter layer is full_attention or sliding_attention"),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let any_sliding = layer_types.contains(&DraftLayerType::Sliding);
+        if any_sliding && f.opt_bool("use_sliding_window")? == Some(false) {
+            return Err(f.invalid(
+                "use_sliding_window",
+                "is false but layer_types has sliding_attention layers; serving engines read both, so they must agree",
+            ));
+        }
+        let sliding_window = if any_sliding { f.opt_usize("sliding_window")? } else { None };
         let cfg = DrafterConfig {
+            layer_types,
+            sliding_window,
             num_layers,
             block_size,
             mask_token_id,

@@ -109,14 +109,29 @@ struct RunArgs {
     #[arg(long, default_value_t = 16)]
     anchors: usize,
     /// Slots per draft block (slot 0 = the anchor token).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, conflicts_with = "drafter_config")]
     block_size: usize,
     /// Drafter layers (also the number of tapped target layers unless --taps is given).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, conflicts_with = "drafter_config")]
     drafter_layers: usize,
     /// Tapped target layers, 0-based, comma separated (default: the DFlash rule).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "drafter_config")]
     taps: Option<Vec<usize>>,
+    /// The drafter's shape: a built-in recipe (qwen3-8b, qwen3.6-27b) or a DFlash drafter
+    /// config.json (SpecForge / published layout: geometry, layer_types, sliding_window,
+    /// rms_norm_eps, rope_theta, block_size, dflash_config). Default: derived from the target
+    /// with --drafter-layers, --block-size and --taps.
+    #[arg(long)]
+    drafter_config: Option<String>,
+    /// Warm start: initialise the drafter from this checkpoint folder (one this engine wrote, a
+    /// run's --out, or a published drafter: config.json + model.safetensors); its config must
+    /// match the run's drafter. The optimizer and the LR schedule start fresh.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Decay of the loss weights over block slots, exp(-(r-1)/gamma) (default: the drafter
+    /// config's, else 7 at block size 16 and 4 at block size 8).
+    #[arg(long)]
+    loss_gamma: Option<f32>,
     /// Uniform noise in [-s, s) added to the packed taps (0 = off).
     #[arg(long, default_value_t = 0.0)]
     noise_std: f32,
@@ -229,6 +244,8 @@ impl RunArgs {
                 drafter_layers: self.drafter_layers,
                 block_size: self.block_size,
                 taps: self.taps,
+                drafter_config: self.drafter_config,
+                init_from: self.init_from,
             },
             data: DataOptions {
                 path: self.data,
@@ -248,6 +265,7 @@ impl RunArgs {
                 warmup_frac: self.warmup,
                 clip: self.clip,
                 seed: self.seed,
+                loss_gamma: self.loss_gamma,
             },
             exec: ExecOptions {
                 device: self.device,

@@ -42,8 +42,19 @@ fn step_loss(side: &mut DrafterSide<Exact>, hb: &HostBatch, x: &[f64]) -> f64 {
 
 #[test]
 fn whole_drafter_step_matches_finite_differences() {
+    whole_step_matches_finite_differences(fd_shape());
+}
+
+/// A sliding layer (window 3: shorter than most contexts, and slot 3 of a block reaches back
+/// only to a + 1) under a full one, with norm eps 1e-5 from the config in every norm.
+#[test]
+fn whole_sliding_drafter_step_matches_finite_differences() {
+    let sh = dflash_engine::model::drafter::DrafterShape { windows: vec![Some(3), None], eps: 1e-5, ..fd_shape() };
+    whole_step_matches_finite_differences(sh);
+}
+
+fn whole_step_matches_finite_differences(sh: dflash_engine::model::drafter::DrafterShape) {
     let be = Exact::exact();
-    let sh = fd_shape();
     let hb = fd_batch();
     assert!(hb.anchors.contains(&-1), "the case must include padded blocks");
     let x = randn(hb.rows() * sh.fc_in(), 99, 1.0);

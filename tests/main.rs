@@ -8,6 +8,8 @@
 //! - `metrics`: metrics.jsonl across stop and resume, TensorBoard event files, `plot`, `inspect`
 //! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
+//! - `recipe`: the drafter recipe: sliding-window masks, drafter configs and recipes, the written
+//!   checkpoint, --init-from, --loss-gamma, the config's norm eps, a sliding run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
@@ -23,5 +25,6 @@ mod nan_suite;
 mod ops_fd;
 mod pitfalls;
 mod qwen35;
+mod recipe;
 mod run;
 mod user_errors;

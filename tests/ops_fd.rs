@@ -176,8 +176,8 @@ struct AttnCase {
     t: [Vec<f64>; 5],
 }
 
-fn attn_case() -> AttnCase {
-    let sh = DraftAttnShape { num_blocks: 4, block_size: 3, ctx_rows: 12, heads: 4, kv_heads: 2, head_dim: 4 };
+fn attn_case(window: Option<usize>) -> AttnCase {
+    let sh = DraftAttnShape { num_blocks: 4, block_size: 3, ctx_rows: 12, heads: 4, kv_heads: 2, head_dim: 4, window };
     let (qn, kcn, kbn) = (sh.q_rows() * 16, 12 * 8, sh.q_rows() * 8);
     AttnCase {
         sh,
@@ -199,8 +199,20 @@ fn attn_fwd(c: &AttnCase, t: &[Vec<f64>; 5]) -> (CpuBuf<f64>, CpuBuf<f64>) {
 
 #[test]
 fn drafter_attention_backward() {
+    attention_backward_matches_finite_differences(None);
+}
+
+/// A sliding layer with window 2 (block 0, anchor 4: slot 0 sees context 3 only, slot 2 none,
+/// so the block's own causal keys carry most of the softmax) and window 4.
+#[test]
+fn drafter_sliding_attention_backward() {
+    attention_backward_matches_finite_differences(Some(2));
+    attention_backward_matches_finite_differences(Some(4));
+}
+
+fn attention_backward_matches_finite_differences(window: Option<usize>) {
     let be = Exact::exact();
-    let c = attn_case();
+    let c = attn_case(window);
     let r = randn(c.sh.q_rows() * 16, 55, 1.0);
     let (o, lse) = attn_fwd(&c, &c.t);
     let b: Vec<CpuBuf<f64>> = c.t.iter().map(|v| buf(v.clone())).collect();

@@ -58,7 +58,8 @@ fn attn_out(sh: &DraftAttnShape, t: &[Vec<f64>; 5], anchors: &[i32], starts: &[i
 /// encodes the token the first slot must predict.
 #[test]
 fn pitfall_2_context_at_the_anchor_is_invisible() {
-    let sh = DraftAttnShape { num_blocks: 1, block_size: 4, ctx_rows: 10, heads: 2, kv_heads: 1, head_dim: 4 };
+    let sh =
+        DraftAttnShape { num_blocks: 1, block_size: 4, ctx_rows: 10, heads: 2, kv_heads: 1, head_dim: 4, window: None };
     let t = attn_inputs(&sh, 1);
     let (anchors, starts) = ([5], [2]); // sequence starts at row 2, anchor at local position 5
     let base = attn_out(&sh, &t, &anchors, &starts);
@@ -76,7 +77,8 @@ fn pitfall_2_context_at_the_anchor_is_invisible() {
 /// each other.
 #[test]
 fn pitfall_3_block_mask_is_bidirectional_and_private() {
-    let sh = DraftAttnShape { num_blocks: 2, block_size: 4, ctx_rows: 8, heads: 2, kv_heads: 2, head_dim: 4 };
+    let sh =
+        DraftAttnShape { num_blocks: 2, block_size: 4, ctx_rows: 8, heads: 2, kv_heads: 2, head_dim: 4, window: None };
     let t = attn_inputs(&sh, 9);
     let (anchors, starts) = ([3, 5], [0, 0]);
     let base = attn_out(&sh, &t, &anchors, &starts);

@@ -312,3 +312,19 @@ fn inspect_follows_latest_in_a_run_folder() {
     assert!(text.contains("latest checkpoint step-00000002") && text.contains("drafter:"), "{text}");
     assert!(text.contains("fc.weight"), "{text}");
 }
+
+/// `--drafter-config` replaces the drafter flags: giving both is refused by name instead of one
+/// silently winning; a recipe for another target names the field that does not fit.
+#[test]
+fn drafter_config_conflicts_and_mismatches_are_named() {
+    let (out, err) = cli(&["run", "--drafter-config", "qwen3-8b", "--drafter-layers", "3"], None);
+    assert!(!out.status.success());
+    assert!(err.contains("--drafter-layers") && err.contains("--drafter-config"), "{err}");
+    let mut o = quick("recipe-mismatch");
+    o.model.drafter_config = Some("qwen3.6-27b".into());
+    let e = format!("{:#}", session::run(&o, None).unwrap_err());
+    assert!(
+        e.contains("--drafter-config qwen3.6-27b") && e.contains("hidden_size is 5120 in the drafter but 64"),
+        "{e}"
+    );
+}

@@ -807,8 +807,8 @@ impl<F: Real> Backend for CpuBackend<F> {
             .zip(lse.data[..sh.q_rows() * sh.heads].par_chunks_mut(bs * sh.heads))
             .enumerate()
             .for_each(|(j, (oblk, lblk))| {
-                let keys = g.keys(j, sh);
                 for r in 0..bs {
+                    let keys = g.keys(j, r, sh);
                     let row = j * bs + r;
                     for h in 0..sh.heads {
                         let oh = &mut oblk[r * g.qw + h * sh.head_dim..][..sh.head_dim];
@@ -887,11 +887,11 @@ impl<F: Real> Backend for CpuBackend<F> {
             .zip(dvb.data[..sh.q_rows() * g.kw].par_chunks_mut(bs * g.kw))
             .enumerate()
             .for_each(|(j, ((dqj, dkj), dvj))| {
-                let keys = g.keys(j, sh);
                 let mut acc_q = vec![F::ZERO; bs * g.qw];
                 let mut acc_k = vec![F::ZERO; bs * g.kw];
                 let mut acc_v = vec![F::ZERO; bs * g.kw];
                 for r in 0..bs {
+                    let keys = g.keys(j, r, sh);
                     let row = j * bs + r;
                     for h in 0..heads {
                         let kvh = h / g.group;
@@ -932,6 +932,10 @@ impl<F: Real> Backend for CpuBackend<F> {
                         continue;
                     }
                     for r in 0..bs {
+                        // A sliding layer's slot r sees only the last W - 1 - r context rows.
+                        if t < start + sh.ctx_lo(a as usize, r) {
+                            continue;
+                        }
                         let row = j * bs + r;
                         for h in 0..heads {
                             let kvh = h / g.group;
@@ -1628,6 +1632,12 @@ impl<'a> DraftGeom<'a> {
         if sh.kv_heads == 0 || sh.heads % sh.kv_heads != 0 {
             return Err(BackendError::Shape { op, what: format!("{} heads over {} kv heads", sh.heads, sh.kv_heads) });
         }
+        if sh.window == Some(0) {
+            return Err(BackendError::Shape {
+                op,
+                what: "sliding window 0 (a window holds at least the draft token)".into(),
+            });
+        }
         let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
         check_len(op, "q", q.data.len(), 0, sh.q_rows() * qw)?;
         check_len(op, "kc", kc.data.len(), 0, sh.ctx_rows * kw)?;
@@ -1655,16 +1665,20 @@ impl<'a> DraftGeom<'a> {
         })
     }
 
-    /// The keys block `j` sees: context `[start, start + anchor)` (strictly before the anchor),
-    /// then its own block rows. Nothing for a padded block.
-    fn keys(&self, j: usize, sh: &DraftAttnShape) -> Vec<Key> {
+    /// The keys slot `r` of block `j` sees: context `[start + lo, start + anchor)` (strictly
+    /// before the anchor; `lo` = 0 in a full layer, the window's start in a sliding one), then
+    /// its own block's rows (all of them, or slots `<= r` in a sliding layer). Nothing for a
+    /// padded block.
+    fn keys(&self, j: usize, r: usize, sh: &DraftAttnShape) -> Vec<Key> {
         let a = self.anchors[j];
         if a < 0 {
             return Vec::new();
         }
-        let start = self.ctx_start[j] as usize;
-        let mut keys: Vec<Key> = (start..start + a as usize).map(Key::Ctx).collect();
-        keys.extend((j * sh.block_size..(j + 1) * sh.block_size).map(Key::Blk));
+        let (a, start) = (a as usize, self.ctx_start[j] as usize);
+        let lo = sh.ctx_lo(a, r).min(a);
+        let mut keys: Vec<Key> = (start + lo..start + a).map(Key::Ctx).collect();
+        let bs = sh.block_size;
+        keys.extend((0..bs).filter(|&c| sh.sees_slot(r, c)).map(|c| Key::Blk(j * bs + c)));
         keys
     }
 

@@ -101,6 +101,8 @@ impl Gemm {
 /// The drafter attention's block geometry (DFLASH.md section 3): block `j` has `block_size`
 /// query rows starting at row `j * block_size`; it sees context rows `ctx_start[j] + [0, anchor[j])`
 /// and its own block's keys. `anchor[j] < 0` marks a padded block: zero output, zero gradient.
+/// `window: Some(W)` makes it a sliding-window layer (DFLASH.md section 3, "Per-layer attention
+/// kind"): slot `r` sees context rows `a + r - (W - 1) <= t < a` and the block slots `<= r`.
 #[derive(Clone, Copy, Debug)]
 pub struct DraftAttnShape {
     pub num_blocks: usize,
@@ -109,6 +111,9 @@ pub struct DraftAttnShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// `None`: full attention; `Some(W)`: sliding window of `W` positions (the draft token
+    /// itself takes one of them), causal inside the block.
+    pub window: Option<usize>,
 }
 
 impl DraftAttnShape {
@@ -117,6 +122,16 @@ impl DraftAttnShape {
     }
     pub fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
+    }
+    /// The first context position (relative to the sequence) that slot `r` of a block anchored
+    /// at `a` sees: 0 in a full layer, `max(0, a + r - (W - 1))` in a sliding one.
+    pub fn ctx_lo(&self, a: usize, r: usize) -> usize {
+        self.window.map_or(0, |w| (a + r + 1).saturating_sub(w))
+    }
+    /// Whether slot `r` sees block slot `c` of its own block: always in a full layer, `c <= r`
+    /// (causal) in a sliding one.
+    pub fn sees_slot(&self, r: usize, c: usize) -> bool {
+        self.window.is_none() || c <= r
     }
 }
 

@@ -15,7 +15,8 @@ use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
 use crate::rng::{self, Philox};
 use crate::tensor::DType;
 
-/// The drafter's dimensions: the target's head geometry, its own depth and block size.
+/// The drafter's dimensions: its own attention geometry, depth, per-layer attention kind and
+/// block size; the target's hidden size and vocabulary.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DrafterShape {
     pub hidden: usize,
@@ -27,15 +28,16 @@ pub struct DrafterShape {
     pub vocab: usize,
     pub num_taps: usize,
     pub block_size: usize,
+    /// The config's `rms_norm_eps`: every norm of the drafter (layer norms, QK norms,
+    /// `hidden_norm` and the final `norm`; DFLASH.md section 2).
     pub eps: f32,
     pub rope_theta: f32,
+    /// Per layer: `None` for full attention, `Some(W)` for a sliding window of `W`.
+    pub windows: Vec<Option<usize>>,
     pub mask_token_id: u32,
     /// Rows of logits materialised at once by the chunked lm_head + cross-entropy.
     pub logits_chunk_rows: usize,
 }
-
-/// `hidden_norm` and the final `norm` use this epsilon (DFLASH.md section 2).
-pub const FC_NORM_EPS: f32 = 1e-6;
 
 impl DrafterShape {
     pub fn q_width(&self) -> usize {
@@ -241,9 +243,10 @@ pub struct Drafter<B: Backend> {
 }
 
 impl<B: Backend> Drafter<B> {
-    fn attn_shape(&self, inp: &DraftInputs<'_, B>) -> DraftAttnShape {
+    fn attn_shape(&self, inp: &DraftInputs<'_, B>, layer: usize) -> DraftAttnShape {
         let sh = &self.shape;
         DraftAttnShape {
+            window: sh.windows.get(layer).copied().flatten(),
             num_blocks: inp.num_blocks,
             block_size: sh.block_size,
             ctx_rows: inp.ctx_rows,
@@ -269,7 +272,7 @@ impl<B: Backend> Drafter<B> {
         let sh = self.shape.clone();
         let (h, qw, kw, inter) = (sh.hidden, sh.q_width(), sh.kv_width(), sh.inter);
         let (tc, tb) = (inp.ctx_rows, inp.num_blocks * sh.block_size);
-        let ash = self.attn_shape(inp);
+        let ash: Vec<DraftAttnShape> = (0..sh.layers).map(|l| self.attn_shape(inp, l)).collect();
         let table = &self.body.table;
         let w = &self.body.weights;
         let _region = profile::enter(Region::Drafter);
@@ -277,7 +280,7 @@ impl<B: Backend> Drafter<B> {
         // Context: ctx = hidden_norm(Y), shared by every layer.
         let mut ctx = be.alloc(s, DType::BF16, tc * h)?;
         let mut rstd_h = be.alloc(s, DType::F32, tc)?;
-        be.rmsnorm_fwd(s, y, w, table.off("hidden_norm.weight"), &mut ctx, &mut rstd_h, tc, h, FC_NORM_EPS)?;
+        be.rmsnorm_fwd(s, y, w, table.off("hidden_norm.weight"), &mut ctx, &mut rstd_h, tc, h, sh.eps)?;
 
         // Block stream: anchor token + mask tokens, embedded with the frozen target embedding.
         let mut x = be.alloc(s, DType::BF16, tb * h)?;
@@ -339,7 +342,7 @@ impl<B: Backend> Drafter<B> {
             be.rope(s, &mut a.kb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
             be.attn_draft_fwd(
                 s,
-                &ash,
+                &ash[l],
                 &q,
                 &a.kc,
                 &a.vc,
@@ -384,7 +387,7 @@ impl<B: Backend> Drafter<B> {
         // Final norm, then the chunked lm_head + cross-entropy, forward and backward per chunk.
         let mut hn = be.alloc(s, DType::BF16, tb * h)?;
         let mut rstd_f = be.alloc(s, DType::F32, tb)?;
-        be.rmsnorm_fwd(s, &x, w, table.off("norm.weight"), &mut hn, &mut rstd_f, tb, h, FC_NORM_EPS)?;
+        be.rmsnorm_fwd(s, &x, w, table.off("norm.weight"), &mut hn, &mut rstd_f, tb, h, sh.eps)?;
         let mut out = DraftOutputs { loss: be.alloc(s, DType::F32, tb)?, argmax: be.alloc_ids(s, tb)? };
         let mut dhn = be.alloc(s, DType::BF16, tb * h)?;
         let chunk = sh.logits_chunk_rows.max(1).min(tb.max(1));
@@ -475,7 +478,7 @@ impl<B: Backend> Drafter<B> {
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             be.attn_draft_bwd(
                 s,
-                &ash,
+                &ash[l],
                 &q,
                 &a.kc,
                 &a.vc,
@@ -614,6 +617,7 @@ impl DrafterShape {
             block_size: c.block_size,
             eps: c.rms_norm_eps as f32,
             rope_theta: c.rope_theta as f32,
+            windows: (0..c.num_layers).map(|l| c.layer_window(l)).collect(),
             mask_token_id: c.mask_token_id,
             logits_chunk_rows,
         }

@@ -34,9 +34,21 @@ pub fn inspect(dir: &Path) -> Result<()> {
     if cfg_text.contains("DFlashDraftModel") {
         let d = DrafterConfig::from_json_str(&cfg_text)?;
         println!(
-            "drafter: {} layers, block {}, taps {:?}, mask token {}, hidden {}",
-            d.num_layers, d.block_size, d.target_layer_ids, d.mask_token_id, d.hidden_size
+            "drafter: {} layers ({}), block {}, taps {:?}, mask token {}, hidden {}, {}/{} heads x {}, mlp {}",
+            d.num_layers,
+            d.layer_type_names().join(", "),
+            d.block_size,
+            d.target_layer_ids,
+            d.mask_token_id,
+            d.hidden_size,
+            d.num_attention_heads,
+            d.num_key_value_heads,
+            d.head_dim,
+            d.intermediate_size
         );
+        if let Some(w) = d.sliding_window {
+            println!("sliding window: {w}");
+        }
         if let Ok(state) = std::fs::read_to_string(dir.join(checkpoint::STATE_FILE)) {
             if let Ok(s) = serde_json::from_str::<checkpoint::TrainerState>(&state) {
                 println!("trainer: {} steps done, {}", s.step, s.extra);

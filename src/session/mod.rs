@@ -88,9 +88,25 @@ pub fn micro_batch_bytes(opts: &RunOptions) -> Result<usize> {
     Ok(setup::max_rows(opts) * dcfg.target_layer_ids.len() * tcfg.hidden_size * 2)
 }
 
-fn drafter_config(o: &RunOptions, tcfg: &TargetConfig) -> Result<DrafterConfig> {
-    DrafterConfig::for_target(tcfg, o.model.drafter_layers, o.model.block_size, o.model.taps.clone())
-        .context("drafter configuration")
+/// The run's drafter: `--drafter-config` (a recipe or a file, checked against the target), else
+/// derived from the target with `--drafter-layers`, `--block-size` and `--taps`; `--loss-gamma`
+/// overrides its decay.
+pub fn drafter_config(o: &RunOptions, tcfg: &TargetConfig) -> Result<DrafterConfig> {
+    let mut d = match &o.model.drafter_config {
+        Some(spec) => {
+            let d = DrafterConfig::from_name_or_file(spec).with_context(|| format!("--drafter-config {spec}"))?;
+            d.check_against_target(tcfg)
+                .with_context(|| format!("--drafter-config {spec} against --target {}", o.model.target))?;
+            d
+        }
+        None => DrafterConfig::for_target(tcfg, o.model.drafter_layers, o.model.block_size, o.model.taps.clone())
+            .context("drafter configuration")?,
+    };
+    if let Some(g) = o.train.loss_gamma {
+        d.gamma = f64::from(g);
+        d.validate().context("--loss-gamma")?;
+    }
+    Ok(d)
 }
 
 /// The run's data: a JSON Lines file, or sequences the target writes itself. Returns the
@@ -145,14 +161,31 @@ fn run_on<B: Backend>(
     let tcfg = src.config().clone();
     let dcfg = drafter_config(opts, &tcfg)?;
     setup::check_inflight_memory(opts, &tcfg, dcfg.target_layer_ids.len())?;
-    let fingerprint = opts.fingerprint(src.identity()?, setup::data_identity(opts)?);
+    let drafter_identity = m.drafter_config.as_ref().map(|_| dcfg.to_json_value());
+    let fingerprint = opts.fingerprint(src.identity()?, setup::data_identity(opts)?, drafter_identity);
     let backend_name = backend_name(bes, topo);
     say(format!("backend   {backend_name}"));
     say(format!("target    {}", src.describe()));
     notes.into_iter().for_each(|n| say(format!("note      {n}")));
+    let kinds = match dcfg.sliding_window {
+        Some(w) if dcfg.any_sliding() => {
+            let n = dcfg.layer_types.iter().filter(|t| **t == crate::config::DraftLayerType::Sliding).count();
+            format!(" ({n} sliding, window {w})")
+        }
+        _ => String::new(),
+    };
     say(format!(
-        "drafter   {} layers, block {}, taps {:?}, mask token {}",
-        dcfg.num_layers, dcfg.block_size, dcfg.target_layer_ids, dcfg.mask_token_id
+        "drafter   {} layers{kinds}, hidden {}, {}/{} heads x {}, mlp {}, block {}, taps {:?}, mask token {}, gamma {}",
+        dcfg.num_layers,
+        dcfg.hidden_size,
+        dcfg.num_attention_heads,
+        dcfg.num_key_value_heads,
+        dcfg.head_dim,
+        dcfg.intermediate_size,
+        dcfg.block_size,
+        dcfg.target_layer_ids,
+        dcfg.mask_token_id,
+        dcfg.gamma
     ));
 
     // The target copies, the data, the drafter ranks and a resumed state.
@@ -172,13 +205,16 @@ fn run_on<B: Backend>(
     let dshape = DrafterShape::from_config(&dcfg, e.logits_chunk);
     let mut sides = setup::drafter_sides(bes, topo, &targets[0], &dshape, t.seed)?;
     let first_step = setup::resume(bes, topo, opts, &mut sides, &fingerprint, &say)?;
+    if first_step == 0 {
+        setup::warm_start(bes, topo, opts, &dcfg, &mut sides, &say)?;
+    }
     let first = targets.remove(0);
     let tsides = setup::target_sides(bes, topo, e.split_fc, first, targets, &mut sides)?;
     let source = StepBatches {
         data,
         spec: BatchSpec {
             anchors_per_seq: d.anchors,
-            block_size: m.block_size,
+            block_size: dcfg.block_size,
             mask_token_id: dcfg.mask_token_id,
             gamma: dcfg.gamma as f32,
             pad_to_tokens: d.pad_to_tokens,

@@ -34,6 +34,14 @@ pub struct ModelOptions {
     pub block_size: usize,
     /// Tapped target layers, 0-based (None: the DFlash rule).
     pub taps: Option<Vec<usize>>,
+    /// A built-in recipe name or a drafter config.json (None: derived from the target with the
+    /// three flags above). Its resolved content, not this spelling, enters the fingerprint.
+    #[serde(skip)]
+    pub drafter_config: Option<String>,
+    /// Warm start: the drafter's weights from this checkpoint folder (optimizer fresh). Not in
+    /// the fingerprint: a resumed run takes every weight from its own checkpoint instead.
+    #[serde(skip)]
+    pub init_from: Option<PathBuf>,
 }
 
 /// The samples and how each step is cut from them.
@@ -65,6 +73,11 @@ pub struct TrainOptions {
     pub clip: f32,
     /// Seed of the drafter init, anchors, noise and data order.
     pub seed: u64,
+    /// The loss weights' decay `exp(-(r-1)/gamma)` (None: the drafter config's, by default the
+    /// block-size rule). Left out of the fingerprint when unset, so runs from before the flag
+    /// still resume.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_gamma: Option<f32>,
 }
 
 /// How the run executes. None of these changes a result: the pipeline, every transport,
@@ -151,6 +164,8 @@ impl RunOptions {
                 drafter_layers: 2,
                 block_size: 16,
                 taps: None,
+                drafter_config: None,
+                init_from: None,
             },
             data: DataOptions {
                 path: None,
@@ -164,7 +179,7 @@ impl RunOptions {
                 noise_std: 0.0,
                 pad_to_tokens: None,
             },
-            train: TrainOptions { steps: 300, lr: 3e-3, warmup_frac: 0.04, clip: 1.0, seed: 0 },
+            train: TrainOptions { steps: 300, lr: 3e-3, warmup_frac: 0.04, clip: 1.0, seed: 0, loss_gamma: None },
             exec: ExecOptions {
                 device: Device::Auto,
                 split_fc: false,
@@ -241,6 +256,9 @@ impl RunOptions {
             });
         }
         positive_f32("--clip", t.clip)?;
+        if let Some(g) = t.loss_gamma {
+            positive_f32("--loss-gamma", g)?;
+        }
         at_least("--max-inflight", e.max_inflight, 1)?;
         if o.profile
             && !(e.sync && e.target_gpus.len() <= 1 && (e.drafter_gpus.is_empty() || e.drafter_gpus == e.target_gpus))
@@ -270,13 +288,23 @@ impl RunOptions {
     /// model, data and training sub-configs (by flag name), with `--target` and `--data` replaced
     /// by what they identify (a checkpoint's config and tensor index, or a preset; the data's
     /// content), so that `./data.jsonl` and `data.jsonl` match and an edited file does not.
-    pub fn fingerprint(&self, target_identity: serde_json::Value, data_identity: serde_json::Value) -> Fingerprint {
+    /// With `--drafter-config`, `drafter` is the resolved drafter config (a recipe's or a file's
+    /// content, wherever the file lies), stored as `drafter-config`.
+    pub fn fingerprint(
+        &self,
+        target_identity: serde_json::Value,
+        data_identity: serde_json::Value,
+        drafter: Option<serde_json::Value>,
+    ) -> Fingerprint {
         let mut map = BTreeMap::new();
         for part in [to_map(&self.model), to_map(&self.data), to_map(&self.train)] {
             map.extend(part);
         }
         map.insert("target".into(), target_identity);
         map.insert("data".into(), data_identity);
+        if let Some(d) = drafter {
+            map.insert("drafter-config".into(), d);
+        }
         Fingerprint(map)
     }
 }
@@ -425,12 +453,38 @@ mod tests {
         b.model.target_seed = 7;
         b.exec.max_inflight = 4; // execution only: not part of the fingerprint
         let id = || serde_json::json!("same");
-        let d = a.fingerprint(id(), id()).differences(&b.fingerprint(id(), id()));
+        let d = a.fingerprint(id(), id(), None).differences(&b.fingerprint(id(), id(), None));
         assert_eq!(d.len(), 3, "{d:?}");
         assert!(d.iter().any(|l| l.starts_with("--warmup: checkpoint 0.04")), "{d:?}");
         assert!(d.iter().any(|l| l.starts_with("--clip")), "{d:?}");
         assert!(d.iter().any(|l| l.starts_with("--target-seed")), "{d:?}");
-        let back = Fingerprint::from_json(&a.fingerprint(id(), id()).to_json()).unwrap();
-        assert!(back.differences(&a.fingerprint(id(), id())).is_empty());
+        let back = Fingerprint::from_json(&a.fingerprint(id(), id(), None).to_json()).unwrap();
+        assert!(back.differences(&a.fingerprint(id(), id(), None)).is_empty());
+    }
+
+    /// The drafter config and --loss-gamma change results, so a resume must match them: a
+    /// different resolved config or gamma is named; an unset gamma adds no key (runs from
+    /// before the flag resume).
+    #[test]
+    fn the_fingerprint_covers_the_drafter_config_and_loss_gamma() {
+        let a = RunOptions::tiny_default();
+        let id = || serde_json::json!("same");
+        assert!(!a.fingerprint(id(), id(), None).0.contains_key("loss-gamma"));
+        let mut b = a.clone();
+        b.train.loss_gamma = Some(5.0);
+        let d = a.fingerprint(id(), id(), None).differences(&b.fingerprint(id(), id(), None));
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(d[0].starts_with("--loss-gamma: checkpoint (absent), this run 5"), "{d:?}");
+        let (c1, c2) = (serde_json::json!({"sliding_window": 2048}), serde_json::json!({"sliding_window": 1024}));
+        let d = a.fingerprint(id(), id(), Some(c1.clone())).differences(&a.fingerprint(id(), id(), Some(c2)));
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(d[0].starts_with("--drafter-config: checkpoint"), "{d:?}");
+        assert!(a
+            .fingerprint(id(), id(), Some(c1.clone()))
+            .differences(&a.fingerprint(id(), id(), Some(c1)))
+            .is_empty());
+        let mut bad = a.clone();
+        bad.train.loss_gamma = Some(0.0);
+        assert!(bad.validate().unwrap_err().to_string().starts_with("--loss-gamma"));
     }
 }

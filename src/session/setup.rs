@@ -384,6 +384,31 @@ pub fn resume<B: Backend>(
     Ok(ck.state.step)
 }
 
+/// `--init-from`: every drafter rank starts from the checkpoint's weights (its config checked
+/// against the run's drafter first), with fresh optimizer state.
+pub fn warm_start<B: Backend>(
+    bes: &[B],
+    topo: &Topology,
+    o: &RunOptions,
+    dcfg: &DrafterConfig,
+    sides: &mut [DrafterSide<B>],
+    say: &dyn Fn(String),
+) -> Result<()> {
+    let Some(dir) = &o.model.init_from else {
+        return Ok(());
+    };
+    let init = checkpoint::load_init(dir, dcfg)?;
+    for (side, &i) in sides.iter_mut().zip(&topo.drafters) {
+        checkpoint::apply_init(&bes[i], &bes[i].compute_stream(), side, &init)?;
+    }
+    say(format!(
+        "init      drafter weights from {} ({}; optimizer fresh)",
+        init.dir.display(),
+        if init.from_masters { "f32 masters" } else { "bf16 model" }
+    ));
+    Ok(())
+}
+
 /// The target sides: the first target takes the fc group under split-FC (the other ranks'
 /// copies are dropped); further targets only run forward.
 pub fn target_sides<B: Backend>(

@@ -25,7 +25,8 @@
 //! rename, which is how a test proves that a kill during a save is harmless.
 //!
 //! [`gather`] and [`restore`] move a drafter's trained state between the device and these host
-//! tensors.
+//! tensors. [`load_init`] and [`apply_init`] are the warm start (`run --init-from`): weights only,
+//! from one of these folders or from a published drafter (config.json + model.safetensors).
 
 use crate::faults::FaultPlan;
 use crate::weights::{self, TensorStore, WeightsError};
@@ -176,6 +177,25 @@ pub enum CheckpointError {
     MissingCheckpoint { path: PathBuf },
     #[error("invalid checkpoint to save: {0}")]
     InvalidInput(String),
+    #[error(
+        "--init-from {}: no drafter checkpoint there (a folder with config.json and \
+         model.safetensors, or a run's --out holding step-* folders)",
+        .path.display()
+    )]
+    NoInitCheckpoint { path: PathBuf },
+    #[error("--init-from {}: {source}", .path.display())]
+    InitConfig {
+        path: PathBuf,
+        #[source]
+        source: crate::config::ConfigError,
+    },
+    #[error(
+        "--init-from {}: the checkpoint's drafter differs from this run's: {field} is {theirs} \
+         in its config.json but {ours} here; give the same --drafter-config (or drafter flags) \
+         as the checkpoint was trained with",
+        .path.display()
+    )]
+    InitMismatch { path: PathBuf, field: &'static str, theirs: String, ours: String },
 }
 
 fn fmt_parent(path: &Path) -> String {
@@ -683,6 +703,116 @@ fn check_model_tensor(model: &TensorStore, path: &Path, opt_path: &Path, t: &Ten
             expected: bf16::from_f32(t.master[index]).to_bits(),
         }),
     }
+}
+
+/// A warm start's weights (`run --init-from`): every trained tensor as f32, by name.
+#[derive(Clone, Debug)]
+pub struct InitWeights {
+    /// The checkpoint folder read.
+    pub dir: PathBuf,
+    /// `true`: the f32 masters of this engine's optimizer.safetensors (exact); `false`: the bf16
+    /// model.safetensors of a published drafter, widened.
+    pub from_masters: bool,
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+/// The checkpoint folder `--init-from DIR` means: DIR itself when it holds a model, else the
+/// latest checkpoint of the run folder DIR.
+fn init_folder(dir: &Path) -> Result<PathBuf> {
+    if dir.join(MODEL_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    if dir.is_dir() {
+        if let Some(name) = read_latest(dir)? {
+            return Ok(dir.join(name));
+        }
+        if let Some((_, newest)) = step_folders(dir)?.pop() {
+            return Ok(newest);
+        }
+    }
+    Err(CheckpointError::NoInitCheckpoint { path: dir.to_path_buf() })
+}
+
+/// Reads a warm start from `dir` and checks its config.json against `ours` (the run's drafter),
+/// naming the first field that differs. A checkpoint this engine wrote gives its f32 masters
+/// (checked against its model file as [`load`] does); a published one its bf16 model tensors.
+pub fn load_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) -> Result<InitWeights> {
+    let dir = init_folder(dir.as_ref())?;
+    let cfg_path = dir.join(CONFIG_FILE);
+    if !cfg_path.is_file() {
+        return Err(CheckpointError::MissingFile { path: cfg_path });
+    }
+    let theirs = crate::config::DrafterConfig::from_file(&cfg_path)
+        .map_err(|source| CheckpointError::InitConfig { path: dir.clone(), source })?;
+    if let Some((field, ours_v, theirs_v)) = ours.first_difference(&theirs) {
+        return Err(CheckpointError::InitMismatch { path: dir, field, theirs: theirs_v, ours: ours_v });
+    }
+    let mut tensors = HashMap::new();
+    let from_masters = dir.join(OPTIMIZER_FILE).is_file() && dir.join(STATE_FILE).is_file();
+    if from_masters {
+        for t in load(&dir)?.tensors {
+            tensors.insert(t.name, (t.shape, t.master));
+        }
+    } else {
+        let path = dir.join(MODEL_FILE);
+        let model = open_store(&path)?;
+        for name in model.names() {
+            let meta =
+                model.tensor_info(name).map_err(|source| CheckpointError::Unreadable { path: path.clone(), source })?;
+            let v = model
+                .tensor_f32(name, &meta.shape)
+                .map_err(|source| CheckpointError::Unreadable { path: path.clone(), source })?;
+            tensors.insert(name.to_string(), (meta.shape, v));
+        }
+    }
+    Ok(InitWeights { dir, from_masters, tensors })
+}
+
+/// Sets the drafter's weights (masters and the bf16 copies) from a warm start and zeroes its
+/// gradients and AdamW moments. Every tensor of the drafter must be there with its shape, and
+/// nothing else may be: a name the drafter does not know (a prefix, a fused projection, an
+/// embedding) is an error, not silently skipped.
+pub fn apply_init<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    side: &mut DrafterSide<B>,
+    init: &InitWeights,
+) -> std::result::Result<(), CheckpointError> {
+    let model = init.dir.join(MODEL_FILE);
+    let mut used = 0usize;
+    let groups: Vec<&mut ParamGroup<B>> = side.fc.iter_mut().chain(std::iter::once(&mut side.drafter.body)).collect();
+    let mut known: HashSet<String> = HashSet::new();
+    for g in groups {
+        let mut host = vec![0.0f32; g.table.total()];
+        for e in g.table.entries() {
+            known.insert(e.name.clone());
+            let (shape, v) = init
+                .tensors
+                .get(&e.name)
+                .ok_or_else(|| CheckpointError::MissingTensor { path: model.clone(), name: e.name.clone() })?;
+            if *shape != e.shape {
+                return Err(CheckpointError::ShapeMismatch {
+                    path: model.clone(),
+                    name: e.name.clone(),
+                    expected: e.shape.clone(),
+                    found: shape.clone(),
+                    expected_from: "this run's drafter",
+                });
+            }
+            host[e.offset..e.offset + e.numel].copy_from_slice(v);
+            used += 1;
+        }
+        g.set_masters(be, s, &host)
+            .map_err(|e| CheckpointError::InvalidInput(format!("uploading the warm start: {e}")))?;
+    }
+    if used != init.tensors.len() {
+        let mut extra: Vec<&String> = init.tensors.keys().filter(|n| !known.contains(*n)).collect();
+        extra.sort();
+        if let Some(name) = extra.first() {
+            return Err(CheckpointError::UnexpectedTensor { path: model, name: (*name).clone() });
+        }
+    }
+    Ok(())
 }
 
 /// Host copies of every trained tensor (masters and moments) for a checkpoint: the fc group

@@ -68,6 +68,7 @@ pub fn fd_shape() -> DrafterShape {
         block_size: 4,
         eps: 1e-6,
         rope_theta: 10_000.0,
+        windows: vec![None; 2],
         mask_token_id: 23,
         logits_chunk_rows: 5,
     }

@@ -122,7 +122,15 @@ fn gpu_drafter_attention_matches_cpu() {
         let ctx_rows = 150;
         let anchors = vec![0, 17, 99, -1, 3, 49, -1];
         let starts = vec![0, 0, 0, 0, 100, 100, 100];
-        let sh = DraftAttnShape { num_blocks: 7, block_size: bs, ctx_rows, heads, kv_heads: kvh, head_dim: hd };
+        let sh = DraftAttnShape {
+            num_blocks: 7,
+            block_size: bs,
+            ctx_rows,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            window: None,
+        };
         let (qn, kn, kb) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
         let t = [
             rand(qn, 80, 1.0),
@@ -144,5 +152,61 @@ fn gpu_drafter_attention_matches_cpu() {
         // Padded blocks: exact zeros out.
         let w = heads * hd;
         assert!(a[0][3 * bs * w..4 * bs * w].iter().all(|&x| x == 0.0));
+    }
+}
+
+/// Sliding-window drafter layers (DFLASH.md section 3) against the CPU, forward and backward,
+/// at the window edges: W = 1 (no context, the block's slot 0 only for slot 0), W < block size
+/// (late slots see no context), W around the 64-key tile (63, 64, 65: the first tile starts
+/// mid-tile), W longer than every context (= a full layer's context with a causal block), and
+/// the recipe's 2048 over 3000-row contexts; anchors at 0, mid-sequence, late, and padded blocks.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sliding_drafter_attention_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let cases: [(usize, usize, usize, usize, usize, &[usize]); 4] = [
+        (128, 16, 32, 8, 150, &[1, 5, 63, 64, 65, 200]),
+        (64, 5, 6, 2, 150, &[2, 17]),
+        (16, 16, 4, 2, 150, &[15, 16, 130]),
+        (128, 16, 32, 8, 3000, &[2048]),
+    ];
+    for (hd, bs, heads, kvh, ctx_rows, windows) in cases {
+        let half = ctx_rows / 2 + 10;
+        let anchors = vec![0, 17, 99, -1, 3, 49, -1, (half - 11) as i32, (ctx_rows - half - 1) as i32];
+        let starts = vec![0, 0, 0, 0, 0, 0, 0, 0, half as i32];
+        for &w in windows {
+            let sh = DraftAttnShape {
+                num_blocks: anchors.len(),
+                block_size: bs,
+                ctx_rows,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                window: Some(w),
+            };
+            let (qn, kn, kb) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
+            let seed = 90 + w as u64;
+            let t = [
+                rand(qn, seed, 1.0),
+                rand(kn, seed + 1, 1.0),
+                rand(kn, seed + 2, 1.0),
+                rand(kb, seed + 3, 1.0),
+                rand(kb, seed + 4, 1.0),
+                rand(qn, seed + 5, 1.0),
+            ];
+            let (a, b) = (g.draft(&sh, &t, &anchors, &starts), c.draft(&sh, &t, &anchors, &starts));
+            for (i, name) in ["o", "lse", "dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+                rel_err(
+                    &format!("sliding drafter attention {name} W {w} hd {hd} bs {bs} {heads}/{kvh} ctx {ctx_rows}"),
+                    &a[i],
+                    &b[i],
+                    if i == 1 { 1e-5 } else { ATTN_TOL },
+                );
+            }
+            let width = heads * hd;
+            assert!(a[0][3 * bs * width..4 * bs * width].iter().all(|&x| x == 0.0), "padded block: zeros");
+            // Context rows outside every window get exactly zero gradient (never NaN).
+            assert!(a[3].iter().chain(&a[4]).all(|x| x.is_finite()));
+        }
     }
 }

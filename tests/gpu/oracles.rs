@@ -116,14 +116,31 @@ fn gpu_taps_match_hugging_face() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_drafter_matches_pytorch() {
+    drafter_vs_pytorch(vec![None; 2], 1e-6);
+}
+
+/// The Qwen3.6-27B recipe's layer mix, 4 sliding layers then 1 full layer, on a small shape:
+/// the window (6) is shorter than most anchors' contexts and smaller than 2 blocks, so its
+/// lower bound and the causal block mask decide what each slot sees; norm eps 1e-5 (from the
+/// config) for every norm, hidden_norm and the final norm included.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sliding_drafter_matches_pytorch() {
+    drafter_vs_pytorch(vec![Some(6), Some(6), Some(6), Some(6), None], 1e-5);
+}
+
+/// One drafter step on the GPU against tests/reference/drafter_ref.py: the loss and every
+/// parameter's gradient.
+fn drafter_vs_pytorch(windows: Vec<Option<usize>>, eps: f32) {
     use dflash_engine::model::drafter::{fc_backward, fc_forward, Drafter, DrafterShape};
     use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
     use dflash_engine::train::step::DeviceDraftBatch;
     let g = gpu();
     let st = g.compute_stream();
+    let layers = windows.len();
     let sh = DrafterShape {
         hidden: 64,
-        layers: 2,
+        layers,
         heads: 4,
         kv_heads: 2,
         head_dim: 16,
@@ -131,8 +148,9 @@ fn gpu_drafter_matches_pytorch() {
         vocab: 256,
         num_taps: 2,
         block_size: 8,
-        eps: 1e-6,
+        eps,
         rope_theta: 1e6,
+        windows: windows.clone(),
         mask_token_id: 255,
         logits_chunk_rows: 37,
     };
@@ -200,18 +218,20 @@ fn gpu_drafter_matches_pytorch() {
     for (name, shape, v) in &params {
         t.push((name.clone(), F32, shape.clone(), f32b(v)));
     }
+    let layer_windows: Vec<String> = windows.iter().map(|w| w.unwrap_or(0).to_string()).collect();
     let meta: std::collections::HashMap<String, String> = [
-        ("heads", "4"),
-        ("kv_heads", "2"),
-        ("head_dim", "16"),
-        ("block_size", "8"),
-        ("layers", "2"),
-        ("rms_eps", "1e-6"),
-        ("norm_eps", "1e-6"),
-        ("rope_theta", "1000000"),
+        ("heads", "4".to_string()),
+        ("kv_heads", "2".to_string()),
+        ("head_dim", "16".to_string()),
+        ("block_size", "8".to_string()),
+        ("layers", layers.to_string()),
+        ("rms_eps", f64::from(eps).to_string()),
+        ("norm_eps", f64::from(eps).to_string()),
+        ("rope_theta", "1000000".to_string()),
+        ("layer_windows", layer_windows.join(",")),
     ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
     .collect();
     dflash_engine::weights::write_safetensors_atomic(dir.join("case.safetensors"), &t, Some(meta)).unwrap();
     python(
@@ -224,7 +244,7 @@ fn gpu_drafter_matches_pytorch() {
     );
     let rf = dflash_engine::weights::TensorStore::open_file(dir.join("ref.safetensors")).unwrap();
     let want_loss = f64::from(rf.tensor_f32("loss", &[1]).unwrap()[0]);
-    println!("drafter loss: engine (cuda) {loss:.6}, pytorch {want_loss:.6}");
+    println!("drafter loss ({layers} layers, windows {windows:?}): engine (cuda) {loss:.6}, pytorch {want_loss:.6}");
     assert!(((loss - want_loss) / want_loss).abs() < 1e-2, "loss {loss} vs {want_loss}");
     let (gf, gb) = (get(&g, &fc.grad), get(&g, &d.body.grad));
     for grp_entries in [(&fc.table, &gf), (&d.body.table, &gb)] {

@@ -10,7 +10,31 @@ use super::tmp;
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_training_tracks_cpu_and_is_deterministic() {
-    let dir = tmp("train");
+    tracks_cpu_and_is_deterministic("train", None);
+}
+
+/// The same with a drafter whose first layer slides (window 12 over 96-token sequences) and
+/// whose attention geometry is its own (8 query heads x 16 against hidden 64, 2 KV heads, MLP
+/// 128, norm eps 1e-5), given as a --drafter-config file.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sliding_drafter_training_tracks_cpu_and_is_deterministic() {
+    use dflash_engine::config::{DraftLayerType, DrafterConfig, TargetConfig};
+    let dir = tmp("train-sliding-cfg");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut d = DrafterConfig::for_target(&TargetConfig::preset("tiny").unwrap(), 2, 16, None).unwrap();
+    (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) = (8, 2, 16, 128);
+    d.rms_norm_eps = 1e-5;
+    d.layer_types = vec![DraftLayerType::Sliding, DraftLayerType::Full];
+    d.sliding_window = Some(12);
+    d.validate().unwrap();
+    let cfg = dir.join("drafter.json");
+    std::fs::write(&cfg, d.to_json()).unwrap();
+    tracks_cpu_and_is_deterministic("train-sliding", Some(cfg.display().to_string()));
+}
+
+fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
+    let dir = tmp(tag);
     let data = dir.join("data.jsonl");
     session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data).unwrap();
     let base = {
@@ -19,6 +43,7 @@ fn gpu_training_tracks_cpu_and_is_deterministic() {
         ro.output.quiet = true;
         ro.data.path = Some(data);
         ro.output.save_every = 1000;
+        ro.model.drafter_config = drafter_config;
         ro
     };
     let run = |device, tag: &str| {

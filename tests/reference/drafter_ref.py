@@ -67,10 +67,13 @@ def rope(x, pos, theta):
     return x * cos + rot * sin
 
 
-def build_mask(anchors, ctx_start, n_ctx, bs):
+def build_mask(anchors, ctx_start, n_ctx, bs, window=0):
     """Boolean [Nb*bs, T + Nb*bs]: query slot of block j sees context row t iff
     ctx_start[j] <= t < ctx_start[j] + anchors[j] (strictly before the anchor), and every slot of
-    its own block (bidirectional); never other blocks. A padded block (anchor < 0) sees nothing."""
+    its own block (bidirectional); never other blocks. A padded block (anchor < 0) sees nothing.
+    window W > 0 (a sliding_attention layer): slot r additionally needs
+    t - ctx_start[j] >= anchors[j] + r - (W - 1) (the draft token takes one place in the window),
+    and sees only the slots <= r of its own block (causal inside the block)."""
     nb = anchors.shape[0]
     dev = anchors.device
     a = anchors.to(torch.long)
@@ -82,6 +85,14 @@ def build_mask(anchors, ctx_start, n_ctx, bs):
     blk_vis = (blk[:, None] == blk[None, :]) & valid[:, None]  # [Nb, Nb]
     ctx_vis = ctx_vis.repeat_interleave(bs, dim=0)  # [Nb*bs, T]
     blk_vis = blk_vis.repeat_interleave(bs, dim=0).repeat_interleave(bs, dim=1)  # [Nb*bs, Nb*bs]
+    if window > 0:
+        r = torch.arange(nb * bs, device=dev) % bs  # slot of each query row
+        a_row = a.repeat_interleave(bs)
+        cs_row = cs.repeat_interleave(bs)
+        lo = a_row + r - (window - 1)  # first visible position, relative to the sequence
+        ctx_vis = ctx_vis & ((t[None, :] - cs_row[:, None]) >= lo[:, None])
+        slot_k = torch.arange(nb * bs, device=dev) % bs
+        blk_vis = blk_vis & (slot_k[None, :] <= r[:, None])
     return torch.cat([ctx_vis, blk_vis], dim=1)
 
 
@@ -119,7 +130,8 @@ def forward_loss(P, inp, cfg):
     x = inp["embed"][ids]  # [Tb, H]
     tb = x.shape[0]
 
-    mask = build_mask(inp["anchors"], inp["ctx_start"], n_ctx, bs)
+    windows = cfg["layer_windows"]
+    masks = {w: build_mask(inp["anchors"], inp["ctx_start"], n_ctx, bs, w) for w in set(windows)}
     bpos = inp["block_pos"].to(torch.long)
     cpos = inp["ctx_pos"].to(torch.long)
     scale = hd ** -0.5
@@ -135,7 +147,7 @@ def forward_loss(P, inp, cfg):
         v = (kv_in @ w("self_attn.v_proj.weight").T).view(n_ctx + tb, nkv, hd)
         q = rope(q, bpos, theta)
         k = rope(k, torch.cat([cpos, bpos], dim=0), theta)
-        o = masked_attention(q, k, v, mask, scale).reshape(tb, nq * hd)
+        o = masked_attention(q, k, v, masks[windows[i]], scale).reshape(tb, nq * hd)
         x = x + o @ w("self_attn.o_proj.weight").T
         h2 = rms_norm(x, w("post_attention_layernorm.weight"), rms_eps)
         gate = h2 @ w("mlp.gate_proj.weight").T
@@ -185,6 +197,12 @@ def main():
         raise SystemExit(f"drafter_ref: metadata lacks {missing} (has {sorted(meta)})")
     cfg = {k: int(meta[k]) for k in ["heads", "kv_heads", "head_dim", "block_size", "layers"]}
     cfg.update({k: float(meta[k]) for k in ["rms_eps", "norm_eps", "rope_theta"]})
+    # Optional: the attention window of each layer, comma separated, 0 = full_attention
+    # (absent: every layer full).
+    lw = meta.get("layer_windows")
+    cfg["layer_windows"] = [int(x) for x in lw.split(",")] if lw else [0] * cfg["layers"]
+    if len(cfg["layer_windows"]) != cfg["layers"] or any(w < 0 for w in cfg["layer_windows"]):
+        raise SystemExit(f"drafter_ref: layer_windows {lw!r} must list {cfg['layers']} windows >= 0")
 
     names = param_names(cfg["layers"])
     missing = [n for n in INPUT_NAMES + names if n not in tensors]

@@ -1197,6 +1197,7 @@ impl Backend for CudaBackend {
             heads: sh.heads,
             kv_heads: sh.kv_heads,
             scale: sh.scale(),
+            window: sh.window.unwrap_or(0),
         };
         self.launch(s, kernel, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)
     }
@@ -1270,6 +1271,7 @@ impl Backend for CudaBackend {
             heads: sh.heads,
             kv_heads: sh.kv_heads,
             scale: sh.scale(),
+            window: sh.window.unwrap_or(0),
         };
         self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)?;
         // Each context row's range of candidate blocks, on the device (no host round trip).
@@ -1312,6 +1314,7 @@ impl Backend for CudaBackend {
             scale: sh.scale(),
             ctx_block_begin: db.at(OP, 0)?,
             ctx_block_end: de.at(OP, 0)?,
+            window: sh.window.unwrap_or(0),
         };
         let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
         self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), args)
@@ -1458,6 +1461,12 @@ fn draft_geom(
 ) -> Result<DraftGeom> {
     if sh.kv_heads == 0 || sh.heads % sh.kv_heads != 0 {
         return Err(BackendError::Shape { op, what: format!("{} heads over {} kv heads", sh.heads, sh.kv_heads) });
+    }
+    if sh.window == Some(0) {
+        return Err(BackendError::Shape {
+            op,
+            what: "sliding window 0 (a window holds at least the draft token)".into(),
+        });
     }
     let m = sh.block_size * (sh.heads / sh.kv_heads);
     if m > ATTN_DRAFT_MAX_ROWS {

@@ -265,6 +265,7 @@ fn attend<B: Backend>(
                 heads: sh.heads,
                 kv_heads: sh.kv_heads,
                 head_dim: sh.head_dim,
+                window: None,
             };
             be.attn_draft_fwd(s, &ash, q, kc, vc, k, v, anchors, ctx_start, o, lse)?;
             for b in 0..rows {
