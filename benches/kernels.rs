@@ -384,7 +384,7 @@ fn main() {
             }
             let starts = ids(st);
             let sh = dflash_engine::backend::GdnShape { rows: n, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
-            for form in [GdnForm::ChunkedSimt] {
+            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc] {
                 let t = time(&be, 5, || {
                     be.gdn_launch(form, &s, &sh, [&q, &k, &v, &gl, &beta], &starts, &mut o, None).unwrap()
                 });

@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent_fwd(
     const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ o,
     float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
     int k_heads, int v_heads, int dk, int dv) {
-  extern __shared__ __align__(16) float smem[];
+  extern __shared__ __align__(128) float smem[];
   float* S = smem;            // [dk][dv]
   float* sq = S + dk * dv;    // [dk]
   float* sk = sq + dk;        // [dk]
@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_chunked_fwd_simt(
     float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
     int k_heads, int v_heads, int dk, int dv) {
   using gdn::C;
-  extern __shared__ __align__(16) float smem[];
+  extern __shared__ __align__(128) float smem[];
   float* S = smem;
   float* K = S + dk * dv;
   float* W = K + C * dk;
@@ -239,5 +239,224 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_chunked_fwd_simt(
   if (st) {
     __syncthreads();
     for (int e = tid; e < dk * dv; e += nt) st[e] = S[e];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The chunked form on tensor cores: the same steps as gdn_chunked_fwd_simt, with every matrix
+// product of the chunk (K K^T, W S, Q K^T, Q S + A V', K^T V') as 16 x 16 x 8 TF32 MMAs (wmma,
+// f32 accumulators) over f32 shared-memory tiles. The chunk is padded to C rows with zeros (K, W,
+// Q, U and the masked A), so a partial last chunk runs the same tiles. The forward substitution
+// stays on CUDA cores (a 64-step dependent chain per column). TF32 keeps 10 mantissa bits of each
+// product operand (~5e-4 relative), below the bf16 rounding of the outputs; the state and every
+// accumulator stay f32. Requires dk % 16 == 0 and dv % 16 == 0 (the Rust launcher falls back to
+// the SIMT kernel otherwise). Shared memory: the SIMT layout plus one 16 x 16 f32 staging tile per
+// warp for the bf16 output stores, every row padded by P = GDN_TC_PAD floats:
+// 4 * (dk*(dv+P) + 2*C*(dk+P) + C*(dv+P) + C*(C+P) + 3*C + 8*256) bytes (128/128: 195,328).
+#include <mma.h>
+
+namespace gdn {
+
+namespace wm = nvcuda::wmma;
+constexpr int T = 16;        // output tile edge
+constexpr int KS = 8;        // k-step of a TF32 MMA
+constexpr int WARPS = GDN_THREADS / 32;
+constexpr int PAD = GDN_TC_PAD;  // f32 elements of padding per shared-memory row
+
+template <class Layout>
+using FragA = wm::fragment<wm::matrix_a, T, T, KS, wm::precision::tf32, Layout>;
+template <class Layout>
+using FragB = wm::fragment<wm::matrix_b, T, T, KS, wm::precision::tf32, Layout>;
+using Acc = wm::fragment<wm::accumulator, T, T, KS, float>;
+
+// acc += A[16 x kdim] B[kdim x 16]: A at a (row-major: element (m, k) at a[m*lda + k]; col-major:
+// a[k*lda + m]), B at b likewise (row-major (k, n) at b[k*ldb + n]; col-major b[n*ldb + k]).
+template <class LA, class LB>
+__device__ __forceinline__ void mma_acc(Acc& acc, const float* a, int lda, const float* b, int ldb, int kdim) {
+  constexpr bool a_row = std::is_same<LA, wm::row_major>::value;
+  constexpr bool b_row = std::is_same<LB, wm::row_major>::value;
+  FragA<LA> fa;
+  FragB<LB> fb;
+  for (int k0 = 0; k0 < kdim; k0 += KS) {
+    wm::load_matrix_sync(fa, a + (a_row ? k0 : k0 * lda), lda);
+    wm::load_matrix_sync(fb, b + (b_row ? k0 * ldb : k0), ldb);
+#pragma unroll
+    for (int t = 0; t < fa.num_elements; ++t) fa.x[t] = wm::__float_to_tf32(fa.x[t]);
+#pragma unroll
+    for (int t = 0; t < fb.num_elements; ++t) fb.x[t] = wm::__float_to_tf32(fb.x[t]);
+    wm::mma_sync(acc, fa, fb, acc);
+  }
+}
+
+}  // namespace gdn
+
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
+    const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+    const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ o,
+    float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
+    int k_heads, int v_heads, int dk, int dv) {
+  using gdn::C;
+  using gdn::T;
+  namespace wm = gdn::wm;
+  extern __shared__ __align__(128) float smem[];
+  // Row pitches padded by 4 floats: consecutive rows start 4 banks apart, so the 8 rows of a
+  // fragment load hit 32 different banks (an unpadded 128-float row puts them all in one).
+  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
+  constexpr int la = C + gdn::PAD;
+  float* S = smem;           // [dk][lv]
+  float* K = S + dk * lv;    // [C][lk]
+  float* W = K + C * lk;     // [C][lk]
+  float* U = W + C * lk;     // [C][lv]
+  float* A = U + C * lv;     // [C][la]
+  float* G = A + C * la;
+  float* Bt = G + C;
+  float* E = Bt + C;
+  float* stage = E + C;  // [WARPS][T * T]
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  if (blockDim.x != GDN_THREADS || (dk % T) != 0 || (dv % T) != 0) __trap();
+  const int h = (int)(blockIdx.x % (unsigned)v_heads);
+  const int b = (int)(blockIdx.x / (unsigned)v_heads);
+  index_t r0, r1;
+  gdn::seq_range(seq_starts, n_starts, rows, b, r0, r1);
+  if (r1 <= r0) return;
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
+  const float* qh = q + (index_t)kh * dk;
+  const float* kh_ = k + (index_t)kh * dk;
+  const __nv_bfloat16* vh = v + (index_t)h * dv;
+  __nv_bfloat16* oh = o + (index_t)h * dv;
+  float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
+  for (int e = tid; e < dk * dv; e += nt) S[(e / dv) * lv + e % dv] = st ? st[e] : 0.f;
+  const int tiles_kk = (C / T) * (C / T);     // L x L products
+  const int tiles_lv = (C / T) * (dv / T);    // L x dv products
+  const int tiles_s = (dk / T) * (dv / T);    // dk x dv (the state)
+
+  for (index_t c0 = r0; c0 < r1; c0 += C) {
+    const int L = (int)min((index_t)C, r1 - c0);
+    __syncthreads();  // the previous chunk is done with every buffer
+    for (int e = tid; e < C * dk; e += nt) {
+      const int i = e / dk, d = e - i * dk;
+      K[i * lk + d] = i < L ? kh_[(c0 + i) * kw + d] : 0.f;
+    }
+    for (int i = tid; i < C; i += nt) Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
+    if (tid == 0) {
+      float acc = 0.f;
+      for (int i = 0; i < C; ++i) {
+        if (i < L) acc += g[(c0 + i) * v_heads + h];
+        G[i] = acc;
+      }
+    }
+    __syncthreads();
+    // U = diag(beta) V, W = diag(beta exp(G)) K, E = exp(G_L - G_j); meanwhile A = K K^T.
+    for (int e = tid; e < C * dv; e += nt) {
+      const int i = e / dv, c = e - i * dv;
+      U[i * lv + c] = i < L ? Bt[i] * bf16_to_f32(vh[(c0 + i) * vw + c]) : 0.f;
+    }
+    for (int e = tid; e < C * dk; e += nt) {
+      const int i = e / dk, d = e - i * dk;
+      W[i * lk + d] = Bt[i] * expf(G[i]) * K[i * lk + d];
+    }
+    for (int i = tid; i < C; i += nt) E[i] = i < L ? expf(G[L - 1] - G[i]) : 0.f;
+    for (int t = warp; t < tiles_kk; t += gdn::WARPS) {
+      const int i0 = (t / (C / T)) * T, j0 = (t % (C / T)) * T;
+      gdn::Acc acc;
+      wm::fill_fragment(acc, 0.f);
+      gdn::mma_acc<wm::row_major, wm::col_major>(acc, K + i0 * lk, lk, K + j0 * lk, lk, dk);
+      wm::store_matrix_sync(A + i0 * la + j0, acc, la, wm::mem_row_major);
+    }
+    __syncthreads();
+    for (int e = tid; e < C * C; e += nt) {
+      const int i = e / C, j = e - i * C;
+      A[i * la + j] = (j < i && i < L) ? Bt[i] * A[i * la + j] * expf(G[i] - G[j]) : 0.f;
+    }
+    __syncthreads();
+    for (int col = tid; col < dk + dv; col += nt) {
+      float* X = col < dk ? W + col : U + (col - dk);
+      const int ld = col < dk ? lk : lv;
+      for (int i = 1; i < L; ++i) {
+        float x = X[i * ld];
+        for (int j = 0; j < i; ++j) x -= A[i * la + j] * X[j * ld];
+        X[i * ld] = x;
+      }
+    }
+    __syncthreads();
+    // V' = U - W S: the accumulator starts from U, W's fragments are negated.
+    for (int t = warp; t < tiles_lv; t += gdn::WARPS) {
+      const int i0 = (t / (dv / T)) * T, n0 = (t % (dv / T)) * T;
+      gdn::Acc acc;
+      wm::load_matrix_sync(acc, U + i0 * lv + n0, lv, wm::mem_row_major);
+      gdn::FragA<wm::row_major> fa;
+      gdn::FragB<wm::row_major> fb;
+      for (int k0 = 0; k0 < dk; k0 += gdn::KS) {
+        wm::load_matrix_sync(fa, W + i0 * lk + k0, lk);
+        wm::load_matrix_sync(fb, S + k0 * lv + n0, lv);
+#pragma unroll
+        for (int x = 0; x < fa.num_elements; ++x) fa.x[x] = -wm::__float_to_tf32(fa.x[x]);
+#pragma unroll
+        for (int x = 0; x < fb.num_elements; ++x) fb.x[x] = wm::__float_to_tf32(fb.x[x]);
+        wm::mma_sync(acc, fa, fb, acc);
+      }
+      // Each tile is read and written by its own warp only: in place is safe.
+      wm::store_matrix_sync(U + i0 * lv + n0, acc, lv, wm::mem_row_major);
+    }
+    __syncthreads();
+    for (int e = tid; e < C * dk; e += nt) {
+      const int i = e / dk, d = e - i * dk;
+      W[i * lk + d] = i < L ? qh[(c0 + i) * kw + d] : 0.f;
+    }
+    __syncthreads();
+    for (int t = warp; t < tiles_kk; t += gdn::WARPS) {
+      const int i0 = (t / (C / T)) * T, j0 = (t % (C / T)) * T;
+      gdn::Acc acc;
+      wm::fill_fragment(acc, 0.f);
+      gdn::mma_acc<wm::row_major, wm::col_major>(acc, W + i0 * lk, lk, K + j0 * lk, lk, dk);
+      wm::store_matrix_sync(A + i0 * la + j0, acc, la, wm::mem_row_major);
+    }
+    __syncthreads();
+    // The decayed causal mask on Q K^T; Q's rows take exp(G_i) (the state term's decay); K's rows
+    // take exp(G_L - G_j) (the state update's decay). Q K^T was taken before either.
+    for (int e = tid; e < C * C; e += nt) {
+      const int i = e / C, j = e - i * C;
+      A[i * la + j] = (j <= i && i < L) ? A[i * la + j] * expf(G[i] - G[j]) : 0.f;
+    }
+    for (int e = tid; e < C * dk; e += nt) {
+      const int i = e / dk, d = e - i * dk;
+      W[i * lk + d] *= expf(G[i]);
+      K[i * lk + d] *= E[i];
+    }
+    __syncthreads();
+    // o = (exp(G) Q) S + A V', staged per warp and stored as bf16.
+    float* sw = stage + warp * T * T;
+    for (int t = warp; t < tiles_lv; t += gdn::WARPS) {
+      const int i0 = (t / (dv / T)) * T, n0 = (t % (dv / T)) * T;
+      if (i0 >= L) continue;  // warp-uniform: whole tile past the chunk
+      gdn::Acc acc;
+      wm::fill_fragment(acc, 0.f);
+      gdn::mma_acc<wm::row_major, wm::row_major>(acc, W + i0 * lk, lk, S + n0, lv, dk);
+      gdn::mma_acc<wm::row_major, wm::row_major>(acc, A + i0 * la, la, U + n0, lv, C);
+      wm::store_matrix_sync(sw, acc, T, wm::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < T * T; e += 32) {
+        const int i = i0 + e / T, c = n0 + e % T;
+        if (i < L) oh[(c0 + i) * vw + c] = f32_to_bf16_rne(sw[e]);
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    // S = exp(G_L) S + (E K)^T V'.
+    const float end_decay = expf(G[L - 1]);
+    for (int t = warp; t < tiles_s; t += gdn::WARPS) {
+      const int d0 = (t / (dv / T)) * T, n0 = (t % (dv / T)) * T;
+      gdn::Acc acc;
+      wm::load_matrix_sync(acc, S + d0 * lv + n0, lv, wm::mem_row_major);
+#pragma unroll
+      for (int x = 0; x < acc.num_elements; ++x) acc.x[x] *= end_decay;
+      gdn::mma_acc<wm::col_major, wm::row_major>(acc, K + d0, lk, U + n0, lv, C);
+      wm::store_matrix_sync(S + d0 * lv + n0, acc, lv, wm::mem_row_major);
+    }
+  }
+  if (st) {
+    __syncthreads();
+    for (int e = tid; e < dk * dv; e += nt) st[e] = S[(e / dv) * lv + e % dv];
   }
 }

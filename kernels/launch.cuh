@@ -103,3 +103,6 @@ constexpr int GDN_CHUNK = 64;
 // Threads per CTA of both delta-rule kernels: one per column of the [dk + dv] forward
 // substitution at dk = dv = 128.
 constexpr int GDN_THREADS = 256;
+// Tensor-core kernel: f32 padding per shared-memory row (16 bytes: rows 4 banks apart, and the
+// wmma 32-byte pointer alignment kept for 16-row tiles).
+constexpr int GDN_TC_PAD = 4;

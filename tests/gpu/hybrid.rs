@@ -7,6 +7,7 @@
 //! remaining differences are summation order and libm vs CUDA math (a bf16 ulp or two).
 
 use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::cuda::{CudaBackend, GdnForm};
 use dflash_engine::backend::{Backend, GdnShape};
 use dflash_engine::rng::Philox;
 use dflash_engine::tensor::DType;
@@ -286,26 +287,54 @@ fn gdn_run<B: Backend>(
     (get(be, &o), st.map(|b| get(be, &b)).unwrap_or_default())
 }
 
-/// The chunked and the recurrent kernels against the CPU, from a zero state and from a given one
-/// (state out compared too), and against each other.
+/// One of kernels/gdn.cu's kernels by name (the trait picks the tensor-core one for the chunked
+/// form where the head dims allow it; the tests run every kernel).
+fn gdn_run_form(
+    be: &CudaBackend,
+    x: &GdnInputs,
+    starts: &[i32],
+    form: GdnForm,
+    state0: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let s = be.compute_stream();
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::BF16));
+    let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
+    let mut o = be.alloc(&s, DType::BF16, x.sh.rows * x.sh.v_heads * x.sh.v_dim).unwrap();
+    let mut st = state0.map(|v| put(be, v, DType::F32));
+    be.gdn_launch(form, &s, &x.sh, [&q, &k, &v, &g, &beta], &ids(be, starts), &mut o, st.as_mut()).unwrap();
+    (get(be, &o), st.map(|b| get(be, &b)).unwrap_or_default())
+}
+
+/// Every delta-rule kernel that takes these head dims against the CPU (the chunked ones against
+/// the CPU's chunked form, the recurrent one against its recurrent form), from a zero state and
+/// from a given one (the state out compared too), and the chunked kernels against the recurrent.
 fn gdn_check(what: &str, x: &GdnInputs, starts: &[i32]) {
     let (g, c) = (gpu(), CpuBackend::new());
     let seqs = starts.len() - 1;
     let st0 = rand(seqs * x.sh.v_heads * x.sh.k_dim * x.sh.v_dim, 70, 0.1);
-    for chunked in [true, false] {
-        let form = if chunked { "chunked" } else { "recurrent" };
-        let (a, _) = gdn_run(&g, x, starts, chunked, None);
+    let (rec, _) = gdn_run_form(&g, x, starts, GdnForm::Recurrent, None);
+    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+        if !form.takes(x.sh.k_dim, x.sh.v_dim) {
+            continue;
+        }
+        let chunked = form != GdnForm::Recurrent;
+        // f32 states after hundreds of updates summed in another order: 1e-3 of the largest entry;
+        // the tensor-core kernel rounds its product operands to TF32 (10 mantissa bits): 1e-2.
+        let st_tol = if form == GdnForm::ChunkedTc { 1e-2 } else { 1e-3 };
+        let (a, _) = gdn_run_form(&g, x, starts, form, None);
         let (b, _) = gdn_run(&c, x, starts, chunked, None);
-        rel_err(&format!("gdn {form} {what}"), &a, &b, BF16_TOL);
-        let (a, sa) = gdn_run(&g, x, starts, chunked, Some(&st0));
+        rel_err(&format!("gdn {form:?} {what}"), &a, &b, BF16_TOL);
+        if chunked {
+            rel_err(&format!("gdn {form:?} vs recurrent on cuda {what}"), &a, &rec, BF16_TOL);
+        }
+        let (a, sa) = gdn_run_form(&g, x, starts, form, Some(&st0));
         let (b, sb) = gdn_run(&c, x, starts, chunked, Some(&st0));
-        rel_err(&format!("gdn {form} {what}, state in"), &a, &b, BF16_TOL);
-        // f32 state after hundreds of f32 updates in another order; 1e-3 of its largest entry.
-        rel_err(&format!("gdn {form} {what}, state out"), &sa, &sb, 1e-3);
+        rel_err(&format!("gdn {form:?} {what}, state in"), &a, &b, BF16_TOL);
+        rel_err(&format!("gdn {form:?} {what}, state out"), &sa, &sb, st_tol);
     }
+    // The trait's chunked op runs one of them.
     let (a, _) = gdn_run(&g, x, starts, true, None);
-    let (b, _) = gdn_run(&g, x, starts, false, None);
-    rel_err(&format!("gdn chunked vs recurrent on cuda {what}"), &a, &b, BF16_TOL);
+    rel_err(&format!("gdn_chunked_fwd (trait) {what}"), &a, &rec, BF16_TOL);
 }
 
 #[test]
@@ -316,6 +345,8 @@ fn gpu_gdn_chunked_and_recurrent_match_cpu_on_ragged_batches() {
     gdn_check("2/6 heads 16x16 packed", &gdn_inputs(rows, 2, 6, 16, 16, 1), &starts_of(&LENS));
     gdn_check("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 2), &starts_of(&LENS));
     gdn_check("2/4 heads 32x64 packed", &gdn_inputs(rows, 2, 4, 32, 64, 3), &starts_of(&LENS));
+    // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
+    gdn_check("1/2 heads 24x40 packed", &gdn_inputs(rows, 1, 2, 24, 40, 4), &starts_of(&LENS));
     // Each length alone.
     for (i, &l) in LENS.iter().enumerate() {
         gdn_check(
@@ -335,9 +366,9 @@ fn gpu_gdn_state_restarts_at_every_sequence_start() {
     let rows: usize = LENS.iter().sum();
     let x = gdn_inputs(rows, 2, 6, 32, 32, 80);
     let (hv, dv) = (6, 32);
-    for chunked in [true, false] {
-        let (packed, _) = gdn_run(&g, &x, &starts_of(&LENS), chunked, None);
-        let (joined, _) = gdn_run(&g, &x, &[0, rows as i32], chunked, None);
+    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+        let (packed, _) = gdn_run_form(&g, &x, &starts_of(&LENS), form, None);
+        let (joined, _) = gdn_run_form(&g, &x, &[0, rows as i32], form, None);
         let mut r0 = 0;
         for &l in &LENS {
             let sub = |v: &[f32], w: usize| v[r0 * w..(r0 + l) * w].to_vec();
@@ -350,9 +381,9 @@ fn gpu_gdn_state_restarts_at_every_sequence_start() {
                 g: sub(&x.g, hv),
                 beta: sub(&x.beta, hv),
             };
-            let (a, _) = gdn_run(&g, &alone, &[0, l as i32], chunked, None);
+            let (a, _) = gdn_run_form(&g, &alone, &[0, l as i32], form, None);
             bits_equal(
-                &format!("gdn chunked={chunked}: sequence of {l} packed vs alone"),
+                &format!("gdn {form:?}: sequence of {l} packed vs alone"),
                 &packed[r0 * hv * dv..(r0 + l) * hv * dv],
                 &a,
             );

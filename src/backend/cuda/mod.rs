@@ -29,7 +29,7 @@ use crate::kernels::launch::{
     PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD, RMS_WARP_TEAM_MAX_DIM,
     SUMSQ_BLOCK, SUMSQ_PARTS,
 };
-use crate::kernels::launch::{GDN_CHUNK, GDN_THREADS, HYB_BLOCK};
+use crate::kernels::launch::{GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -1606,7 +1606,21 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         state: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        self.gdn_launch(GdnForm::ChunkedSimt, s, sh, [q, k, v, g, beta], seq_starts, o, state)
+        // Tensor cores where the head dims tile by 16 (every Qwen3.5/3.6 config), else the CUDA-core
+        // kernel, said once.
+        let form = if GdnForm::ChunkedTc.takes(sh.k_dim, sh.v_dim) {
+            GdnForm::ChunkedTc
+        } else {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                eprintln!(
+                    "note: gdn_chunked_fwd: head dims {} x {} are not multiples of 16; using the CUDA-core kernel",
+                    sh.k_dim, sh.v_dim
+                )
+            });
+            GdnForm::ChunkedSimt
+        };
+        self.gdn_launch(form, s, sh, [q, k, v, g, beta], seq_starts, o, state)
     }
 }
 
@@ -1622,6 +1636,9 @@ pub enum GdnForm {
     Recurrent,
     /// `gdn_chunked_fwd_simt`: chunks of GDN_CHUNK, products on CUDA cores.
     ChunkedSimt,
+    /// `gdn_chunked_fwd_tc`: chunks of GDN_CHUNK, products on tensor cores (TF32 wmma); head
+    /// dims multiples of 16.
+    ChunkedTc,
 }
 
 impl GdnForm {
@@ -1631,7 +1648,16 @@ impl GdnForm {
         4 * match self {
             GdnForm::Recurrent => dk * dv + 2 * dk,
             GdnForm::ChunkedSimt => dk * dv + 2 * c * dk + c * dv + c * c + 3 * c,
+            GdnForm::ChunkedTc => {
+                let (lk, lv, la) = (dk + GDN_TC_PAD, dv + GDN_TC_PAD, c + GDN_TC_PAD);
+                dk * lv + 2 * c * lk + c * lv + c * la + 3 * c + (GDN_THREADS / 32) * 16 * 16
+            }
         }
+    }
+
+    /// Whether this form's kernel takes these head dims.
+    pub fn takes(self, dk: usize, dv: usize) -> bool {
+        self != GdnForm::ChunkedTc || (dk % 16 == 0 && dv % 16 == 0)
     }
 }
 
@@ -1656,7 +1682,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let op = match form {
             GdnForm::Recurrent => "gdn_recurrent_fwd",
-            GdnForm::ChunkedSimt => "gdn_chunked_fwd",
+            GdnForm::ChunkedSimt | GdnForm::ChunkedTc => "gdn_chunked_fwd",
         };
         let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
         if k_heads == 0 || v_heads % k_heads != 0 || dk == 0 || dv == 0 {
@@ -1685,6 +1711,12 @@ impl CudaBackend {
             // Never read (state_seqs 0), but a launch argument must be a live pointer.
             None => (q.at::<f32>(op, 0)?, 0),
         };
+        if !form.takes(dk, dv) {
+            return Err(BackendError::Shape {
+                op,
+                what: format!("{form:?} needs head dims that are multiples of 16, not {dk} x {dv}"),
+            });
+        }
         let smem = form.smem_bytes(dk, dv);
         if smem > self.smem_optin {
             return Err(BackendError::Shape {
@@ -1723,6 +1755,7 @@ impl CudaBackend {
         match form {
             GdnForm::Recurrent => self.launch(s, launch::GdnRecurrentFwd::KERNEL, cfg, args!(GdnRecurrentFwd)),
             GdnForm::ChunkedSimt => self.launch(s, launch::GdnChunkedFwdSimt::KERNEL, cfg, args!(GdnChunkedFwdSimt)),
+            GdnForm::ChunkedTc => self.launch(s, launch::GdnChunkedFwdTc::KERNEL, cfg, args!(GdnChunkedFwdTc)),
         }
     }
 }
@@ -1827,6 +1860,10 @@ mod tests {
         // dk = dv = 128 (Qwen3.6-27B) within Hopper's 227 KB per CTA, one CTA per SM.
         assert_eq!(GdnForm::ChunkedSimt.smem_bytes(128, 128), 180_992);
         assert_eq!(GdnForm::Recurrent.smem_bytes(128, 128), 66_560);
+        assert_eq!(GdnForm::ChunkedTc.smem_bytes(128, 128), 195_328);
+        assert!(GdnForm::ChunkedTc.smem_bytes(128, 128) <= 227 * 1024);
+        assert!(GdnForm::ChunkedTc.takes(128, 128) && GdnForm::ChunkedTc.takes(16, 32));
+        assert!(!GdnForm::ChunkedTc.takes(24, 128) && GdnForm::ChunkedSimt.takes(24, 100));
         assert!(GdnForm::ChunkedSimt.smem_bytes(128, 128) <= 227 * 1024);
         // The forward substitution gives each thread one column of [W | U] at the 27B dims.
         assert_eq!(GDN_THREADS, 128 + 128);
