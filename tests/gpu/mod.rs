@@ -15,7 +15,8 @@
 //!   at head_dim 256, and the qwen3.5-tiny target's taps on CUDA against the CPU
 //! - `cross_entropy`: fused lm_head loss, dlogits and argmax (cross_entropy.cu)
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
-//! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity
+//! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity (also with
+//!   the qwen3.5-tiny hybrid target)
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
 
 mod attention;
