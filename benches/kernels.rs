@@ -3,6 +3,9 @@
 //! Timings: warm-up excluded, median of repeated runs, inputs larger than L2 (so L2 stays out).
 //! `cargo bench` on a GPU machine (prints a note and exits 0 without one).
 //! `DFLASH_BENCH_KERNELS="cross-entropy;fc"` measures only the groups named (see `want` below).
+//! `DFLASH_PEERS=peers.json` (written by `tests/reference/bench_attention_peers.py` on the same GPU
+//! just before) adds each attention row's peer time (cuDNN SDPA, FlexAttention with the DFlash
+//! mask) and the speed ratio peer time / engine time (above 1: the engine is faster).
 
 use std::time::Instant;
 
@@ -44,6 +47,41 @@ fn time_per_call(be: &CudaBackend, reps: usize, calls: usize, mut f: impl FnMut(
 
 /// Back-to-back calls per sample in `time_per_call`.
 const MEM_CALLS: usize = 5;
+
+/// The peer a row is compared with (keys of `bench_attention_peers.py`'s output).
+fn peer_key(name: &str) -> Option<String> {
+    let sliding = if name.contains("sliding") { "_sliding" } else { "" };
+    if name.starts_with("causal attention fwd") {
+        if name.ends_with(" 128)") {
+            return Some("causal128".into());
+        }
+        if name.ends_with(" 256)") {
+            return Some("causal256".into());
+        }
+    }
+    if name.starts_with("drafter attention fwd") {
+        return Some(format!("draft_fwd{sliding}"));
+    }
+    if name.starts_with("drafter attention bwd") {
+        return Some(format!("draft_bwd{sliding}"));
+    }
+    None
+}
+
+/// Peer milliseconds by key from `$DFLASH_PEERS`, or none (a missing or unreadable file is reported).
+fn load_peers() -> std::collections::HashMap<String, f64> {
+    let Ok(path) = std::env::var("DFLASH_PEERS") else { return Default::default() };
+    match std::fs::read_to_string(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str::<std::collections::HashMap<String, f64>>(&t).map_err(|e| e.to_string()))
+    {
+        Ok(m) => m,
+        Err(e) => {
+            println!("peers: cannot read {path}: {e}");
+            Default::default()
+        }
+    }
+}
 
 struct Row {
     name: String,
@@ -342,7 +380,7 @@ fn main() {
             be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4])
                 .unwrap()
         });
-        flops("drafter attention bwd", t, 10.0 * visible * heads as f64 * hd as f64);
+        flops("drafter attention bwd (2048 blocks x 16)", t, 10.0 * visible * heads as f64 * hd as f64);
     }
     if want("gdn") {
         // The chunked gated delta rule at the Qwen3.6-27B shape (48 value heads over 16 key heads,
@@ -421,9 +459,22 @@ fn main() {
         println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
     }
 
-    println!("\n{:<48} {:>10} {:>12} {:>8}", "kernel", "time", "throughput", "% peak");
+    let peers = load_peers();
+    println!("\n{:<48} {:>10} {:>12} {:>8} {:>10} {:>8}", "kernel", "time", "throughput", "% peak", "peer", "vs peer");
     for r in &rows {
-        println!("{:<48} {:>8.3}ms {:>7.0} {:<7} {:>5.1}%", r.name, r.secs * 1e3, r.value, r.unit, r.pct);
+        let peer = peer_key(&r.name).and_then(|k| peers.get(&k).map(|ms| (k, *ms)));
+        let vs = match peer {
+            Some((_, ms)) => format!("{:>8.3}ms {:>7.2}x", ms, ms / (r.secs * 1e3)),
+            None => String::new(),
+        };
+        println!("{:<48} {:>8.3}ms {:>7.0} {:<7} {:>5.1}% {vs}", r.name, r.secs * 1e3, r.value, r.unit, r.pct);
+    }
+    if !peers.is_empty() {
+        println!("peers (ms): {}", {
+            let mut v: Vec<_> = peers.iter().map(|(k, ms)| format!("{k} {ms:.3}")).collect();
+            v.sort();
+            v.join(", ")
+        });
     }
     println!("\nallocator: {:?}", be.allocator_stats());
 }

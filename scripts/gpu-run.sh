@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|pipe8b|pipe8b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -65,6 +65,12 @@ if has run8b; then
   # No checkpoint: the final one alone is ~14 GB of masters and moments at this shape.
   $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-6} --log-every 1 --no-checkpoint --out /tmp/q8b-run \
     2>&1 | tee "$OUT/run8b.log" || status=1
+fi
+if has prof8b; then
+  echo "== Qwen3-8B-shaped sync step, profiled by phase (--profile)"
+  make8b
+  $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-5} --sync --profile --log-every 1 --no-checkpoint --out /tmp/q8b-prof \
+    2>&1 | tee "$OUT/prof8b.log" || status=1
 fi
 if has pipe8b; then
   echo "== pipeline bench at the Qwen3-8B shape, one GPU"

@@ -99,6 +99,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         ro.output.checkpoints = false;
         ro.output.stop_after = None;
         ro.output.resume = false;
+        ro.output.profile = false;
         ro
     };
     let mut rows = Vec::new();
@@ -146,6 +147,9 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         )?;
         let b = row(mode, gpus, &r);
         say(&b);
+        if let Some(p) = &r.phases {
+            eprint!("{}", p.render());
+        }
         eprintln!("    ({:.0} s for the row, loading included)", t0.elapsed().as_secs_f64());
         rows.push(b);
         Ok(())
@@ -157,6 +161,17 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         ro.exec.drafter_gpus = Vec::new();
         ro
     })?;
+    if opts.output.profile {
+        // The same step with every launch timed: its phase table, and what the timing costs
+        // (this row's ms/step against the sync row's).
+        go("sync profiled", one.clone(), {
+            let mut ro = base.clone();
+            ro.exec.sync = true;
+            ro.exec.drafter_gpus = Vec::new();
+            ro.output.profile = true;
+            ro
+        })?;
+    }
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
         go(&format!("async {}", t.name()), one.clone(), {
             let mut ro = base.clone();

@@ -197,6 +197,10 @@ struct RunArgs {
     /// Write no TensorBoard event files.
     #[arg(long, overrides_with = "tensorboard")]
     no_tensorboard: bool,
+    /// Time every kernel, GEMM and copy of the step by phase with device events and print the
+    /// phase table in the summary (with --sync on one GPU; costs a few microseconds per launch).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Args)]
@@ -268,6 +272,7 @@ impl RunArgs {
                 stop_after: self.stop_after,
                 trace: self.trace,
                 tensorboard: !self.no_tensorboard,
+                profile: self.profile,
             },
         })
     }

@@ -6,14 +6,17 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use dflash_engine::plot::{self, PlotError};
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::metrics::{read_records, MetricsLog, MetricsRecord, METRICS_FILE, TENSORBOARD_DIR};
 
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-test-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let d = std::env::temp_dir().join(format!(
+        "dflash-test-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    ));
     let _ = std::fs::remove_dir_all(&d);
     d
 }

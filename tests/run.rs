@@ -11,7 +11,11 @@ use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::checkpoint;
 
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-test-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let d = std::env::temp_dir().join(format!(
+        "dflash-test-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    ));
     let _ = std::fs::remove_dir_all(&d);
     d
 }

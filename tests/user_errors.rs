@@ -10,7 +10,11 @@ use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
 
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-user-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let d = std::env::temp_dir().join(format!(
+        "dflash-user-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    ));
     let _ = std::fs::remove_dir_all(&d);
     d
 }

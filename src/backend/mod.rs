@@ -12,6 +12,7 @@
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod error;
+pub mod profile;
 pub mod slots;
 
 use std::sync::Arc;
@@ -221,6 +222,18 @@ pub trait Backend: Send + Sync + 'static {
     /// it also enables that access both ways (copy_from_peer asks it itself before its first
     /// copy between two devices, and fails if the answer is no).
     fn is_peer(&self, other: &Self) -> bool;
+    /// Starts timing every kernel, GEMM and copy by phase ([`profile`]); false where the backend
+    /// has no device clock.
+    fn start_profile(&self) -> bool {
+        false
+    }
+
+    /// The phases of the work enqueued since the last call (the host waits for it to finish);
+    /// None when not profiling.
+    fn take_profile_step(&self) -> Result<Option<profile::StepPhases>> {
+        Ok(None)
+    }
+
     /// An event that also takes a device timestamp (None where the backend has no device clock).
     fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {
         Ok(None)

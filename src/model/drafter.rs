@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::target::push_layer;
 use super::ParamTable;
+use crate::backend::profile::{self, Region};
 use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
 use crate::rng::{self, Philox};
 use crate::tensor::DType;
@@ -212,10 +213,8 @@ pub struct DraftOutputs<B: Backend> {
 struct LayerActs<B: Backend> {
     x_in: B::Buf,
     rstd_in: B::Buf,
-    xn: B::Buf,
     q_pre: B::Buf,
     q_rstd: B::Buf,
-    q: B::Buf,
     kc_pre: B::Buf,
     kc_rstd: B::Buf,
     kc: B::Buf,
@@ -228,9 +227,7 @@ struct LayerActs<B: Backend> {
     lse: B::Buf,
     x_mid: B::Buf,
     rstd_post: B::Buf,
-    h2: B::Buf,
     gu: B::Buf,
-    act: B::Buf,
 }
 
 /// The drafter body plus the frozen tensors it borrows from the target.
@@ -275,6 +272,7 @@ impl<B: Backend> Drafter<B> {
         let ash = self.attn_shape(inp);
         let table = &self.body.table;
         let w = &self.body.weights;
+        let _region = profile::enter(Region::Drafter);
 
         // Context: ctx = hidden_norm(Y), shared by every layer.
         let mut ctx = be.alloc(s, DType::BF16, tc * h)?;
@@ -290,10 +288,8 @@ impl<B: Backend> Drafter<B> {
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             let mut a = LayerActs::<B> {
                 rstd_in: be.alloc(s, DType::F32, tb)?,
-                xn: be.alloc(s, DType::BF16, tb * h)?,
                 q_pre: be.alloc(s, DType::BF16, tb * qw)?,
                 q_rstd: be.alloc(s, DType::F32, tb * sh.heads)?,
-                q: be.alloc(s, DType::BF16, tb * qw)?,
                 kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
                 kc_rstd: be.alloc(s, DType::F32, tc * sh.kv_heads)?,
                 kc: be.alloc(s, DType::BF16, tc * kw)?,
@@ -306,32 +302,36 @@ impl<B: Backend> Drafter<B> {
                 lse: be.alloc(s, DType::F32, tb * sh.heads)?,
                 x_mid: be.alloc(s, DType::BF16, tb * h)?,
                 rstd_post: be.alloc(s, DType::F32, tb)?,
-                h2: be.alloc(s, DType::BF16, tb * h)?,
                 gu: be.alloc(s, DType::BF16, tb * 2 * inter)?,
-                act: be.alloc(s, DType::BF16, tb * inter)?,
                 x_in: x,
             };
-            be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut a.xn, &mut a.rstd_in, tb, h, sh.eps)?;
+            // xn, q, h2 and act are not kept for the backward: it recomputes them from x_in,
+            // q_pre, x_mid and gu with the same kernels (bit-identical, ~1% of the step), which
+            // saves four [block rows, width] buffers per layer.
+            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
+            let mut q = be.alloc(s, DType::BF16, tb * qw)?;
+            be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
             // Queries from the block stream only.
-            be.gemm(s, &Gemm::linear(tb, qw, h), &a.xn, 0, w, off("self_attn.q_proj.weight"), &mut a.q_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut a.q_pre, 0)?;
             be.rmsnorm_fwd(
                 s,
                 &a.q_pre,
                 w,
                 off("self_attn.q_norm.weight"),
-                &mut a.q,
+                &mut q,
                 &mut a.q_rstd,
                 tb * sh.heads,
                 sh.head_dim,
                 sh.eps,
             )?;
-            be.rope(s, &mut a.q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
+            be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             // Keys and values from [ctx ; xn] with the same Wk / Wv.
             let (wk, wv) = (off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.kc_pre, 0)?;
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wv, &mut a.vc, 0)?;
-            be.gemm(s, &Gemm::linear(tb, kw, h), &a.xn, 0, w, wk, &mut a.kb_pre, 0)?;
-            be.gemm(s, &Gemm::linear(tb, kw, h), &a.xn, 0, w, wv, &mut a.vb, 0)?;
+            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wk, &mut a.kb_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wv, &mut a.vb, 0)?;
+            drop(xn);
             let kn = off("self_attn.k_norm.weight");
             be.rmsnorm_fwd(s, &a.kc_pre, w, kn, &mut a.kc, &mut a.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
             be.rmsnorm_fwd(s, &a.kb_pre, w, kn, &mut a.kb, &mut a.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
@@ -340,7 +340,7 @@ impl<B: Backend> Drafter<B> {
             be.attn_draft_fwd(
                 s,
                 &ash,
-                &a.q,
+                &q,
                 &a.kc,
                 &a.vc,
                 &a.kb,
@@ -350,26 +350,31 @@ impl<B: Backend> Drafter<B> {
                 &mut a.o,
                 &mut a.lse,
             )?;
+            drop(q);
             // x_mid = x_in + o Wo^T
             be.copy(s, &a.x_in, 0, &mut a.x_mid, 0, tb * h)?;
             let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear(tb, h, qw), &a.o, 0, w, off("self_attn.o_proj.weight"), &mut tmp, 0)?;
             be.add_inplace(s, &mut a.x_mid, &tmp)?;
             // MLP
+            let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(
                 s,
                 &a.x_mid,
                 w,
                 off("post_attention_layernorm.weight"),
-                &mut a.h2,
+                &mut h2,
                 &mut a.rstd_post,
                 tb,
                 h,
                 sh.eps,
             )?;
-            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &a.h2, 0, w, off("mlp.gate_proj.weight"), &mut a.gu, 0)?;
-            be.swiglu_fwd(s, &a.gu, &mut a.act, tb, inter)?;
-            be.gemm(s, &Gemm::linear(tb, h, inter), &a.act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
+            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut a.gu, 0)?;
+            drop(h2);
+            let mut act = be.alloc(s, DType::BF16, tb * inter)?;
+            be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
+            be.gemm(s, &Gemm::linear(tb, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
+            drop(act);
             x = be.alloc(s, DType::BF16, tb * h)?;
             be.copy(s, &a.x_mid, 0, &mut x, 0, tb * h)?;
             be.add_inplace(s, &mut x, &tmp)?;
@@ -385,6 +390,7 @@ impl<B: Backend> Drafter<B> {
         let chunk = sh.logits_chunk_rows.max(1).min(tb.max(1));
         let mut logits = be.alloc(s, DType::BF16, chunk * sh.vocab)?;
         let mut c0 = 0;
+        let loss_region = profile::enter(Region::Loss);
         while c0 < tb {
             let rows = chunk.min(tb - c0);
             let g = Gemm::linear(rows, sh.vocab, h);
@@ -407,6 +413,7 @@ impl<B: Backend> Drafter<B> {
             c0 += rows;
         }
         drop(logits);
+        drop(loss_region);
 
         // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's
         // K/V-injection gradient.
@@ -435,16 +442,22 @@ impl<B: Backend> Drafter<B> {
             let wd = off("mlp.down_proj.weight");
             let mut dact = be.alloc(s, DType::BF16, tb * inter)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
-            be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &a.act, 0, wgrad, wd)?;
+            let mut act = be.alloc(s, DType::BF16, tb * inter)?;
+            be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
+            be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
+            drop(act);
             let mut dgu = be.alloc(s, DType::BF16, tb * 2 * inter)?;
             be.swiglu_bwd(s, &dact, &a.gu, &mut dgu, tb, inter)?;
             drop(dact);
             let wg = off("mlp.gate_proj.weight");
             let mut dh2 = be.alloc(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
-            be.gemm(s, &Gemm::linear_dw(tb, 2 * inter, h), &dgu, 0, &a.h2, 0, wgrad, wg)?;
-            drop(dgu);
             let pn = off("post_attention_layernorm.weight");
+            let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
+            let mut rstd = be.alloc(s, DType::F32, tb * sh.heads.max(1))?;
+            be.rmsnorm_fwd(s, &a.x_mid, w, pn, &mut h2, &mut rstd, tb, h, sh.eps)?;
+            be.gemm(s, &Gemm::linear_dw(tb, 2 * inter, h), &dgu, 0, &h2, 0, wgrad, wg)?;
+            drop((dgu, h2));
             be.rmsnorm_bwd(s, &dh2, &a.x_mid, w, pn, &a.rstd_post, &mut dx, true, wgrad, pn, tb, h)?;
             // Attention: x_mid = x_in + o Wo^T
             let wo = off("self_attn.o_proj.weight");
@@ -456,10 +469,14 @@ impl<B: Backend> Drafter<B> {
             let mut dvc = be.alloc(s, DType::BF16, tc * kw)?;
             let mut dkb = be.alloc(s, DType::BF16, tb * kw)?;
             let mut dvb = be.alloc(s, DType::BF16, tb * kw)?;
+            let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
+            let mut q = be.alloc(s, DType::BF16, tb * qw)?;
+            be.rmsnorm_fwd(s, &a.q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
+            be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             be.attn_draft_bwd(
                 s,
                 &ash,
-                &a.q,
+                &q,
                 &a.kc,
                 &a.vc,
                 &a.kb,
@@ -471,12 +488,11 @@ impl<B: Backend> Drafter<B> {
                 &d_o,
                 [&mut dq, &mut dkc, &mut dvc, &mut dkb, &mut dvb],
             )?;
-            drop(d_o);
+            drop((d_o, q));
             be.rope(s, &mut dq, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, true)?;
             be.rope(s, &mut dkc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
             be.rope(s, &mut dkb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
             // QK-norm backward (the norm weights collect from queries, or from both key sources).
-            let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
             let mut dq_pre = be.alloc(s, DType::BF16, tb * qw)?;
             be.rmsnorm_bwd(
                 s,
@@ -526,11 +542,15 @@ impl<B: Backend> Drafter<B> {
             // Projection weights: block rows and context rows share Wk / Wv.
             let (wq, wk, wv) =
                 (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
-            be.gemm(s, &Gemm::linear_dw(tb, qw, h), &dq_pre, 0, &a.xn, 0, wgrad, wq)?;
+            let inn = off("input_layernorm.weight");
+            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
+            be.rmsnorm_fwd(s, &a.x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
+            be.gemm(s, &Gemm::linear_dw(tb, qw, h), &dq_pre, 0, &xn, 0, wgrad, wq)?;
             be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dkc_pre, 0, &ctx, 0, wgrad, wk)?;
-            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dkb_pre, 0, &a.xn, 0, wgrad, wk)?;
+            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dkb_pre, 0, &xn, 0, wgrad, wk)?;
             be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dvc, 0, &ctx, 0, wgrad, wv)?;
-            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dvb, 0, &a.xn, 0, wgrad, wv)?;
+            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dvb, 0, &xn, 0, wgrad, wv)?;
+            drop(xn);
             // dxn = dq Wq + dkb Wk + dvb Wv ; dctx += dkc Wk + dvc Wv
             let mut dxn = be.alloc(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, qw, h, false), &dq_pre, 0, w, wq, &mut dxn, 0)?;
@@ -539,7 +559,6 @@ impl<B: Backend> Drafter<B> {
             let first = l + 1 == sh.layers;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, !first), &dkc_pre, 0, w, wk, &mut dctx, 0)?;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, true), &dvc, 0, w, wv, &mut dctx, 0)?;
-            let inn = off("input_layernorm.weight");
             be.rmsnorm_bwd(s, &dxn, &a.x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
         }
         // The input embedding is frozen: dx stops here. Context: Y -> hidden_norm -> ctx.

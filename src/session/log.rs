@@ -27,6 +27,8 @@ pub struct RunSummary {
     pub checkpoint_seconds: f64,
     /// The backend's device-memory report (the CUDA allocator's peak and reserved bytes).
     pub device_memory: Option<String>,
+    /// `--profile`: the step's device time by phase.
+    pub phases: Option<crate::backend::profile::PhaseTable>,
 }
 
 /// A progress bar (hidden under `--quiet` or with `len` 0).
@@ -215,6 +217,9 @@ pub fn print_summary(r: &RunSummary) {
             secs(st.publisher_wait_copy),
             st.slot_waits
         );
+    }
+    if let Some(p) = &r.phases {
+        eprint!("{}", p.render());
     }
     if let Some(t) = st.target_gpu {
         eprintln!(

@@ -213,6 +213,11 @@ fn run_on<B: Backend>(
         say(note);
     }
     let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
+    let profiling = out.profile && bt.start_profile();
+    if out.profile && !profiling {
+        say("note      --profile: this backend has no device clock, so there is no phase table".into());
+    }
+    let mut phase_steps = Vec::new();
     let mut last_ckpt = None;
     let mut ckpt_secs = 0.0f64;
     let config_json = dcfg.to_json();
@@ -222,6 +227,11 @@ fn run_on<B: Backend>(
                        st: &PipelineStats|
      -> Result<Control, Box<dyn std::error::Error + Send + Sync>> {
         let ms = steplog.step(m);
+        if profiling {
+            if let Some(p) = bt.take_profile_step()? {
+                phase_steps.push((p, ms / 1e3));
+            }
+        }
         // Before the checkpoint: a saved step always has its metrics line.
         metrics.record_step(m, ms, st)?;
         let done = m.step + 1;
@@ -298,6 +308,8 @@ fn run_on<B: Backend>(
                 bes.iter().map(|b| b.memory_report().map(|m| format!("{}: {m}", b.name()))).collect();
             parts.map(|p| p.join("; "))
         },
+        // The first step builds GEMM plans and the allocator's segments: left out.
+        phases: crate::backend::profile::PhaseTable::from_steps(&phase_steps, 1),
     };
     print_summary(&summary);
     Ok(summary)

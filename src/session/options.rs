@@ -114,6 +114,9 @@ pub struct OutputOptions {
     pub trace: Option<PathBuf>,
     /// TensorBoard event files under `<out>/tb/` beside `<out>/metrics.jsonl`.
     pub tensorboard: bool,
+    /// Time every kernel, GEMM and copy of the synchronous step by phase (device events) and
+    /// print the phase table in the summary.
+    pub profile: bool,
 }
 
 /// Everything `run` needs; the CLI fills it (see `main.rs` for each flag's help).
@@ -185,6 +188,7 @@ impl RunOptions {
                 stop_after: None,
                 trace: None,
                 tensorboard: true,
+                profile: false,
             },
         }
     }
@@ -238,6 +242,13 @@ impl RunOptions {
         }
         positive_f32("--clip", t.clip)?;
         at_least("--max-inflight", e.max_inflight, 1)?;
+        if o.profile
+            && !(e.sync && e.target_gpus.len() <= 1 && (e.drafter_gpus.is_empty() || e.drafter_gpus == e.target_gpus))
+        {
+            return Err(OptionsError::Relation(
+                "--profile times the synchronous step on one device, where the phases follow one another on one stream: add --sync (target and drafter on one GPU)".into(),
+            ));
+        }
         if e.max_inflight > MAX_INFLIGHT {
             return Err(OptionsError::Range {
                 flag: "--max-inflight",
@@ -386,6 +397,23 @@ mod tests {
             assert!(e.starts_with(flag), "{flag}: {e}");
         }
         RunOptions::tiny_default().validate().unwrap();
+    }
+
+    /// The phase table needs the step's phases one after another on one stream.
+    #[test]
+    fn profile_needs_the_synchronous_step_on_one_device() {
+        let e = err(|o| o.output.profile = true);
+        assert!(e.contains("--profile") && e.contains("--sync"), "{e}");
+        let e = err(|o| {
+            o.output.profile = true;
+            o.exec.sync = true;
+            o.exec.drafter_gpus = vec![1];
+        });
+        assert!(e.contains("one GPU"), "{e}");
+        let mut o = RunOptions::tiny_default();
+        o.output.profile = true;
+        o.exec.sync = true;
+        o.validate().unwrap();
     }
 
     #[test]

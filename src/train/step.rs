@@ -4,6 +4,7 @@
 //! parallelism all call: where the fc group lives (`FcPlace`) and which ranks share the step
 //! (`RankGroup`) are its arguments, not branches in the callers.
 
+use crate::backend::profile::{self, Region};
 use crate::backend::{AdamStep, Backend, BackendError, Result};
 use crate::model::drafter::{fc_backward, fc_forward, DraftInputs, Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetInputs};
@@ -85,6 +86,7 @@ pub fn target_pack<B: Backend>(
     noise: NoiseSpec,
     step: u32,
 ) -> Result<B::Buf> {
+    let _region = profile::enter(Region::Target);
     let rows = hb.rows();
     let h = target.shape.hidden;
     let ids = |v: &[i32]| -> Result<B::Ids> {
@@ -215,8 +217,12 @@ impl<B: Backend> DrafterSide<B> {
             Context::Packed(x) => {
                 let fc = self.fc.as_mut().expect("packed context needs the fc group on the drafter side");
                 let mut y = be.alloc(s, DType::BF16, rows * h)?;
-                fc_forward(be, s, fc, x, &mut y, rows)?;
+                {
+                    let _fc = profile::enter(Region::Fc);
+                    fc_forward(be, s, fc, x, &mut y, rows)?;
+                }
                 let out = self.drafter.forward_backward(be, s, &dev.inputs(), &y, grad_scale, &mut dy)?;
+                let _fc = profile::enter(Region::Fc);
                 fc_backward(be, s, fc, &dy, x, rows)?;
                 out
             }
@@ -415,7 +421,10 @@ pub fn drafter_step<B: Backend>(
 ) -> std::result::Result<(StepMetrics, StepTimes), StepError> {
     let started = std::time::Instant::now();
     let scale = grad_scale(step_weight);
-    side.zero_grad(be, s)?;
+    {
+        let _opt = profile::enter(Region::Optimizer);
+        side.zero_grad(be, s)?;
+    }
     for item in micro {
         let (hb, ctx) = item?;
         if let (Some(dy), FcPlace::Remote(remote)) = (side.consume(be, s, hb, &ctx, scale)?, &mut fc) {
@@ -424,6 +433,7 @@ pub fn drafter_step<B: Backend>(
     }
     let local = side.take_metrics(be, s)?;
     let computed = std::time::Instant::now();
+    let _opt = profile::enter(Region::Optimizer);
     let sums = ranks.reduce(be, s, side, local)?;
     let (body, local_fc) = side.grad_sumsq(be, s)?;
     let fc_sumsq = match &mut fc {

@@ -86,3 +86,43 @@ fn gpu_hybrid_training_tracks_cpu_and_is_deterministic() {
     println!("hybrid cuda vs cpu loss over 20 steps: max rel {max:.3e}, mean rel {mean:.3e}");
     assert!(max < 0.05 && mean < 0.02, "max {max}, mean {mean}");
 }
+
+/// `--profile`: every phase of the step is timed from device events, the phases plus the idle
+/// gaps add up to the stream's span, that span fits in the host's step time, and timing changes
+/// no result (the losses equal an unprofiled run's bit for bit).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
+    use dflash_engine::backend::profile::Phase;
+    let dir = tmp("profile");
+    let run = |profile: bool, tag: &str| {
+        let mut ro = RunOptions::tiny_default();
+        ro.train.steps = 6;
+        ro.output.quiet = true;
+        ro.output.checkpoints = false;
+        ro.exec.device = Device::Cuda;
+        ro.exec.sync = true;
+        ro.output.profile = profile;
+        ro.output.out = dir.join(tag);
+        session::run(&ro, None).unwrap()
+    };
+    let (plain, prof) = (run(false, "plain"), run(true, "prof"));
+    let bits = |r: &session::RunSummary| r.history.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&plain), bits(&prof), "profiling must not change a result");
+    assert!(plain.phases.is_none());
+    let t = prof.phases.expect("a phase table under --profile on CUDA");
+    println!("{}", t.render());
+    assert_eq!(t.steps, 5, "six steps, the first left out");
+    let got = |p: Phase| t.by_phase.iter().find(|(q, _)| *q == p).map_or(0.0, |(_, s)| *s);
+    // Every phase but `Other` (work enqueued outside the step's regions) runs in a step.
+    for &p in Phase::ALL.iter().filter(|&&p| p != Phase::Other) {
+        assert!(got(p) > 0.0, "phase {} was not timed", p.name());
+    }
+    assert!(
+        (t.accounted() - t.span).abs() <= 1e-3 * t.span.max(1e-6),
+        "phases + gaps {} vs span {}",
+        t.accounted(),
+        t.span
+    );
+    assert!(t.span <= t.host_step * 1.05, "device span {} s longer than the host's step {} s", t.span, t.host_step);
+}

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
+use super::profile::{self, Phase, StepPhases, Work};
 use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result, StartError};
 use crate::kernels::launch::{
     ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS, ATTN_KEYS,
@@ -190,6 +191,9 @@ pub struct CudaBackend {
     /// Contexts (by address) whose memory this device's peer copies may read directly.
     peers: Mutex<Vec<usize>>,
     name: String,
+    /// `--profile`: every launch, GEMM and copy timed by phase (see `backend::profile`).
+    profiling: std::sync::atomic::AtomicBool,
+    timed: Mutex<Vec<(Phase, device::Event, device::Event)>>,
 }
 
 impl CudaBackend {
@@ -272,6 +276,8 @@ impl CudaBackend {
             peers: Mutex::new(Vec::new()),
             name,
             inv_freq: Mutex::new(HashMap::new()),
+            profiling: std::sync::atomic::AtomicBool::new(false),
+            timed: Mutex::new(Vec::new()),
         })
     }
 
@@ -307,8 +313,33 @@ impl CudaBackend {
         }
     }
 
+    /// Runs `f` (which enqueues `work` on `s`); when profiling, between two timed events filed
+    /// under the phase of the calling thread's region.
+    fn timed<T>(&self, s: &Stream, work: Work, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if !self.profiling.load(std::sync::atomic::Ordering::Relaxed) {
+            return f();
+        }
+        let a = device::Event::record_timed(s.raw()).map_err(|e| drv("profile event", e))?;
+        let r = f()?;
+        let b = device::Event::record_timed(s.raw()).map_err(|e| drv("profile event", e))?;
+        let phase = Phase::of(profile::current(), work);
+        self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push((phase, a, b));
+        Ok(r)
+    }
+
     /// Launches `kernel` with `args` (checked by the generated launcher before the launch).
     fn launch<A: KernelArgs>(&self, s: &Stream, kernel: Kernel, cfg: (usize, usize, usize), args: A) -> Result<()> {
+        let work = Work::Kernel { family: kernel.family(), symbol: kernel.symbol() };
+        self.timed(s, work, || self.launch_untimed(s, kernel, cfg, args))
+    }
+
+    fn launch_untimed<A: KernelArgs>(
+        &self,
+        s: &Stream,
+        kernel: Kernel,
+        cfg: (usize, usize, usize),
+        args: A,
+    ) -> Result<()> {
         if !A::takes(kernel) {
             return Err(BackendError::Unsupported(format!(
                 "{} was given the arguments of another signature ({})",
@@ -572,6 +603,31 @@ impl Backend for CudaBackend {
         self.comm_abort_impl(comm)
     }
 
+    fn start_profile(&self) -> bool {
+        self.profiling.store(true, Ordering::Relaxed);
+        true
+    }
+
+    fn take_profile_step(&self) -> Result<Option<StepPhases>> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let iv = std::mem::take(&mut *self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?);
+        let Some(origin) = iv.first().map(|(_, a, _)| a) else { return Ok(Some(StepPhases::default())) };
+        self.bind()?;
+        for (_, _, b) in &iv {
+            b.synchronize().map_err(|e| drv("profile event", e))?;
+        }
+        let at = |e: &device::Event| -> Result<f64> {
+            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
+        };
+        let mut spans = Vec::with_capacity(iv.len());
+        for (p, a, b) in &iv {
+            spans.push((*p, at(a)?, at(b)?));
+        }
+        Ok(Some(profile::fold(spans)))
+    }
+
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
         self.bind()?;
         Ok(Some(Arc::new(device::Event::record_timed(s.raw()).map_err(|e| drv("record_timed", e))?)))
@@ -643,15 +699,19 @@ impl Backend for CudaBackend {
         match dst.dtype {
             DType::F32 => {
                 // SAFETY: dst has room (checked); pageable memory is staged before the call returns.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }
-                    .map_err(|e| drv(format!("upload of {} f32", host.len()), e))
+                self.timed(s, Work::Copy, || {
+                    unsafe { cu::memcpy_htod_async(off_ptr(dst, off), host, s.raw()) }
+                        .map_err(|e| drv(format!("upload of {} f32", host.len()), e))
+                })
             }
             DType::BF16 => {
                 // Across cores: a Qwen3-8B-sized target is 8 billion conversions at load.
                 let h: Vec<half::bf16> = host.par_iter().map(|&x| half::bf16::from_f32(x)).collect();
                 // SAFETY: as above.
-                unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }
-                    .map_err(|e| drv(format!("upload of {} bf16", h.len()), e))
+                self.timed(s, Work::Copy, || {
+                    unsafe { cu::memcpy_htod_async(off_ptr(dst, off), &h, s.raw()) }
+                        .map_err(|e| drv(format!("upload of {} bf16", h.len()), e))
+                })
             }
         }
     }
@@ -660,8 +720,10 @@ impl Backend for CudaBackend {
         check_len("upload_ids", "dst", dst.len, 0, host.len())?;
         self.bind()?;
         // SAFETY: dst has room; pageable memory is staged before the call returns.
-        unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }
-            .map_err(|e| drv(format!("upload_ids of {} i32", host.len()), e))
+        self.timed(s, Work::Copy, || {
+            unsafe { cu::memcpy_htod_async(dst.ptr, host, s.raw()) }
+                .map_err(|e| drv(format!("upload_ids of {} i32", host.len()), e))
+        })
     }
 
     fn download(&self, s: &Stream, src: &CudaBuf) -> Result<Vec<f32>> {
@@ -670,16 +732,20 @@ impl Backend for CudaBackend {
             DType::F32 => {
                 let mut out = vec![0f32; src.len];
                 // SAFETY: out has src.len elements; synchronised before reading.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
-                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
+                self.timed(s, Work::Copy, || {
+                    unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                        .map_err(|e| drv(format!("download of {} elements", src.len), e))
+                })?;
                 self.synchronize(s)?;
                 Ok(out)
             }
             DType::BF16 => {
                 let mut out = vec![half::bf16::ZERO; src.len];
                 // SAFETY: as above.
-                unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
-                    .map_err(|e| drv(format!("download of {} elements", src.len), e))?;
+                self.timed(s, Work::Copy, || {
+                    unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                        .map_err(|e| drv(format!("download of {} elements", src.len), e))
+                })?;
                 self.synchronize(s)?;
                 Ok(out.par_iter().map(|x| x.to_f32()).collect())
             }
@@ -690,8 +756,10 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut out = vec![0i32; src.len];
         // SAFETY: out has src.len elements; synchronised before reading.
-        unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
-            .map_err(|e| drv(format!("download_ids of {} i32", src.len), e))?;
+        self.timed(s, Work::Copy, || {
+            unsafe { cu::memcpy_dtoh_async(&mut out, src.ptr, s.raw()) }
+                .map_err(|e| drv(format!("download_ids of {} i32", src.len), e))
+        })?;
         self.synchronize(s)?;
         Ok(out)
     }
@@ -714,10 +782,12 @@ impl Backend for CudaBackend {
         match (src.dtype, dst.dtype) {
             (a, b) if a == b => {
                 // SAFETY: both ranges checked above.
-                unsafe {
-                    cu::memcpy_dtod_async(off_ptr(dst, dst_off), off_ptr(src, src_off), n * a.size_bytes(), s.raw())
-                }
-                .map_err(|e| drv(format!("copy of {n} {} elements", a.name()), e))
+                self.timed(s, Work::Copy, || {
+                    unsafe {
+                        cu::memcpy_dtod_async(off_ptr(dst, dst_off), off_ptr(src, src_off), n * a.size_bytes(), s.raw())
+                    }
+                    .map_err(|e| drv(format!("copy of {n} {} elements", a.name()), e))
+                })
             }
             (DType::F32, DType::BF16) => {
                 let args = launch::ConvertF32ToBf16 { src: src.at("copy", src_off)?, dst: dst.at("copy", dst_off)?, n };
@@ -767,7 +837,18 @@ impl Backend for CudaBackend {
         self.bind()?;
         let ws_bytes = blas::WORKSPACE_BYTES;
         let ws = self.alloc(s, DType::F32, ws_bytes / 4)?;
-        self.blas.matmul(g, off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off), c.dtype, ws.ptr, ws_bytes, s.raw())
+        self.timed(s, Work::Gemm, || {
+            self.blas.matmul(
+                g,
+                off_ptr(a, a_off),
+                off_ptr(b, b_off),
+                off_ptr(c, c_off),
+                c.dtype,
+                ws.ptr,
+                ws_bytes,
+                s.raw(),
+            )
+        })
     }
 
     fn fc_project(
