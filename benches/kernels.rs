@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend, FcPath};
+use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend, FcPath, GdnForm};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
@@ -108,7 +108,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // attention, fc) whose name contains a pattern; the peaks are always measured.
+    // attention, gdn, fc) whose name contains a pattern; the peaks are always measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();
@@ -388,6 +388,66 @@ fn main() {
                 .unwrap()
         });
         flops("drafter attention bwd (2048 blocks x 16)", t, 10.0 * visible * heads as f64 * hd as f64);
+    }
+    if want("gdn") {
+        // The chunked gated delta rule at the Qwen3.6-27B shape (48 value heads over 16 key heads,
+        // dk = dv = 128): 4 x 3072 and 1 x 4096 tokens. Unit-norm q and k (q scaled by dk^-0.5),
+        // N(0, 1) values, decay exp(-0.1), beta 0.5. FLOPs: the chunk form's products (gdn.cu's
+        // header), per chunk of L and value head.
+        let (hk, hv, dk, dv) = (16usize, 48usize, 128usize, 128usize);
+        let sh_flops = |lens: &[usize]| -> f64 {
+            let per_chunk = |l: f64| {
+                let (dk, dv) = (dk as f64, dv as f64);
+                2.0 * (l * l / 2.0 * (2.0 * dk + dk + dv + dv) + 3.0 * l * dk * dv)
+            };
+            let mut f = 0.0;
+            for &n in lens {
+                let mut left = n;
+                while left > 0 {
+                    let l = left.min(dflash_engine::backend::GDN_CHUNK);
+                    f += per_chunk(l as f64);
+                    left -= l;
+                }
+            }
+            f * hv as f64
+        };
+        for lens in [vec![3072usize; 4], vec![4096]] {
+            let n: usize = lens.iter().sum();
+            let mut q = buf(DType::F32, n * hk * dk);
+            let mut k = buf(DType::F32, n * hk * dk);
+            be.fill(&s, &mut q, 1.0 / dk as f32).unwrap();
+            be.fill(&s, &mut k, 1.0 / (dk as f32).sqrt()).unwrap();
+            let v = normal_buf(DType::BF16, n * hv * dv, 31);
+            let mut gl = buf(DType::F32, n * hv);
+            be.fill(&s, &mut gl, -0.1).unwrap();
+            let mut beta = buf(DType::BF16, n * hv);
+            be.fill(&s, &mut beta, 0.5).unwrap();
+            let mut o = buf(DType::BF16, n * hv * dv);
+            let mut st = vec![0i32];
+            for &l in &lens {
+                st.push(st.last().unwrap() + l as i32);
+            }
+            let starts = ids(st);
+            let sh = dflash_engine::backend::GdnShape { rows: n, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
+            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc] {
+                let t = time(&be, 5, || {
+                    be.gdn_launch(form, &s, &sh, [&q, &k, &v, &gl, &beta], &starts, &mut o, None).unwrap()
+                });
+                flops(&format!("gdn chunked {form:?} ({} x {}, 48/16, 128)", lens.len(), lens[0]), t, sh_flops(&lens));
+            }
+        }
+    }
+    if want("attention") {
+        // Qwen3.6-27B full attention: 1 x 4096 tokens, 24/4 heads, head_dim 256.
+        let (n, heads, kvh, hd) = (4096usize, 24usize, 4usize, 256usize);
+        let q = normal_buf(DType::BF16, n * heads * hd, 41);
+        let k = normal_buf(DType::BF16, n * kvh * hd, 42);
+        let vv = normal_buf(DType::BF16, n * kvh * hd, 43);
+        let mut o = buf(DType::BF16, n * heads * hd);
+        let starts = ids(vec![0, n as i32]);
+        let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
+        let t = time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap());
+        flops("causal attention fwd (1 x 4096, 24/4, 256)", t, f);
     }
     if want("fc") {
         // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel

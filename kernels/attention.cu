@@ -28,7 +28,8 @@
 //           Every output element is rounded to bf16 exactly once (RNE, common.cuh).
 // Symbols:  <kernel>_bf16_hd<D> for D in {16, 32, 64, 128}: attn_causal_fwd, attn_draft_fwd,
 //           attn_draft_bwd_prep, attn_draft_bwd_q, attn_draft_bwd_kv. One symbol per head dim;
-//           the Rust launcher picks by head_dim.
+//           the Rust launcher picks by head_dim. attn_causal_fwd also at D = 256 (Qwen3.5/3.6
+//           full attention; ATTN_CAUSAL_EXPORT below, 64 query rows per CTA).
 //
 // Tiles (each constant below repeats its own reason): a drafter block's bs queries and the G q
 //   heads of one kv head all see the same keys (DESIGN.md section 8), so a CTA takes one (block,
@@ -143,7 +144,8 @@ constexpr float LN2 = 0.6931471805599453f;
 
 template <int HD>
 struct Geo {
-  static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128, "head_dim must be 16, 32, 64 or 128");
+  static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128 || HD == 256,
+                "head_dim must be 16, 32, 64, 128 (or 256: the causal forward only)");
   static constexpr int LD = HD + ATTN_LD_PAD;  // shared-memory row pitch in bf16 elements
   static constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
   static constexpr int KT = HD / 16;     // k-steps of 16 over the head dim
@@ -414,7 +416,11 @@ __device__ __forceinline__ void causal_fwd(const bf16* __restrict__ q, const bf1
                                            const int* __restrict__ seq_starts, int num_seqs, index_t rows,
                                            int heads, int kv_heads, float scale) {
   constexpr int LD = Geo<HD>::LD;
-  constexpr int MT = CAUSAL_MT, BN = CAUSAL_KEYS, BM = CAUSAL_ROWS, WR = MT * WARP_ROWS;
+  // hd 256 (Qwen3.5/3.6 full attention): one m-tile per warp, so the 16 x 256 O accumulators
+  // (128 registers) plus S fit in 255 registers; 64 query rows per CTA, 101 KB of shared memory.
+  constexpr int MT = HD > 128 ? ATTN_CAUSAL_MT_HD256 : CAUSAL_MT;
+  constexpr int BN = CAUSAL_KEYS, BM = HD > 128 ? ATTN_CAUSAL_ROWS_HD256 : CAUSAL_ROWS, WR = MT * WARP_ROWS;
+  static_assert(BM == CAUSAL_WARPS * WR, "each warp owns MT m-tiles of the CTA's rows");
   require_launch(CAUSAL_WARPS * 32, (size_t)(BM + 4 * BN) * LD * 2);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
@@ -1160,6 +1166,18 @@ ATTN_EXPORT(16)
 ATTN_EXPORT(32)
 ATTN_EXPORT(64)
 ATTN_EXPORT(128)
+
+// The causal forward alone at head dims the drafter does not use (Qwen3.5/3.6: 256). Launch as
+// above with ATTN_CAUSAL_ROWS_HD256 query rows per CTA: grid ceil(rows / 64) * heads, block 128,
+// smem (64 + 4*32) * LD * 2 bytes (hd 256: 101,376).
+#define ATTN_CAUSAL_EXPORT(D)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(attn::CAUSAL_WARPS * 32, 2) attn_causal_fwd_bf16_hd##D(          \
+      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,                \
+      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {               \
+    attn::causal_fwd<D>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);                       \
+  }
+
+ATTN_CAUSAL_EXPORT(256)
 
 // attn_draft_kv_ranges: for every context row t, the range [begin, end) of blocks that may see it
 // (the input of attn_draft_bwd_kv), computed on the device so the backward never waits for the

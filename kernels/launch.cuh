@@ -23,6 +23,10 @@ constexpr int ATTN_CAUSAL_WARPS = 4;
 constexpr int ATTN_CAUSAL_MT = 2;
 constexpr int ATTN_CAUSAL_KEYS = 32;
 constexpr int ATTN_CAUSAL_ROWS = ATTN_CAUSAL_WARPS * ATTN_CAUSAL_MT * ATTN_WARP_ROWS;
+// Causal forward at head_dim 256: one m-tile per warp (the O accumulators alone are 128
+// registers), so 64 query rows per CTA.
+constexpr int ATTN_CAUSAL_MT_HD256 = 1;
+constexpr int ATTN_CAUSAL_ROWS_HD256 = ATTN_CAUSAL_WARPS * ATTN_CAUSAL_MT_HD256 * ATTN_WARP_ROWS;
 // Drafter query tile limit: block_size * G rows, at most 8 warps.
 constexpr int ATTN_DRAFT_MAX_ROWS = 128;
 // Drafter backward over context: 64 context rows (keys) per CTA, 4 warps of 16 keys each; the
@@ -87,3 +91,18 @@ constexpr int RMS_SLAB_PAD = 4;
 constexpr int RMS_CHUNKS_PER_LANE = 4;
 // Recommended upper bound on the backward's part count.
 constexpr int RMS_BWD_TARGET_PARTS = 1024;
+
+// ---- hybrid.cu -------------------------------------------------------------------------------
+// Threads per block of every hybrid.cu kernel (the row norms give each of its 8 warps a row).
+constexpr int HYB_BLOCK = 256;
+
+// ---- gdn.cu ----------------------------------------------------------------------------------
+// Tokens per chunk of the chunked gated delta rule (flash-linear-attention's chunk size; the Rust
+// side's backend::GDN_CHUNK is the same number, checked by a test).
+constexpr int GDN_CHUNK = 64;
+// Threads per CTA of both delta-rule kernels: one per column of the [dk + dv] forward
+// substitution at dk = dv = 128.
+constexpr int GDN_THREADS = 256;
+// Tensor-core kernel: f32 padding per shared-memory row (16 bytes: rows 4 banks apart, and the
+// wmma 32-byte pointer alignment kept for 16-row tiles).
+constexpr int GDN_TC_PAD = 4;

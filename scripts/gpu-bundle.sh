@@ -2,7 +2,7 @@
 # Builds everything that needs the GPU (release binary, the integration-test binary, the kernel
 # bench) with every kernel required, strips it, and collects it with a runner into the
 # git-ignored gpu-bundle/. On the GPU machine (no Rust there) run, from the repository root:
-#   bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b]     logs go to $OUT (or ./gpu-logs)
+#   bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b]   logs go to $OUT (or ./gpu-logs)
 #   bash gpu-bundle/all.sh     everything in one ~7-minute call (tests and sanitizers in parallel)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,4 +28,5 @@ strip gpu-bundle/dflash-engine gpu-bundle/integration gpu-bundle/bench-kernels
 cp scripts/gpu-run.sh gpu-bundle/run.sh
 cp scripts/sanitize.sh gpu-bundle/sanitize.sh
 cp scripts/gpu-all.sh gpu-bundle/all.sh
+cp tests/reference/bench_fla_gdn.py gpu-bundle/bench_fla_gdn.py
 du -sh gpu-bundle/*

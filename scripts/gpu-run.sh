@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|prof8b|pipe8b|pipe8b2|run27b|run27b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|run27b|run27b2]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
@@ -43,6 +43,12 @@ fi
 if has bench; then
   echo "== kernel bench"
   $B/bench-kernels 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if has hybridbench; then
+  echo "== Qwen3.6-27B-shaped kernels: the chunked Gated DeltaNet and head_dim-256 causal attention,"
+  echo "   the engine's kernels, then flash-linear-attention's chunk_gated_delta_rule and torch SDPA"
+  DFLASH_BENCH_KERNELS="gdn;attention" $B/bench-kernels 2>&1 | tee "$OUT/hybridbench.log" || status=1
+  python3 $B/bench_fla_gdn.py 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
 fi
 W=/tmp/q8b
 # T8B=qwen3-8b-shape generates the random target in memory at start-up instead of writing 16 GB.

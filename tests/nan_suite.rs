@@ -178,6 +178,21 @@ fn gpu_async_matches_sync_on_one_gpu() {
     matrix(|tag| small(tag, Device::Cuda), &[Transport::Same, Transport::Peer, Transport::Host]);
 }
 
+/// The same matrix with the Qwen3.5/3.6 hybrid target (Gated DeltaNet and gated attention
+/// kernels on the target side).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_async_matches_sync_on_one_gpu_with_the_hybrid_target() {
+    matrix(
+        |tag| {
+            let mut ro = small(tag, Device::Cuda);
+            ro.model.target = "qwen3.5-tiny".into();
+            ro
+        },
+        &[Transport::Same, Transport::Peer, Transport::Host],
+    );
+}
+
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu_async_matches_sync_on_two_gpus() {

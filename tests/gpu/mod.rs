@@ -11,15 +11,19 @@
 //! - `elementwise`: RoPE (rope.cu), SwiGLU (swiglu.cu), the residual add (elementwise.cu)
 //! - `pack`: tap packing with noise (pack.cu) and the embedding gather (elementwise.cu)
 //! - `attention`: target causal attention and drafter attention forward/backward (attention.cu)
+//! - `hybrid`: the Qwen3.5/3.6 ops (hybrid.cu), the gated delta rule (gdn.cu), causal attention
+//!   at head_dim 256, and the qwen3.5-tiny target's taps on CUDA against the CPU
 //! - `cross_entropy`: fused lm_head loss, dlogits and argmax (cross_entropy.cu)
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
-//! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity
+//! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity (also with
+//!   the qwen3.5-tiny hybrid target)
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
 
 mod attention;
 mod cross_entropy;
 mod elementwise;
 mod gemm;
+mod hybrid;
 mod norm;
 mod optimizer;
 mod oracles;

@@ -278,7 +278,7 @@ mod tests {
         assert_eq!(symbols.len(), Kernel::ALL.len());
         // Macro-stamped kernels are found: one attention kernel per head dim, both cluster kernels.
         let dims: Vec<&str> = AttnCausalFwdBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
-        assert_eq!(dims, ["128", "16", "32", "64"]);
+        assert_eq!(dims, ["128", "16", "256", "32", "64"]);
         assert_eq!(variant(&AttnDraftBwdKvBf16Hd::VARIANTS, "64"), Some(Kernel::AttnDraftBwdKvBf16Hd64));
         assert_eq!(CecKernel::VARIANTS.len(), 2);
         assert_eq!(Kernel::PackTapsNoiseBf16.family(), "pack");
@@ -307,8 +307,9 @@ mod tests {
         let plain = text.lines().filter(|l| l.starts_with("extern \"C\"")).count();
         let attn = text.lines().filter(|l| l.starts_with("ATTN_EXPORT(")).count();
         let cec = text.lines().filter(|l| l.starts_with("CEC_KERNEL(")).count();
-        // ATTN_EXPORT stamps out 5 kernels per head dim; CEC_KERNEL one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec);
+        let causal = text.lines().filter(|l| l.starts_with("ATTN_CAUSAL_EXPORT(")).count();
+        // ATTN_EXPORT stamps out 5 kernels per head dim; CEC_KERNEL and ATTN_CAUSAL_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal);
     }
 
     #[test]

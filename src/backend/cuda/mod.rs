@@ -22,13 +22,15 @@ use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
 use super::profile::{self, Phase, StepPhases, Work};
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, Gemm, Result, StartError};
+use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result, StartError};
 use crate::kernels::launch::{
-    ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS, ATTN_KEYS, ATTN_KV_CHUNK, ATTN_KV_ROWS,
-    ATTN_KV_TILES, ATTN_KV_WARPS, ATTN_LD_PAD, ATTN_MAX_BLOCK_KEYS, ATTN_WARP_ROWS, CEC_BLOCK, CEC_CHUNKS, CEC_CTAS,
-    CEC_STAGES, CEC_WIDE_CHUNKS, CE_BLOCK, MAX_TAPS, PACK_MAX_BLOCK, PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK,
-    RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD, RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
+    ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS, ATTN_KEYS,
+    ATTN_KV_CHUNK, ATTN_KV_ROWS, ATTN_KV_TILES, ATTN_KV_WARPS, ATTN_LD_PAD, ATTN_MAX_BLOCK_KEYS, ATTN_WARP_ROWS,
+    CEC_BLOCK, CEC_CHUNKS, CEC_CTAS, CEC_STAGES, CEC_WIDE_CHUNKS, CE_BLOCK, MAX_TAPS, PACK_MAX_BLOCK, PACK_UNITS,
+    PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD, RMS_WARP_TEAM_MAX_DIM,
+    SUMSQ_BLOCK, SUMSQ_PARTS,
 };
+use crate::kernels::launch::{GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -181,6 +183,8 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: blas::Lt,
     sm_count: usize,
+    /// Shared memory one CTA may use (static and dynamic), bytes: the device's opt-in limit.
+    smem_optin: usize,
     /// The cross-entropy cluster kernels this GPU runs, each with its co-resident cluster count
     /// (the grid it is launched with), in order of preference.
     ce_clusters: Vec<(CeCluster, usize)>,
@@ -267,6 +271,7 @@ impl CudaBackend {
             kernels,
             blas,
             sm_count,
+            smem_optin: usize::try_from(smem_optin).unwrap_or(0),
             ce_clusters,
             peers: Mutex::new(Vec::new()),
             name,
@@ -1135,11 +1140,13 @@ impl Backend for CudaBackend {
             });
         }
         let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
-        // A CTA owns ATTN_CAUSAL_ROWS query rows of one head; shared memory holds them and
-        // ATTN_KV_TILES K/V tiles of ATTN_CAUSAL_KEYS keys, rows of head_dim + pad bf16.
+        // A CTA owns ATTN_CAUSAL_ROWS query rows of one head (ATTN_CAUSAL_ROWS_HD256 at head_dim
+        // 256); shared memory holds them and ATTN_KV_TILES K/V tiles of ATTN_CAUSAL_KEYS keys,
+        // rows of head_dim + pad bf16.
+        let cta_rows = if head_dim > 128 { ATTN_CAUSAL_ROWS_HD256 } else { ATTN_CAUSAL_ROWS };
         let ld = head_dim + ATTN_LD_PAD;
-        let smem = (ATTN_CAUSAL_ROWS + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2;
-        let grid = rows.div_ceil(ATTN_CAUSAL_ROWS) * heads;
+        let smem = (cta_rows + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2;
+        let grid = rows.div_ceil(cta_rows) * heads;
         let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
             op: "attn_causal_fwd",
             what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
@@ -1435,6 +1442,406 @@ impl Backend for CudaBackend {
         let words = self.download_ids(s, &counter)?;
         Ok(u64::from(words[0] as u32) | (u64::from(words[1] as u32) << 32))
     }
+
+    fn rmsnorm1p_fwd(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm1p_fwd";
+        check_len(OP, "x", x.len, 0, rows * dim)?;
+        check_len(OP, "w", w.len, w_off, dim)?;
+        check_len(OP, "y", y.len, 0, rows * dim)?;
+        let args = launch::Rmsnorm1pFwdBf16 { x: x.at(OP, 0)?, w: w.at(OP, w_off)?, y: y.at(OP, 0)?, rows, dim, eps };
+        self.launch(s, launch::Rmsnorm1pFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+    }
+
+    fn gated_rmsnorm_fwd(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        z: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "gated_rmsnorm_fwd";
+        check_len(OP, "x", x.len, 0, rows * dim)?;
+        check_len(OP, "z", z.len, 0, rows * dim)?;
+        check_len(OP, "w", w.len, w_off, dim)?;
+        check_len(OP, "y", y.len, 0, rows * dim)?;
+        let args = launch::GatedRmsnormFwdBf16 {
+            x: x.at(OP, 0)?,
+            z: z.at(OP, 0)?,
+            w: w.at(OP, w_off)?,
+            y: y.at(OP, 0)?,
+            rows,
+            dim,
+            eps,
+        };
+        self.launch(s, launch::GatedRmsnormFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+    }
+
+    fn rope_partial(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        pos: &CudaIds,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        const OP: &str = "rope_partial";
+        check_len(OP, "x", x.len, 0, rows * heads * head_dim)?;
+        check_len(OP, "pos", pos.len, 0, rows)?;
+        if rot_dim % 2 != 0 || rot_dim == 0 || rot_dim > head_dim {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("rot_dim {rot_dim} must be even, positive and at most head_dim {head_dim}"),
+            });
+        }
+        // The table of a rot_dim-wide RoPE: 1 / theta^(2i / rot_dim), as cpu.rs computes it.
+        let inv = self.inv_freq(s, rot_dim, theta)?;
+        let args = launch::RopePartialBf16 {
+            x: x.at(OP, 0)?,
+            pos: pos.at(OP, 0)?,
+            inv_freq: inv,
+            rows,
+            heads,
+            head_dim,
+            rot_dim,
+        };
+        self.launch(s, launch::RopePartialBf16::KERNEL, (self.hyb_grid(rows * heads * rot_dim / 2), HYB_BLOCK, 0), args)
+    }
+
+    fn copy_strided(
+        &self,
+        s: &Stream,
+        src: &CudaBuf,
+        src_off: usize,
+        src_stride: usize,
+        dst: &mut CudaBuf,
+        dst_off: usize,
+        dst_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_strided";
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        check_len(OP, "src", src.len, src_off + (rows - 1) * src_stride, width)?;
+        check_len(OP, "dst", dst.len, dst_off + (rows - 1) * dst_stride, width)?;
+        let cfg = (self.hyb_grid(rows * width), HYB_BLOCK, 0);
+        match (src.dtype, dst.dtype) {
+            (DType::BF16, DType::BF16) => {
+                let args = launch::CopyStridedBf16 {
+                    src: src.at(OP, src_off)?,
+                    src_stride,
+                    dst: dst.at(OP, dst_off)?,
+                    dst_stride,
+                    rows,
+                    width,
+                };
+                self.launch(s, launch::CopyStridedBf16::KERNEL, cfg, args)
+            }
+            (DType::F32, DType::F32) => {
+                let args = launch::CopyStridedF32 {
+                    src: src.at(OP, src_off)?,
+                    src_stride,
+                    dst: dst.at(OP, dst_off)?,
+                    dst_stride,
+                    rows,
+                    width,
+                };
+                self.launch(s, launch::CopyStridedF32::KERNEL, cfg, args)
+            }
+            (a, _) => Err(BackendError::DType { op: OP, expected: a.name(), found: dst.dtype.name() }),
+        }
+    }
+
+    fn sigmoid_mul(&self, s: &Stream, x: &mut CudaBuf, gate: &CudaBuf) -> Result<()> {
+        const OP: &str = "sigmoid_mul";
+        check_len(OP, "gate", gate.len, 0, x.len)?;
+        let n = x.len;
+        let args = launch::SigmoidMulBf16 { x: x.at(OP, 0)?, gate: gate.at(OP, 0)?, n };
+        self.launch(s, launch::SigmoidMulBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        seq_starts: &CudaIds,
+        rows: usize,
+        channels: usize,
+        kernel: usize,
+    ) -> Result<()> {
+        const OP: &str = "causal_conv1d_silu";
+        check_len(OP, "x", x.len, 0, rows * channels)?;
+        check_len(OP, "w", w.len, w_off, channels * kernel)?;
+        check_len(OP, "y", y.len, 0, rows * channels)?;
+        if seq_starts.len == 0 {
+            return Err(BackendError::Shape { op: OP, what: "seq_starts is empty (it starts with 0)".into() });
+        }
+        let args = launch::CausalConv1dSiluBf16 {
+            x: x.at(OP, 0)?,
+            w: w.at(OP, w_off)?,
+            y: y.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts: seq_starts.len,
+            rows,
+            channels,
+            kernel_size: kernel,
+        };
+        self.launch(s, launch::CausalConv1dSiluBf16::KERNEL, (self.hyb_grid(rows * channels), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_gates(
+        &self,
+        s: &Stream,
+        b: &CudaBuf,
+        a: &CudaBuf,
+        w: &CudaBuf,
+        a_log_off: usize,
+        dt_bias_off: usize,
+        beta: &mut CudaBuf,
+        g: &mut CudaBuf,
+        rows: usize,
+        heads: usize,
+    ) -> Result<()> {
+        const OP: &str = "gdn_gates";
+        let n = rows * heads;
+        for (name, len) in [("b", b.len), ("a", a.len), ("beta", beta.len), ("g", g.len)] {
+            check_len(OP, name, len, 0, n)?;
+        }
+        check_len(OP, "A_log", w.len, a_log_off, heads)?;
+        check_len(OP, "dt_bias", w.len, dt_bias_off, heads)?;
+        let args = launch::GdnGatesBf16 {
+            b: b.at(OP, 0)?,
+            a: a.at(OP, 0)?,
+            a_log: w.at(OP, a_log_off)?,
+            dt_bias: w.at(OP, dt_bias_off)?,
+            beta: beta.at(OP, 0)?,
+            g: g.at(OP, 0)?,
+            rows,
+            heads,
+        };
+        self.launch(s, launch::GdnGatesBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
+    }
+
+    fn l2norm_fwd(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        y: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+    ) -> Result<()> {
+        const OP: &str = "l2norm_fwd";
+        check_len(OP, "x", x.len, 0, rows * dim)?;
+        check_len(OP, "y", y.len, 0, rows * dim)?;
+        let args = launch::L2normFwdBf16F32 { x: x.at(OP, 0)?, y: y.at(OP, 0)?, rows, dim, eps, scale };
+        self.launch(s, launch::L2normFwdBf16F32::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_recurrent_fwd(
+        &self,
+        s: &Stream,
+        sh: &GdnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        self.gdn_launch(GdnForm::Recurrent, s, sh, [q, k, v, g, beta], seq_starts, o, state)
+    }
+
+    fn gdn_chunked_fwd(
+        &self,
+        s: &Stream,
+        sh: &GdnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        // Tensor cores where the head dims tile by 16 (every Qwen3.5/3.6 config), else the CUDA-core
+        // kernel, said once.
+        let form = if GdnForm::ChunkedTc.takes(sh.k_dim, sh.v_dim) {
+            GdnForm::ChunkedTc
+        } else {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                eprintln!(
+                    "note: gdn_chunked_fwd: head dims {} x {} are not multiples of 16; using the CUDA-core kernel",
+                    sh.k_dim, sh.v_dim
+                )
+            });
+            GdnForm::ChunkedSimt
+        };
+        self.gdn_launch(form, s, sh, [q, k, v, g, beta], seq_starts, o, state)
+    }
+}
+
+/// Grid of a hybrid.cu row kernel: one row per warp, HYB_BLOCK / 32 warps per block.
+fn hyb_row_grid(rows: usize) -> usize {
+    rows.div_ceil(HYB_BLOCK / 32).clamp(1, i32::MAX as usize)
+}
+
+/// Which gated-delta-rule kernel of kernels/gdn.cu runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnForm {
+    /// `gdn_recurrent_fwd`: token by token (decode).
+    Recurrent,
+    /// `gdn_chunked_fwd_simt`: chunks of GDN_CHUNK, products on CUDA cores.
+    ChunkedSimt,
+    /// `gdn_chunked_fwd_tc`: chunks of GDN_CHUNK, products on tensor cores (TF32 wmma); head
+    /// dims multiples of 16.
+    ChunkedTc,
+}
+
+impl GdnForm {
+    /// Dynamic shared memory in bytes (kernels/gdn.cu's header has the layouts).
+    pub fn smem_bytes(self, dk: usize, dv: usize) -> usize {
+        let c = GDN_CHUNK;
+        4 * match self {
+            GdnForm::Recurrent => dk * dv + 2 * dk,
+            GdnForm::ChunkedSimt => dk * dv + 2 * c * dk + c * dv + c * c + 3 * c,
+            GdnForm::ChunkedTc => {
+                let (lk, lv, la) = (dk + GDN_TC_PAD, dv + GDN_TC_PAD, c + GDN_TC_PAD);
+                dk * lv + 2 * c * lk + c * lv + c * la + 3 * c + (GDN_THREADS / 32) * 16 * 16
+            }
+        }
+    }
+
+    /// Whether this form's kernel takes these head dims.
+    pub fn takes(self, dk: usize, dv: usize) -> bool {
+        self != GdnForm::ChunkedTc || (dk % 16 == 0 && dv % 16 == 0)
+    }
+}
+
+impl CudaBackend {
+    /// Grid of a grid-stride hybrid.cu kernel over `n` items, one per thread per pass.
+    fn hyb_grid(&self, n: usize) -> usize {
+        n.div_ceil(HYB_BLOCK).clamp(1, 32 * self.sm_count)
+    }
+
+    /// The gated delta rule with `form`'s kernel, shapes and dtypes checked (kernels/gdn.cu):
+    /// q, k, g f32; v, beta, o bf16; state f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_launch(
+        &self,
+        form: GdnForm,
+        s: &Stream,
+        sh: &GdnShape,
+        [q, k, v, g, beta]: [&CudaBuf; 5],
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = match form {
+            GdnForm::Recurrent => "gdn_recurrent_fwd",
+            GdnForm::ChunkedSimt | GdnForm::ChunkedTc => "gdn_chunked_fwd",
+        };
+        let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
+        if k_heads == 0 || v_heads % k_heads != 0 || dk == 0 || dv == 0 {
+            return Err(BackendError::Shape {
+                op,
+                what: format!("{v_heads} value heads over {k_heads} key heads, dims {dk} x {dv}"),
+            });
+        }
+        let (kw, vw) = (k_heads * dk, v_heads * dv);
+        check_len(op, "q", q.len, 0, rows * kw)?;
+        check_len(op, "k", k.len, 0, rows * kw)?;
+        check_len(op, "v", v.len, 0, rows * vw)?;
+        check_len(op, "g", g.len, 0, rows * v_heads)?;
+        check_len(op, "beta", beta.len, 0, rows * v_heads)?;
+        check_len(op, "o", o.len, 0, rows * vw)?;
+        let n_starts = seq_starts.len;
+        if n_starts == 0 {
+            return Err(BackendError::Shape { op, what: "seq_starts is empty (it starts with 0)".into() });
+        }
+        let per_state = v_heads * dk * dv;
+        let (state_ptr, state_seqs) = match state {
+            Some(st) => {
+                check_len(op, "state", st.len, 0, (n_starts - 1) * per_state)?;
+                (st.at::<f32>(op, 0)?, st.len / per_state)
+            }
+            // Never read (state_seqs 0), but a launch argument must be a live pointer.
+            None => (q.at::<f32>(op, 0)?, 0),
+        };
+        if !form.takes(dk, dv) {
+            return Err(BackendError::Shape {
+                op,
+                what: format!("{form:?} needs head dims that are multiples of 16, not {dk} x {dv}"),
+            });
+        }
+        let smem = form.smem_bytes(dk, dv);
+        if smem > self.smem_optin {
+            return Err(BackendError::Shape {
+                op,
+                what: format!(
+                    "key/value head dims {dk} x {dv} need {smem} bytes of shared memory per CTA; this GPU allows {}",
+                    self.smem_optin
+                ),
+            });
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        macro_rules! args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(op, 0)?,
+                    k: k.at(op, 0)?,
+                    v: v.at(op, 0)?,
+                    g: g.at(op, 0)?,
+                    beta: beta.at(op, 0)?,
+                    o: o.at(op, 0)?,
+                    state: state_ptr,
+                    state_seqs,
+                    seq_starts: seq_starts.at(op, 0)?,
+                    n_starts,
+                    rows,
+                    k_heads,
+                    v_heads,
+                    dk,
+                    dv,
+                }
+            };
+        }
+        let cfg = (n_starts * v_heads, GDN_THREADS, smem);
+        match form {
+            GdnForm::Recurrent => self.launch(s, launch::GdnRecurrentFwd::KERNEL, cfg, args!(GdnRecurrentFwd)),
+            GdnForm::ChunkedSimt => self.launch(s, launch::GdnChunkedFwdSimt::KERNEL, cfg, args!(GdnChunkedFwdSimt)),
+            GdnForm::ChunkedTc => self.launch(s, launch::GdnChunkedFwdTc::KERNEL, cfg, args!(GdnChunkedFwdTc)),
+        }
+    }
 }
 
 /// Validated drafter-attention geometry and the launch numbers the kernels fix.
@@ -1535,6 +1942,21 @@ mod tests {
         let oom = DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         let e = alloc_error(AllocError::Driver { call: "cuMemAllocAsync", bytes: 64, source: oom }, "x".into(), None);
         assert!(e.is_out_of_memory());
+    }
+
+    #[test]
+    fn the_gdn_kernels_chunk_as_the_cpu_reference_does_and_fit_the_27b_head_dims() {
+        assert_eq!(GDN_CHUNK, crate::backend::GDN_CHUNK);
+        // dk = dv = 128 (Qwen3.6-27B) within Hopper's 227 KB per CTA, one CTA per SM.
+        assert_eq!(GdnForm::ChunkedSimt.smem_bytes(128, 128), 180_992);
+        assert_eq!(GdnForm::Recurrent.smem_bytes(128, 128), 66_560);
+        assert_eq!(GdnForm::ChunkedTc.smem_bytes(128, 128), 195_328);
+        assert!(GdnForm::ChunkedTc.smem_bytes(128, 128) <= 227 * 1024);
+        assert!(GdnForm::ChunkedTc.takes(128, 128) && GdnForm::ChunkedTc.takes(16, 32));
+        assert!(!GdnForm::ChunkedTc.takes(24, 128) && GdnForm::ChunkedSimt.takes(24, 100));
+        assert!(GdnForm::ChunkedSimt.smem_bytes(128, 128) <= 227 * 1024);
+        // The forward substitution gives each thread one column of [W | U] at the 27B dims.
+        assert_eq!(GDN_THREADS, 128 + 128);
     }
 
     #[test]

@@ -1,0 +1,490 @@
+//! The Qwen3.5/3.6 hybrid target's kernels (kernels/hybrid.cu, kernels/gdn.cu, the head_dim 256
+//! causal attention of kernels/attention.cu) against the CPU reference, on ragged packed batches
+//! (sequence lengths 1, 63, 64, 65, 200 around the 64-token delta-rule chunk), and the whole
+//! qwen3.5-tiny target's taps on CUDA against the CPU.
+//!
+//! The CPU backend rounds every stored value to its buffer's dtype as the kernels do, so the
+//! remaining differences are summation order and libm vs CUDA math (a bf16 ulp or two).
+
+use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::cuda::{CudaBackend, GdnForm};
+use dflash_engine::backend::{Backend, GdnShape};
+use dflash_engine::rng::Philox;
+use dflash_engine::tensor::DType;
+
+use super::{bits_equal, get, gpu, ids, put, rand, rel_err, BF16_TOL};
+
+/// The ragged lengths every packed-batch test uses: one token, a chunk minus one, a chunk, a
+/// chunk plus one, and several chunks with a partial last one.
+const LENS: [usize; 5] = [1, 63, 64, 65, 200];
+
+fn starts_of(lens: &[usize]) -> Vec<i32> {
+    let mut s = vec![0i32];
+    for &l in lens {
+        s.push(s.last().unwrap() + l as i32);
+    }
+    s
+}
+
+fn positions(lens: &[usize]) -> Vec<i32> {
+    lens.iter().flat_map(|&l| 0..l as i32).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row norms
+// ---------------------------------------------------------------------------------------------
+
+fn norms<B: Backend>(be: &B, rows: usize, dim: usize, w_off: usize, x: &[f32], z: &[f32], w: &[f32]) -> [Vec<f32>; 3] {
+    let s = be.compute_stream();
+    let (xb, zb, wb) = (put(be, x, DType::BF16), put(be, z, DType::BF16), put(be, w, DType::BF16));
+    let mut y1 = be.alloc(&s, DType::BF16, rows * dim).unwrap();
+    be.rmsnorm1p_fwd(&s, &xb, &wb, w_off, &mut y1, rows, dim, 1e-6).unwrap();
+    let mut y2 = be.alloc(&s, DType::BF16, rows * dim).unwrap();
+    be.gated_rmsnorm_fwd(&s, &xb, &zb, &wb, w_off, &mut y2, rows, dim, 1e-6).unwrap();
+    let mut y3 = be.alloc(&s, DType::F32, rows * dim).unwrap();
+    be.l2norm_fwd(&s, &xb, &mut y3, rows, dim, 1e-6, 1.0 / (dim as f32).sqrt()).unwrap();
+    [get(be, &y1), get(be, &y2), get(be, &y3)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_hybrid_norms_match_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (rows, dim, w_off) in [(1, 16, 0), (37, 100, 1), (393, 128, 0), (64, 256, 3), (5, 5120, 0), (200, 33, 2)] {
+        let x = rand(rows * dim, 20, 2.0);
+        let z = rand(rows * dim, 21, 2.0);
+        let w = rand(dim + w_off, 22, 0.3);
+        let a = norms(&g, rows, dim, w_off, &x, &z, &w);
+        let b = norms(&c, rows, dim, w_off, &x, &z, &w);
+        rel_err(&format!("rmsnorm1p {rows}x{dim} w_off {w_off}"), &a[0], &b[0], BF16_TOL);
+        rel_err(&format!("gated_rmsnorm {rows}x{dim} w_off {w_off}"), &a[1], &b[1], BF16_TOL);
+        // f32 out: only the summation order of the row's squares differs.
+        rel_err(&format!("l2norm (f32 out) {rows}x{dim}"), &a[2], &b[2], 1e-5);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Partial RoPE, strided copies, the sigmoid gate
+// ---------------------------------------------------------------------------------------------
+
+fn rope_partial<B: Backend>(be: &B, x: &[f32], pos: &[i32], heads: usize, hd: usize, rot: usize) -> Vec<f32> {
+    let s = be.compute_stream();
+    let mut xb = put(be, x, DType::BF16);
+    be.rope_partial(&s, &mut xb, &ids(be, pos), pos.len(), heads, hd, rot, 1e7).unwrap();
+    get(be, &xb)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_rope_partial_matches_cpu_and_leaves_the_other_dims() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let pos = positions(&LENS);
+    for (heads, hd, rot) in [(24, 256, 64), (4, 16, 4), (3, 32, 32), (2, 64, 16)] {
+        let x = rand(pos.len() * heads * hd, 30, 1.0);
+        let a = rope_partial(&g, &x, &pos, heads, hd, rot);
+        let b = rope_partial(&c, &x, &pos, heads, hd, rot);
+        rel_err(&format!("rope_partial {heads} heads hd {hd} rot {rot}"), &a, &b, BF16_TOL);
+        // The pass-through dims are the input's bf16 bits exactly; the rotated ones changed.
+        let xr: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        let (mut same, mut moved) = (Vec::new(), 0usize);
+        for (e, (&o, &i)) in a.iter().zip(&xr).enumerate() {
+            if e % hd >= rot {
+                same.push((o, i));
+            } else if o != i {
+                moved += 1;
+            }
+        }
+        let (got, want): (Vec<f32>, Vec<f32>) = same.into_iter().unzip();
+        bits_equal(&format!("rope_partial pass-through hd {hd} rot {rot}"), &got, &want);
+        assert!(moved > pos.len() * heads * rot / 4, "rope_partial rotated only {moved} elements");
+    }
+}
+
+fn copy_strided<B: Backend>(be: &B, src: &[f32], dst0: &[f32], dt: DType, geo: [usize; 6]) -> Vec<f32> {
+    let [src_off, src_stride, dst_off, dst_stride, rows, width] = geo;
+    let s = be.compute_stream();
+    let mut d = put(be, dst0, dt);
+    be.copy_strided(&s, &put(be, src, dt), src_off, src_stride, &mut d, dst_off, dst_stride, rows, width).unwrap();
+    get(be, &d)
+}
+
+fn sigmoid_mul<B: Backend>(be: &B, x: &[f32], gate: &[f32]) -> Vec<f32> {
+    let mut xb = put(be, x, DType::BF16);
+    be.sigmoid_mul(&be.compute_stream(), &mut xb, &put(be, gate, DType::BF16)).unwrap();
+    get(be, &xb)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_copy_strided_and_sigmoid_mul_match_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    // q | gate interleaved per head (the gated attention's split), and a q | k | v column slice.
+    for dt in [DType::BF16, DType::F32] {
+        for (rows, src_off, src_stride, dst_off, dst_stride, width) in
+            [(393 * 4, 0, 32, 0, 16, 16), (393 * 4, 16, 32, 0, 16, 16), (200, 70, 300, 5, 130, 130), (1, 3, 9, 1, 4, 4)]
+        {
+            let src = rand(src_off + rows * src_stride, 40, 1.0);
+            let dst0 = rand(dst_off + rows * dst_stride, 41, 1.0);
+            let ga = copy_strided(&g, &src, &dst0, dt, [src_off, src_stride, dst_off, dst_stride, rows, width]);
+            let ca = copy_strided(&c, &src, &dst0, dt, [src_off, src_stride, dst_off, dst_stride, rows, width]);
+            // A copy is exact: every element, the ones between the rows included (untouched).
+            bits_equal(&format!("copy_strided {} {rows} rows of {width}", dt.name()), &ga, &ca);
+        }
+    }
+    let n = 393 * 24 * 256 + 7;
+    let (x, gate) = (rand(n, 42, 1.0), rand(n, 43, 3.0));
+    let (a, b) = (sigmoid_mul(&g, &x, &gate), sigmoid_mul(&c, &x, &gate));
+    rel_err("sigmoid_mul", &a, &b, BF16_TOL);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The convolution and the gates
+// ---------------------------------------------------------------------------------------------
+
+fn conv<B: Backend>(be: &B, x: &[f32], w: &[f32], w_off: usize, starts: &[i32], rows: usize, ch: usize) -> Vec<f32> {
+    let s = be.compute_stream();
+    let mut y = be.alloc(&s, DType::BF16, rows * ch).unwrap();
+    be.causal_conv1d_silu(
+        &s,
+        &put(be, x, DType::BF16),
+        &put(be, w, DType::BF16),
+        w_off,
+        &mut y,
+        &ids(be, starts),
+        rows,
+        ch,
+        4,
+    )
+    .unwrap();
+    get(be, &y)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_conv1d_silu_matches_cpu_on_ragged_batches() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let rows: usize = LENS.iter().sum();
+    for ch in [70usize, 256] {
+        let x = rand(rows * ch, 50, 1.0);
+        let w = rand(1 + ch * 4, 51, 0.5);
+        // The packed batch; the same rows as one sequence (a kernel that ignores seq_starts passes
+        // only one of the two); and starts listing the first three sequences only (the rest of the
+        // rows form one more sequence, as the CPU reference reads it).
+        let packed = starts_of(&LENS);
+        for (what, starts) in
+            [("packed", packed.clone()), ("one sequence", vec![0, rows as i32]), ("tail", packed[..4].to_vec())]
+        {
+            let a = conv(&g, &x, &w, 1, &starts, rows, ch);
+            let b = conv(&c, &x, &w, 1, &starts, rows, ch);
+            rel_err(&format!("causal_conv1d_silu {what} {rows}x{ch}"), &a, &b, BF16_TOL);
+        }
+        // The restart matters: the first row of the 63-token sequence sees only itself.
+        let one = conv(&c, &x, &w, 1, &[0, rows as i32], rows, ch);
+        let packed_gpu = conv(&g, &x, &w, 1, &packed, rows, ch);
+        assert!(rel_err_quiet(&packed_gpu[ch..2 * ch], &one[ch..2 * ch]) > 1e-2, "no restart at a sequence start");
+    }
+}
+
+fn rel_err_quiet(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn gates<B: Backend>(be: &B, b: &[f32], a: &[f32], w: &[f32], rows: usize, heads: usize) -> [Vec<f32>; 2] {
+    let s = be.compute_stream();
+    let mut beta = be.alloc(&s, DType::BF16, rows * heads).unwrap();
+    let mut gg = be.alloc(&s, DType::F32, rows * heads).unwrap();
+    let wb = put(be, w, DType::BF16);
+    be.gdn_gates(
+        &s,
+        &put(be, b, DType::BF16),
+        &put(be, a, DType::BF16),
+        &wb,
+        3,
+        3 + heads,
+        &mut beta,
+        &mut gg,
+        rows,
+        heads,
+    )
+    .unwrap();
+    [get(be, &beta), get(be, &gg)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_gates_match_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let (rows, heads) = (393, 48);
+    // a spans the softplus threshold (20) both ways.
+    let b = rand(rows * heads, 60, 3.0);
+    let a = rand(rows * heads, 61, 12.0);
+    let w = rand(3 + 2 * heads, 62, 1.0);
+    let x = gates(&g, &b, &a, &w, rows, heads);
+    let y = gates(&c, &b, &a, &w, rows, heads);
+    rel_err("gdn_gates beta", &x[0], &y[0], BF16_TOL);
+    rel_err("gdn_gates g (f32)", &x[1], &y[1], 1e-5);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gated delta rule
+// ---------------------------------------------------------------------------------------------
+
+/// Inputs as the model feeds them: q, k L2-normalised per head (q scaled by dk^-0.5), f32; v
+/// bf16; log decays g < 0 (f32); beta in (0, 1) (bf16).
+struct GdnInputs {
+    sh: GdnShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+fn gdn_inputs(rows: usize, k_heads: usize, v_heads: usize, dk: usize, dv: usize, seed: u64) -> GdnInputs {
+    let unit = |x: Vec<f32>, scale: f32| -> Vec<f32> {
+        x.chunks(dk)
+            .flat_map(|r| {
+                let n = r.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-6);
+                r.iter().map(move |v| v / n * scale).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let mut p = Philox::new(seed, [7, 7]);
+    let mut uni = || p.uniform();
+    let n = rows * v_heads;
+    GdnInputs {
+        sh: GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv },
+        q: unit(rand(rows * k_heads * dk, seed + 1, 1.0), 1.0 / (dk as f32).sqrt()),
+        k: unit(rand(rows * k_heads * dk, seed + 2, 1.0), 1.0),
+        v: rand(rows * v_heads * dv, seed + 3, 1.0),
+        // Decays from exp(-0.005) (long memory) to exp(-0.7).
+        g: (0..n).map(|_| -(0.005 + 0.7 * uni() * uni())).collect(),
+        beta: (0..n).map(|_| 0.05 + 0.9 * uni()).collect(),
+    }
+}
+
+/// Outputs and (when `state0` is given) the final states, of the chunked or recurrent form.
+fn gdn_run<B: Backend>(
+    be: &B,
+    x: &GdnInputs,
+    starts: &[i32],
+    chunked: bool,
+    state0: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let s = be.compute_stream();
+    let sh = &x.sh;
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::BF16));
+    let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
+    let mut o = be.alloc(&s, DType::BF16, sh.rows * sh.v_heads * sh.v_dim).unwrap();
+    let mut st = state0.map(|v| put(be, v, DType::F32));
+    let st_ids = ids(be, starts);
+    if chunked {
+        be.gdn_chunked_fwd(&s, sh, &q, &k, &v, &g, &beta, &st_ids, &mut o, st.as_mut()).unwrap();
+    } else {
+        be.gdn_recurrent_fwd(&s, sh, &q, &k, &v, &g, &beta, &st_ids, &mut o, st.as_mut()).unwrap();
+    }
+    (get(be, &o), st.map(|b| get(be, &b)).unwrap_or_default())
+}
+
+/// One of kernels/gdn.cu's kernels by name (the trait picks the tensor-core one for the chunked
+/// form where the head dims allow it; the tests run every kernel).
+fn gdn_run_form(
+    be: &CudaBackend,
+    x: &GdnInputs,
+    starts: &[i32],
+    form: GdnForm,
+    state0: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let s = be.compute_stream();
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::BF16));
+    let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
+    let mut o = be.alloc(&s, DType::BF16, x.sh.rows * x.sh.v_heads * x.sh.v_dim).unwrap();
+    let mut st = state0.map(|v| put(be, v, DType::F32));
+    be.gdn_launch(form, &s, &x.sh, [&q, &k, &v, &g, &beta], &ids(be, starts), &mut o, st.as_mut()).unwrap();
+    (get(be, &o), st.map(|b| get(be, &b)).unwrap_or_default())
+}
+
+/// Every delta-rule kernel that takes these head dims against the CPU (the chunked ones against
+/// the CPU's chunked form, the recurrent one against its recurrent form), from a zero state and
+/// from a given one (the state out compared too), and the chunked kernels against the recurrent.
+fn gdn_check(what: &str, x: &GdnInputs, starts: &[i32]) {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let seqs = starts.len() - 1;
+    let st0 = rand(seqs * x.sh.v_heads * x.sh.k_dim * x.sh.v_dim, 70, 0.1);
+    let (rec, _) = gdn_run_form(&g, x, starts, GdnForm::Recurrent, None);
+    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+        if !form.takes(x.sh.k_dim, x.sh.v_dim) {
+            continue;
+        }
+        let chunked = form != GdnForm::Recurrent;
+        // f32 states after hundreds of updates summed in another order: 1e-3 of the largest entry;
+        // the tensor-core kernel rounds its product operands to TF32 (10 mantissa bits): 1e-2.
+        let st_tol = if form == GdnForm::ChunkedTc { 1e-2 } else { 1e-3 };
+        let (a, _) = gdn_run_form(&g, x, starts, form, None);
+        let (b, _) = gdn_run(&c, x, starts, chunked, None);
+        rel_err(&format!("gdn {form:?} {what}"), &a, &b, BF16_TOL);
+        if chunked {
+            rel_err(&format!("gdn {form:?} vs recurrent on cuda {what}"), &a, &rec, BF16_TOL);
+        }
+        let (a, sa) = gdn_run_form(&g, x, starts, form, Some(&st0));
+        let (b, sb) = gdn_run(&c, x, starts, chunked, Some(&st0));
+        rel_err(&format!("gdn {form:?} {what}, state in"), &a, &b, BF16_TOL);
+        rel_err(&format!("gdn {form:?} {what}, state out"), &sa, &sb, st_tol);
+    }
+    // The trait's chunked op runs one of them.
+    let (a, _) = gdn_run(&g, x, starts, true, None);
+    rel_err(&format!("gdn_chunked_fwd (trait) {what}"), &a, &rec, BF16_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_chunked_and_recurrent_match_cpu_on_ragged_batches() {
+    let rows: usize = LENS.iter().sum();
+    // GQA 3 value heads per key head, small dims (the tiny preset's), then the 27B head dims.
+    gdn_check("2/6 heads 16x16 packed", &gdn_inputs(rows, 2, 6, 16, 16, 1), &starts_of(&LENS));
+    gdn_check("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 2), &starts_of(&LENS));
+    gdn_check("2/4 heads 32x64 packed", &gdn_inputs(rows, 2, 4, 32, 64, 3), &starts_of(&LENS));
+    // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
+    gdn_check("1/2 heads 24x40 packed", &gdn_inputs(rows, 1, 2, 24, 40, 4), &starts_of(&LENS));
+    // Each length alone.
+    for (i, &l) in LENS.iter().enumerate() {
+        gdn_check(
+            &format!("1/3 heads 64x64 alone, {l} tokens"),
+            &gdn_inputs(l, 1, 3, 64, 64, 10 + i as u64),
+            &[0, l as i32],
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_state_restarts_at_every_sequence_start() {
+    // The packed batch's outputs equal each sequence run alone (on the GPU, both forms): a kernel
+    // that carried the state across a sequence start fails here.
+    let g = gpu();
+    let rows: usize = LENS.iter().sum();
+    let x = gdn_inputs(rows, 2, 6, 32, 32, 80);
+    let (hv, dv) = (6, 32);
+    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+        let (packed, _) = gdn_run_form(&g, &x, &starts_of(&LENS), form, None);
+        let (joined, _) = gdn_run_form(&g, &x, &[0, rows as i32], form, None);
+        let mut r0 = 0;
+        for &l in &LENS {
+            let sub = |v: &[f32], w: usize| v[r0 * w..(r0 + l) * w].to_vec();
+            let kw = 2 * 32;
+            let alone = GdnInputs {
+                sh: GdnShape { rows: l, ..x.sh },
+                q: sub(&x.q, kw),
+                k: sub(&x.k, kw),
+                v: sub(&x.v, hv * dv),
+                g: sub(&x.g, hv),
+                beta: sub(&x.beta, hv),
+            };
+            let (a, _) = gdn_run_form(&g, &alone, &[0, l as i32], form, None);
+            bits_equal(
+                &format!("gdn {form:?}: sequence of {l} packed vs alone"),
+                &packed[r0 * hv * dv..(r0 + l) * hv * dv],
+                &a,
+            );
+            r0 += l;
+        }
+        // And the restart changes something: one long sequence differs after the first start.
+        assert!(rel_err_quiet(&joined[hv * dv..], &packed[hv * dv..]) > 1e-2, "the packed batch never restarted");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal attention at head_dim 256
+// ---------------------------------------------------------------------------------------------
+
+fn causal<B: Backend>(
+    be: &B,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    starts: &[i32],
+    rows: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) -> Vec<f32> {
+    let s = be.compute_stream();
+    let mut o = be.alloc(&s, DType::BF16, rows * h * hd).unwrap();
+    let (qb, kb, vb) = (put(be, q, DType::BF16), put(be, k, DType::BF16), put(be, v, DType::BF16));
+    be.attn_causal_fwd(&s, &qb, &kb, &vb, &mut o, &ids(be, starts), rows, h, kvh, hd).unwrap();
+    get(be, &o)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attn_causal_hd256_matches_cpu_on_ragged_batches() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (h, kvh, lens) in [(6usize, 2usize, LENS.to_vec()), (24, 4, vec![70, 1, 64]), (2, 2, vec![129])] {
+        let rows_here: usize = lens.iter().sum();
+        let (q, k, v) = (
+            rand(rows_here * h * 256, 90, 1.0),
+            rand(rows_here * kvh * 256, 91, 1.0),
+            rand(rows_here * kvh * 256, 92, 1.0),
+        );
+        let starts = starts_of(&lens);
+        let a = causal(&g, &q, &k, &v, &starts, rows_here, h, kvh, 256);
+        let b = causal(&c, &q, &k, &v, &starts, rows_here, h, kvh, 256);
+        rel_err(&format!("attn_causal hd 256 {h}/{kvh} heads lens {lens:?}"), &a, &b, BF16_TOL);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole qwen3.5-tiny target
+// ---------------------------------------------------------------------------------------------
+
+fn tiny_taps<B: Backend>(be: &B, tokens: &[i32], lens: &[usize]) -> Vec<Vec<f32>> {
+    use dflash_engine::config::TargetConfig;
+    use dflash_engine::model::target::{Target, TargetInputs, TargetShape};
+    use dflash_engine::weights::{init_value_bf16, target_tensor_specs};
+    let cfg = TargetConfig::preset("qwen3.5-tiny").unwrap();
+    let specs = target_tensor_specs(&cfg);
+    let taps: Vec<usize> = (0..cfg.num_hidden_layers).collect();
+    let t = Target::load(be, TargetShape::from(&cfg), taps.clone(), false, |name, dims| {
+        let (i, spec) = specs.iter().enumerate().find(|(_, s)| s.name == name).expect("a preset tensor");
+        assert_eq!(spec.shape, dims, "{name}");
+        let n: usize = dims.iter().product();
+        Ok::<_, dflash_engine::backend::BackendError>(
+            (0..n as u64).map(|e| init_value_bf16(spec.role, 3, i as u32, e, 0.05).to_f32()).collect(),
+        )
+    })
+    .unwrap();
+    let s = be.compute_stream();
+    let rows = tokens.len();
+    let h = cfg.hidden_size;
+    let mut outs: Vec<_> = taps.iter().map(|_| be.alloc(&s, DType::BF16, rows * h).unwrap()).collect();
+    let inp = TargetInputs {
+        ids: &ids(be, tokens),
+        pos: &ids(be, &positions(lens)),
+        seq_starts: &ids(be, &starts_of(lens)),
+        rows,
+    };
+    t.forward_taps(be, &s, &inp, &mut outs).unwrap();
+    outs.iter().map(|o| get(be, o)).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_qwen35_tiny_taps_match_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let rows: usize = LENS.iter().sum();
+    let mut r = Philox::new(5, [3, 3]);
+    let tokens: Vec<i32> = (0..rows).map(|_| r.below(250) as i32).collect();
+    let a = tiny_taps(&g, &tokens, &LENS);
+    let b = tiny_taps(&c, &tokens, &LENS);
+    for l in 0..a.len() {
+        // Each layer's tap (the residual stream), and what the layer added to it: the update
+        // isolates the layer's mixer and MLP from the stream it rides on. bf16 roundings of the
+        // stream flip by an ulp here and there between backends and accumulate over the layers.
+        rel_err(&format!("qwen3.5-tiny tap {l}"), &a[l], &b[l], 3e-2);
+        if l > 0 {
+            let d = |t: &[Vec<f32>]| t[l].iter().zip(&t[l - 1]).map(|(x, y)| x - y).collect::<Vec<f32>>();
+            rel_err(&format!("qwen3.5-tiny layer {l} update"), &d(&a), &d(&b), 1e-1);
+        }
+    }
+}

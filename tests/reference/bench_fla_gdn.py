@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Reference timings for benches/kernels.rs's Qwen3.6-27B rows (QWEN35.md sections 4 and 6).
+
+    python3 tests/reference/bench_fla_gdn.py [--reps 20]
+
+- flash-linear-attention's `chunk_gated_delta_rule` (fla-core / flash-linear-attention 0.6, if
+  importable; a note otherwise) at the 27B Gated DeltaNet shape: 48 value heads over 16 key
+  heads, dk = dv = 128, packed batches 4 x 3072 (cu_seqlens) and 1 x 4096 tokens. q, k bf16,
+  already L2-normalised (use_qk_l2norm_in_kernel=False), scale dk^-0.5; g f32 (log decay); beta
+  bf16. If this fla version does not take fewer key heads than value heads, q and k are repeated
+  to 48 heads first (as transformers' torch path does), outside the timed region, and the row says so.
+- PyTorch SDPA (`scaled_dot_product_attention`, is_causal, GQA) at the 27B full-attention shape:
+  1 x 4096 tokens, 24 query / 4 kv heads, head_dim 256, bf16.
+
+Each row: median milliseconds of --reps timed calls (CUDA events) after 3 warm-ups, and the
+throughput in the same FLOP count the engine's bench prints (the chunk form's products for the
+delta rule; 4 * hd * heads * L(L+1)/2 for causal attention), so the rows compare side by side.
+Exit status 0 even when fla is missing (the SDPA rows still print); non-zero without CUDA.
+"""
+
+import argparse
+import sys
+
+sys.dont_write_bytecode = True
+
+import torch
+
+HK, HV, DK, DV, CHUNK = 16, 48, 128, 128, 64
+
+
+def median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def gdn_flops(lens):
+    """The chunk form's products per chunk of L tokens and value head (kernels/gdn.cu's header)."""
+    f = 0.0
+    for n in lens:
+        left = n
+        while left > 0:
+            l = min(CHUNK, left)
+            f += 2.0 * (l * l / 2.0 * (2 * DK + DK + DV + DV) + 3.0 * l * DK * DV)
+            left -= l
+    return f * HV
+
+
+def row(name, ms, flops):
+    print(f"{name:<52} {ms:>9.3f}ms {flops / (ms * 1e-3) / 1e12:>8.1f} TFLOP/s")
+
+
+def bench_fla(reps):
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - any import failure means: no fla here
+        print(f"flash-linear-attention not importable ({type(e).__name__}: {e}); no fla rows")
+        return
+    dev = "cuda"
+    for lens in ([3072] * 4, [4096]):
+        n = sum(lens)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q = torch.nn.functional.normalize(torch.randn(1, n, HK, DK, device=dev, generator=gen), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(1, n, HK, DK, device=dev, generator=gen), dim=-1)
+        q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+        v = torch.randn(1, n, HV, DV, device=dev, generator=gen).to(torch.bfloat16)
+        g = torch.full((1, n, HV), -0.1, device=dev, dtype=torch.float32)
+        beta = torch.full((1, n, HV), 0.5, device=dev, dtype=torch.bfloat16)
+        cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], device=dev, dtype=torch.long)
+        note = ""
+
+        def call(qq, kk):
+            return chunk_gated_delta_rule(
+                qq, kk, v, g, beta, scale=DK**-0.5, initial_state=None, output_final_state=False,
+                cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
+            )
+
+        try:
+            call(q, k)
+            torch.cuda.synchronize()
+            qq, kk = q, k
+        except Exception as e:  # noqa: BLE001 - this fla wants as many key heads as value heads
+            note = f" [q,k repeated to {HV} heads: {type(e).__name__}]"
+            qq, kk = q.repeat_interleave(HV // HK, dim=2), k.repeat_interleave(HV // HK, dim=2)
+        ms = median_ms(lambda: call(qq, kk), reps)
+        row(f"fla chunk_gated_delta_rule ({len(lens)} x {lens[0]}, 48/16, 128)", ms, gdn_flops(lens))
+        if note:
+            print(note)
+
+
+def bench_sdpa(reps):
+    dev = "cuda"
+    n, h, kvh, hd = 4096, 24, 4, 256
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(1, h, n, hd, device=dev, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, kvh, n, hd, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, kvh, n, hd, device=dev, generator=gen).to(torch.bfloat16)
+    f = 4.0 * hd * h * n * (n + 1) / 2.0
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ms = median_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), reps)
+    row("torch SDPA causal (1 x 4096, 24/4, 256)", ms, f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_fla_gdn.py: no CUDA device", file=sys.stderr)
+        sys.exit(2)
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
+    bench_fla(args.reps)
+    bench_sdpa(args.reps)
+
+
+if __name__ == "__main__":
+    main()
