@@ -10,7 +10,7 @@
 //              V' = U - W S;  o_i = exp(G_i) q_i^T S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j;
 //              S = exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T.
 //   Both give the same outputs up to rounding (tests/qwen35.rs proves it in f64 on the CPU).
-// Layouts:  q, k: f32 [rows, k_heads * dk] (L2-normalised, q scaled by dk^-0.5); v: bf16 [rows,
+// Layouts:  q, k: f32 [rows, k_heads * dk] (L2-normalised, q scaled by dk^-0.5); v: f32 [rows,
 //           v_heads * dv]; g: f32 [rows, v_heads] (log decay); beta: bf16 [rows, v_heads];
 //           o: bf16 [rows, v_heads * dv]; state: f32 [state_seqs, v_heads, dk, dv] or null.
 //           Value head h reads key head h / (v_heads / k_heads). seq_starts: i32 [n_starts]; CTA
@@ -60,7 +60,7 @@ __device__ __forceinline__ void seq_range(const int* seq_starts, int n_starts, i
 // One CTA per (sequence, value head); thread c owns column c of S (and of v, o). Two barriers
 // per token: q_t, k_t are staged in shared memory for every column.
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent_fwd(
-    const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ o,
     float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
     int k_heads, int v_heads, int dk, int dv) {
@@ -93,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent_fwd(
         S[i * dv + c] = s;
         kv += s * sk[i];
       }
-      const float delta = bt * (bf16_to_f32(v[t * vw + (index_t)h * dv + c]) - kv);
+      const float delta = bt * (v[t * vw + (index_t)h * dv + c] - kv);
       float acc = 0.f;
       for (int i = 0; i < dk; ++i) {
         const float s = S[i * dv + c] + sk[i] * delta;
@@ -113,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent_fwd(
 // Shared memory (f32): S [dk][dv] | K [C][dk] | W [C][dk] (then Q) | U [C][dv] (then V') |
 // A [C][C] (then the masked, decayed Q K^T) | G [C] | beta [C] | exp(G_L - G_j) [C].
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_chunked_fwd_simt(
-    const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ o,
     float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
     int k_heads, int v_heads, int dk, int dv) {
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_chunked_fwd_simt(
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
   const float* qh = q + (index_t)kh * dk;
   const float* kh_ = k + (index_t)kh * dk;
-  const __nv_bfloat16* vh = v + (index_t)h * dv;
+  const float* vh = v + (index_t)h * dv;
   __nv_bfloat16* oh = o + (index_t)h * dv;
   float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
   for (int e = tid; e < dk * dv; e += nt) S[e] = st ? st[e] : 0.f;
@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_chunked_fwd_simt(
     __syncthreads();
     for (int e = tid; e < L * dv; e += nt) {
       const int i = e / dv, c = e - i * dv;
-      U[e] = Bt[i] * bf16_to_f32(vh[(c0 + i) * vw + c]);
+      U[e] = Bt[i] * vh[(c0 + i) * vw + c];
     }
     for (int e = tid; e < L * dk; e += nt) {
       const int i = e / dk;
@@ -291,7 +291,7 @@ __device__ __forceinline__ void mma_acc(Acc& acc, const float* a, int lda, const
 }  // namespace gdn
 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
-    const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ o,
     float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows,
     int k_heads, int v_heads, int dk, int dv) {
@@ -323,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
   const float* qh = q + (index_t)kh * dk;
   const float* kh_ = k + (index_t)kh * dk;
-  const __nv_bfloat16* vh = v + (index_t)h * dv;
+  const float* vh = v + (index_t)h * dv;
   __nv_bfloat16* oh = o + (index_t)h * dv;
   float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
   for (int e = tid; e < dk * dv; e += nt) S[(e / dv) * lv + e % dv] = st ? st[e] : 0.f;
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
     // U = diag(beta) V, W = diag(beta exp(G)) K, E = exp(G_L - G_j); meanwhile A = K K^T.
     for (int e = tid; e < C * dv; e += nt) {
       const int i = e / dv, c = e - i * dv;
-      U[i * lv + c] = i < L ? Bt[i] * bf16_to_f32(vh[(c0 + i) * vw + c]) : 0.f;
+      U[i * lv + c] = i < L ? Bt[i] * vh[(c0 + i) * vw + c] : 0.f;
     }
     for (int e = tid; e < C * dk; e += nt) {
       const int i = e / dk, d = e - i * dk;

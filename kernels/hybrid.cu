@@ -54,6 +54,19 @@ __device__ __forceinline__ float row_sumsq<bf16>(const bf16* xr, int dim, int la
   return warp_sum(ss);
 }
 
+template <>
+__device__ __forceinline__ float row_sumsq<float>(const float* xr, int dim, int lane) {
+  float ss = 0.f;
+  for (int c = lane; c < dim; c += 32) ss = fmaf(xr[c], xr[c], ss);
+  return warp_sum(ss);
+}
+
+// An element as f32, from bf16 or f32 storage; and stored back (bf16 rounded to nearest even).
+__device__ __forceinline__ float load_f32(const bf16* p) { return bf16_to_f32(*p); }
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ void store_f32(bf16* p, float v) { *p = f32_to_bf16_rne(v); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // Start of the sequence holding row r: the largest seq_starts[b] <= r over all n entries (0 when
@@ -102,16 +115,29 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gated_rmsnorm_fwd_bf16(
   }
 }
 
-extern "C" __global__ void __launch_bounds__(HYB_BLOCK) l2norm_fwd_bf16_f32(const __nv_bfloat16* __restrict__ x,
-                                                                          float* __restrict__ y, long long rows,
-                                                                          int dim, float eps, float scale) {
+// x (bf16 or f32) scaled to unit L2 norm per row, times `scale`, in f32.
+template <class T>
+__device__ __forceinline__ void l2norm_rows(const T* __restrict__ x, float* __restrict__ y, long long rows, int dim,
+                                            float eps, float scale) {
   const int lane = threadIdx.x & 31;
   for (index_t r = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); r < rows;
        r += (index_t)gridDim.x * hyb::WARPS) {
-    const bf16* xr = x + r * dim;
+    const T* xr = x + r * dim;
     const float inv = scale / sqrtf(hyb::row_sumsq(xr, dim, lane) + eps);
-    for (int c = lane; c < dim; c += 32) y[r * dim + c] = bf16_to_f32(xr[c]) * inv;
+    for (int c = lane; c < dim; c += 32) y[r * dim + c] = hyb::load_f32(xr + c) * inv;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) l2norm_fwd_bf16_f32(const __nv_bfloat16* __restrict__ x,
+                                                                          float* __restrict__ y, long long rows,
+                                                                          int dim, float eps, float scale) {
+  l2norm_rows(x, y, rows, dim, eps, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) l2norm_fwd_f32_f32(const float* __restrict__ x,
+                                                                         float* __restrict__ y, long long rows,
+                                                                         int dim, float eps, float scale) {
+  l2norm_rows(x, y, rows, dim, eps, scale);
 }
 
 // One item per (row, head, pair i < rot/2): the angle in f32 (one rounded multiply), precise
@@ -170,9 +196,10 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) sigmoid_mul_bf16(__nv_bf
 }
 
 // One item per (row t, channel c). The taps run from the oldest input to t, as cpu.rs sums them.
-extern "C" __global__ void __launch_bounds__(HYB_BLOCK) causal_conv1d_silu_bf16(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-    const int* __restrict__ seq_starts, int n_starts, long long rows, int channels, int kernel_size) {
+template <class T>
+__device__ __forceinline__ void conv1d_silu(const T* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                            T* __restrict__ y, const int* __restrict__ seq_starts, int n_starts,
+                                            long long rows, int channels, int kernel_size) {
   const index_t total = rows * channels;
   for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
     const index_t t = e / channels;
@@ -183,10 +210,24 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) causal_conv1d_silu_bf16(
     if (first < ss) first = ss;
     float acc = 0.f;
     for (index_t src = first; src <= t; ++src) {
-      acc += bf16_to_f32(w[(index_t)c * kernel + (kernel - 1 - (t - src))]) * bf16_to_f32(x[src * channels + c]);
+      acc += bf16_to_f32(w[(index_t)c * kernel + (kernel - 1 - (t - src))]) * hyb::load_f32(x + src * channels + c);
     }
-    y[e] = f32_to_bf16_rne(hyb::silu(acc));
+    hyb::store_f32(y + e, hyb::silu(acc));
   }
+}
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) causal_conv1d_silu_bf16(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int channels, int kernel_size) {
+  conv1d_silu(x, w, y, seq_starts, n_starts, rows, channels, kernel_size);
+}
+
+// The target's layout: the projection, the convolution and its split stay in f32 (one rounding
+// fewer before the L2 norm and the delta rule; see model/target/qwen35.rs).
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) causal_conv1d_silu_f32(
+    const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, float* __restrict__ y,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int channels, int kernel_size) {
+  conv1d_silu(x, w, y, seq_starts, n_starts, rows, channels, kernel_size);
 }
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(

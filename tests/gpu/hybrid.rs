@@ -34,7 +34,7 @@ fn positions(lens: &[usize]) -> Vec<i32> {
 // Row norms
 // ---------------------------------------------------------------------------------------------
 
-fn norms<B: Backend>(be: &B, rows: usize, dim: usize, w_off: usize, x: &[f32], z: &[f32], w: &[f32]) -> [Vec<f32>; 3] {
+fn norms<B: Backend>(be: &B, rows: usize, dim: usize, w_off: usize, x: &[f32], z: &[f32], w: &[f32]) -> [Vec<f32>; 4] {
     let s = be.compute_stream();
     let (xb, zb, wb) = (put(be, x, DType::BF16), put(be, z, DType::BF16), put(be, w, DType::BF16));
     let mut y1 = be.alloc(&s, DType::BF16, rows * dim).unwrap();
@@ -43,7 +43,10 @@ fn norms<B: Backend>(be: &B, rows: usize, dim: usize, w_off: usize, x: &[f32], z
     be.gated_rmsnorm_fwd(&s, &xb, &zb, &wb, w_off, &mut y2, rows, dim, 1e-6).unwrap();
     let mut y3 = be.alloc(&s, DType::F32, rows * dim).unwrap();
     be.l2norm_fwd(&s, &xb, &mut y3, rows, dim, 1e-6, 1.0 / (dim as f32).sqrt()).unwrap();
-    [get(be, &y1), get(be, &y2), get(be, &y3)]
+    // The target's own layout: f32 in (the convolution's output), f32 out.
+    let mut y4 = be.alloc(&s, DType::F32, rows * dim).unwrap();
+    be.l2norm_fwd(&s, &put(be, x, DType::F32), &mut y4, rows, dim, 1e-6, 1.0 / (dim as f32).sqrt()).unwrap();
+    [get(be, &y1), get(be, &y2), get(be, &y3), get(be, &y4)]
 }
 
 #[test]
@@ -60,6 +63,7 @@ fn gpu_hybrid_norms_match_cpu() {
         rel_err(&format!("gated_rmsnorm {rows}x{dim} w_off {w_off}"), &a[1], &b[1], BF16_TOL);
         // f32 out: only the summation order of the row's squares differs.
         rel_err(&format!("l2norm (f32 out) {rows}x{dim}"), &a[2], &b[2], 1e-5);
+        rel_err(&format!("l2norm (f32 in and out) {rows}x{dim}"), &a[3], &b[3], 1e-5);
     }
 }
 
@@ -141,21 +145,21 @@ fn gpu_copy_strided_and_sigmoid_mul_match_cpu() {
 // The convolution and the gates
 // ---------------------------------------------------------------------------------------------
 
-fn conv<B: Backend>(be: &B, x: &[f32], w: &[f32], w_off: usize, starts: &[i32], rows: usize, ch: usize) -> Vec<f32> {
+#[allow(clippy::too_many_arguments)]
+fn conv<B: Backend>(
+    be: &B,
+    dt: DType,
+    x: &[f32],
+    w: &[f32],
+    w_off: usize,
+    starts: &[i32],
+    rows: usize,
+    ch: usize,
+) -> Vec<f32> {
     let s = be.compute_stream();
-    let mut y = be.alloc(&s, DType::BF16, rows * ch).unwrap();
-    be.causal_conv1d_silu(
-        &s,
-        &put(be, x, DType::BF16),
-        &put(be, w, DType::BF16),
-        w_off,
-        &mut y,
-        &ids(be, starts),
-        rows,
-        ch,
-        4,
-    )
-    .unwrap();
+    let mut y = be.alloc(&s, dt, rows * ch).unwrap();
+    be.causal_conv1d_silu(&s, &put(be, x, dt), &put(be, w, DType::BF16), w_off, &mut y, &ids(be, starts), rows, ch, 4)
+        .unwrap();
     get(be, &y)
 }
 
@@ -174,13 +178,16 @@ fn gpu_causal_conv1d_silu_matches_cpu_on_ragged_batches() {
         for (what, starts) in
             [("packed", packed.clone()), ("one sequence", vec![0, rows as i32]), ("tail", packed[..4].to_vec())]
         {
-            let a = conv(&g, &x, &w, 1, &starts, rows, ch);
-            let b = conv(&c, &x, &w, 1, &starts, rows, ch);
-            rel_err(&format!("causal_conv1d_silu {what} {rows}x{ch}"), &a, &b, BF16_TOL);
+            // bf16 in and out, and the target's layout: f32 in and out.
+            for (dt, tol) in [(DType::BF16, BF16_TOL), (DType::F32, 1e-5)] {
+                let a = conv(&g, dt, &x, &w, 1, &starts, rows, ch);
+                let b = conv(&c, dt, &x, &w, 1, &starts, rows, ch);
+                rel_err(&format!("causal_conv1d_silu {} {what} {rows}x{ch}", dt.name()), &a, &b, tol);
+            }
         }
         // The restart matters: the first row of the 63-token sequence sees only itself.
-        let one = conv(&c, &x, &w, 1, &[0, rows as i32], rows, ch);
-        let packed_gpu = conv(&g, &x, &w, 1, &packed, rows, ch);
+        let one = conv(&c, DType::BF16, &x, &w, 1, &[0, rows as i32], rows, ch);
+        let packed_gpu = conv(&g, DType::BF16, &x, &w, 1, &packed, rows, ch);
         assert!(rel_err_quiet(&packed_gpu[ch..2 * ch], &one[ch..2 * ch]) > 1e-2, "no restart at a sequence start");
     }
 }
@@ -274,7 +281,7 @@ fn gdn_run<B: Backend>(
 ) -> (Vec<f32>, Vec<f32>) {
     let s = be.compute_stream();
     let sh = &x.sh;
-    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::BF16));
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::F32));
     let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
     let mut o = be.alloc(&s, DType::BF16, sh.rows * sh.v_heads * sh.v_dim).unwrap();
     let mut st = state0.map(|v| put(be, v, DType::F32));
@@ -297,7 +304,7 @@ fn gdn_run_form(
     state0: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
     let s = be.compute_stream();
-    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::BF16));
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::F32));
     let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
     let mut o = be.alloc(&s, DType::BF16, x.sh.rows * x.sh.v_heads * x.sh.v_dim).unwrap();
     let mut st = state0.map(|v| put(be, v, DType::F32));

@@ -1598,17 +1598,34 @@ impl Backend for CudaBackend {
         if seq_starts.len == 0 {
             return Err(BackendError::Shape { op: OP, what: "seq_starts is empty (it starts with 0)".into() });
         }
-        let args = launch::CausalConv1dSiluBf16 {
-            x: x.at(OP, 0)?,
-            w: w.at(OP, w_off)?,
-            y: y.at(OP, 0)?,
-            seq_starts: seq_starts.at(OP, 0)?,
-            n_starts: seq_starts.len,
-            rows,
-            channels,
-            kernel_size: kernel,
-        };
-        self.launch(s, launch::CausalConv1dSiluBf16::KERNEL, (self.hyb_grid(rows * channels), HYB_BLOCK, 0), args)
+        let cfg = (self.hyb_grid(rows * channels), HYB_BLOCK, 0);
+        macro_rules! args {
+            ($ty:ident) => {
+                launch::$ty {
+                    x: x.at(OP, 0)?,
+                    w: w.at(OP, w_off)?,
+                    y: y.at(OP, 0)?,
+                    seq_starts: seq_starts.at(OP, 0)?,
+                    n_starts: seq_starts.len,
+                    rows,
+                    channels,
+                    kernel_size: kernel,
+                }
+            };
+        }
+        match (x.dtype, y.dtype) {
+            (DType::BF16, DType::BF16) => {
+                self.launch(s, launch::CausalConv1dSiluBf16::KERNEL, cfg, args!(CausalConv1dSiluBf16))
+            }
+            (DType::F32, DType::F32) => {
+                self.launch(s, launch::CausalConv1dSiluF32::KERNEL, cfg, args!(CausalConv1dSiluF32))
+            }
+            (a, b) => Err(BackendError::Unsupported(format!(
+                "{OP} from {} to {}: input and output are both bf16 or both f32",
+                a.name(),
+                b.name()
+            ))),
+        }
     }
 
     fn gdn_gates(
@@ -1657,8 +1674,17 @@ impl Backend for CudaBackend {
         const OP: &str = "l2norm_fwd";
         check_len(OP, "x", x.len, 0, rows * dim)?;
         check_len(OP, "y", y.len, 0, rows * dim)?;
-        let args = launch::L2normFwdBf16F32 { x: x.at(OP, 0)?, y: y.at(OP, 0)?, rows, dim, eps, scale };
-        self.launch(s, launch::L2normFwdBf16F32::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+        let cfg = (hyb_row_grid(rows), HYB_BLOCK, 0);
+        match x.dtype {
+            DType::BF16 => {
+                let args = launch::L2normFwdBf16F32 { x: x.at(OP, 0)?, y: y.at(OP, 0)?, rows, dim, eps, scale };
+                self.launch(s, launch::L2normFwdBf16F32::KERNEL, cfg, args)
+            }
+            DType::F32 => {
+                let args = launch::L2normFwdF32F32 { x: x.at(OP, 0)?, y: y.at(OP, 0)?, rows, dim, eps, scale };
+                self.launch(s, launch::L2normFwdF32F32::KERNEL, cfg, args)
+            }
+        }
     }
 
     fn gdn_recurrent_fwd(

@@ -3,9 +3,12 @@
 //! DeltaNet's output norm is `1 + w`; full attention rotates only the first
 //! `head_dim * partial_rotary_factor` dims.
 //!
-//! Rounding follows a bf16 Hugging Face forward: every projection, the convolution's output, beta,
-//! the DeltaNet output and each norm round to bf16; the L2-normalised q and k, the log decays `g`
-//! and the recurrent state stay f32 (flash-linear-attention keeps them in f32 inside its kernel).
+//! Rounding follows a bf16 Hugging Face forward where it costs little: every projection but the
+//! DeltaNet's `in_proj_qkv`, beta, the DeltaNet output and each norm round to bf16. The
+//! DeltaNet's `in_proj_qkv` output, its convolution output and the q/k/v split (and the decode
+//! cache of convolution inputs), the L2-normalised q and k, the log decays `g` and the recurrent
+//! state stay f32: rounding the convolution's input and output to bf16 (as transformers does) is
+//! the largest error of the layer.
 
 use super::{attend, names, Attend, DecodeIds, Family, KvCache, LayerCache, Target, TargetInputs, TargetShape};
 use crate::backend::{Backend, GdnShape, Gemm, Result};
@@ -75,7 +78,7 @@ impl<B: Backend> Family<B> for Qwen35 {
                     LayerCache::Attention { k: be.alloc(s, DType::BF16, n)?, v: be.alloc(s, DType::BF16, n)? }
                 }
                 LayerType::Linear => LayerCache::Linear {
-                    qkv: be.alloc(s, DType::BF16, batch * max_len * hy.conv_dim())?,
+                    qkv: be.alloc(s, DType::F32, batch * max_len * hy.conv_dim())?,
                     state: be.alloc(
                         s,
                         DType::F32,
@@ -112,8 +115,8 @@ impl<B: Backend> Family<B> for Qwen35 {
         be.upload_ids(s, &(0..=n).map(|b| to_i32(b * k)).collect::<Result<Vec<_>>>()?, &mut win_starts)?;
         let mut one_starts = be.alloc_ids(s, n + 1)?;
         be.upload_ids(s, &(0..=n).map(to_i32).collect::<Result<Vec<_>>>()?, &mut one_starts)?;
-        let mut win = be.alloc(s, DType::BF16, n * k * hy.conv_dim())?;
-        let mut win_out = be.alloc(s, DType::BF16, n * k * hy.conv_dim())?;
+        let mut win = be.alloc(s, DType::F32, n * k * hy.conv_dim())?;
+        let mut win_out = be.alloc(s, DType::F32, n * k * hy.conv_dim())?;
         let mut sc = Scratch::new(be, s, sh, n)?;
         let mut x = be.alloc(s, DType::BF16, n * h)?;
         be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
@@ -361,14 +364,17 @@ impl<B: Backend> Scratch<B> {
             v: bf(t * kw)?,
             o: bf(t * qw)?,
             lse: f32(t * sh.heads)?,
-            qkv: bf(t * hy.conv_dim())?,
-            conv: bf(t * hy.conv_dim())?,
+            // The Gated DeltaNet's input projection, its convolution and the q/k/v split stay f32
+            // (transformers rounds each to bf16): these roundings are the largest error of the
+            // layer, and no GEMM reads them.
+            qkv: f32(t * hy.conv_dim())?,
+            conv: f32(t * hy.conv_dim())?,
             z: bf(t * hy.value_dim())?,
             b: bf(t * hv)?,
             a: bf(t * hv)?,
-            q_raw: bf(t * hy.key_dim())?,
-            k_raw: bf(t * hy.key_dim())?,
-            lv: bf(t * hy.value_dim())?,
+            q_raw: f32(t * hy.key_dim())?,
+            k_raw: f32(t * hy.key_dim())?,
+            lv: f32(t * hy.value_dim())?,
             // L2-normalised q and k stay f32, as inside flash-linear-attention's kernel.
             qn: f32(t * hy.key_dim())?,
             kn: f32(t * hy.key_dim())?,
