@@ -297,6 +297,8 @@ pub struct StepBatches {
     pub batch_size: usize,
     pub grad_accum: usize,
     pub seed: u64,
+    /// Test-only (`FaultPlan::context_off_by_one`): every block's context also shows the anchor.
+    pub context_off_by_one: bool,
 }
 
 impl BatchSource for StepBatches {
@@ -305,7 +307,12 @@ impl BatchSource for StepBatches {
         let samples: Vec<Sample> = self.data.samples_for_step(u64::from(step), per_micro * self.grad_accum, self.seed);
         let mut out = Vec::with_capacity(self.grad_accum);
         for (m, chunk) in samples.chunks(per_micro).enumerate() {
-            out.push(build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?);
+            let mut b = build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?;
+            if self.context_off_by_one {
+                // Context key t visible iff t < anchor + 1: the anchor's own state leaks in.
+                b.anchors.iter_mut().filter(|a| **a >= 0).for_each(|a| *a += 1);
+            }
+            out.push(b);
         }
         Ok(out)
     }
