@@ -55,13 +55,20 @@ pub enum Proposer<'a, B: Backend> {
     VerifyOnly {
         block_size: usize,
     },
+    /// Drafts given by a function of the anchor's position (`block_size - 1` tokens), e.g. a
+    /// known continuation with planted errors: drives every acceptance length through the
+    /// verification and the rewind (tests and diagnosis).
+    Script {
+        block_size: usize,
+        draft: &'a dyn Fn(usize) -> Vec<u32>,
+    },
 }
 
 impl<B: Backend> Proposer<'_, B> {
     fn block_size(&self) -> usize {
         match self {
             Proposer::Drafter(d) => d.shape.block_size,
-            Proposer::VerifyOnly { block_size } => *block_size,
+            Proposer::VerifyOnly { block_size } | Proposer::Script { block_size, .. } => *block_size,
         }
     }
 }
@@ -180,8 +187,9 @@ pub fn decode_speculative<B: Backend>(
     let p = prompt.len();
     // The last round may verify a whole block past the last kept token.
     let max_len = p + lim.max_new_tokens + bs;
-    let drafting = matches!(proposer, Proposer::Drafter(_));
-    let mut pre = prefill(be, s, target, prompt, max_len, drafting)?;
+    let drafting = !matches!(proposer, Proposer::VerifyOnly { .. });
+    let with_taps = matches!(proposer, Proposer::Drafter(_));
+    let mut pre = prefill(be, s, target, prompt, max_len, with_taps)?;
     let mut dcache = match proposer {
         Proposer::Drafter(dw) => {
             let mut c = DraftCache::new(be, s, dw.shape, max_len)?;
@@ -189,7 +197,7 @@ pub fn decode_speculative<B: Backend>(
             dw.append_context(be, s, &mut c, &taps, p)?;
             Some(c)
         }
-        Proposer::VerifyOnly { .. } => None,
+        Proposer::VerifyOnly { .. } | Proposer::Script { .. } => None,
     };
     be.synchronize(s)?;
     let mut d = Decoded { prefill_secs: t0.elapsed().as_secs_f64(), ..Decoded::default() };
@@ -209,6 +217,11 @@ pub fn decode_speculative<B: Backend>(
                 debug_assert_eq!(c.len, a, "the drafter's context is every token before the anchor");
                 dw.draft_block(be, s, c, anchor, &mut draft_ids)?;
                 be.download_ids(s, &draft_ids)?.into_iter().map(|t| t.max(0) as u32).collect()
+            }
+            (Proposer::Script { draft, .. }, _) => {
+                let mut v = draft(a);
+                v.resize(bs - 1, anchor);
+                v
             }
             _ => vec![anchor; bs - 1],
         };
@@ -242,4 +255,50 @@ pub fn decode_speculative<B: Backend>(
     }
     d.decode_secs = t1.elapsed().as_secs_f64();
     Ok(d)
+}
+
+/// Training's metric on a finished sequence (DFLASH.md section 4): for every anchor `a` in
+/// `first..seq.len() - 1`, the drafter drafts a block after the target's taps of positions
+/// `0..a` (from one packed forward over the sequence, as training computes them) and scores
+/// `1 + the number of leading drafts equal to seq[a + 1..]` (cut at the sequence end). Returns
+/// one value per anchor. Real decoding averages over the rounds it runs instead, whose anchors
+/// are where the previous round stopped: long accepted stretches take few rounds, so the
+/// per-round mean is below this per-position mean whenever acceptance varies along the text.
+pub fn simulated_accept<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    target: &Target<B>,
+    dw: &DraftWeights<'_, B>,
+    seq: &[u32],
+    first: usize,
+) -> Result<Vec<usize>> {
+    use crate::model::target::TargetInputs;
+    let (n, h, bs) = (seq.len(), target.shape.hidden, dw.shape.block_size);
+    if n < 2 || first >= n - 1 {
+        return Ok(Vec::new());
+    }
+    let ids = upload_ids(be, s, seq)?;
+    let pos = upload_ids(be, s, &(0..n as u32).collect::<Vec<_>>())?;
+    let starts = upload_ids(be, s, &[0, n as u32])?;
+    let mut taps: Vec<B::Buf> = target.taps.iter().map(|_| be.alloc(s, DType::BF16, n * h)).collect::<Result<_>>()?;
+    let inp = TargetInputs { ids: &ids, pos: &pos, seq_starts: &starts, rows: n };
+    target.forward_taps(be, s, &inp, &mut taps)?;
+    let mut cache = DraftCache::new(be, s, dw.shape, n)?;
+    let mut rows: Vec<B::Buf> = target.taps.iter().map(|_| be.alloc(s, DType::BF16, n * h)).collect::<Result<_>>()?;
+    let mut drafts = be.alloc_ids(s, bs - 1)?;
+    let mut out = Vec::with_capacity(n - 1 - first);
+    for a in first..n - 1 {
+        // Context: taps of positions cache.len..a, appended.
+        let (from, count) = (cache.len, a - cache.len);
+        for (dst, src) in rows.iter_mut().zip(&taps) {
+            be.copy(s, src, from * h, dst, 0, count * h)?;
+        }
+        let refs: Vec<&B::Buf> = rows.iter().collect();
+        dw.append_context(be, s, &mut cache, &refs, count)?;
+        dw.draft_block(be, s, &cache, seq[a], &mut drafts)?;
+        let d = be.download_ids(s, &drafts)?;
+        let hits = d.iter().zip(&seq[a + 1..]).take_while(|(x, y)| **x >= 0 && **x as u32 == **y).count();
+        out.push(1 + hits);
+    }
+    Ok(out)
 }

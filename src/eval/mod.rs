@@ -25,7 +25,7 @@ use crate::model::target::Target;
 use crate::session::setup::TargetSource;
 use crate::session::{log, Device, TINY_INIT_STD};
 use crate::train::checkpoint;
-use decode::{decode_speculative, decode_target_alone, DecodeLimits, Decoded, Proposer};
+use decode::{decode_speculative, decode_target_alone, simulated_accept, DecodeLimits, Decoded, Proposer};
 
 /// Generated evaluation prompts are the generator's samples from this index on: a run generates
 /// samples `0..--gen-samples`, so these are held out (same generator, never trained on).
@@ -85,6 +85,9 @@ pub struct PromptReport {
     pub rounds: usize,
     /// Tokens per verification round (accepted drafts + the target's own token).
     pub accept_len: f64,
+    /// Training's simulated acceptance length on this output (every position an anchor, the
+    /// context from one packed target forward): the number to compare with the run's.
+    pub simulated_accept_len: f64,
     /// `accept_hist[n - 1]`: rounds that produced `n` tokens, `n` in `1..=block_size`.
     pub accept_hist: Vec<u64>,
     pub spec_tokens_per_s: f64,
@@ -341,22 +344,28 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     let mut per_prompt = Vec::with_capacity(prompts.len());
     let mut all_spec = Vec::new();
     let mut all_alone = Vec::new();
+    let mut all_sim: Vec<Vec<usize>> = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
         let spec = decode_speculative(be, &s, &target, Proposer::Drafter(&dw), prompt, &lim)?;
         let alone = decode_target_alone(be, &s, &target, prompt, &lim)?;
-        let r = prompt_report(i, prompt.len(), dcfg.block_size, &[&spec], &[&alone]);
+        let seq: Vec<u32> = prompt.iter().chain(&spec.tokens).copied().collect();
+        let sim = simulated_accept(be, &s, &target, &dw, &seq, prompt.len())?;
+        let r = prompt_report(i, prompt.len(), dcfg.block_size, &[&spec], &[&alone], &[&sim]);
         if !o.quiet {
             pb.suspend(|| eprintln!("{}", prompt_line(&r)));
         }
         per_prompt.push(r);
         all_spec.push(spec);
         all_alone.push(alone);
+        all_sim.push(sim);
         pb.inc(1);
     }
     pb.finish_and_clear();
     let spec_refs: Vec<&Decoded> = all_spec.iter().collect();
     let alone_refs: Vec<&Decoded> = all_alone.iter().collect();
-    let mut overall = prompt_report(0, prompts.iter().map(Vec::len).sum(), dcfg.block_size, &spec_refs, &alone_refs);
+    let sim_refs: Vec<&Vec<usize>> = all_sim.iter().collect();
+    let mut overall =
+        prompt_report(0, prompts.iter().map(Vec::len).sum(), dcfg.block_size, &spec_refs, &alone_refs, &sim_refs);
     overall.lossless = per_prompt.iter().all(|r| r.lossless);
     overall.first_divergence = None;
     let lossless_prompts = per_prompt.iter().filter(|r| r.lossless).count();
@@ -393,7 +402,15 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
 }
 
 /// The report of one prompt (or, given several, of all of them together).
-fn prompt_report(index: usize, prompt_tokens: usize, bs: usize, spec: &[&Decoded], alone: &[&Decoded]) -> PromptReport {
+fn prompt_report(
+    index: usize,
+    prompt_tokens: usize,
+    bs: usize,
+    spec: &[&Decoded],
+    alone: &[&Decoded],
+    sim: &[&Vec<usize>],
+) -> PromptReport {
+    let sims: Vec<usize> = sim.iter().flat_map(|v| v.iter().copied()).collect();
     let sum = |f: &dyn Fn(&Decoded) -> f64, v: &[&Decoded]| v.iter().map(|d| f(d)).sum::<f64>();
     let new_tokens: usize = spec.iter().map(|d| d.tokens.len()).sum();
     let alone_tokens: usize = alone.iter().map(|d| d.tokens.len()).sum();
@@ -420,6 +437,7 @@ fn prompt_report(index: usize, prompt_tokens: usize, bs: usize, spec: &[&Decoded
         new_tokens,
         rounds,
         accept_len: if rounds > 0 { lens.iter().sum::<usize>() as f64 / rounds as f64 } else { 0.0 },
+        simulated_accept_len: if sims.is_empty() { 0.0 } else { sims.iter().sum::<usize>() as f64 / sims.len() as f64 },
         accept_hist: hist,
         spec_tokens_per_s: spec_tps,
         target_tokens_per_s: alone_tps,
@@ -434,11 +452,12 @@ fn prompt_report(index: usize, prompt_tokens: usize, bs: usize, spec: &[&Decoded
 
 fn prompt_line(r: &PromptReport) -> String {
     format!(
-        "prompt {:>4} | {:>4} tokens | {:>4} rounds | accept {:>5.2} | spec {:>9.1} tok/s | target {:>9.1} tok/s | x{:.2} | {}",
+        "prompt {:>4} | {:>4} tokens | {:>4} rounds | accept {:>5.2} (simulated {:>5.2}) | spec {:>9.1} tok/s | target {:>9.1} tok/s | x{:.2} | {}",
         r.index,
         r.new_tokens,
         r.rounds,
         r.accept_len,
+        r.simulated_accept_len,
         r.spec_tokens_per_s,
         r.target_tokens_per_s,
         r.speedup,
@@ -493,7 +512,11 @@ pub fn print_summary(r: &EvalReport) {
         (Some(a), Some(step)) => format!(" (training's simulated: {a:.2} at step {step})"),
         _ => String::new(),
     };
-    eprintln!("accept length     {:.2} tokens per round{train}", o.accept_len);
+    eprintln!("accept length     {:.2} tokens per round (real decoding)", o.accept_len);
+    eprintln!(
+        "simulated         {:.2} per position on these outputs, as training measures it{train}",
+        o.simulated_accept_len
+    );
     let hist: Vec<String> =
         o.accept_hist.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, c)| format!("{}:{c}", i + 1)).collect();
     eprintln!("accept histogram  {}", hist.join(" "));
