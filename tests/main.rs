@@ -9,6 +9,8 @@
 //! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
+//! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
+//!   train-then-eval acceptance, the context off by one collapsing, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
 //!
@@ -17,6 +19,7 @@
 
 mod common;
 mod drafter_fd;
+mod eval;
 mod gpu;
 mod metrics;
 mod nan_suite;

@@ -14,11 +14,14 @@
 //! - `cross_entropy`: fused lm_head loss, dlogits and argmax (cross_entropy.cu)
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
 //! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity
+//! - `eval`: speculative decoding on CUDA: lossless against greedy through the same verification
+//!   forward; divergence from one-token decoding reported with its top-2 logit gap
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
 
 mod attention;
 mod cross_entropy;
 mod elementwise;
+mod eval;
 mod gemm;
 mod norm;
 mod optimizer;
