@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2|eval8b]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -69,6 +69,14 @@ if has pipe8b2; then
   echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"
   make8b
   $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --drafter-gpus 1 --out /tmp/q8b-bench2 2>&1 | tee "$OUT/pipe8b2.log" || status=1
+fi
+if has eval8b; then
+  echo "== speculative decoding at the Qwen3-8B shape (random target and drafter: the cost of a round, not acceptance)"
+  # The in-memory preset unless T8B names a folder that exists (no 16 GB written for this).
+  t=qwen3-8b-shape
+  [ -f "$T8B/config.json" ] && t=$T8B
+  timeout 240 $B/dflash-engine eval --device cuda --target $t --init-std 0.02 --drafter random --drafter-layers 5 \
+    --prompts generated --num-prompts 4 --max-new-tokens 128 --out "$OUT/eval8b.json" 2>&1 | tee "$OUT/eval8b.log" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

@@ -474,16 +474,23 @@ fn decode_bound<B: Backend>(be: &B, target: &Target<B>, target_ms_per_token: f64
     let s = be.compute_stream();
     // 512 MiB each way: far past any L2.
     let n = 256 << 20;
-    let Some(probe) = be.record_timed(&s)? else { return Ok(None) };
-    drop(probe);
+    if be.record_timed(&s)?.is_none() {
+        return Ok(None);
+    }
     let src = be.alloc(&s, crate::tensor::DType::BF16, n)?;
     let mut dst = be.alloc(&s, crate::tensor::DType::BF16, n)?;
-    be.copy(&s, &src, 0, &mut dst, 0, n)?;
+    be.copy(&s, &src, 0, &mut dst, 0, n)?; // warm-up
     let mut rates = Vec::new();
     for _ in 0..7 {
-        let (Some(a), _) = (be.record_timed(&s)?, be.copy(&s, &src, 0, &mut dst, 0, n)?) else { return Ok(None) };
-        let Some(b) = be.record_timed(&s)? else { return Ok(None) };
-        let Some(secs) = be.elapsed_secs(&a, &b) else { return Ok(None) };
+        let start = be.record_timed(&s)?;
+        be.copy(&s, &src, 0, &mut dst, 0, n)?;
+        let end = be.record_timed(&s)?;
+        let secs = match (start, end) {
+            (Some(a), Some(b)) => be.elapsed_secs(&a, &b),
+            _ => None,
+        };
+        let Some(secs) = secs else { return Ok(None) };
+        // Read + write, bf16.
         rates.push((2 * 2 * n) as f64 / secs);
     }
     rates.sort_by(f64::total_cmp);
