@@ -27,9 +27,9 @@ pub struct FaultPlan {
     /// A checkpoint save aborts the process after writing its model file into the temporary
     /// folder, before the rename (proves a kill during a save is harmless).
     pub abort_mid_checkpoint: bool,
-    /// Trains with the drafter's context off by one (DFLASH.md pitfall 2): each block also sees
-    /// the target's hidden state AT its anchor, which already encodes the next token. Training
-    /// accuracy looks excellent and `eval` shows the collapse; test-only.
+    /// Trains with the drafter's context off by one (DFLASH.md pitfall 2's family): context row
+    /// `t` holds the target's state after token `t + 1`, so each block also sees its anchor's
+    /// state. Training's simulated acceptance looks fine and `eval` shows the collapse; test-only.
     pub context_off_by_one: bool,
 }
 

@@ -10,7 +10,7 @@
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
-//!   train-then-eval acceptance, the context off by one collapsing, a random drafter
+//!   train then eval on held-out prompts, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
 //!

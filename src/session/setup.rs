@@ -297,7 +297,7 @@ pub struct StepBatches {
     pub batch_size: usize,
     pub grad_accum: usize,
     pub seed: u64,
-    /// Test-only (`FaultPlan::context_off_by_one`): every block's context also shows the anchor.
+    /// Test-only (`FaultPlan::context_off_by_one`): the drafter's context one position ahead.
     pub context_off_by_one: bool,
 }
 
@@ -309,8 +309,15 @@ impl BatchSource for StepBatches {
         for (m, chunk) in samples.chunks(per_micro).enumerate() {
             let mut b = build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?;
             if self.context_off_by_one {
-                // Context key t visible iff t < anchor + 1: the anchor's own state leaks in.
-                b.anchors.iter_mut().filter(|a| **a >= 0).for_each(|a| *a += 1);
+                // The target reads each sequence one token ahead, so context row t holds the
+                // state after token t + 1: every row is paired with the wrong position and the
+                // anchor's own state is visible to its block.
+                for w in b.seq_starts.windows(2) {
+                    let (s, e) = (w[0] as usize, w[1] as usize);
+                    if e > s + 1 {
+                        b.ids.copy_within(s + 1..e, s);
+                    }
+                }
             }
             out.push(b);
         }
