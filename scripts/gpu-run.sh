@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|run27b|run27b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|eval8b|run27b|run27b2]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
@@ -118,6 +118,14 @@ if named run27b2; then
   $B/dflash-engine run --device cuda $Q27B --drafter-gpus 1 --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint \
     --no-tensorboard --out /tmp/q27b-run2 2>&1 | tee "$OUT/run27b2.log" || status=1
   fi
+fi
+if has eval8b; then
+  echo "== speculative decoding at the Qwen3-8B shape (random target and drafter: the cost of a round, not acceptance)"
+  # The in-memory preset unless T8B names a folder that exists (no 16 GB written for this).
+  t=qwen3-8b-shape
+  [ -f "$T8B/config.json" ] && t=$T8B
+  timeout 240 $B/dflash-engine eval --device cuda --target $t --init-std 0.02 --drafter random --drafter-layers 5 \
+    --prompts generated --num-prompts 4 --max-new-tokens 128 --out "$OUT/eval8b.json" 2>&1 | tee "$OUT/eval8b.log" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

@@ -27,22 +27,31 @@ pub struct FaultPlan {
     /// A checkpoint save aborts the process after writing its model file into the temporary
     /// folder, before the rename (proves a kill during a save is harmless).
     pub abort_mid_checkpoint: bool,
+    /// Trains with the drafter's context off by one (DFLASH.md pitfall 2's family): context row
+    /// `t` holds the target's state after token `t + 1`, so each block also sees its anchor's
+    /// state. Training's simulated acceptance looks fine and `eval` shows the collapse; test-only.
+    pub context_off_by_one: bool,
 }
 
 /// A `DFLASH_FAULT` value the plan does not know.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP \
-     or checkpoint-mid-write (STEP: a 0-based step index)"
+     checkpoint-mid-write or context-off-by-one (STEP: a 0-based step index)"
 )]
 pub struct BadFault(pub String);
 
 impl FaultPlan {
-    /// Parses the `DFLASH_FAULT` syntax: `<kind>@<step>` or `checkpoint-mid-write`.
+    /// Parses the `DFLASH_FAULT` syntax: `<kind>@<step>`, `checkpoint-mid-write` or
+    /// `context-off-by-one`.
     pub fn parse(v: &str) -> Result<Self, BadFault> {
         let mut f = FaultPlan::default();
         if v == "checkpoint-mid-write" {
             f.abort_mid_checkpoint = true;
+            return Ok(f);
+        }
+        if v == "context-off-by-one" {
+            f.context_off_by_one = true;
             return Ok(f);
         }
         let bad = || BadFault(v.to_string());
@@ -68,6 +77,7 @@ mod tests {
         assert_eq!(FaultPlan::parse("producer-error@3").unwrap().producer_error_at, Some(3));
         assert_eq!(FaultPlan::parse("copy-error@0").unwrap().copy_error_at, Some(0));
         assert!(FaultPlan::parse("checkpoint-mid-write").unwrap().abort_mid_checkpoint);
+        assert!(FaultPlan::parse("context-off-by-one").unwrap().context_off_by_one);
         for bad in ["producer-error", "producer-error@x", "nonsense@1", ""] {
             let e = FaultPlan::parse(bad).unwrap_err().to_string();
             assert!(e.contains("DFLASH_FAULT") && e.contains("expected"), "{e}");

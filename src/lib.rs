@@ -5,6 +5,7 @@ pub mod backend; // the op trait; cpu/ is the reference, cuda/ the product
 pub mod bench; // `bench-pipeline`: sync vs async per transport, target idle, peer copy rate
 pub mod config; // HF config.json subset (Qwen3), presets, drafter config, tap-layer rule
 pub mod data; // pre-tokenized JSON Lines: parsing, validation, the order of samples per step
+pub mod eval; // `eval`: real speculative decoding with a drafter checkpoint: acceptance, speedup, lossless check
 pub mod faults; // the fault plan of the failure tests, built at the edge
 pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward

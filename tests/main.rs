@@ -11,6 +11,8 @@
 //! - `recipe`: the drafter recipe: sliding-window masks, drafter configs and recipes, the written
 //!   checkpoint, --init-from, --loss-gamma, the config's norm eps, a sliding run that learns
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
+//! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
+//!   train then eval on held-out prompts, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
 //!
@@ -19,6 +21,7 @@
 
 mod common;
 mod drafter_fd;
+mod eval;
 mod gpu;
 mod metrics;
 mod nan_suite;

@@ -1,7 +1,9 @@
 //! The two models, written once against `backend::Backend`: the frozen Qwen3 target (forward with
-//! taps) and the DFlash drafter (forward and hand-written backward).
+//! taps, cached decoding and multi-token extend) and the DFlash drafter (forward and hand-written
+//! backward; `drafting` is its inference path).
 
 pub mod drafter;
+pub mod drafting;
 pub mod target;
 
 use std::collections::HashMap;

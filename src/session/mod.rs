@@ -223,6 +223,7 @@ fn run_on<B: Backend>(
         batch_size: d.batch_size,
         grad_accum: d.grad_accum,
         seed: t.seed,
+        context_off_by_one: e.faults.context_off_by_one,
     };
     let optim = OptimConfig {
         lr: t.lr,

@@ -297,6 +297,8 @@ pub struct StepBatches {
     pub batch_size: usize,
     pub grad_accum: usize,
     pub seed: u64,
+    /// Test-only (`FaultPlan::context_off_by_one`): the drafter's context one position ahead.
+    pub context_off_by_one: bool,
 }
 
 impl BatchSource for StepBatches {
@@ -305,7 +307,19 @@ impl BatchSource for StepBatches {
         let samples: Vec<Sample> = self.data.samples_for_step(u64::from(step), per_micro * self.grad_accum, self.seed);
         let mut out = Vec::with_capacity(self.grad_accum);
         for (m, chunk) in samples.chunks(per_micro).enumerate() {
-            out.push(build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?);
+            let mut b = build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?;
+            if self.context_off_by_one {
+                // The target reads each sequence one token ahead, so context row t holds the
+                // state after token t + 1: every row is paired with the wrong position and the
+                // anchor's own state is visible to its block.
+                for w in b.seq_starts.windows(2) {
+                    let (s, e) = (w[0] as usize, w[1] as usize);
+                    if e > s + 1 {
+                        b.ids.copy_within(s + 1..e, s);
+                    }
+                }
+            }
+            out.push(b);
         }
         Ok(out)
     }

@@ -49,12 +49,8 @@ pub fn generate<B: Backend>(
     let mut first = 0;
     while first < spec.num_samples {
         let n = spec.batch.max(1).min(spec.num_samples - first);
-        let mut seqs: Vec<Vec<u32>> = (0..n)
-            .map(|i| {
-                let mut r = Philox::new(spec.seed, [(first + i) as u32, rng::domain::DATA]);
-                (0..spec.prompt_len).map(|_| r.below(u64::from(spec.ordinary_vocab)) as u32).collect()
-            })
-            .collect();
+        let mut seqs: Vec<Vec<u32>> =
+            (0..n).map(|i| prompt(spec.seed, (first + i) as u32, spec.prompt_len, spec.ordinary_vocab)).collect();
         let mut cache = target.new_cache(be, s, n, spec.seq_len)?;
         let mut logits = be.alloc(s, DType::F32, n * vocab)?;
         let mut tokens = be.alloc_ids(s, n)?;
@@ -79,6 +75,13 @@ pub fn generate<B: Backend>(
         progress(first);
     }
     Ok(out)
+}
+
+/// The random prompt of generated sample `index`: `len` tokens from `0..ordinary_vocab`, keyed by
+/// `(seed, index)`. `eval --prompts generated` draws held-out prompts from indices no run uses.
+pub fn prompt(seed: u64, index: u32, len: usize, ordinary_vocab: u32) -> Vec<u32> {
+    let mut r = Philox::new(seed, [index, rng::domain::DATA]);
+    (0..len).map(|_| r.below(u64::from(ordinary_vocab)) as u32).collect()
 }
 
 fn pick(row: &[f32], spec: &GenSpec, sample: u32, pos: u32) -> u32 {

@@ -17,11 +17,14 @@
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
 //! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity (also with
 //!   the qwen3.5-tiny hybrid target)
+//! - `eval`: speculative decoding on CUDA: lossless against greedy through the same verification
+//!   forward; divergence from one-token decoding reported with its top-2 logit gap
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
 
 mod attention;
 mod cross_entropy;
 mod elementwise;
+mod eval;
 mod gemm;
 mod hybrid;
 mod norm;

@@ -13,7 +13,7 @@ mod qwen35;
 pub use qwen3::push_layer;
 
 use super::ParamTable;
-use crate::backend::{Backend, DraftAttnShape, Result};
+use crate::backend::{Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result};
 use crate::config::{Arch, LayerDims};
 use crate::tensor::DType;
 
@@ -107,6 +107,16 @@ trait Family<B: Backend>: Sync {
         pos: usize,
         logits: &mut B::Buf,
     ) -> Result<()>;
+    /// [`Target::extend`] after its checks.
+    fn extend(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        x: Extend<'_, B>,
+        logits: &mut B::Buf,
+    ) -> Result<ExtendUndo<B>>;
 }
 
 /// The family that runs `arch`.
@@ -187,6 +197,114 @@ impl<B: Backend> Target<B> {
         family::<B>(&self.shape.arch).decode_step(self, be, s, cache, tokens, t, logits)
     }
 
+    /// Runs `rows` tokens of the one sequence of a batch-1 `cache` at positions `start..start +
+    /// rows` in one forward (a prompt's prefill, or a speculative block's verification): row `i`
+    /// attends to (or carries the state of) positions `0..start + i`, exactly as `rows` calls of
+    /// [`Target::decode_step`] would, and its keys, values and convolution inputs are written to
+    /// the cache. Writes tap `k` of every row into `taps_out[k]` (`[rows, hidden]`) when given,
+    /// and the next-token logits of the last `logit_rows` rows into `logits` (f32 `[logit_rows,
+    /// vocab]`). Returns what [`Target::rewind`] needs to keep only a prefix of these rows.
+    /// Needs every layer loaded.
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        tokens: &B::Ids,
+        start: usize,
+        rows: usize,
+        taps_out: Option<&mut [B::Buf]>,
+        logits: &mut B::Buf,
+        logit_rows: usize,
+    ) -> Result<ExtendUndo<B>> {
+        let bad = |what: String| Err(BackendError::Shape { op: "extend", what });
+        if self.loaded_layers != self.shape.layers {
+            return bad(format!(
+                "{} of {} layers loaded: extending a sequence needs every layer (load the target with all_layers)",
+                self.loaded_layers, self.shape.layers
+            ));
+        }
+        if cache.batch != 1 {
+            return bad(format!("a cache of {} sequences: extend runs one sequence (a cache of batch 1)", cache.batch));
+        }
+        if rows == 0 || logit_rows == 0 || logit_rows > rows {
+            return bad(format!("{rows} rows with logits for the last {logit_rows}: need 1 <= logit rows <= rows"));
+        }
+        if start + rows > cache.max_len {
+            return bad(format!("positions {start}..{} past the cache's {} positions", start + rows, cache.max_len));
+        }
+        if let Some(t) = &taps_out {
+            if t.len() != self.taps.len() {
+                return bad(format!("{} tap buffers for {} taps", t.len(), self.taps.len()));
+            }
+        }
+        let x = Extend { tokens, start, rows, logit_rows, taps_out };
+        family::<B>(&self.shape.arch).extend(self, be, s, cache, x, logits)
+    }
+
+    /// Keeps only the first `keep` rows of the extend that returned `undo` (the last one on this
+    /// cache): afterwards the cache is exactly what extending by those `keep` rows alone would
+    /// have left. Attention caches are indexed by position, so the rejected rows' keys and values
+    /// are simply overwritten later; a Gated DeltaNet layer's recurrent state is put back to its
+    /// value before the extend and re-advanced over the kept rows (the same recurrent step, on
+    /// the same inputs, that decoding runs). Its convolution inputs are indexed by position too.
+    pub fn rewind(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        undo: ExtendUndo<B>,
+        keep: usize,
+    ) -> Result<()> {
+        if keep > undo.rows {
+            return Err(BackendError::Shape {
+                op: "rewind",
+                what: format!("keep {keep} rows of an extend of {}", undo.rows),
+            });
+        }
+        if keep == undo.rows {
+            return Ok(());
+        }
+        let mut starts = be.alloc_ids(s, 2)?;
+        be.upload_ids(s, &[0, to_i32("rewind", keep)?], &mut starts)?;
+        for (lc, u) in cache.layers.iter_mut().zip(undo.layers) {
+            let (LayerCache::Linear { state, .. }, Some(u)) = (lc, u) else { continue };
+            let n = be.len(&u.state);
+            be.copy(s, &u.state, 0, state, 0, n)?;
+            if keep > 0 {
+                let gsh = GdnShape { rows: keep, ..u.shape };
+                let mut o = be.alloc(s, DType::BF16, keep * gsh.v_heads * gsh.v_dim)?;
+                be.gdn_recurrent_fwd(s, &gsh, &u.q, &u.k, &u.v, &u.g, &u.beta, &starts, &mut o, Some(state))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Final norm then lm_head over the last `x.logit_rows` rows of the residual stream `h`.
+    fn extend_logits(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        h: &B::Buf,
+        x: &Extend<'_, B>,
+        one_plus_w: bool,
+        logits: &mut B::Buf,
+    ) -> Result<()> {
+        let (sh, w, n) = (&self.shape, &self.weights, x.logit_rows);
+        let mut last = be.alloc(s, DType::BF16, n * sh.hidden)?;
+        be.copy(s, h, (x.rows - n) * sh.hidden, &mut last, 0, n * sh.hidden)?;
+        let mut xn = be.alloc(s, DType::BF16, n * sh.hidden)?;
+        let norm = self.table.off(names::FINAL_NORM);
+        if one_plus_w {
+            be.rmsnorm1p_fwd(s, &last, w, norm, &mut xn, n, sh.hidden, sh.eps)?;
+        } else {
+            let mut rstd = be.alloc(s, DType::F32, n)?;
+            be.rmsnorm_fwd(s, &last, w, norm, &mut xn, &mut rstd, n, sh.hidden, sh.eps)?;
+        }
+        be.gemm(s, &Gemm::linear(n, sh.vocab, sh.hidden), &xn, 0, w, self.table.off(names::LM_HEAD), logits, 0)
+    }
+
     /// Writes tap `k` for every `taps[k] == layer` (called after each layer).
     fn copy_taps(
         &self,
@@ -223,6 +341,54 @@ pub struct KvCache<B: Backend> {
     pub max_len: usize,
 }
 
+/// One [`Target::extend`] call as the families see it.
+struct Extend<'a, B: Backend> {
+    tokens: &'a B::Ids,
+    start: usize,
+    rows: usize,
+    logit_rows: usize,
+    taps_out: Option<&'a mut [B::Buf]>,
+}
+
+/// What [`Target::rewind`] needs after an extend: per Gated DeltaNet layer (None for attention
+/// layers) the recurrent state before the extend and the delta rule's inputs of its rows.
+pub struct ExtendUndo<B: Backend> {
+    rows: usize,
+    layers: Vec<Option<LinearUndo<B>>>,
+}
+
+struct LinearUndo<B: Backend> {
+    shape: GdnShape,
+    state: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    g: B::Buf,
+    beta: B::Buf,
+}
+
+fn to_i32(op: &'static str, x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| BackendError::Shape { op, what: format!("{x} does not fit an i32 index") })
+}
+
+/// The id buffers of an extend: positions and anchors `start + i` (row `i` sees cache rows
+/// `0..start + i` and its own key), every row's cache starting at row 0.
+struct ExtendIds<B: Backend> {
+    pos: B::Ids,
+    ctx_start: B::Ids,
+}
+
+impl<B: Backend> ExtendIds<B> {
+    fn new(be: &B, s: &B::Stream, start: usize, rows: usize) -> Result<Self> {
+        let p: Vec<i32> = (start..start + rows).map(|p| to_i32("extend", p)).collect::<Result<_>>()?;
+        let mut pos = be.alloc_ids(s, rows)?;
+        be.upload_ids(s, &p, &mut pos)?;
+        let mut ctx_start = be.alloc_ids(s, rows)?;
+        be.upload_ids(s, &vec![0; rows], &mut ctx_start)?;
+        Ok(ExtendIds { pos, ctx_start })
+    }
+}
+
 /// How a layer's queries attend: causally within sequences, or over a KV cache (decoding).
 enum Attend<'a, B: Backend> {
     Causal(&'a B::Ids),
@@ -233,6 +399,17 @@ enum Attend<'a, B: Backend> {
         step: usize,
         anchors: &'a B::Ids,
         ctx_start: &'a B::Ids,
+    },
+    /// Consecutive rows of one sequence from position `start` (batch-1 cache): their keys and
+    /// values are written to the cache first, then row `i` is a block of one slot whose anchor
+    /// is its position, so it sees the cache up to the row before it (the earlier rows of the
+    /// same call included) and its own key: causal, with the decoding kernel.
+    Extend {
+        k: &'a mut B::Buf,
+        v: &'a mut B::Buf,
+        max_len: usize,
+        start: usize,
+        ids: &'a ExtendIds<B>,
     },
 }
 
@@ -259,13 +436,13 @@ fn attend<B: Backend>(
         Attend::Cached { k: kc, v: vc, max_len, step, anchors, ctx_start } => {
             let kw = sh.kv_width();
             let ash = DraftAttnShape {
+                window: None,
                 num_blocks: rows,
                 block_size: 1,
                 ctx_rows: rows * max_len,
                 heads: sh.heads,
                 kv_heads: sh.kv_heads,
                 head_dim: sh.head_dim,
-                window: None,
             };
             be.attn_draft_fwd(s, &ash, q, kc, vc, k, v, anchors, ctx_start, o, lse)?;
             for b in 0..rows {
@@ -273,6 +450,21 @@ fn attend<B: Backend>(
                 be.copy(s, v, b * kw, vc, (b * max_len + step) * kw, kw)?;
             }
             Ok(())
+        }
+        Attend::Extend { k: kc, v: vc, max_len, start, ids } => {
+            let kw = sh.kv_width();
+            be.copy(s, k, 0, kc, start * kw, rows * kw)?;
+            be.copy(s, v, 0, vc, start * kw, rows * kw)?;
+            let ash = DraftAttnShape {
+                window: None,
+                num_blocks: rows,
+                block_size: 1,
+                ctx_rows: max_len,
+                heads: sh.heads,
+                kv_heads: sh.kv_heads,
+                head_dim: sh.head_dim,
+            };
+            be.attn_draft_fwd(s, &ash, q, kc, vc, k, v, &ids.pos, &ids.ctx_start, o, lse)
         }
     }
 }

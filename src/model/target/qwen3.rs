@@ -1,7 +1,10 @@
 //! Qwen3 dense: plain-`w` RMSNorm, GQA attention with per-head QK-norm and full rotate-half RoPE,
 //! SwiGLU MLP, no biases.
 
-use super::{attend, names, Attend, DecodeIds, Family, KvCache, LayerCache, Target, TargetInputs, TargetShape};
+use super::{
+    attend, names, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache, Target, TargetInputs,
+    TargetShape,
+};
 use crate::backend::{Backend, Gemm, Result};
 use crate::config::LayerDims;
 use crate::model::ParamTable;
@@ -110,6 +113,40 @@ impl<B: Backend> Family<B> for Qwen3 {
         }
         be.rmsnorm_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
+    }
+
+    fn extend(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        mut x: Extend<'_, B>,
+        logits: &mut B::Buf,
+    ) -> Result<ExtendUndo<B>> {
+        let (rows, h, max_len) = (x.rows, t.shape.hidden, cache.max_len);
+        let ids = ExtendIds::new(be, s, x.start, rows)?;
+        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let mut hs = be.alloc(s, DType::BF16, rows * h)?;
+        be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
+        for (l, lc) in cache.layers.iter_mut().enumerate() {
+            let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
+            layer(
+                t,
+                be,
+                s,
+                l,
+                &mut hs,
+                &mut sc,
+                &ids.pos,
+                Attend::Extend { k, v, max_len, start: x.start, ids: &ids },
+            )?;
+            if let Some(taps) = x.taps_out.as_deref_mut() {
+                t.copy_taps(be, s, l, &hs, rows, taps)?;
+            }
+        }
+        t.extend_logits(be, s, &hs, &x, false, logits)?;
+        Ok(ExtendUndo { rows, layers: cache.layers.iter().map(|_| None).collect() })
     }
 }
 

@@ -10,8 +10,11 @@
 //! state stay f32: rounding the convolution's input and output to bf16 (as transformers does) is
 //! the largest error of the layer.
 
-use super::{attend, names, Attend, DecodeIds, Family, KvCache, LayerCache, Target, TargetInputs, TargetShape};
-use crate::backend::{Backend, GdnShape, Gemm, Result};
+use super::{
+    attend, names, to_i32, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
+    Target, TargetInputs, TargetShape,
+};
+use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
 use crate::model::ParamTable;
 use crate::tensor::DType;
@@ -136,9 +139,53 @@ impl<B: Backend> Family<B> for Qwen35 {
         be.rmsnorm1p_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
     }
+
+    fn extend(
+        &self,
+        t: &Target<B>,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut KvCache<B>,
+        mut x: Extend<'_, B>,
+        logits: &mut B::Buf,
+    ) -> Result<ExtendUndo<B>> {
+        let (rows, h, max_len) = (x.rows, t.shape.hidden, cache.max_len);
+        let pad = hybrid(&t.shape).linear_conv_kernel_dim - 1;
+        let ids = ExtendIds::new(be, s, x.start, rows)?;
+        // The rows are one sequence for the delta rule, and (after `pad` earlier inputs) one
+        // sequence for the convolution.
+        let mut one_seq = be.alloc_ids(s, 2)?;
+        be.upload_ids(s, &[0, to_i32("extend", rows)?], &mut one_seq)?;
+        let mut win_seq = be.alloc_ids(s, 2)?;
+        be.upload_ids(s, &[0, to_i32("extend", pad + rows)?], &mut win_seq)?;
+        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let mut hs = be.alloc(s, DType::BF16, rows * h)?;
+        be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
+        let mut undo = ExtendUndo { rows, layers: Vec::with_capacity(cache.layers.len()) };
+        for (l, lc) in cache.layers.iter_mut().enumerate() {
+            let mut u = None;
+            let run = Run::Extend {
+                cache: lc,
+                start: x.start,
+                max_len,
+                ids: &ids,
+                one_seq: &one_seq,
+                win_seq: &win_seq,
+                undo: &mut u,
+            };
+            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, run)?;
+            undo.layers.push(u);
+            if let Some(taps) = x.taps_out.as_deref_mut() {
+                t.copy_taps(be, s, l, &hs, rows, taps)?;
+            }
+        }
+        t.extend_logits(be, s, &hs, &x, true, logits)?;
+        Ok(undo)
+    }
 }
 
-/// How a layer runs: over a packed batch (taps), or one token per sequence over a cache.
+/// How a layer runs: over a packed batch (taps), one token per sequence over a cache, or
+/// consecutive rows of one sequence over a batch-1 cache.
 enum Run<'a, B: Backend> {
     Packed {
         seq_starts: &'a B::Ids,
@@ -153,6 +200,18 @@ enum Run<'a, B: Backend> {
         win_out: &'a mut B::Buf,
         win_starts: &'a B::Ids,
         one_starts: &'a B::Ids,
+    },
+    Extend {
+        cache: &'a mut LayerCache<B>,
+        start: usize,
+        max_len: usize,
+        ids: &'a ExtendIds<B>,
+        /// `[0, rows]`: the rows as one sequence.
+        one_seq: &'a B::Ids,
+        /// `[0, kernel - 1 + rows]`: the convolution window (earlier inputs, then the rows).
+        win_seq: &'a B::Ids,
+        /// Set by a Gated DeltaNet layer: its state before these rows and their delta-rule inputs.
+        undo: &'a mut Option<LinearUndo<B>>,
     },
 }
 
@@ -216,7 +275,10 @@ fn gated_attention<B: Backend>(
         Run::Decode { cache: LayerCache::Attention { k, v }, step, max_len, ids, .. } => {
             Attend::Cached { k, v, max_len, step, anchors: &ids.anchors, ctx_start: &ids.ctx_start }
         }
-        Run::Decode { .. } => unreachable!("a full-attention layer has an attention cache"),
+        Run::Extend { cache: LayerCache::Attention { k, v }, start, max_len, ids, .. } => {
+            Attend::Extend { k, v, max_len, start, ids }
+        }
+        Run::Decode { .. } | Run::Extend { .. } => unreachable!("a full-attention layer has an attention cache"),
     };
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     be.sigmoid_mul(s, &mut sc.o, &sc.gate)?;
@@ -280,7 +342,20 @@ fn gated_delta_net<B: Backend>(
             be.copy_strided(s, win_out, (kernel - 1) * c, kernel * c, &mut sc.conv, 0, c, rows, c)?;
             Core::Recurrent(state, one_starts)
         }
-        Run::Decode { .. } => unreachable!("a linear-attention layer has a recurrent cache"),
+        Run::Extend { cache: LayerCache::Linear { qkv, state }, start, one_seq, win_seq, undo, .. } => {
+            // Append the rows' inputs; convolve them after the `kernel - 1` inputs before
+            // `start` (zeros before the sequence start), keep the rows' outputs.
+            let pad = kernel - 1;
+            be.copy(s, &sc.qkv, 0, qkv, start * c, rows * c)?;
+            let first = start.saturating_sub(pad);
+            let mut win = be.alloc(s, DType::BF16, (pad + rows) * c)?;
+            be.copy(s, qkv, first * c, &mut win, (pad - (start - first)) * c, (start + rows - first) * c)?;
+            let mut win_out = be.alloc(s, DType::BF16, (pad + rows) * c)?;
+            be.causal_conv1d_silu(s, &win, w, conv_w, &mut win_out, win_seq, pad + rows, c, kernel)?;
+            be.copy(s, &win_out, pad * c, &mut sc.conv, 0, rows * c)?;
+            Core::Carried { state, seq: one_seq, undo }
+        }
+        Run::Decode { .. } | Run::Extend { .. } => unreachable!("a linear-attention layer has a recurrent cache"),
     };
     be.copy_strided(s, &sc.conv, 0, c, &mut sc.q_raw, 0, kd, rows, kd)?;
     be.copy_strided(s, &sc.conv, kd, c, &mut sc.k_raw, 0, kd, rows, kd)?;
@@ -296,6 +371,29 @@ fn gated_delta_net<B: Backend>(
         Core::Recurrent(state, starts) => {
             be.gdn_recurrent_fwd(s, &gsh, q, k, v, g, beta, starts, &mut sc.core, Some(state))?
         }
+        Core::Carried { state, seq, undo } => {
+            let keep = |x: &B::Buf| -> Result<B::Buf> {
+                let mut c = be.alloc(s, be.dtype(x), be.len(x))?;
+                be.copy(s, x, 0, &mut c, 0, be.len(x))?;
+                Ok(c)
+            };
+            *undo = Some(LinearUndo {
+                shape: gsh,
+                state: keep(state)?,
+                q: keep(q)?,
+                k: keep(k)?,
+                v: keep(v)?,
+                g: keep(g)?,
+                beta: keep(beta)?,
+            });
+            // Below one chunk the recurrent form is the same work, and it is the step decoding
+            // runs: a verified block then equals token-by-token decoding bit for bit.
+            if rows < GDN_CHUNK {
+                be.gdn_recurrent_fwd(s, &gsh, q, k, v, g, beta, seq, &mut sc.core, Some(state))?
+            } else {
+                be.gdn_chunked_fwd(s, &gsh, q, k, v, g, beta, seq, &mut sc.core, Some(state))?
+            }
+        }
     }
     be.gated_rmsnorm_fwd(s, &sc.core, &sc.z, w, off("linear_attn.norm.weight"), &mut sc.y, rows * hv, dv, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, h, vd), &sc.y, 0, w, off("linear_attn.out_proj.weight"), &mut sc.tmp, 0)
@@ -307,6 +405,8 @@ enum Core<'a, B: Backend> {
     Chunked(&'a B::Ids),
     /// One token per sequence from the cached state (updated in place).
     Recurrent(&'a mut B::Buf, &'a B::Ids),
+    /// Rows of one sequence from the cached state (updated in place), keeping what a rewind needs.
+    Carried { state: &'a mut B::Buf, seq: &'a B::Ids, undo: &'a mut Option<LinearUndo<B>> },
 }
 
 /// Per-layer temporaries for either layer type, allocated once per forward.

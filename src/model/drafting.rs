@@ -1,0 +1,285 @@
+//! The drafter at inference: one block per speculative-decoding round, with the same attention
+//! semantics as training (DFLASH.md section 3) so that what training measured is what decoding
+//! gets.
+//!
+//! The context is every accepted token's packed taps through `fc` and `hidden_norm`; each layer's
+//! context keys (k-normed, rotated at their positions) and values are computed once, when the
+//! tokens are accepted, and appended to a cache, never recomputed. A round's block is slot 0 =
+//! the last token the target produced (the anchor, at position `a`), slots `1..bs` the mask
+//! token at `a + r`; it sees context positions `t < a` (every accepted token before the anchor:
+//! exactly the cache) and its own block bidirectionally. Slot `r` predicts the token at `a + r`.
+//! The arithmetic is the training forward's, op for op: the only difference is that training
+//! computes every block of a sequence at once.
+
+use super::drafter::{Drafter, DrafterShape, ParamGroup};
+use super::ParamTable;
+use crate::backend::{Backend, BackendError, DraftAttnShape, Gemm, Result};
+use crate::tensor::DType;
+
+/// The weights a drafter runs with, borrowed: the body (`hidden_norm`, layers, `norm`), the fc
+/// projection and the target's frozen embedding and lm_head.
+pub struct DraftWeights<'a, B: Backend> {
+    pub shape: &'a DrafterShape,
+    pub body_table: &'a ParamTable,
+    pub body: &'a B::Buf,
+    pub fc: &'a B::Buf,
+    /// Offset of `fc.weight` inside `fc`.
+    pub fc_off: usize,
+    pub embed: &'a B::Buf,
+    pub lm_head: &'a B::Buf,
+}
+
+impl<B: Backend> Drafter<B> {
+    /// The trained drafter's weights for inference (the bf16 copies the training forward uses).
+    pub fn weights_for_inference<'a>(&'a self, fc: &'a ParamGroup<B>) -> DraftWeights<'a, B> {
+        DraftWeights {
+            shape: &self.shape,
+            body_table: &self.body.table,
+            body: &self.body.weights,
+            fc: &fc.weights,
+            fc_off: fc.table.off("fc.weight"),
+            embed: &self.embed,
+            lm_head: &self.lm_head,
+        }
+    }
+}
+
+/// A drafter's weights on a device, for inference only (no masters, gradients or moments).
+pub struct InferenceDrafter<B: Backend> {
+    pub shape: DrafterShape,
+    pub body_table: ParamTable,
+    pub body: B::Buf,
+    pub fc_table: ParamTable,
+    pub fc: B::Buf,
+    pub embed: B::Buf,
+    pub lm_head: B::Buf,
+}
+
+impl<B: Backend> InferenceDrafter<B> {
+    /// Uploads every tensor from `get(name, shape) -> f32 values` (a checkpoint, or an init).
+    pub fn load<E>(
+        be: &B,
+        s: &B::Stream,
+        shape: DrafterShape,
+        embed: B::Buf,
+        lm_head: B::Buf,
+        mut get: impl FnMut(&str, &[usize]) -> std::result::Result<Vec<f32>, E>,
+    ) -> std::result::Result<Self, E>
+    where
+        E: From<BackendError>,
+    {
+        let (body_table, fc_table) = (shape.body_table(), shape.fc_table());
+        let mut upload = |table: &ParamTable| -> std::result::Result<B::Buf, E> {
+            let mut buf = be.alloc(s, DType::BF16, table.total())?;
+            for e in table.entries() {
+                be.upload(s, &get(&e.name, &e.shape)?, &mut buf, e.offset)?;
+            }
+            Ok(buf)
+        };
+        let body = upload(&body_table)?;
+        let fc = upload(&fc_table)?;
+        Ok(InferenceDrafter { shape, body_table, body, fc_table, fc, embed, lm_head })
+    }
+
+    pub fn weights(&self) -> DraftWeights<'_, B> {
+        DraftWeights {
+            shape: &self.shape,
+            body_table: &self.body_table,
+            body: &self.body,
+            fc: &self.fc,
+            fc_off: self.fc_table.off("fc.weight"),
+            embed: &self.embed,
+            lm_head: &self.lm_head,
+        }
+    }
+}
+
+/// The drafter's context cache: per layer, the keys (k-normed and rotated) and values of every
+/// accepted token's context row, `[max_len, kv_width]`; rows `0..len` are filled.
+pub struct DraftCache<B: Backend> {
+    k: Vec<B::Buf>,
+    v: Vec<B::Buf>,
+    pub len: usize,
+    pub max_len: usize,
+}
+
+impl<B: Backend> DraftCache<B> {
+    pub fn new(be: &B, s: &B::Stream, shape: &DrafterShape, max_len: usize) -> Result<Self> {
+        let n = max_len * shape.kv_width();
+        let mut k = Vec::with_capacity(shape.layers);
+        let mut v = Vec::with_capacity(shape.layers);
+        for _ in 0..shape.layers {
+            k.push(be.alloc(s, DType::BF16, n)?);
+            v.push(be.alloc(s, DType::BF16, n)?);
+        }
+        Ok(DraftCache { k, v, len: 0, max_len })
+    }
+}
+
+fn ids<B: Backend>(be: &B, s: &B::Stream, v: &[i32]) -> Result<B::Ids> {
+    let mut b = be.alloc_ids(s, v.len())?;
+    be.upload_ids(s, v, &mut b)?;
+    Ok(b)
+}
+
+fn pos_i32(p: usize) -> Result<i32> {
+    i32::try_from(p).map_err(|_| BackendError::Shape { op: "draft", what: format!("position {p}") })
+}
+
+impl<B: Backend> DraftWeights<'_, B> {
+    /// Appends `rows` accepted tokens (positions `cache.len..`) to the context: `taps[k]` holds
+    /// their tap `k` (`[rows, hidden]`, row 0 first). Packed (no noise), projected by `fc`,
+    /// normed by `hidden_norm`, then each layer's keys and values are written to the cache.
+    pub fn append_context(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        cache: &mut DraftCache<B>,
+        taps: &[&B::Buf],
+        rows: usize,
+    ) -> Result<()> {
+        let sh = self.shape;
+        if taps.len() != sh.num_taps {
+            return Err(BackendError::Shape {
+                op: "append_context",
+                what: format!("{} taps for a drafter of {}", taps.len(), sh.num_taps),
+            });
+        }
+        if cache.len + rows > cache.max_len {
+            return Err(BackendError::Shape {
+                op: "append_context",
+                what: format!("{} + {rows} context rows past the cache's {}", cache.len, cache.max_len),
+            });
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (h, kw, hd, kvh) = (sh.hidden, sh.kv_width(), sh.head_dim, sh.kv_heads);
+        let (t, w) = (self.body_table, self.body);
+        let mut packed = be.alloc(s, DType::BF16, rows * sh.fc_in())?;
+        be.pack_taps(s, taps, &mut packed, rows, h, rows, 0.0, 0, 0)?;
+        let mut y = be.alloc(s, DType::BF16, rows * h)?;
+        be.fc_project(s, &packed, self.fc, self.fc_off, &mut y, rows, h, sh.fc_in())?;
+        let mut ctx = be.alloc(s, DType::BF16, rows * h)?;
+        let mut rstd = be.alloc(s, DType::F32, rows * kvh.max(1))?;
+        be.rmsnorm_fwd(s, &y, w, t.off("hidden_norm.weight"), &mut ctx, &mut rstd, rows, h, sh.eps)?;
+        let pos: Vec<i32> = (cache.len..cache.len + rows).map(pos_i32).collect::<Result<_>>()?;
+        let pos = ids(be, s, &pos)?;
+        let (mut k_pre, mut k, mut v) = (
+            be.alloc(s, DType::BF16, rows * kw)?,
+            be.alloc(s, DType::BF16, rows * kw)?,
+            be.alloc(s, DType::BF16, rows * kw)?,
+        );
+        for l in 0..sh.layers {
+            let off = |part: &str| t.off(&format!("layers.{l}.{part}"));
+            be.gemm(s, &Gemm::linear(rows, kw, h), &ctx, 0, w, off("self_attn.k_proj.weight"), &mut k_pre, 0)?;
+            be.gemm(s, &Gemm::linear(rows, kw, h), &ctx, 0, w, off("self_attn.v_proj.weight"), &mut v, 0)?;
+            be.rmsnorm_fwd(s, &k_pre, w, off("self_attn.k_norm.weight"), &mut k, &mut rstd, rows * kvh, hd, sh.eps)?;
+            be.rope(s, &mut k, &pos, rows, kvh, hd, sh.rope_theta, false)?;
+            be.copy(s, &k, 0, &mut cache.k[l], cache.len * kw, rows * kw)?;
+            be.copy(s, &v, 0, &mut cache.v[l], cache.len * kw, rows * kw)?;
+        }
+        cache.len += rows;
+        Ok(())
+    }
+
+    /// Drafts one block after the context: slot 0 is `anchor_token` at position `cache.len`,
+    /// slots `1..bs` the mask token. Writes the argmax token of slots `1..bs` into `drafts`
+    /// (`bs - 1` ids: the guesses for positions `cache.len + 1 ..`), computed from bf16 logits
+    /// as the training step's argmax is.
+    pub fn draft_block(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        cache: &DraftCache<B>,
+        anchor_token: u32,
+        drafts: &mut B::Ids,
+    ) -> Result<()> {
+        let sh = self.shape;
+        let (bs, h, qw, kw, inter) = (sh.block_size, sh.hidden, sh.q_width(), sh.kv_width(), sh.inter);
+        let (hd, nh, kvh) = (sh.head_dim, sh.heads, sh.kv_heads);
+        let (t, w) = (self.body_table, self.body);
+        let a = cache.len;
+        let mut block = vec![pos_i32(sh.mask_token_id as usize)?; bs];
+        block[0] = pos_i32(anchor_token as usize)?;
+        let block_ids = ids(be, s, &block)?;
+        let block_pos = ids(be, s, &(a..a + bs).map(pos_i32).collect::<Result<Vec<_>>>()?)?;
+        let anchors = ids(be, s, &[pos_i32(a)?])?;
+        let ctx_start = ids(be, s, &[0])?;
+        // Per layer: a sliding layer sees the last `W` positions only, as in training.
+        let ash = |l: usize| DraftAttnShape {
+            window: sh.windows.get(l).copied().flatten(),
+            num_blocks: 1,
+            block_size: bs,
+            ctx_rows: cache.max_len,
+            heads: nh,
+            kv_heads: kvh,
+            head_dim: hd,
+        };
+        let bf = |n: usize| be.alloc(s, DType::BF16, n);
+        let mut x = bf(bs * h)?;
+        be.embed(s, self.embed, 0, &block_ids, &mut x, bs, h)?;
+        let (mut xn, mut q_pre, mut q, mut kb_pre, mut kb, mut vb) =
+            (bf(bs * h)?, bf(bs * qw)?, bf(bs * qw)?, bf(bs * kw)?, bf(bs * kw)?, bf(bs * kw)?);
+        let (mut o, mut tmp, mut h2, mut gu, mut act) =
+            (bf(bs * qw)?, bf(bs * h)?, bf(bs * h)?, bf(bs * 2 * inter)?, bf(bs * inter)?);
+        let mut rstd = be.alloc(s, DType::F32, bs * nh.max(1))?;
+        let mut lse = be.alloc(s, DType::F32, bs * nh)?;
+        for l in 0..sh.layers {
+            let off = |part: &str| t.off(&format!("layers.{l}.{part}"));
+            be.rmsnorm_fwd(s, &x, w, off("input_layernorm.weight"), &mut xn, &mut rstd, bs, h, sh.eps)?;
+            be.gemm(s, &Gemm::linear(bs, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
+            be.rmsnorm_fwd(s, &q_pre, w, off("self_attn.q_norm.weight"), &mut q, &mut rstd, bs * nh, hd, sh.eps)?;
+            be.rope(s, &mut q, &block_pos, bs, nh, hd, sh.rope_theta, false)?;
+            be.gemm(s, &Gemm::linear(bs, kw, h), &xn, 0, w, off("self_attn.k_proj.weight"), &mut kb_pre, 0)?;
+            be.gemm(s, &Gemm::linear(bs, kw, h), &xn, 0, w, off("self_attn.v_proj.weight"), &mut vb, 0)?;
+            be.rmsnorm_fwd(s, &kb_pre, w, off("self_attn.k_norm.weight"), &mut kb, &mut rstd, bs * kvh, hd, sh.eps)?;
+            be.rope(s, &mut kb, &block_pos, bs, kvh, hd, sh.rope_theta, false)?;
+            be.attn_draft_fwd(
+                s,
+                &ash(l),
+                &q,
+                &cache.k[l],
+                &cache.v[l],
+                &kb,
+                &vb,
+                &anchors,
+                &ctx_start,
+                &mut o,
+                &mut lse,
+            )?;
+            // x_mid = x + o Wo^T; x = x_mid + down(swiglu(post_norm(x_mid))), rounded as training does.
+            be.gemm(s, &Gemm::linear(bs, h, qw), &o, 0, w, off("self_attn.o_proj.weight"), &mut tmp, 0)?;
+            be.add_inplace(s, &mut x, &tmp)?;
+            be.rmsnorm_fwd(s, &x, w, off("post_attention_layernorm.weight"), &mut h2, &mut rstd, bs, h, sh.eps)?;
+            be.gemm(s, &Gemm::linear(bs, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
+            be.swiglu_fwd(s, &gu, &mut act, bs, inter)?;
+            be.gemm(s, &Gemm::linear(bs, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
+            be.add_inplace(s, &mut x, &tmp)?;
+        }
+        // Final norm, lm_head over slots 1..bs, argmax (the cross-entropy kernel's, with zero
+        // weights: no loss, the same tie rule as training's accuracy).
+        let n = bs - 1;
+        let mut hn = bf(bs * h)?;
+        be.rmsnorm_fwd(s, &x, w, t.off("norm.weight"), &mut hn, &mut rstd, bs, h, sh.eps)?;
+        let mut logits = bf(n * sh.vocab)?;
+        be.gemm(s, &Gemm::linear(n, sh.vocab, h), &hn, h, self.lm_head, 0, &mut logits, 0)?;
+        greedy_bf16(be, s, &mut logits, n, sh.vocab, drafts)
+    }
+}
+
+/// The argmax of each of `rows` rows of bf16 logits into `out` (the logits are clobbered): the
+/// cross-entropy kernel with zero weights computes no loss and no gradient, only its argmax.
+pub fn greedy_bf16<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    logits: &mut B::Buf,
+    rows: usize,
+    vocab: usize,
+    out: &mut B::Ids,
+) -> Result<()> {
+    let labels = ids(be, s, &vec![-1; rows])?;
+    let weights = be.alloc(s, DType::F32, rows)?;
+    let mut loss = be.alloc(s, DType::F32, rows)?;
+    be.cross_entropy(s, logits, &labels, &weights, 0, rows, vocab, 0.0, &mut loss, 0, out, 0)
+}

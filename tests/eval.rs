@@ -1,0 +1,268 @@
+//! `dflash-engine eval` on the CPU: speculative decoding is lossless (Qwen3 and Qwen3.5 hybrid
+//! targets, every acceptance length driven through verify and rewind), the drafter's inference
+//! path equals its training forward, a trained drafter accepts drafts on held-out prompts, and a
+//! random drafter accepts nothing and ends cleanly.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::Backend;
+use dflash_engine::config::DrafterConfig;
+use dflash_engine::eval::decode::{
+    decode_speculative, decode_target_alone, simulated_accept, DecodeLimits, Decoded, Proposer,
+};
+use dflash_engine::eval::{self, EvalOptions};
+use dflash_engine::faults::FaultPlan;
+use dflash_engine::model::drafter::{fc_forward, Drafter, DrafterShape, ParamGroup};
+use dflash_engine::model::drafting::{DraftCache, InferenceDrafter};
+use dflash_engine::model::target::{Target, TargetInputs};
+use dflash_engine::session::setup::TargetSource;
+use dflash_engine::session::{self, Device, RunOptions, TINY_INIT_STD};
+use dflash_engine::tensor::DType;
+use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
+use dflash_engine::train::step::DeviceDraftBatch;
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dflash-eval-{tag}-{}-{:?}", std::process::id(), Instant::now()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// A preset target with every layer loaded, and the default 2-layer drafter's config for it.
+pub fn preset<B: Backend>(be: &B, name: &str) -> (Target<B>, DrafterConfig) {
+    let src = TargetSource::resolve(name, 0, TINY_INIT_STD, &mut Vec::new()).unwrap();
+    let dcfg = DrafterConfig::for_target(src.config(), 2, 16, None).unwrap();
+    (src.load(be, dcfg.target_layer_ids.clone(), true).unwrap(), dcfg)
+}
+
+/// A freshly initialised drafter for inference (as `eval --drafter random` builds it).
+pub fn random_drafter<B: Backend>(be: &B, target: &Target<B>, dcfg: &DrafterConfig, seed: u64) -> InferenceDrafter<B> {
+    let s = be.compute_stream();
+    let (embed, lm_head) = Drafter::frozen_from_target(be, &s, target).unwrap();
+    let shape = DrafterShape::from_config(dcfg, 2048);
+    let (fc, body) = (shape.fc_table(), shape.body_table());
+    let (fh, bh) = (ParamGroup::<B>::init_host(&fc, seed, 0), ParamGroup::<B>::init_host(&body, seed, 1));
+    InferenceDrafter::load(be, &s, shape, embed, lm_head, |name, _| -> Result<Vec<f32>, anyhow::Error> {
+        let (t, h) = if name == "fc.weight" { (&fc, &fh) } else { (&body, &bh) };
+        let e = t.get(name).unwrap();
+        Ok(h[e.offset..e.offset + e.numel].to_vec())
+    })
+    .unwrap()
+}
+
+/// Prompts of 1 token, a few, and more than one delta-rule chunk (64).
+pub fn prompts(vocab: u32) -> Vec<Vec<u32>> {
+    vec![vec![7], (0..8).map(|i| (i * 37 + 5) % vocab).collect(), (0..70).map(|i| (i * 53 + 11) % vocab).collect()]
+}
+
+/// Drafts of the known output with one planted error per block, at slot `(5 k) % 17` in round
+/// `k` (past the block's end for some rounds), so rounds accept 0, 5, 10, the whole block, 3,
+/// ... drafts: every kind of rewind.
+pub fn scripted(reference: &[u32], prompt_len: usize, bs: usize, vocab: u32) -> impl Fn(usize) -> Vec<u32> + '_ {
+    let round = std::cell::Cell::new(0usize);
+    move |a: usize| {
+        let i = a - prompt_len; // the anchor is output token i
+        let bad = (5 * round.get()) % 17;
+        round.set(round.get() + 1);
+        (1..bs)
+            .map(|r| {
+                let t = reference.get(i + r).copied().unwrap_or(0);
+                if r - 1 == bad {
+                    (t + 1) % vocab
+                } else {
+                    t
+                }
+            })
+            .collect()
+    }
+}
+
+fn lossless_on_the_cpu(name: &str) {
+    let be = CpuBackend::new();
+    let s = be.compute_stream();
+    let (target, dcfg) = preset(&be, name);
+    let vocab = target.shape.vocab as u32;
+    let bs = dcfg.block_size;
+    let drafter = random_drafter(&be, &target, &dcfg, 3);
+    let dw = drafter.weights();
+    let lim = DecodeLimits { max_new_tokens: 60, eos: Vec::new() };
+    let mut lens = Vec::new();
+    for prompt in prompts(vocab) {
+        let reference = decode_target_alone(&be, &s, &target, &prompt, &lim).unwrap();
+        assert_eq!(reference.tokens.len(), 60);
+        let script = scripted(&reference.tokens, prompt.len(), bs, vocab);
+        let runs: [(&str, Proposer<'_, CpuBackend>); 3] = [
+            ("verify-only", Proposer::VerifyOnly { block_size: bs }),
+            ("scripted", Proposer::Script { block_size: bs, draft: &script }),
+            ("random drafter", Proposer::Drafter(&dw)),
+        ];
+        for (what, p) in runs {
+            let d: Decoded = decode_speculative(&be, &s, &target, p, &prompt, &lim).unwrap();
+            assert_eq!(d.tokens, reference.tokens, "{name}, {what}, prompt of {}", prompt.len());
+            if what == "scripted" {
+                lens.extend(d.accept_lens);
+            }
+        }
+    }
+    // The scripted rounds kept every length: a rewind of 1, of a whole block, and between.
+    let distinct: std::collections::BTreeSet<usize> = lens.iter().copied().collect();
+    assert!(distinct.contains(&1) && distinct.contains(&bs) && distinct.len() >= 6, "{name}: {distinct:?}");
+}
+
+/// Lossless (issue item 3): with any drafts, the speculative output equals the target's own
+/// greedy decoding token for token; the rounds rewind the KV cache by every amount.
+#[test]
+fn eval_is_lossless_on_the_cpu_qwen3_tiny() {
+    lossless_on_the_cpu("tiny");
+}
+
+/// The same on the Qwen3.5 hybrid: rejected rows must leave the delta-rule state and the
+/// convolution inputs exactly as decoding the kept rows alone would.
+#[test]
+fn eval_is_lossless_on_the_cpu_qwen35_tiny() {
+    lossless_on_the_cpu("qwen3.5-tiny");
+}
+
+/// The drafter's inference path (context K/V cached and appended, one block per round) drafts
+/// exactly what its training forward predicts for a block at the same anchor, from the same
+/// taps: same semantics (context strictly before the anchor, slot 0 the anchor token, slot r
+/// predicting a + r), same arithmetic.
+#[test]
+fn drafter_inference_equals_the_training_forward() {
+    let be = CpuBackend::new();
+    let s = be.compute_stream();
+    let (target, dcfg) = preset(&be, "tiny");
+    let shape = DrafterShape::from_config(&dcfg, 2048);
+    let (embed, lm_head) = Drafter::frozen_from_target(&be, &s, &target).unwrap();
+    let (mut drafter, fc) = Drafter::new(&be, &s, shape.clone(), embed, lm_head, 5).unwrap();
+    let n = 48;
+    let sample = Sample { input_ids: (0..n as u32).map(|i| (i * 29 + 3) % 250).collect(), loss_mask: vec![1; n] };
+    let seq: Vec<i32> = sample.input_ids.iter().map(|&t| t as i32).collect();
+    let up = |v: &[i32]| {
+        let mut b = be.alloc_ids(&s, v.len()).unwrap();
+        be.upload_ids(&s, v, &mut b).unwrap();
+        b
+    };
+    let (ids, pos, starts) = (up(&seq), up(&(0..n as i32).collect::<Vec<_>>()), up(&[0, n as i32]));
+    let h = shape.hidden;
+    let mut taps: Vec<_> = target.taps.iter().map(|_| be.alloc(&s, DType::BF16, n * h).unwrap()).collect();
+    target
+        .forward_taps(&be, &s, &TargetInputs { ids: &ids, pos: &pos, seq_starts: &starts, rows: n }, &mut taps)
+        .unwrap();
+    // Training: packed taps -> fc -> the forward over 6 blocks.
+    let spec = BatchSpec {
+        anchors_per_seq: 6,
+        block_size: shape.block_size,
+        mask_token_id: shape.mask_token_id,
+        gamma: 7.0,
+        pad_to_tokens: None,
+        seed: 1,
+    };
+    let hb = build_batch(&[sample.clone()], &spec, 0, 0).unwrap();
+    let mut x = be.alloc(&s, DType::BF16, n * shape.fc_in()).unwrap();
+    let tap_refs: Vec<_> = taps.iter().collect();
+    be.pack_taps(&s, &tap_refs, &mut x, n, h, n, 0.0, 0, 0).unwrap();
+    let mut y = be.alloc(&s, DType::BF16, n * h).unwrap();
+    fc_forward(&be, &s, &fc, &x, &mut y, n).unwrap();
+    let dev = DeviceDraftBatch::upload(&be, &s, &hb).unwrap();
+    let mut dy = be.alloc(&s, DType::BF16, n * h).unwrap();
+    let out = drafter.forward_backward(&be, &s, &dev.inputs(), &y, 1.0, &mut dy).unwrap();
+    let trained_argmax = be.download_ids(&s, &out.argmax).unwrap();
+    // Inference: for each anchor, the context rows 0..a, then one block.
+    let dw = drafter.weights_for_inference(&fc);
+    let mut checked = 0;
+    for (j, &a) in hb.anchors.iter().enumerate() {
+        let a = a as usize;
+        let mut cache = DraftCache::new(&be, &s, &shape, n).unwrap();
+        dw.append_context(&be, &s, &mut cache, &tap_refs, a).unwrap();
+        let mut d = be.alloc_ids(&s, shape.block_size - 1).unwrap();
+        dw.draft_block(&be, &s, &cache, sample.input_ids[a], &mut d).unwrap();
+        let drafts = be.download_ids(&s, &d).unwrap();
+        let bs = shape.block_size;
+        assert_eq!(drafts[..], trained_argmax[j * bs + 1..(j + 1) * bs], "block {j} at anchor {a}");
+        checked += 1;
+    }
+    assert_eq!(checked, 6);
+    // And the simulated acceptance over a sequence is the training metric's definition.
+    let sim = simulated_accept(&be, &s, &target, &dw, &sample.input_ids, 10).unwrap();
+    assert_eq!(sim.len(), n - 1 - 10);
+    assert!(sim.iter().all(|&x| (1..=shape.block_size).contains(&x)));
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = v.collect();
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+/// The default run, shortened; returns its folder and its simulated acceptance length averaged
+/// over the last 20 steps (single steps are noisy: 8 sequences a batch, and acceptance differs
+/// a lot between sequences: greedy text that fell into a cycle or not).
+fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, f64) {
+    let mut ro = RunOptions::tiny_default();
+    ro.train.steps = 100;
+    ro.data.gen_samples = 192;
+    ro.exec.device = Device::Cpu;
+    ro.exec.faults = faults;
+    ro.output.quiet = true;
+    ro.output.tensorboard = false;
+    ro.output.out = tmp(tag);
+    let r = session::run(&ro, None).unwrap();
+    let tail = &r.history[r.history.len() - 20..];
+    (ro.output.out, mean(tail.iter().map(|m| m.accept_len)))
+}
+
+fn eval_run(dir: &std::path::Path) -> eval::EvalReport {
+    let mut o = EvalOptions::new(dir.display().to_string());
+    o.device = Device::Cpu;
+    o.quiet = true;
+    o.num_prompts = Some(24);
+    eval::eval(&o).unwrap()
+}
+
+/// Train, then eval (issue item 3): after the default run (shortened), the trained drafter
+/// accepts drafts in real decoding on held-out prompts of the same generator, the output stays
+/// lossless, and eval.json lands in the run folder with training's acceptance beside it. The
+/// simulated acceptance on the held-out outputs is printed next to training's: on this tiny
+/// target it varies by tens of percent between runs of this size (acceptance differs a lot
+/// between sequences: greedy text that fell into a cycle or not), so it is not asserted here.
+#[test]
+fn train_then_eval_on_held_out_prompts() {
+    let (dir, train_accept) = short_default_run("consistent", FaultPlan::default());
+    let r = eval_run(&dir);
+    let sim = r.overall.simulated_accept_len;
+    println!(
+        "training simulated {train_accept:.3}, eval simulated {sim:.3}, eval real {:.3} tokens/round",
+        r.overall.accept_len
+    );
+    assert!(train_accept > 2.0, "the run must have learned something: {train_accept}");
+    assert!(sim > 2.0, "the drafter must predict held-out text: simulated {sim}");
+    assert!(r.overall.accept_len > 1.05, "real decoding accepted nothing: {}", r.overall.accept_len);
+    assert_eq!(r.lossless_prompts, r.per_prompt.len());
+    assert_eq!(r.train_step, Some(100));
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
+    assert_eq!(written["overall"]["rounds"].as_u64(), Some(r.overall.rounds as u64));
+    assert!(written["train_accept_len"].as_f64().is_some());
+}
+
+/// A random drafter accepts ~nothing, and eval still ends cleanly: every round keeps the
+/// target's own token, the output is lossless, the report is written where --out says.
+#[test]
+fn random_drafter_accepts_nothing_and_ends_cleanly() {
+    let out = tmp("random").join("report.json");
+    let mut o = EvalOptions::new("random");
+    o.device = Device::Cpu;
+    o.quiet = true;
+    o.num_prompts = Some(4);
+    o.max_new_tokens = Some(40);
+    o.out = Some(out.clone());
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let r = eval::eval(&o).unwrap();
+    assert!(r.overall.accept_len < 1.1, "a random drafter accepted {}", r.overall.accept_len);
+    assert_eq!(r.overall.new_tokens, 4 * 40);
+    assert_eq!(r.lossless_prompts, 4);
+    assert_eq!(r.train_accept_len, None);
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(written["per_prompt"].as_array().map(Vec::len), Some(4));
+}
