@@ -8,6 +8,8 @@
 //! - `metrics`: metrics.jsonl across stop and resume, TensorBoard event files, `plot`, `inspect`
 //! - `qwen35`: the Qwen3.5/3.6 hybrid target: each op against its formula, chunked == recurrent
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
+//! - `prepare`: `prepare-data`: the loss mask on a built-in BPE tokenizer and Qwen-style template, both
+//!   layouts, truncation, bad lines, training on the output, `--regenerate` (greedy answers, kill + resume)
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
@@ -22,6 +24,7 @@ mod metrics;
 mod nan_suite;
 mod ops_fd;
 mod pitfalls;
+mod prepare;
 mod qwen35;
 mod run;
 mod user_errors;
