@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|run8b|pipe8b|pipe8b2|decode8b]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -69,6 +69,12 @@ if has pipe8b2; then
   echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"
   make8b
   $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --drafter-gpus 1 --out /tmp/q8b-bench2 2>&1 | tee "$OUT/pipe8b2.log" || status=1
+fi
+if has decode8b; then
+  echo "== decode throughput at the Qwen3-8B shape, batch 64 (prepare-data --regenerate's loop) vs the weight-read bound"
+  # The random 8B-shaped target is generated in memory (no 16 GB write); 256 context positions, 32 timed steps.
+  $B/dflash-engine bench-decode --device cuda --target ${T8B:-qwen3-8b-shape} --init-std 0.02 --batch 64 \
+    --context ${CONTEXT8B:-256} --steps 32 2>&1 | tee "$OUT/decode8b.log" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

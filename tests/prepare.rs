@@ -12,10 +12,11 @@ use std::time::Instant;
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::Backend;
 use dflash_engine::config::TargetConfig;
-use dflash_engine::model::target::{Target, TargetShape};
+use dflash_engine::model::target::Target;
 use dflash_engine::prepare::chat::{parse_line, Message};
 use dflash_engine::prepare::encode::Encoder;
 use dflash_engine::prepare::{prepare, Generator, PrepareError, PrepareOptions, PrepareSummary, RegenOptions};
+use dflash_engine::session::setup::TargetSource;
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::tensor::DType;
 use dflash_engine::weights;
@@ -243,7 +244,7 @@ fn prepare_output_trains() {
     run_plain(&opts(&dir, &input, &out)).unwrap();
     let mut ro = RunOptions::tiny_default();
     ro.data.path = Some(out);
-    ro.data.seq_len = 64;
+    ro.data.seq_len = 256;
     ro.data.batch_size = 2;
     ro.data.anchors = 4;
     ro.model.block_size = 4;
@@ -310,30 +311,35 @@ pub fn greedy_reference<B: Backend>(
     msgs
 }
 
-fn load_tiny(dir: &Path) -> Target<CpuBackend> {
-    let be = CpuBackend::new();
-    let cfg = TargetConfig::from_json_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let files = weights::ModelFiles::open(dir).unwrap();
-    Target::load(&be, TargetShape::from(&cfg), vec![cfg.num_hidden_layers - 1], true, |n, d| files.tensor_f32(n, d))
-        .unwrap()
-}
-
 const MAX_NEW: usize = 12;
 
-fn regen_input(dir: &Path) -> PathBuf {
+const SHORT: &str = r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}"#;
+
+/// The conversations `--regenerate` is tested on (six answers; prompts of different lengths).
+pub const REGEN_LINES: [&str; 4] = [MULTI_SHAREGPT, SINGLE_OPENAI, SHORT, MULTI_OPENAI];
+
+/// Writes `REGEN_LINES` and a conversation without an answer (skipped) as the input.
+pub fn regen_input(dir: &Path) -> PathBuf {
     let input = dir.join("chats.jsonl");
-    let short = r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}"#;
-    std::fs::write(&input, [MULTI_SHAREGPT, SINGLE_OPENAI, short, MULTI_OPENAI, NO_ANSWER].join("\n")).unwrap();
+    let mut lines = REGEN_LINES.to_vec();
+    lines.push(NO_ANSWER);
+    std::fs::write(&input, lines.join("\n")).unwrap();
     input
 }
 
-#[test]
-fn regenerate_writes_the_targets_greedy_answers() {
-    let dir = tiny_target("regen");
+/// Loads a target folder on `be` with every layer (decoding needs them).
+pub fn load_target<B: Backend>(be: &B, dir: &Path) -> Target<B> {
+    let src = TargetSource::resolve(&dir.to_string_lossy(), 0, 0.0, &mut Vec::new()).unwrap();
+    let last = src.config().num_hidden_layers - 1;
+    src.load(be, vec![last], true).unwrap()
+}
+
+/// `--regenerate` (greedy) on `be` in batches of 3 must equal the batch-1 reference, line by line.
+pub fn check_regenerate<B: Backend>(be: &B, tag: &str) {
+    let dir = tiny_target(tag);
     let input = regen_input(dir.parent().unwrap());
     let out = dir.parent().unwrap().join("train.jsonl");
-    let be = CpuBackend::new();
-    let target = load_tiny(&dir);
+    let target = load_target(be, &dir);
     let enc = Encoder::from_dir(&dir).unwrap();
     let o = PrepareOptions {
         regenerate: Some(RegenOptions { temperature: 0.0, max_new_tokens: MAX_NEW, seed: 0 }),
@@ -341,21 +347,14 @@ fn regenerate_writes_the_targets_greedy_answers() {
         ..opts(&dir, &input, &out)
     };
     let s = be.compute_stream();
-    let g = Generator { be: &be, stream: &s, target: &target };
+    let g = Generator { be, stream: &s, target: &target };
     let sum = prepare(&o, &enc, Some(256), Some(g), |_| {}).unwrap();
     assert_eq!((sum.samples, sum.turns), (4, 6), "{sum:?}");
     let got = read_samples(&out);
-    let lines: Vec<&str> = [
-        MULTI_SHAREGPT,
-        SINGLE_OPENAI,
-        r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}"#,
-        MULTI_OPENAI,
-    ]
-    .to_vec();
     let mut changed = 0;
-    for ((ids, mask), line) in got.iter().zip(lines) {
+    for ((ids, mask), line) in got.iter().zip(REGEN_LINES) {
         let orig = parse_line(line).unwrap();
-        let want = greedy_reference(&be, &target, &enc, &orig, MAX_NEW);
+        let want = greedy_reference(be, &target, &enc, &orig, MAX_NEW);
         let (wids, wmask) = enc.encode(&want).unwrap();
         assert_eq!((ids, mask), (&wids, &wmask), "regenerated {line}");
         check_sample(&enc, &want, ids, mask);
@@ -363,6 +362,11 @@ fn regenerate_writes_the_targets_greedy_answers() {
     }
     assert_eq!(changed, 4, "every conversation got the target's answers");
     assert!(sum.generated_tokens > 0 && sum.decode_rows >= sum.generated_tokens);
+}
+
+#[test]
+fn regenerate_writes_the_targets_greedy_answers() {
+    check_regenerate(&CpuBackend::new(), "regen");
 }
 
 fn bin() -> String {

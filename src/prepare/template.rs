@@ -4,6 +4,7 @@
 //! (`strip`, `startswith`, `split`, ...) through minijinja-contrib's pycompat, `raise_exception`
 //! and `strftime_now` defined, the special tokens (`bos_token`, `eos_token`, ...) as variables.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, ErrorKind, Value};
@@ -86,15 +87,20 @@ impl ChatTemplate {
         let msgs: Vec<Value> = messages
             .iter()
             .map(|m| {
-                Value::from_iter([("role", Value::from(m.role.as_str())), ("content", Value::from(m.content.as_str()))])
+                let map: BTreeMap<String, Value> = [("role", &m.role), ("content", &m.content)]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), Value::from(v.as_str())))
+                    .collect();
+                Value::from_object(map)
             })
             .collect();
-        let mut ctx: Vec<(&str, Value)> =
-            vec![("messages", Value::from(msgs)), ("add_generation_prompt", Value::from(add_generation_prompt))];
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        ctx.insert("messages".into(), Value::from(msgs));
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         for (k, v) in &self.specials {
-            ctx.push((k, Value::from(v.as_str())));
+            ctx.insert(k.to_string(), Value::from(v.as_str()));
         }
-        let ctx = Value::from_iter(ctx);
+        let ctx = Value::from_object(ctx);
         tmpl.render(ctx).map_err(|e| match e.kind() {
             ErrorKind::InvalidOperation => e.detail().unwrap_or("the template raised an exception").to_string(),
             _ => format!("{e:#}"),
@@ -203,7 +209,7 @@ mod tests {
     fn python_methods_trim_blocks_and_raise_exception() {
         let src = "{% for m in messages %}\n{% if m.role == 'user' and m.content.startswith('x') %}\n{{ raise_exception('no x') }}\n{% endif %}\n[{{ m.content.strip() }}]{{ eos_token }}\n{% endfor %}";
         let t = ChatTemplate::new(src, vec![("eos_token", "<e>".into())], PathBuf::from("t")).unwrap();
-        assert_eq!(t.render(&[Message::new("user", "  hi ")], false).unwrap(), "[hi]<e>");
+        assert_eq!(t.render(&[Message::new("user", "  hi ")], false).unwrap(), "[hi]<e>\n");
         assert_eq!(t.render(&[Message::new("user", "xy")], false).unwrap_err(), "no x");
     }
 }

@@ -15,6 +15,7 @@
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
 //! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
+//! - `regenerate`: `prepare-data --regenerate`'s batched decoding == batch-1 greedy decoding on CUDA
 
 mod attention;
 mod cross_entropy;
@@ -24,6 +25,7 @@ mod norm;
 mod optimizer;
 mod oracles;
 mod pack;
+mod regenerate;
 mod training;
 
 use std::path::PathBuf;
