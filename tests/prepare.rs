@@ -407,3 +407,29 @@ fn regenerate_resumes_after_a_kill_without_duplicates_or_loss() {
     assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&whole).unwrap(), "same bytes as the uninterrupted run");
     assert!(!partial.exists() && !root.join("killed.jsonl.progress").exists());
 }
+
+#[test]
+fn bench_decode_measures_rate_and_bound_on_the_cpu() {
+    use dflash_engine::session::bench_decode::{bench_decode, DecodeBenchOptions};
+    let o = DecodeBenchOptions {
+        target: "tiny".into(),
+        init_std: 0.05,
+        batch: 4,
+        context: 6,
+        steps: 3,
+        device: session::Device::Cpu,
+    };
+    let r = bench_decode(&o).unwrap();
+    // Every weight of the tiny preset but the embedding, bf16: per layer q, k, v, o, gate, up,
+    // down, two layer norms and the q/k norms; then the final norm and the lm_head.
+    let cfg = TargetConfig::preset("tiny").unwrap();
+    let (h, q, kv, hd) =
+        (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim);
+    let layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h + 2 * hd;
+    let want = 2 * (cfg.num_hidden_layers * layer + h + cfg.vocab_size * h) as u64;
+    assert_eq!(r.weight_bytes, want);
+    assert!(r.copy_gb_s > 0.0 && r.tokens_per_s > 0.0 && r.step_tokens_per_s >= r.tokens_per_s * 0.5);
+    let bound = 4.0 / (r.weight_bytes as f64 / (r.copy_gb_s * 1e9));
+    assert!((r.bound_tokens_per_s - bound).abs() <= 1e-9 * bound);
+    assert_eq!(r.kv_bytes, 2 * 2 * (4 * 6 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim) as u64);
+}

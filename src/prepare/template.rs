@@ -212,4 +212,59 @@ mod tests {
         assert_eq!(t.render(&[Message::new("user", "  hi ")], false).unwrap(), "[hi]<e>\n");
         assert_eq!(t.render(&[Message::new("user", "xy")], false).unwrap_err(), "no x");
     }
+
+    /// The constructs Qwen3-style templates use: a namespace set in a reversed loop, `is string`,
+    /// `split(...)[-1].lstrip(...)`, `loop.last`, and a thinking block only on the final answer.
+    #[test]
+    fn qwen3_style_constructs() {
+        let src = r#"{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages[::-1] %}
+{%- if ns.last_user == -1 and m.role == 'user' %}{%- set ns.last_user = (messages|length - 1) - loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.content is string %}
+{%- set content = m.content.split('</think>')[-1].lstrip('
+') %}
+{%- if loop.index0 > ns.last_user and loop.last %}
+{{- '<s>assistant
+<think>
+
+</think>
+
+' + content + '<e>
+' }}
+{%- else %}
+{{- '<s>assistant
+' + content + '<e>
+' }}
+{%- endif %}
+{%- else %}
+{{- '<s>' + m.role + '
+' + m.content + '<e>
+' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<s>assistant
+' }}{%- endif %}"#;
+        let t = ChatTemplate::new(src, vec![], PathBuf::from("t")).unwrap();
+        let msgs = [
+            Message::new("user", "a"),
+            Message::new(
+                "assistant",
+                "<think>x</think>
+
+b",
+            ),
+            Message::new("user", "c"),
+            Message::new("assistant", "d"),
+        ];
+        assert_eq!(
+            t.render(&msgs, false).unwrap(),
+            "<s>user\na<e>\n<s>assistant\nb<e>\n<s>user\nc<e>\n<s>assistant\n<think>\n\n</think>\n\nd<e>\n"
+        );
+        assert_eq!(
+            t.render(&msgs[..3], true).unwrap(),
+            "<s>user\na<e>\n<s>assistant\nb<e>\n<s>user\nc<e>\n<s>assistant\n"
+        );
+    }
 }

@@ -100,8 +100,15 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &DecodeBenchOptions) -> Result<
     drop((a, b));
 
     let sh = &target.shape;
-    let embed = target.table.entries().iter().find(|e| e.name == names::EMBED).map_or(0, |e| e.shape.iter().product());
-    let weight_bytes = 2 * (target.table.total() - embed) as u64;
+    // Counted per tensor (the table's total includes alignment padding nothing reads).
+    let read: usize = target
+        .table
+        .entries()
+        .iter()
+        .filter(|e| e.name != names::EMBED)
+        .map(|e| e.shape.iter().product::<usize>())
+        .sum();
+    let weight_bytes = 2 * read as u64;
     let kv_bytes = 2 * 2 * (o.batch * o.context * sh.layers * sh.kv_width()) as u64;
     let bound = o.batch as f64 / (weight_bytes as f64 / (copy_gb_s * 1e9));
 
