@@ -17,6 +17,9 @@ use super::chat::Message;
 use super::template::ChatTemplate;
 use super::PrepareError;
 
+/// A token's byte range in the text it came from.
+type Offsets = (usize, usize);
+
 /// Why a conversation yields no sample (counted in the summary, not an error).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Skip {
@@ -141,7 +144,7 @@ impl Encoder {
         self.tokenizer.decode(ids, false).map_err(|e| Skip::Tokenizer(e.to_string()))
     }
 
-    fn tokenize(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>), Skip> {
+    fn tokenize(&self, text: &str) -> Result<(Vec<u32>, Vec<Offsets>), Skip> {
         // add_special_tokens = false: the template writes every special token itself, as
         // `apply_chat_template(tokenize=True)` does.
         let enc = self.tokenizer.encode(text, false).map_err(|e| Skip::Tokenizer(e.to_string()))?;

@@ -89,6 +89,7 @@ impl Seq {
 /// Regenerates every assistant turn of `convs` in place (the batch decodes together). `keys[i]`
 /// names conversation `i` for the sampling draws (its line in the input). Returns, per
 /// conversation, why it cannot become a sample, if so.
+#[allow(clippy::too_many_arguments)]
 pub fn regenerate_batch<B: Backend>(
     be: &B,
     s: &B::Stream,
