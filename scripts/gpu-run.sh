@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|eval8b|run27b|run27b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
@@ -126,6 +126,15 @@ if has eval8b; then
   [ -f "$T8B/config.json" ] && t=$T8B
   timeout 240 $B/dflash-engine eval --device cuda --target $t --init-std 0.02 --drafter random --drafter-layers 5 \
     --prompts generated --num-prompts 4 --max-new-tokens 128 --out "$OUT/eval8b.json" 2>&1 | tee "$OUT/eval8b.log" || status=1
+fi
+if has decode8b; then
+  echo "== decode throughput at the Qwen3-8B shape, batch 64 (prepare-data --regenerate's loop) vs the weight-read bound"
+  # The random 8B-shaped target is generated in memory (no 16 GB write) unless T8B names a folder
+  # that exists; 256 context positions, 32 timed steps.
+  t=qwen3-8b-shape
+  [ -f "$T8B/config.json" ] && t=$T8B
+  $B/dflash-engine bench-decode --device cuda --target $t --init-std 0.02 --batch 64 \
+    --context ${CONTEXT8B:-256} --steps 32 2>&1 | tee "$OUT/decode8b.log" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

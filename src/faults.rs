@@ -31,13 +31,16 @@ pub struct FaultPlan {
     /// `t` holds the target's state after token `t + 1`, so each block also sees its anchor's
     /// state. Training's simulated acceptance looks fine and `eval` shows the collapse; test-only.
     pub context_off_by_one: bool,
+    /// `prepare-data` aborts after appending this 0-based chunk's lines to its partial output,
+    /// before recording them (proves a kill there loses and duplicates nothing).
+    pub prepare_abort_after_chunk: Option<u64>,
 }
 
 /// A `DFLASH_FAULT` value the plan does not know.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP \
-     checkpoint-mid-write or context-off-by-one (STEP: a 0-based step index)"
+    "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP, \
+     checkpoint-mid-write, context-off-by-one or prepare-abort@CHUNK (STEP, CHUNK: 0-based indices)"
 )]
 pub struct BadFault(pub String);
 
@@ -62,6 +65,7 @@ impl FaultPlan {
             "publish-error" => f.publish_error_at = Some(step),
             "consumer-panic" => f.consumer_panic_at = Some(step),
             "copy-error" => f.copy_error_at = Some(step),
+            "prepare-abort" => f.prepare_abort_after_chunk = Some(u64::from(step)),
             _ => return Err(bad()),
         }
         Ok(f)
@@ -78,6 +82,7 @@ mod tests {
         assert_eq!(FaultPlan::parse("copy-error@0").unwrap().copy_error_at, Some(0));
         assert!(FaultPlan::parse("checkpoint-mid-write").unwrap().abort_mid_checkpoint);
         assert!(FaultPlan::parse("context-off-by-one").unwrap().context_off_by_one);
+        assert_eq!(FaultPlan::parse("prepare-abort@2").unwrap().prepare_abort_after_chunk, Some(2));
         for bad in ["producer-error", "producer-error@x", "nonsense@1", ""] {
             let e = FaultPlan::parse(bad).unwrap_err().to_string();
             assert!(e.contains("DFLASH_FAULT") && e.contains("expected"), "{e}");

@@ -11,6 +11,7 @@ pub mod kernels; // cubins compiled by build.rs from kernels/*.cu, embedded
 pub mod model; // target forward with taps; drafter forward and hand-written backward
 pub mod pipeline; // target -> drafter: producer thread, bounded queue, split-FC protocol
 pub mod plot; // `plot`: loss, accuracy, acceptance length and tokens/s of runs from their metrics.jsonl
+pub mod prepare; // `prepare-data`: chat JSON Lines through the chat template and tokenizer, --regenerate
 pub mod rng; // Philox4x32-10, bit-identical to kernels/philox.cuh
 pub mod session; // `run` as wiring: options, setup, the step log and summary; inspect, gen-data
 pub mod tensor; // DType and the bf16 rounding rule

@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::config::TargetConfig;
 use dflash_engine::faults::FaultPlan;
+use dflash_engine::prepare::{PrepareOptions, RegenOptions};
 use dflash_engine::session::{
     self, DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions,
 };
@@ -68,6 +69,73 @@ enum Cmd {
         #[arg(long, default_value = "data.jsonl")]
         out: PathBuf,
     },
+    /// Turn chat conversations (ShareGPT or OpenAI layout, JSON Lines) into `run --data` input
+    /// through the target's chat template and tokenizer; --regenerate has the target write the
+    /// answers.
+    PrepareData(PrepareArgs),
+    /// Decode tokens/s at a batch (the --regenerate loop) against the bound of reading the
+    /// weights once per step at the measured copy bandwidth.
+    BenchDecode {
+        /// A preset (generated in memory) or a checkpoint folder.
+        #[arg(long, default_value = "qwen3-8b-shape")]
+        target: String,
+        /// Std of a preset target's random weights.
+        #[arg(long, default_value_t = 0.02)]
+        init_std: f32,
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Positions decoded before the timed steps.
+        #[arg(long, default_value_t = 256)]
+        context: usize,
+        /// Timed decode steps.
+        #[arg(long, default_value_t = 32)]
+        steps: usize,
+        #[arg(long, value_enum, default_value_t = Device::Cuda)]
+        device: Device,
+    },
+}
+
+#[derive(Args)]
+struct PrepareArgs {
+    /// The target's Hugging Face folder: tokenizer.json, the chat template (chat_template.jinja
+    /// or tokenizer_config.json), and config.json + weights for --regenerate.
+    #[arg(long)]
+    target: PathBuf,
+    /// Conversations, one JSON object a line: {"conversations": [{"from", "value"}]} or
+    /// {"messages": [{"role", "content"}]}.
+    #[arg(long)]
+    input: PathBuf,
+    /// The training data to write ({"input_ids", "loss_mask"} per line).
+    #[arg(long)]
+    out: PathBuf,
+    /// Cut samples to their first N tokens (counted in the summary).
+    #[arg(long)]
+    max_len: Option<usize>,
+    /// Replace every assistant answer with the target's own, turn by turn.
+    #[arg(long)]
+    regenerate: bool,
+    /// --regenerate: sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// --regenerate: most tokens per answer.
+    #[arg(long, default_value_t = 1024)]
+    max_new_tokens: usize,
+    /// Conversations per chunk: decoded together with --regenerate, and the unit of the
+    /// progress record a rerun resumes from.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// --regenerate: seed of the sampling draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// --regenerate: backend.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Replace an existing --out, or start an unfinished run over.
+    #[arg(long)]
+    overwrite: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -434,6 +502,28 @@ fn main() -> Result<()> {
         }
         Cmd::GenData { target, samples, seq_len, init_std, out } => {
             session::gen_data(&target, samples, seq_len, init_std, &out)?
+        }
+        Cmd::BenchDecode { target, init_std, batch, context, steps, device } => {
+            let o = session::bench_decode::DecodeBenchOptions { target, init_std, batch, context, steps, device };
+            session::bench_decode::bench_decode(&o)?;
+        }
+        Cmd::PrepareData(a) => {
+            let faults = faults_from_env()?;
+            let o = PrepareOptions {
+                target_dir: a.target,
+                input: a.input,
+                out: a.out,
+                max_len: a.max_len,
+                regenerate: a.regenerate.then_some(RegenOptions {
+                    temperature: a.temperature,
+                    max_new_tokens: a.max_new_tokens,
+                    seed: a.seed,
+                }),
+                overwrite: a.overwrite,
+                chunk_lines: a.batch,
+                abort_after_chunk: faults.prepare_abort_after_chunk,
+            };
+            session::prepare_data(&o, a.device, a.quiet)?;
         }
     }
     Ok(())

@@ -10,6 +10,8 @@
 //!   gated delta rule, packed == separate sequences, decoding, and a CPU run that learns
 //! - `recipe`: the drafter recipe: sliding-window masks, drafter configs and recipes, the written
 //!   checkpoint, --init-from, --loss-gamma, the config's norm eps, a sliding run that learns
+//! - `prepare`: `prepare-data`: the loss mask on a built-in BPE tokenizer and Qwen-style template, both
+//!   layouts, truncation, bad lines, training on the output, `--regenerate` (greedy answers, kill + resume)
 //! - `nan_suite`: async == sync bit for bit (transports, splits, topologies); allocator debug modes; faults
 //! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
 //!   train then eval on held-out prompts, a random drafter
@@ -27,6 +29,7 @@ mod metrics;
 mod nan_suite;
 mod ops_fd;
 mod pitfalls;
+mod prepare;
 mod qwen35;
 mod recipe;
 mod run;

@@ -3,9 +3,11 @@
 //! `train::step::drafter_step`), and what the run shows (`log`). Checkpoint gather/restore live
 //! in `train::checkpoint`.
 
+pub mod bench_decode;
 pub mod commands;
 pub mod log;
 pub mod options;
+pub mod prepare;
 pub mod setup;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +34,7 @@ pub use log::{print_summary, RunSummary};
 pub use options::{
     DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions, TINY_INIT_STD,
 };
+pub use prepare::prepare_data;
 use setup::{StepBatches, TargetSource, Topology};
 
 /// A run that stopped on an error: the cause first, then what the leak check found.

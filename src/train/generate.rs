@@ -64,7 +64,10 @@ pub fn generate<B: Backend>(
             let host = be.download(s, &logits)?;
             for (i, q) in seqs.iter_mut().enumerate() {
                 let row = &host[i * vocab..(i + 1) * vocab];
-                q.push(pick(row, spec, (first + i) as u32, t as u32));
+                let (sample, pos) = ((first + i) as u32, t as u32);
+                q.push(pick_token(row, spec.temperature, || {
+                    Philox::new(spec.seed ^ 0x5eed, [sample, rng::domain::DATA | (pos << 8)])
+                }));
             }
         }
         for q in seqs {
@@ -84,16 +87,19 @@ pub fn prompt(seed: u64, index: u32, len: usize, ordinary_vocab: u32) -> Vec<u32
     (0..len).map(|_| r.below(u64::from(ordinary_vocab)) as u32).collect()
 }
 
-fn pick(row: &[f32], spec: &GenSpec, sample: u32, pos: u32) -> u32 {
+/// The next token from one row of logits: the argmax at `temperature <= 0`, else a draw from
+/// `softmax(row / temperature)` with one uniform from `draw()` (called only when sampling).
+/// Shared by every decoding loop (the default data here, `prepare-data --regenerate`).
+pub fn pick_token(row: &[f32], temperature: f32, draw: impl FnOnce() -> Philox) -> u32 {
     let argmax = row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
-    if spec.temperature <= 0.0 {
+    if temperature <= 0.0 {
         return argmax as u32;
     }
-    let inv_t = 1.0 / f64::from(spec.temperature);
+    let inv_t = 1.0 / f64::from(temperature);
     let mx = f64::from(row[argmax]);
     let w: Vec<f64> = row.iter().map(|&x| ((f64::from(x) - mx) * inv_t).exp()).collect();
     let total: f64 = w.iter().sum();
-    let mut r = Philox::new(spec.seed ^ 0x5eed, [sample, rng::domain::DATA | (pos << 8)]);
+    let mut r = draw();
     let mut u = r.uniform_f64() * total;
     for (i, &x) in w.iter().enumerate() {
         if u < x {

@@ -20,6 +20,7 @@
 //! - `eval`: speculative decoding on CUDA: lossless against greedy through the same verification
 //!   forward; divergence from one-token decoding reported with its top-2 logit gap
 //! - `oracles`: target taps against Hugging Face, the drafter against PyTorch autograd
+//! - `regenerate`: `prepare-data --regenerate`'s batched decoding == batch-1 greedy decoding on CUDA
 
 mod attention;
 mod cross_entropy;
@@ -31,6 +32,7 @@ mod norm;
 mod optimizer;
 mod oracles;
 mod pack;
+mod regenerate;
 mod training;
 
 use std::path::PathBuf;
