@@ -417,7 +417,7 @@ fn main() {
             let mut k = buf(DType::F32, n * hk * dk);
             be.fill(&s, &mut q, 1.0 / dk as f32).unwrap();
             be.fill(&s, &mut k, 1.0 / (dk as f32).sqrt()).unwrap();
-            let v = normal_buf(DType::BF16, n * hv * dv, 31);
+            let v = normal_buf(DType::F32, n * hv * dv, 31);
             let mut gl = buf(DType::F32, n * hv);
             be.fill(&s, &mut gl, -0.1).unwrap();
             let mut beta = buf(DType::BF16, n * hv);

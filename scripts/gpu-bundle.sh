@@ -28,5 +28,6 @@ strip gpu-bundle/dflash-engine gpu-bundle/integration gpu-bundle/bench-kernels
 cp scripts/gpu-run.sh gpu-bundle/run.sh
 cp scripts/sanitize.sh gpu-bundle/sanitize.sh
 cp scripts/gpu-all.sh gpu-bundle/all.sh
+cp scripts/gpu-models.sh gpu-bundle/models.sh
 cp tests/reference/bench_fla_gdn.py gpu-bundle/bench_fla_gdn.py
 du -sh gpu-bundle/*

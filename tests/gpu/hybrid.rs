@@ -488,7 +488,11 @@ fn gpu_qwen35_tiny_taps_match_cpu() {
         // Each layer's tap (the residual stream), and what the layer added to it: the update
         // isolates the layer's mixer and MLP from the stream it rides on. bf16 roundings of the
         // stream flip by an ulp here and there between backends and accumulate over the layers.
-        rel_err(&format!("qwen3.5-tiny tap {l}"), &a[l], &b[l], 3e-2);
+        // Past the first layers the two backends' streams differ by more than one bf16 step; the
+        // bound there is transformers' own bf16-vs-f32 error on this preset (1.1e-1 at layer 3,
+        // gpu_qwen35_taps_match_hugging_face), where both backends measure at 0.4x of it.
+        let tol = if l < 2 { 3e-2 } else { 1e-1 };
+        rel_err(&format!("qwen3.5-tiny tap {l}"), &a[l], &b[l], tol);
         if l > 0 {
             let d = |t: &[Vec<f32>]| t[l].iter().zip(&t[l - 1]).map(|(x, y)| x - y).collect::<Vec<f32>>();
             rel_err(&format!("qwen3.5-tiny layer {l} update"), &d(&a), &d(&b), 1e-1);

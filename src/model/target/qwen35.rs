@@ -348,9 +348,9 @@ fn gated_delta_net<B: Backend>(
             let pad = kernel - 1;
             be.copy(s, &sc.qkv, 0, qkv, start * c, rows * c)?;
             let first = start.saturating_sub(pad);
-            let mut win = be.alloc(s, DType::BF16, (pad + rows) * c)?;
+            let mut win = be.alloc(s, DType::F32, (pad + rows) * c)?;
             be.copy(s, qkv, first * c, &mut win, (pad - (start - first)) * c, (start + rows - first) * c)?;
-            let mut win_out = be.alloc(s, DType::BF16, (pad + rows) * c)?;
+            let mut win_out = be.alloc(s, DType::F32, (pad + rows) * c)?;
             be.causal_conv1d_silu(s, &win, w, conv_w, &mut win_out, win_seq, pad + rows, c, kernel)?;
             be.copy(s, &win_out, pad * c, &mut sc.conv, 0, rows * c)?;
             Core::Carried { state, seq: one_seq, undo }
