@@ -853,7 +853,8 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
           const int hh = e >> 1;
           const index_t u = k0 + n * 8 + 2 * tq + (e & 1);
           const int mr = warp * WARP_ROWS + gr + 8 * hh;
-          const bool vis = draft_visible(u, a, nk, mr % d.bs, window);
+          // Full layers skip the slot's modulo: it sat in the inner loop of every layer.
+          const bool vis = window > 0 ? draft_visible(u, a, nk, mr % d.bs, window) : u < nk;
           const float p = vis ? exp2f(fmaf(s[0][n][e], sl2, -lse2[hh])) : 0.f;
           const float ds = p * (dp[0][n][e] - dsm[hh]) * scale;
           if (u >= a && u < nk) {
@@ -1096,7 +1097,8 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
             for (int e = 0; e < 4; ++e) {
               const float lv = (e & 1) ? l2.y : l2.x;
               const float dv_ = (e & 1) ? d2.y : d2.x;
-              const bool seen = vis[e >> 1] && (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1];
+              const bool seen =
+                  vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
               const float p = seen ? exp2f(fmaf(s[0][nn][e], sl2, -lv * LOG2E)) : 0.f;
               s[0][nn][e] = p;
               dp[0][nn][e] = p * (dp[0][nn][e] - dv_) * scale;

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::train::metrics::{self, MetricsError, MetricsRecord, METRICS_FILE};
 
@@ -38,6 +39,8 @@ pub enum PlotError {
     },
     #[error("encoding the PNG: {0}")]
     Png(#[from] png::EncodingError),
+    #[error("{path}: not an eval report ({why}); `dflash-engine eval --drafter RUN_DIR` writes it, delete it or run eval again")]
+    Eval { path: PathBuf, why: String },
 }
 
 type Result<T, E = PlotError> = std::result::Result<T, E>;
@@ -62,11 +65,41 @@ const COLORS: [RGBColor; 10] = [
     RGBColor(23, 190, 207),
 ];
 
-/// One run's records and its legend label.
+/// One run's records and its legend label, and its `eval` result when the folder holds one.
 #[derive(Clone, Debug)]
 pub struct Run {
     pub label: String,
     pub records: Vec<MetricsRecord>,
+    pub eval: Option<EvalMark>,
+}
+
+/// What `eval` measured for a run's drafter (its `eval.json`): drawn on the acceptance panel at
+/// the step of the evaluated checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalMark {
+    pub step: Option<u32>,
+    /// Tokens per verification round in real decoding.
+    pub accept_len: f64,
+    /// Training's metric on eval's outputs.
+    pub simulated_accept_len: f64,
+}
+
+/// The eval report in `dir`, if any (`eval.json`, written by `dflash-engine eval`).
+pub fn load_eval(dir: &Path) -> Result<Option<EvalMark>> {
+    let path = dir.join("eval.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(PlotError::Io { path, source }),
+    };
+    let bad = |why: String| PlotError::Eval { path: path.clone(), why };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let num = |key: &str| v["overall"][key].as_f64().ok_or_else(|| bad(format!("no number overall.{key}")));
+    Ok(Some(EvalMark {
+        step: v["train_step"].as_u64().and_then(|s| u32::try_from(s).ok()),
+        accept_len: num("accept_len")?,
+        simulated_accept_len: num("simulated_accept_len")?,
+    }))
 }
 
 /// The runs in `dirs`, refusing a folder without a metrics file or without a complete step.
@@ -91,7 +124,8 @@ pub fn load_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
                 return Err(PlotError::NoSteps { path });
             }
             let unique = names.iter().filter(|n| *n == name).count() == 1;
-            Ok(Run { label: if unique { name.clone() } else { dir.display().to_string() }, records })
+            let eval = load_eval(dir)?;
+            Ok(Run { label: if unique { name.clone() } else { dir.display().to_string() }, records, eval })
         })
         .collect()
 }
@@ -245,7 +279,22 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, runs: &[Run], smooth:
     let x_min = runs.iter().filter_map(|r| r.records.first()).map(|r| r.step).min().unwrap_or(0);
     let (x_lo, x_hi) = (f64::from(x_min.saturating_sub(1)), f64::from(x_max.max(x_min + 1)));
     for (i, (area, (name, y_desc, value))) in body.split_evenly((2, 2)).iter().zip(PANELS).enumerate() {
-        let (y_lo, y_hi) = padded_range(runs.iter().flat_map(|r| r.records.iter().map(value)));
+        // The acceptance panel (i == 2) also holds the eval marks.
+        let marks: Vec<(usize, f64, f64, f64)> = if i == 2 {
+            runs.iter()
+                .enumerate()
+                .filter_map(|(k, r)| {
+                    let e = r.eval.as_ref()?;
+                    let at = e.step.map_or_else(|| r.records.last().map_or(x_hi, |l| f64::from(l.step)), f64::from);
+                    Some((k, at, e.accept_len, e.simulated_accept_len))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (y_lo, y_hi) = padded_range(
+            runs.iter().flat_map(|r| r.records.iter().map(value)).chain(marks.iter().flat_map(|m| [m.2, m.3])),
+        );
         let mut chart = ChartBuilder::on(area)
             .caption(name, ("sans-serif", 22))
             .margin(12)
@@ -294,6 +343,24 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, runs: &[Run], smooth:
                     .label(run.label.clone())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
             }
+        }
+        // Eval: real decoding's tokens per round (filled circle) and training's metric on the
+        // same outputs (hollow circle), at the evaluated step, labelled.
+        for &(k, at, real, sim) in &marks {
+            let color = COLORS[k % COLORS.len()];
+            chart
+                .draw_series([
+                    Circle::new((at, real), 6, color.filled()),
+                    Circle::new((at, sim), 6, color.stroke_width(2)),
+                ])
+                .map_err(draw_err)?;
+            chart
+                .draw_series([Text::new(
+                    format!("eval {real:.2} (sim {sim:.2})"),
+                    (at, real),
+                    ("sans-serif", 15).into_font().color(&color).pos(Pos::new(HPos::Right, VPos::Bottom)),
+                )])
+                .map_err(draw_err)?;
         }
         if i == 0 {
             chart

@@ -459,3 +459,33 @@ fn plot_refuses_what_it_cannot_draw() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.is_file());
 }
+
+/// A run folder holding `eval.json` gets its eval result on the acceptance panel (real decoding's
+/// tokens per round and training's metric on the same outputs, labelled), and a malformed
+/// `eval.json` is refused by name.
+#[test]
+fn plot_marks_the_eval_result_of_a_run() {
+    let root = tmp("plot-eval");
+    let run = root.join("evaluated");
+    synthetic_run(&run, 60, 1.0);
+    std::fs::write(
+        run.join("eval.json"),
+        r#"{"train_step": 60, "overall": {"accept_len": 1.52, "simulated_accept_len": 4.07}}"#,
+    )
+    .unwrap();
+    let mark = plot::load_eval(&run).unwrap().expect("the eval report");
+    assert_eq!(mark, plot::EvalMark { step: Some(60), accept_len: 1.52, simulated_accept_len: 4.07 });
+    let svg_path = root.join("curves.svg");
+    plot::plot(std::slice::from_ref(&run), &svg_path, 0.9).unwrap();
+    let svg = std::fs::read_to_string(&svg_path).unwrap();
+    assert!(svg.contains("eval 1.52 (sim 4.07)"), "no eval label in the SVG");
+    assert!(svg.contains("<circle"), "no eval marker in the SVG");
+    // Without eval.json: no label.
+    let plain = root.join("plain");
+    synthetic_run(&plain, 60, 1.0);
+    plot::plot(&[plain], &svg_path, 0.9).unwrap();
+    assert!(!std::fs::read_to_string(&svg_path).unwrap().contains("eval "));
+    std::fs::write(run.join("eval.json"), "{\"overall\": {}}").unwrap();
+    let err = plot::plot(std::slice::from_ref(&run), &svg_path, 0.9).unwrap_err();
+    assert!(matches!(err, PlotError::Eval { .. }) && err.to_string().contains("eval.json"), "{err}");
+}
