@@ -484,18 +484,17 @@ fn gpu_qwen35_tiny_taps_match_cpu() {
     let tokens: Vec<i32> = (0..rows).map(|_| r.below(250) as i32).collect();
     let a = tiny_taps(&g, &tokens, &LENS);
     let b = tiny_taps(&c, &tokens, &LENS);
+    // The same math without rounding (f64 throughout): the yardstick for both backends.
+    let exact = tiny_taps(&CpuBackend::exact(), &tokens, &LENS);
+    // The first layer's tap directly; past it the two backends' bf16 streams drift apart by more
+    // than one rounding step (measured on the H200: 3e-2 at layer 2, 7e-2 at layer 4, and 1.5e-1 in
+    // what layer 5 adds), each as close to the exact result as the other. So every tap is held to
+    // the CPU reference's own rounding error: CUDA may be at most 2x as far from the exact taps as
+    // the CPU backend is (a wrong kernel is off by O(1)).
+    rel_err("qwen3.5-tiny tap 0", &a[0], &b[0], 3e-2);
     for l in 0..a.len() {
-        // Each layer's tap (the residual stream), and what the layer added to it: the update
-        // isolates the layer's mixer and MLP from the stream it rides on. bf16 roundings of the
-        // stream flip by an ulp here and there between backends and accumulate over the layers.
-        // Past the first layers the two backends' streams differ by more than one bf16 step; the
-        // bound there is transformers' own bf16-vs-f32 error on this preset (1.1e-1 at layer 3,
-        // gpu_qwen35_taps_match_hugging_face), where both backends measure at 0.4x of it.
-        let tol = if l < 2 { 3e-2 } else { 1e-1 };
-        rel_err(&format!("qwen3.5-tiny tap {l}"), &a[l], &b[l], tol);
-        if l > 0 {
-            let d = |t: &[Vec<f32>]| t[l].iter().zip(&t[l - 1]).map(|(x, y)| x - y).collect::<Vec<f32>>();
-            rel_err(&format!("qwen3.5-tiny layer {l} update"), &d(&a), &d(&b), 1e-1);
-        }
+        let (e_gpu, e_cpu) = (rel_err_quiet(&a[l], &exact[l]), rel_err_quiet(&b[l], &exact[l]));
+        println!("qwen3.5-tiny tap {l}: vs exact, cuda {e_gpu:.3e}, cpu {e_cpu:.3e}");
+        assert!(e_gpu <= 2.0 * e_cpu + 1e-3, "tap {l}: cuda {e_gpu:.3e} from the exact taps, cpu {e_cpu:.3e}");
     }
 }
