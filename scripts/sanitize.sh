@@ -6,7 +6,7 @@
 # - memcheck --track-stream-ordered-races all with the allocator in free-async mode (every free
 #   becomes cuMemFreeAsync on its owner stream after waiting for the recorded foreign uses), over
 #   the async-vs-sync suite and the run tests: a missing record-use shows up as a race.
-# Exit status 0 only if every tool reports 0 errors. Env: SANITIZERS (tool list), SAN_TESTS,
+# Exit status 0 only if every tool reports 0 errors. Env: SANITIZERS (tool list), SAN_TESTS, RACE_TESTS,
 # KERNEL_TESTS, STREAM_TESTS (the stream-order pass's tests; none skips it).
 set -uo pipefail
 B=${1:-gpu-bundle}
@@ -23,7 +23,8 @@ summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   log="$OUT/sanitize-$tool.log"
   # racecheck instruments shared memory per access: the kernel tests are enough there.
-  tests="$KERNEL_TESTS"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
+  # RACE_TESTS narrows racecheck (the slowest tool) where a call splits it (all.sh / models.sh).
+  tests="${RACE_TESTS:-$KERNEL_TESTS}"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
   timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"
