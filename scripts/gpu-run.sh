@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
@@ -18,6 +18,11 @@ has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 # Modes only run when named (not part of all: each takes minutes of a whole H200).
 named() { [[ " $what " == *" $1 "* ]]; }
 status=0
+# flash-linear-attention from the wheels the bundle carries (scripts/fetch-wheels.sh), if any.
+if ls $B/whl/*.whl > /dev/null 2>&1 && [ -z "${FLA_SITE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $B/whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLA_SITE=1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
 if has tests; then
@@ -134,7 +139,20 @@ if has decode8b; then
   t=qwen3-8b-shape
   [ -f "$T8B/config.json" ] && t=$T8B
   $B/dflash-engine bench-decode --device cuda --target $t --init-std 0.02 --batch 64 \
-    --context ${CONTEXT8B:-256} --steps 32 2>&1 | tee "$OUT/decode8b.log" || status=1
+    --context ${CONTEXT8B:-256} --steps 32 --profile 2>&1 | tee "$OUT/decode8b.log" || status=1
+  echo "== the same at batch 1 (eval's target-alone decoding)"
+  $B/dflash-engine bench-decode --device cuda --target $t --init-std 0.02 --batch 1 \
+    --context ${CONTEXT8B:-256} --steps 32 --profile 2>&1 | tee "$OUT/decode8b1.log" || status=1
+fi
+if named target27b; then
+  echo "== the target's forward with taps at the qwen3.6-27b-shape, 4 x 3072 tokens, layers 0..61 (training's first stage)"
+  $B/dflash-engine bench-target --device cuda --target $T27B --init-std 0.02 --batch 4 --seq-len 3072 --steps 3 \
+    --profile 2>&1 | tee "$OUT/target27b.log" || status=1
+fi
+if named target8b; then
+  echo "== the target's forward with taps at the Qwen3-8B shape, 4 x 3072 tokens, layers 0..31"
+  $B/dflash-engine bench-target --device cuda --target qwen3-8b-shape --init-std 0.02 --batch 4 --seq-len 3072 \
+    --steps 5 --profile 2>&1 | tee "$OUT/target8b.log" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

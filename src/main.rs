@@ -92,6 +92,36 @@ enum Cmd {
         steps: usize,
         #[arg(long, value_enum, default_value_t = Device::Cuda)]
         device: Device,
+        /// After the timed steps, profile a few more with device events: the time of every
+        /// kernel, GEMM and copy of a step, longest first (CUDA).
+        #[arg(long)]
+        profile: bool,
+    },
+    /// Tokens/s of the target's forward with taps (training's first stage) on its own.
+    BenchTarget {
+        /// A preset (generated in memory) or a checkpoint folder.
+        #[arg(long, default_value = "qwen3-8b-shape")]
+        target: String,
+        /// Std of a preset target's random weights.
+        #[arg(long, default_value_t = 0.02)]
+        init_std: f32,
+        /// Sequences per forward.
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        #[arg(long, default_value_t = 3072)]
+        seq_len: usize,
+        /// Tapped layers, comma-separated (default: 5 taps, DFLASH.md section 1); the forward
+        /// runs to the deepest.
+        #[arg(long, value_delimiter = ',')]
+        taps: Option<Vec<usize>>,
+        /// Timed forwards (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        #[arg(long, value_enum, default_value_t = Device::Cuda)]
+        device: Device,
+        /// Then profile one forward: every kernel, GEMM and copy, longest first (CUDA).
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -503,9 +533,23 @@ fn main() -> Result<()> {
         Cmd::GenData { target, samples, seq_len, init_std, out } => {
             session::gen_data(&target, samples, seq_len, init_std, &out)?
         }
-        Cmd::BenchDecode { target, init_std, batch, context, steps, device } => {
-            let o = session::bench_decode::DecodeBenchOptions { target, init_std, batch, context, steps, device };
+        Cmd::BenchDecode { target, init_std, batch, context, steps, device, profile } => {
+            let o =
+                session::bench_decode::DecodeBenchOptions { target, init_std, batch, context, steps, device, profile };
             session::bench_decode::bench_decode(&o)?;
+        }
+        Cmd::BenchTarget { target, init_std, batch, seq_len, taps, steps, device, profile } => {
+            let o = session::bench_target::TargetBenchOptions {
+                target,
+                init_std,
+                batch,
+                seq_len,
+                taps,
+                steps,
+                device,
+                profile,
+            };
+            session::bench_target::bench_target(&o)?;
         }
         Cmd::PrepareData(a) => {
             let faults = faults_from_env()?;

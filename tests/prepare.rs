@@ -418,6 +418,8 @@ fn bench_decode_measures_rate_and_bound_on_the_cpu() {
         context: 6,
         steps: 3,
         device: session::Device::Cpu,
+        // The CPU has no device clock: the profile is declined, the bench still runs.
+        profile: true,
     };
     let r = bench_decode(&o).unwrap();
     // Every weight of the tiny preset but the embedding, bf16: per layer q, k, v, o, gate, up,

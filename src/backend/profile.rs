@@ -156,6 +156,8 @@ pub struct StepPhases {
     pub span: f64,
     /// Intervals timed.
     pub intervals: usize,
+    /// Device seconds and count per operation (a kernel's symbol, a GEMM's shape, a copy).
+    pub by_op: Vec<(String, f64, usize)>,
 }
 
 /// Mean phase times over the profiled steps, against the host's step time.
@@ -167,6 +169,8 @@ pub struct PhaseTable {
     pub span: f64,
     pub host_step: f64,
     pub intervals: f64,
+    /// Per step: device seconds and launches per operation, longest first.
+    pub by_op: Vec<(String, f64, f64)>,
 }
 
 impl PhaseTable {
@@ -191,10 +195,30 @@ impl PhaseTable {
             t.span += sp.span / n;
             t.host_step += host / n;
             t.intervals += sp.intervals as f64 / n;
+            for (op, secs, count) in &sp.by_op {
+                match t.by_op.iter_mut().find(|(o, _, _)| o == op) {
+                    Some(e) => {
+                        e.1 += secs / n;
+                        e.2 += *count as f64 / n;
+                    }
+                    None => t.by_op.push((op.clone(), secs / n, *count as f64 / n)),
+                }
+            }
         }
         by_phase.retain(|&(_, s)| s > 0.0);
         t.by_phase = by_phase;
+        t.by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
         Some(t)
+    }
+
+    /// The `top` operations by device time per step, with launches per step and mean time each.
+    pub fn render_ops(&self, top: usize) -> String {
+        let mut out = format!("operations by device time per step (top {top} of {})\n", self.by_op.len());
+        for (op, secs, count) in self.by_op.iter().take(top) {
+            let each = if *count > 0.0 { secs / count } else { 0.0 };
+            out += &format!("  {:<48} {:>9.3} ms {:>7.0} x {:>8.1} us\n", op, secs * 1e3, count, each * 1e6);
+        }
+        out
     }
 
     /// Phases plus gaps: the stream's span, by construction within rounding.
@@ -227,6 +251,21 @@ impl PhaseTable {
     }
 }
 
+/// Device seconds and count per operation label, in first-seen order.
+pub fn by_op(iv: impl IntoIterator<Item = (String, f64)>) -> Vec<(String, f64, usize)> {
+    let mut out: Vec<(String, f64, usize)> = Vec::new();
+    for (op, secs) in iv {
+        match out.iter_mut().find(|(o, _, _)| *o == op) {
+            Some(e) => {
+                e.1 += secs.max(0.0);
+                e.2 += 1;
+            }
+            None => out.push((op, secs.max(0.0), 1)),
+        }
+    }
+    out
+}
+
 /// Folds intervals `(phase, start, end)` (seconds from any common origin) into one step.
 pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
     if iv.is_empty() {
@@ -245,7 +284,7 @@ pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
         }
         reach = reach.max(b);
     }
-    StepPhases { by_phase: by, gaps, span: reach - first, intervals: iv.len() }
+    StepPhases { by_phase: by, gaps, span: reach - first, intervals: iv.len(), by_op: Vec::new() }
 }
 
 #[cfg(test)]
@@ -282,6 +321,22 @@ mod tests {
         assert_eq!(Phase::of(Region::Loss, Work::Gemm), Phase::LossHead);
         assert_eq!(Phase::of(Region::Drafter, k("fc", "fc_wgmma_bf16")), Phase::FcProjection);
         assert_eq!(Phase::of(Region::Optimizer, Work::Copy), Phase::Copies);
+    }
+
+    #[test]
+    fn operations_sum_per_label_and_rank_by_time() {
+        let ops = by_op(vec![("gemm 1x8x8".into(), 2e-3), ("copy".into(), 1e-3), ("gemm 1x8x8".into(), 3e-3)]);
+        assert_eq!(ops, vec![("gemm 1x8x8".to_string(), 5e-3, 2), ("copy".to_string(), 1e-3, 1)]);
+        let step = |by_op: Vec<(String, f64, usize)>| (StepPhases { by_op, ..StepPhases::default() }, 1.0);
+        let t = PhaseTable::from_steps(
+            &[step(ops.clone()), step(vec![("copy".into(), 9e-3, 3)]), step(vec![("copy".into(), 7e-3, 1)])],
+            1,
+        )
+        .unwrap();
+        // Means over the two steps after the warm-up: copy (9 + 7) / 2 ms, 2 launches a step.
+        assert_eq!(t.by_op.len(), 1);
+        assert!((t.by_op[0].1 - 8e-3).abs() < 1e-12 && (t.by_op[0].2 - 2.0).abs() < 1e-12);
+        assert!(t.render_ops(5).contains("copy"));
     }
 
     #[test]

@@ -5,9 +5,9 @@
 //! batch, so at batch `B` it cannot beat `B / (weight bytes / copy bandwidth)` tokens/s; the
 //! bandwidth is measured here as a large device-to-device copy (bytes read + written over its
 //! time). The KV cache read at the benchmark's context is printed beside it as a second bound.
-//! The decode loop is the one `--regenerate` runs: upload the tokens, `Target::decode_step`,
-//! download the logits, pick the next tokens on the host; the step alone is timed with device
-//! events where the backend has them.
+//! The decode loop is the one `--regenerate` runs (greedy): upload the tokens,
+//! `Target::decode_step`, the argmax of each row on the device, download the picked ids; the step
+//! alone is timed with device events where the backend has them.
 
 use std::time::Instant;
 
@@ -20,7 +20,6 @@ use crate::backend::cuda::{alloc::Mode, CudaBackend};
 use crate::backend::Backend;
 use crate::model::target::names;
 use crate::tensor::DType;
-use crate::train::generate::pick_token;
 
 /// What `bench-decode` measures.
 #[derive(Clone, Debug)]
@@ -32,6 +31,8 @@ pub struct DecodeBenchOptions {
     pub context: usize,
     pub steps: usize,
     pub device: Device,
+    /// Profile a few steps after the timed ones (per-operation device time).
+    pub profile: bool,
 }
 
 /// The measured rates.
@@ -112,10 +113,11 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &DecodeBenchOptions) -> Result<
     let kv_bytes = 2 * 2 * (o.batch * o.context * sh.layers * sh.kv_width()) as u64;
     let bound = o.batch as f64 / (weight_bytes as f64 / (copy_gb_s * 1e9));
 
-    let max_len = o.context + o.steps + 1;
+    let max_len = o.context + o.steps + if o.profile { 7 } else { 1 };
     let mut cache = target.new_cache(be, &s, o.batch, max_len)?;
     let mut logits = be.alloc(&s, DType::F32, o.batch * sh.vocab)?;
     let mut tokens = be.alloc_ids(&s, o.batch)?;
+    let mut picked = be.alloc_ids(&s, o.batch)?;
     let mut cur: Vec<i32> = (0..o.batch).map(|i| (i * 7919 % sh.vocab.min(1000)) as i32).collect();
     let pb = super::log::bar(false, o.context as u64, "context");
     for t in 0..o.context {
@@ -132,12 +134,28 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &DecodeBenchOptions) -> Result<
         let t0 = Instant::now();
         be.upload_ids(&s, &cur, &mut tokens)?;
         step_secs.push(timed(be, &s, || Ok(target.decode_step(be, &s, &mut cache, &tokens, t, &mut logits)?))?);
-        let host = be.download(&s, &logits)?;
-        for (i, x) in cur.iter_mut().enumerate() {
-            *x = pick_token(&host[i * sh.vocab..(i + 1) * sh.vocab], 0.0, || unreachable!("greedy draws nothing"))
-                as i32;
-        }
+        // Greedy, as --regenerate picks by default: the argmax on the device, the ids down.
+        be.argmax_rows(&s, &logits, sh.vocab, o.batch, sh.vocab, &mut picked)?;
+        cur = be.download_ids(&s, &picked)?;
         full_secs.push(t0.elapsed().as_secs_f64());
+    }
+    if o.profile {
+        // Profiled apart from the timed steps: timing every launch adds host work to each.
+        if be.start_profile() {
+            let mut steps = Vec::new();
+            for t in o.context + o.steps..o.context + o.steps + 6 {
+                let t0 = Instant::now();
+                be.upload_ids(&s, &cur, &mut tokens)?;
+                target.decode_step(be, &s, &mut cache, &tokens, t, &mut logits)?;
+                let p = be.take_profile_step()?.unwrap_or_default();
+                steps.push((p, t0.elapsed().as_secs_f64()));
+            }
+            if let Some(t) = crate::backend::profile::PhaseTable::from_steps(&steps, 1) {
+                println!("{}{}", t.render(), t.render_ops(25));
+            }
+        } else {
+            println!("note      --profile: this backend has no device clock");
+        }
     }
     let r = DecodeBench {
         tokens_per_s: o.batch as f64 / median(full_secs),

@@ -4,6 +4,7 @@
 //! in `train::checkpoint`.
 
 pub mod bench_decode;
+pub mod bench_target;
 pub mod commands;
 pub mod log;
 pub mod options;
