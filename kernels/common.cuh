@@ -192,3 +192,24 @@ __device__ __forceinline__ void rowcol_advance(RowCol& p, const RowCol& d, index
   }
   p.row += d.row;
 }
+
+// A row of D bf16 spread over a warp: lane_dims(D) consecutive elements per lane (D / 32 from D
+// 32 up: one 8-byte load per lane at D 128, 16 bytes at D 256; below 32 one element for each of
+// the first D lanes). bf16_lane_load reads V consecutive elements at p (p aligned to V * 2 bytes).
+__host__ __device__ constexpr int bf16_lane_dims(int D) { return D >= 32 ? D / 32 : 1; }
+
+template <int V>
+__device__ __forceinline__ void bf16_lane_load(const __nv_bfloat16* p, float (&f)[V]) {
+  if constexpr (V == 8) {
+    bf16x8_unpack(*reinterpret_cast<const uint4*>(p), f);
+  } else if constexpr (V == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    f[0] = bf16x2_lo_to_f32(w.x);
+    f[1] = bf16x2_hi_to_f32(w.x);
+    f[2] = bf16x2_lo_to_f32(w.y);
+    f[3] = bf16x2_hi_to_f32(w.y);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = bf16_to_f32(p[i]);
+  }
+}

@@ -79,6 +79,20 @@ constexpr long long PACK_VEC_MAX_HIDDEN = 1LL << 30;
 // block of both kernels; the summation order, hence the bits, depend on both.
 constexpr int SUMSQ_PARTS = 1024;
 constexpr int SUMSQ_BLOCK = 256;
+// ---- rope.cu ----------------------------------------------------------------------------------
+// Warps per block of qk_norm_rope_bf16_hd* (one warp per row and head).
+constexpr int QKR_WARPS = 8;
+
+// ---- decode.cu -------------------------------------------------------------------------------
+// Warps per CTA of attn_decode_split (each takes every DEC_WARPS-th key of the CTA's split), and
+// the most query heads per kv head it holds in registers (Qwen3-8B: 4, Qwen3.6-27B: 6).
+constexpr int DEC_WARPS = 4;
+constexpr int DEC_MAX_GROUP = 8;
+// Keys a warp loads before using any (memory-level parallelism at small batches).
+constexpr int DEC_UNROLL = 4;
+
+// Threads per block of argmax_rows_* (one block per row).
+constexpr int ARGMAX_BLOCK = 256;
 
 // ---- rmsnorm.cu ------------------------------------------------------------------------------
 // Threads per block, every rmsnorm kernel (the team math and the 8-warp block sum assume it).

@@ -93,3 +93,64 @@ extern "C" __global__ void __launch_bounds__(SUMSQ_BLOCK)
   const float s = sumsq_block_sum(acc);
   if (threadIdx.x == 0) out[0] = s;
 }
+
+// ---- argmax_rows: the greedy token of each row of logits (decoding) ----
+// Math:     out[r] = the smallest c in 0..cols with x[r * stride + c] = max over 0..cols of the
+//           row (ties go to the lowest index, as a host scan with a strict `>` picks; NaN never
+//           wins unless it is at c = 0, the same as that scan).
+// Layouts:  x: rows of `stride` elements, the first `cols` read (a vocabulary padded past what
+//           a tokenizer can decode is left out by cols < stride). out: [rows] i32.
+//           A NaN is never chosen over a number it is compared with; a row of NaNs gets some
+//           index in 0..cols (a decoding that meets NaN logits has failed before this).
+// Launch:   grid.x = rows, blockDim.x = ARGMAX_BLOCK (launch.cuh; traps otherwise), cols >= 1.
+//           No dynamic shared memory.
+// Bytes:    rows * cols * sizeof(T) read, 4 * rows written.
+// Bound:    memory; a 152K-entry row is 300-600 KB, one block streams it.
+__device__ __forceinline__ float argmax_f32(float v) { return v; }
+__device__ __forceinline__ float argmax_f32(__nv_bfloat16 v) { return bf16_to_f32(v); }
+
+__device__ __forceinline__ void argmax_keep(float& bv, int& bi, float v, int i) {
+  // Ascending scans per thread keep the first maximum; across threads the lower index wins ties.
+  if (v > bv || (v == bv && i < bi) || (bi < 0)) { bv = v; bi = i; }
+}
+
+template <typename T>
+__device__ __forceinline__ void argmax_row(const T* __restrict__ x, long long stride, int cols,
+                                           int* __restrict__ out) {
+  if (blockDim.x != ARGMAX_BLOCK) __trap();
+  const T* row = x + (index_t)blockIdx.x * stride;
+  float bv = 0.0f;
+  int bi = -1;
+  for (int c = threadIdx.x; c < cols; c += ARGMAX_BLOCK) {
+    const float v = argmax_f32(row[c]);
+    // Strictly greater only: within a thread c ascends, so the first maximum stays.
+    if (bi < 0 || v > bv) { bv = v; bi = c; }
+  }
+  __shared__ float wv[ARGMAX_BLOCK / 32];
+  __shared__ int wi[ARGMAX_BLOCK / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+    const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+    if (oi >= 0) argmax_keep(bv, bi, ov, oi);
+  }
+  if ((threadIdx.x & 31u) == 0u) { wv[threadIdx.x >> 5] = bv; wi[threadIdx.x >> 5] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float v = wv[0];
+    int i = wi[0];
+    for (int w = 1; w < ARGMAX_BLOCK / 32; ++w)
+      if (wi[w] >= 0 && (i < 0 || wv[w] > v || (wv[w] == v && wi[w] < i))) { v = wv[w]; i = wi[w]; }
+    out[blockIdx.x] = i < 0 ? 0 : i;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_BLOCK)
+    argmax_rows_f32(const float* __restrict__ x, long long stride, int cols, int* __restrict__ out) {
+  argmax_row(x, stride, cols, out);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_BLOCK)
+    argmax_rows_bf16(const __nv_bfloat16* __restrict__ x, long long stride, int cols, int* __restrict__ out) {
+  argmax_row(x, stride, cols, out);
+}

@@ -31,6 +31,7 @@
 //           thread keeps HG * 2 independent 16-byte loads in flight instead of 2 (x is updated in
 //           place: the compiler cannot hoist a later head's loads above an earlier store).
 #include "common.cuh"
+#include "launch.cuh"
 
 template <int V>
 __device__ __forceinline__ void rope_items(__nv_bfloat16* x, const int* __restrict__ pos,
@@ -98,3 +99,92 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, const int* __restrict__ p
     rope_items<1>(x, pos, inv_freq, rows, heads, head_dim, inverse != 0);
   }
 }
+
+// ---- qk_norm_rope_bf16_hd<D>: the Qwen3 attention's per-head RMSNorm then RoPE, q and k in one
+// launch, reading and writing rows with strides (the fused q|k|v projection in, the KV cache out).
+// Math:     for each row r and head h of q (heads) and of k (kv_heads), x = the head's D inputs:
+//             inv = 1 / sqrt(sum(x^2) / D + eps)                  (f32)
+//             y[c] = bf16(x[c] * inv * w[c])                        (w: q_norm or k_norm weight)
+//             then the rotation of rope_bf16 above on y (angle = f32(pos[r]) * inv_freq[i], the
+//             same rounded products), rounded to bf16 once more.
+//           Exactly rmsnorm_fwd_bf16 followed by rope_bf16, without the round trip through memory
+//           (only the order of the sum of squares differs).
+// Layouts:  q_in + r * q_in_stride, k_in + r * k_in_stride: the row's heads, each D contiguous
+//           bf16; q_out + r * q_out_stride, k_out + r * k_out_stride likewise. wq, wk: [D] bf16.
+//           pos: [rows] i32. inv_freq: [D / 2] f32.
+// Work:     one warp per (row, head): V = bf16_lane_dims(D) elements per lane; the partner of
+//           element c (c +- D/2) is the same slot of lane ^ (D / 2 / V).
+// Launch:   blockDim.x = QKR_WARPS * 32 (launch.cuh); grid.x = ceil(rows * (heads + kv_heads) /
+//           QKR_WARPS). D >= 16, the offsets of every row and head 2 * V-byte aligned.
+//           No shared memory.
+
+template <int D>
+__device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q_in, long long q_in_stride,
+                                             const __nv_bfloat16* __restrict__ k_in, long long k_in_stride,
+                                             const __nv_bfloat16* __restrict__ wq,
+                                             const __nv_bfloat16* __restrict__ wk, __nv_bfloat16* q_out,
+                                             long long q_out_stride, __nv_bfloat16* k_out, long long k_out_stride,
+                                             const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                             long long rows, int heads, int kv_heads, float eps) {
+  constexpr int V = bf16_lane_dims(D);
+  constexpr int HALF = D / 2;
+  constexpr int PARTNER = HALF / V;  // lane distance between element c and c + HALF
+  if (blockDim.x != QKR_WARPS * 32) __trap();
+  const int lane = threadIdx.x & 31;
+  const bool active = lane * V < D;
+  const index_t item = (index_t)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
+  const int per_row = heads + kv_heads;
+  if (item >= rows * per_row) return;  // whole warps leave together
+  const index_t r = item / per_row;
+  const int hh = (int)(item - r * per_row);
+  const bool is_q = hh < heads;
+  const int h = is_q ? hh : hh - heads;
+  const __nv_bfloat16* in = is_q ? q_in + r * q_in_stride + (index_t)h * D : k_in + r * k_in_stride + (index_t)h * D;
+  __nv_bfloat16* out = is_q ? q_out + r * q_out_stride + (index_t)h * D : k_out + r * k_out_stride + (index_t)h * D;
+  const __nv_bfloat16* w = is_q ? wq : wk;
+  const int c0 = active ? lane * V : 0;
+  float x[V], wf[V];
+  bf16_lane_load<V>(in + c0, x);
+  bf16_lane_load<V>(w + c0, wf);
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) ss = active ? fmaf(x[j], x[j], ss) : ss;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));  // as rmsnorm.cu
+  float y[V], other[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) y[j] = bf16_to_f32(f32_to_bf16_rne(__fmul_rn(__fmul_rn(x[j], inv), wf[j])));
+#pragma unroll
+  for (int j = 0; j < V; ++j) other[j] = __shfl_xor_sync(0xFFFFFFFFu, y[j], PARTNER);
+  if (!active) return;
+  const bool first = c0 < HALF;
+  const float p = (float)pos[r];
+  float o[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float sn, cs;
+    sincosf(__fmul_rn(p, inv_freq[(c0 + j) % HALF]), &sn, &cs);
+    // first half: a = y, b = other -> a*c - b*s; second half: b = y, a = other -> b*c + a*s.
+    o[j] = first ? __fsub_rn(__fmul_rn(y[j], cs), __fmul_rn(other[j], sn))
+                 : __fadd_rn(__fmul_rn(y[j], cs), __fmul_rn(other[j], sn));
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[c0 + j] = f32_to_bf16_rne(o[j]);
+}
+
+#define QKR_EXPORT(D)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(QKR_WARPS * 32) qk_norm_rope_bf16_hd##D(                        \
+      const __nv_bfloat16* q_in, long long q_in_stride, const __nv_bfloat16* k_in, long long k_in_stride,     \
+      const __nv_bfloat16* wq, const __nv_bfloat16* wk, __nv_bfloat16* q_out, long long q_out_stride,         \
+      __nv_bfloat16* k_out, long long k_out_stride, const int* pos, const float* inv_freq, long long rows,    \
+      int heads, int kv_heads, float eps) {                                                                    \
+    qk_norm_rope<D>(q_in, q_in_stride, k_in, k_in_stride, wq, wk, q_out, q_out_stride, k_out, k_out_stride,    \
+                    pos, inv_freq, rows, heads, kv_heads, eps);                                                \
+  }
+
+QKR_EXPORT(16)
+QKR_EXPORT(32)
+QKR_EXPORT(64)
+QKR_EXPORT(128)
+QKR_EXPORT(256)

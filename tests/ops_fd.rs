@@ -277,3 +277,65 @@ fn causal_attention_matches_brute_force() {
         }
     }
 }
+
+/// The decoding attention over a cache (`attn_decode`) is the drafter attention with blocks of
+/// one slot anchored at the row's position, its own key the block's (how decoding ran before it
+/// had its own op): equal on the exact backend, for a batch at one step and a causal block.
+#[test]
+fn attn_decode_equals_single_slot_draft_attention() {
+    use dflash_engine::backend::DecodeAttnShape;
+    let be = Exact::exact();
+    let (heads, kvh, hd, max_len) = (4, 2, 8, 12);
+    let kw = kvh * hd;
+    // (rows, row_stride, len0, len_inc): 3 sequences at step 6; 5 rows of one sequence from 4.
+    for (rows, row_stride, len0, len_inc) in [(3, max_len, 7, 0), (5, 0, 5, 1)] {
+        let sh = DecodeAttnShape { rows, heads, kv_heads: kvh, head_dim: hd, row_stride, len0, len_inc };
+        let q = randn(rows * heads * hd, 11, 1.0);
+        let cache = randn(rows.max(1) * max_len * kw, 12, 1.0);
+        let vcache = randn(rows.max(1) * max_len * kw, 13, 1.0);
+        let mut o = buf(vec![0.0; rows * heads * hd]);
+        let mut lse = buf32(vec![0.0; rows * heads]);
+        be.attn_decode(&S, &sh, &buf(q.clone()), &buf(cache.clone()), &buf(vcache.clone()), &mut o, &mut lse).unwrap();
+        // The same as blocks of one slot: context = the row's cache rows before its own key, the
+        // own key and value as the block's.
+        let (mut kb, mut vb, mut anchors, mut starts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for r in 0..rows {
+            let own = r * row_stride + sh.len(r) - 1;
+            kb.extend_from_slice(&cache[own * kw..][..kw]);
+            vb.extend_from_slice(&vcache[own * kw..][..kw]);
+            anchors.push((sh.len(r) - 1) as i32);
+            starts.push((r * row_stride) as i32);
+        }
+        let dsh = DraftAttnShape {
+            num_blocks: rows,
+            block_size: 1,
+            ctx_rows: cache.len() / kw,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            window: None,
+        };
+        let mut o2 = buf(vec![0.0; rows * heads * hd]);
+        let mut lse2 = buf32(vec![0.0; rows * heads]);
+        be.attn_draft_fwd(
+            &S,
+            &dsh,
+            &buf(q),
+            &buf(cache),
+            &buf(vcache),
+            &buf(kb),
+            &buf(vb),
+            &anchors,
+            &starts,
+            &mut o2,
+            &mut lse2,
+        )
+        .unwrap();
+        for (a, b) in o.data.iter().zip(&o2.data) {
+            assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "o {a} vs {b}");
+        }
+        for (a, b) in lse.data.iter().zip(&lse2.data) {
+            assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "lse {a} vs {b}");
+        }
+    }
+}

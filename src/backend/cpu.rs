@@ -11,7 +11,10 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 
 use super::slots::{SlotError, SlotMemory};
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result, GDN_CHUNK};
+use super::{
+    check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope, Result,
+    Rows, GDN_CHUNK,
+};
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
 
@@ -838,6 +841,121 @@ impl<F: Real> Backend for CpuBackend<F> {
         Ok(())
     }
 
+    fn qk_norm_rope(
+        &self,
+        _s: &CpuStream,
+        sh: &QkNormRope,
+        q_in: &CpuBuf<F>,
+        k_in: &CpuBuf<F>,
+        w: &CpuBuf<F>,
+        q_out: &mut CpuBuf<F>,
+        k_out: &mut CpuBuf<F>,
+        pos: &Vec<i32>,
+    ) -> Result<()> {
+        const OP: &str = "qk_norm_rope";
+        let hd = sh.head_dim;
+        if hd % 2 != 0 || hd == 0 {
+            return Err(BackendError::Shape { op: OP, what: format!("head_dim {hd} is odd") });
+        }
+        if sh.rows == 0 {
+            return Ok(());
+        }
+        let last = |r: Rows| r.off + (sh.rows - 1) * r.stride;
+        check_len(OP, "q_in", q_in.data.len(), last(sh.q_in), sh.heads * hd)?;
+        check_len(OP, "k_in", k_in.data.len(), last(sh.k_in), sh.kv_heads * hd)?;
+        check_len(OP, "q_out", q_out.data.len(), last(sh.q_out), sh.heads * hd)?;
+        check_len(OP, "k_out", k_out.data.len(), last(sh.k_out), sh.kv_heads * hd)?;
+        check_len(OP, "w", w.data.len(), sh.wq_off.max(sh.wk_off), hd)?;
+        check_len(OP, "pos", pos.len(), 0, sh.rows)?;
+        let inv_freq = Self::rope_inv_freq(hd, sh.theta);
+        let (half, eps) = (hd / 2, F::from_f32(sh.eps));
+        // As rmsnorm_fwd then rope: the normalised head rounded to the output's dtype, then
+        // rotated and rounded again.
+        let one = |x: &[F], wt: &[F], p: i32, dt: DType, out: &mut [F]| {
+            let ms = dot(x, x) / F::from_f64(hd as f64);
+            let inv = self.st(DType::F32, F::ONE / (ms + eps).sqrt());
+            let y: Vec<F> = (0..hd).map(|c| self.st(dt, x[c] * inv * wt[c])).collect();
+            let p = p as f32;
+            for i in 0..half {
+                let ang = p * inv_freq[i];
+                let (c, sn) = (F::from_f32(ang.cos()), F::from_f32(ang.sin()));
+                let (a, b) = (y[i], y[i + half]);
+                out[i] = self.st(dt, a * c - b * sn);
+                out[i + half] = self.st(dt, b * c + a * sn);
+            }
+        };
+        let (wq, wk) = (&w.data[sh.wq_off..sh.wq_off + hd], &w.data[sh.wk_off..sh.wk_off + hd]);
+        for (r, &p) in pos[..sh.rows].iter().enumerate() {
+            for (heads, inp, rin, out, rout, wt) in [
+                (sh.heads, q_in, sh.q_in, &mut *q_out, sh.q_out, wq),
+                (sh.kv_heads, k_in, sh.k_in, &mut *k_out, sh.k_out, wk),
+            ] {
+                let dt = out.dtype;
+                for h in 0..heads {
+                    let x = &inp.data[rin.off + r * rin.stride + h * hd..][..hd];
+                    let mut o = vec![F::ZERO; hd];
+                    one(x, wt, p, dt, &mut o);
+                    out.data[rout.off + r * rout.stride + h * hd..][..hd].copy_from_slice(&o);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn attn_decode(
+        &self,
+        _s: &CpuStream,
+        sh: &DecodeAttnShape,
+        q: &CpuBuf<F>,
+        kc: &CpuBuf<F>,
+        vc: &CpuBuf<F>,
+        o: &mut CpuBuf<F>,
+        lse: &mut CpuBuf<F>,
+    ) -> Result<()> {
+        const OP: &str = "attn_decode";
+        let (hd, heads) = (sh.head_dim, sh.heads);
+        if sh.kv_heads == 0 || heads % sh.kv_heads != 0 || sh.len0 == 0 {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("{heads} heads over {} kv heads, {} keys in the first row", sh.kv_heads, sh.len0),
+            });
+        }
+        let (qw, kw, group) = (heads * hd, sh.kv_heads * hd, heads / sh.kv_heads);
+        check_len(OP, "q", q.data.len(), 0, sh.rows * qw)?;
+        check_len(OP, "o", o.data.len(), 0, sh.rows * qw)?;
+        check_len(OP, "lse", lse.data.len(), 0, sh.rows * heads)?;
+        check_len(OP, "kc", kc.data.len(), 0, sh.cache_rows() * kw)?;
+        check_len(OP, "vc", vc.data.len(), 0, sh.cache_rows() * kw)?;
+        need_dtype(OP, lse, DType::F32)?;
+        let (odt, ldt) = (o.dtype, lse.dtype);
+        let scale = F::from_f64(1.0 / (hd as f64).sqrt());
+        o.data[..sh.rows * qw]
+            .par_chunks_mut(qw)
+            .zip(lse.data[..sh.rows * heads].par_chunks_mut(heads))
+            .enumerate()
+            .for_each(|(r, (orow, lrow))| {
+                let base = r * sh.row_stride;
+                for h in 0..heads {
+                    let qh = &q.data[r * qw + h * hd..][..hd];
+                    let col = (h / group) * hd;
+                    let sc: Vec<F> =
+                        (0..sh.len(r)).map(|t| scale * dot(qh, &kc.data[(base + t) * kw + col..][..hd])).collect();
+                    let mx = sc.iter().copied().fold(sc[0], |a, b| if b > a { b } else { a });
+                    let p: Vec<F> = sc.iter().map(|&x| (x - mx).exp()).collect();
+                    let sum = p.iter().fold(F::ZERO, |a, &b| a + b);
+                    for c in 0..hd {
+                        let mut acc = F::ZERO;
+                        for (t, &pt) in p.iter().enumerate() {
+                            acc += pt * vc.data[(base + t) * kw + col + c];
+                        }
+                        orow[h * hd + c] = self.st(odt, acc / sum);
+                    }
+                    lrow[h] = self.st(ldt, mx + sum.ln());
+                }
+            });
+        Ok(())
+    }
+
     fn attn_draft_bwd(
         &self,
         _s: &CpuStream,
@@ -1012,6 +1130,32 @@ impl<F: Real> Backend for CpuBackend<F> {
                     lr.iter_mut().for_each(|x| *x = F::ZERO);
                 }
             });
+        Ok(())
+    }
+
+    fn argmax_rows(
+        &self,
+        _s: &CpuStream,
+        x: &CpuBuf<F>,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        out: &mut Vec<i32>,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if cols == 0 || cols > stride {
+            return Err(BackendError::Shape { op: "argmax_rows", what: format!("{cols} columns in rows of {stride}") });
+        }
+        check_len("argmax_rows", "x", x.data.len(), (rows - 1) * stride, cols)?;
+        check_len("argmax_rows", "out", out.len(), 0, rows)?;
+        for (r, o) in out[..rows].iter_mut().enumerate() {
+            let row = &x.data[r * stride..r * stride + cols];
+            let arg = (0..cols).fold(0, |b, c| if row[c] > row[b] { c } else { b });
+            *o = i32::try_from(arg)
+                .map_err(|_| BackendError::Shape { op: "argmax_rows", what: format!("index {arg}") })?;
+        }
         Ok(())
     }
 

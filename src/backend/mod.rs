@@ -103,6 +103,65 @@ impl Gemm {
 /// and its own block's keys. `anchor[j] < 0` marks a padded block: zero output, zero gradient.
 /// `window: Some(W)` makes it a sliding-window layer (DFLASH.md section 3, "Per-layer attention
 /// kind"): slot `r` sees context rows `a + r - (W - 1) <= t < a` and the block slots `<= r`.
+/// Attention of `rows` query rows over a KV cache (decoding a batch, verifying a block): row `r`
+/// sees the cache rows `r * row_stride + [0, len0 + r * len_inc)`, its own key and value among
+/// them (written to the cache before). Decoding `B` sequences at step `t`: `row_stride` = the
+/// cache's `max_len`, `len0 = t + 1`, `len_inc = 0`; verifying rows `start..` of one sequence:
+/// `row_stride = 0`, `len0 = start + 1`, `len_inc = 1` (causal).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeAttnShape {
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub row_stride: usize,
+    pub len0: usize,
+    pub len_inc: usize,
+}
+
+impl DecodeAttnShape {
+    /// Keys row `r` sees.
+    pub fn len(&self, r: usize) -> usize {
+        self.len0 + r * self.len_inc
+    }
+    /// Cache rows a buffer must hold: past the last key of the first and of the last row.
+    pub fn cache_rows(&self) -> usize {
+        match self.rows {
+            0 => 0,
+            n => self.len(0).max((n - 1) * self.row_stride + self.len(n - 1)),
+        }
+    }
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// Rows of a buffer: row `r` starts at `off + r * stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows {
+    pub off: usize,
+    pub stride: usize,
+}
+
+/// The Qwen3 attention's q/k normalisation and rotation in one pass (`Backend::qk_norm_rope`):
+/// `rows` rows of `heads` query heads and `kv_heads` key heads of `head_dim`, read and written
+/// where the [`Rows`] say, the norms' weights at `wq_off` / `wk_off` of the weight buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct QkNormRope {
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub theta: f32,
+    pub q_in: Rows,
+    pub k_in: Rows,
+    pub q_out: Rows,
+    pub k_out: Rows,
+    pub wq_off: usize,
+    pub wk_off: usize,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct DraftAttnShape {
     pub num_blocks: usize,
@@ -512,6 +571,50 @@ pub trait Backend: Send + Sync + 'static {
         loss_off: usize,
         argmax: &mut Self::Ids,
         argmax_off: usize,
+    ) -> Result<()>;
+
+    /// Per head of q and k: `rmsnorm_fwd` (weight `w[wq_off..]` / `w[wk_off..]`, bf16 result)
+    /// then `rope` at `pos[r]`, the same arithmetic as those two ops, in one pass over rows read
+    /// and written with strides ([`QkNormRope`]).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        s: &Self::Stream,
+        sh: &QkNormRope,
+        q_in: &Self::Buf,
+        k_in: &Self::Buf,
+        w: &Self::Buf,
+        q_out: &mut Self::Buf,
+        k_out: &mut Self::Buf,
+        pos: &Self::Ids,
+    ) -> Result<()>;
+
+    /// `o = softmax(scale q.k) v` and its log-sum-exp for query rows over a KV cache
+    /// ([`DecodeAttnShape`]); `q`, `o`: `[rows, heads * head_dim]`, `kc`, `vc`: cache rows of
+    /// `kv_heads * head_dim`, `lse`: f32 `[rows * heads]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_decode(
+        &self,
+        s: &Self::Stream,
+        sh: &DecodeAttnShape,
+        q: &Self::Buf,
+        kc: &Self::Buf,
+        vc: &Self::Buf,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// `out[r]` = the index of the largest of `x[r * stride ..][..cols]` (the first one on ties),
+    /// for each of `rows` rows: greedy decoding's pick without downloading the logits.
+    #[allow(clippy::too_many_arguments)]
+    fn argmax_rows(
+        &self,
+        s: &Self::Stream,
+        x: &Self::Buf,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        out: &mut Self::Ids,
     ) -> Result<()>;
 
     // ---- optimizer ----

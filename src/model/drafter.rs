@@ -69,6 +69,7 @@ impl DrafterShape {
                 self.kv_heads,
                 self.head_dim,
                 self.inter,
+                false,
             );
         }
         t.push("norm.weight", &[self.hidden]);

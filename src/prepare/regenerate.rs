@@ -122,6 +122,7 @@ pub fn regenerate_batch<B: Backend>(
     let mut cache = target.new_cache(be, s, n, spec.max_len)?;
     let mut logits = be.alloc(s, DType::F32, n * vocab)?;
     let mut tokens = be.alloc_ids(s, n)?;
+    let mut greedy_ids = be.alloc_ids(s, n)?;
     for round in 0..rounds {
         // This round's prompts.
         for (i, q) in seqs.iter_mut().enumerate() {
@@ -175,17 +176,26 @@ pub fn regenerate_batch<B: Backend>(
             steps += 1;
             let wanted = active.iter().any(|&i| !seqs[i].finished && t + 1 >= seqs[i].prompt.len());
             if wanted {
-                let host = be.download(s, &logits)?;
+                // Greedy: each row's argmax on the device, only the ids come down; sampling
+                // needs the whole rows on the host.
+                let (host, picked) = if spec.temperature <= 0.0 {
+                    be.argmax_rows(s, &logits, vocab, n, pickable, &mut greedy_ids)?;
+                    (Vec::new(), be.download_ids(s, &greedy_ids)?)
+                } else {
+                    (be.download(s, &logits)?, Vec::new())
+                };
                 for &i in &active {
                     let q = &mut seqs[i];
                     if q.finished || t + 1 < q.prompt.len() {
                         continue;
                     }
-                    let row = &host[i * vocab..i * vocab + pickable];
                     let (key, turn, pos) = (keys[i], round as u32, (t + 1) as u64);
-                    let tok = pick_token(row, spec.temperature, || {
-                        Philox::at_block(spec.seed, [key as u32, rng::domain::DATA | (turn << 8) | 0x80], pos)
-                    });
+                    let tok = match picked.get(i) {
+                        Some(&id) => id.max(0) as u32,
+                        None => pick_token(&host[i * vocab..i * vocab + pickable], spec.temperature, || {
+                            Philox::at_block(spec.seed, [key as u32, rng::domain::DATA | (turn << 8) | 0x80], pos)
+                        }),
+                    };
                     q.generated.push(tok);
                     let stop = enc.stop_ids.contains(&tok);
                     if !stop && q.generated.len() >= spec.max_new_tokens {

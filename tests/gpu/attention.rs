@@ -210,3 +210,71 @@ fn gpu_sliding_drafter_attention_matches_cpu() {
         }
     }
 }
+
+/// The decoding attention (kernels/decode.cu: split-K over the cache, then a combine) against
+/// the CPU, in both of its uses: a batch of sequences at one step (rows `max_len` apart in the
+/// cache) and consecutive rows of one sequence (causal over the cache). Every head dim a preset
+/// uses, groups of 1 to 6 query heads per kv head, one key (the row's own) up to 1,500 (many
+/// splits, a last split cut short). o within bf16 rounding, lse within f32 rounding; run twice,
+/// bit-identical.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attn_decode_matches_cpu() {
+    use dflash_engine::backend::DecodeAttnShape;
+    let (g, c) = (gpu(), CpuBackend::new());
+    // (rows, heads, kv_heads, hd, row_stride, len0, len_inc)
+    let cases = [
+        (64, 32, 8, 128, 300, 257, 0), // Qwen3-8B decoding, batch 64 at step 256
+        (1, 32, 8, 128, 0, 1, 0),      // the first token: its own key alone
+        (1, 32, 8, 128, 0, 1500, 0),   // batch 1, a long context: many splits
+        (16, 32, 8, 128, 0, 700, 1),   // verifying a block of 16 from position 699
+        (3, 24, 4, 256, 40, 33, 0),    // Qwen3.6 full attention (6 heads per kv head)
+        (8, 24, 4, 256, 0, 100, 1),
+        (5, 4, 2, 16, 20, 9, 0), // the tiny presets
+        (4, 8, 4, 32, 0, 3, 1),
+        (6, 8, 2, 64, 0, 60, 1), // qwen3.5-small
+    ];
+    for (i, &(rows, heads, kv_heads, hd, row_stride, len0, len_inc)) in cases.iter().enumerate() {
+        let sh = DecodeAttnShape { rows, heads, kv_heads, head_dim: hd, row_stride, len0, len_inc };
+        let cache = sh.cache_rows() + 3;
+        let q = rand(rows * heads * hd, 100 + i as u64, 1.0);
+        let k = rand(cache * kv_heads * hd, 200 + i as u64, 1.0);
+        let v = rand(cache * kv_heads * hd, 300 + i as u64, 1.0);
+        let run = |be: &dyn DecodeTest| be.decode(&sh, &q, &k, &v);
+        let (go, gl) = run(&g);
+        let (co, cl) = run(&c);
+        let what = format!("attn_decode {rows} rows, {heads}/{kv_heads} heads, hd {hd}, len {len0}+{len_inc}r");
+        rel_err(&format!("{what}: o"), &go, &co, super::BF16_TOL);
+        rel_err(&format!("{what}: lse"), &gl, &cl, 1e-5);
+        let (go2, gl2) = run(&g);
+        super::bits_equal(&format!("{what}: rerun o"), &go2, &go);
+        super::bits_equal(&format!("{what}: rerun lse"), &gl2, &gl);
+    }
+}
+
+trait DecodeTest {
+    fn decode(
+        &self,
+        sh: &dflash_engine::backend::DecodeAttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> (Vec<f32>, Vec<f32>);
+}
+
+impl<B: Backend> DecodeTest for B {
+    fn decode(
+        &self,
+        sh: &dflash_engine::backend::DecodeAttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let s = self.compute_stream();
+        let mut o = self.alloc(&s, DType::BF16, sh.rows * sh.heads * sh.head_dim).unwrap();
+        let mut lse = self.alloc(&s, DType::F32, sh.rows * sh.heads).unwrap();
+        let (q, k, v) = (put(self, q, DType::BF16), put(self, k, DType::BF16), put(self, v, DType::BF16));
+        self.attn_decode(&s, sh, &q, &k, &v, &mut o, &mut lse).unwrap();
+        (get(self, &o), get(self, &lse))
+    }
+}

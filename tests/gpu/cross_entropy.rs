@@ -80,3 +80,52 @@ fn gpu_cross_entropy_matches_cpu() {
         }
     }
 }
+
+/// Greedy decoding's pick (kernels/reduce.cu argmax_rows_*): the first maximum of each row's
+/// first `cols` entries, f32 and bf16, equal to the CPU's on rows with planted ties (the lower
+/// index must win), a maximum past `cols` (must be ignored) and a vocabulary-sized row.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_argmax_rows_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (rows, stride, cols) in [(1, 151_936, 151_936), (64, 151_936, 151_665), (7, 1000, 1000), (3, 300, 257)] {
+        let mut x = rand(rows * stride, 11 + rows as u64, 1.0);
+        for r in 0..rows {
+            let row = &mut x[r * stride..(r + 1) * stride];
+            // A tie at the top (two equal maxima, the later one must lose), on most rows, and a
+            // larger value past cols on every row.
+            if r % 3 != 2 {
+                let (a, b) = ((r * 37) % cols, (r * 37 + cols / 2 + 1) % cols);
+                row[a] = 9.0;
+                row[b] = 9.0;
+            }
+            if cols < stride {
+                row[cols] = 50.0;
+            }
+        }
+        for dt in [DType::F32, DType::BF16] {
+            let (gv, cv) = (g.argmax(&x, dt, stride, rows, cols), c.argmax(&x, dt, stride, rows, cols));
+            assert_eq!(gv, cv, "{rows} x {stride} (cols {cols}) {dt:?}");
+            for (r, &i) in cv.iter().enumerate() {
+                assert!((i as usize) < cols, "row {r}: index {i} past cols {cols}");
+                if r % 3 != 2 {
+                    let (a, b) = ((r * 37) % cols, (r * 37 + cols / 2 + 1) % cols);
+                    assert_eq!(i as usize, a.min(b), "row {r}: the first of the tied maxima");
+                }
+            }
+        }
+    }
+}
+
+trait ArgmaxTest {
+    fn argmax(&self, x: &[f32], dt: DType, stride: usize, rows: usize, cols: usize) -> Vec<i32>;
+}
+
+impl<B: Backend> ArgmaxTest for B {
+    fn argmax(&self, x: &[f32], dt: DType, stride: usize, rows: usize, cols: usize) -> Vec<i32> {
+        let s = self.compute_stream();
+        let mut out = self.alloc_ids(&s, rows).unwrap();
+        self.argmax_rows(&s, &put(self, x, dt), stride, rows, cols, &mut out).unwrap();
+        self.download_ids(&s, &out).unwrap()
+    }
+}

@@ -88,3 +88,89 @@ impl<B: Backend> SwiTest for B {
         get(self, &xb)
     }
 }
+
+/// The fused q/k norm + RoPE (kernels/rope.cu qk_norm_rope_bf16_hd*) against the CPU's, which is
+/// rmsnorm_fwd then rope: q and k read with the fused projection's row stride, k written with a
+/// KV cache's stride and offset; every head dim a preset uses. The CPU op itself is checked
+/// against the two separate ops here too (bit for bit: the same arithmetic).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_qk_norm_rope_matches_cpu() {
+    use dflash_engine::backend::{QkNormRope, Rows};
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (rows, heads, kvh, hd) in
+        [(1, 32, 8, 128), (64, 32, 8, 128), (37, 4, 2, 16), (9, 8, 4, 32), (5, 8, 2, 64), (3, 24, 4, 256)]
+    {
+        let (qw, kw) = (heads * hd, kvh * hd);
+        let stride = qw + 2 * kw;
+        let (cache_stride, cache_off) = (7 * kw, 2 * kw);
+        let qkv = rand(rows * stride, 40 + hd as u64, 3.0);
+        let w = rand(2 * hd + 8, 41, 1.0);
+        let pos: Vec<i32> = (0..rows as i32).map(|i| i * 977 + 3).collect();
+        let sh = QkNormRope {
+            rows,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            eps: 1e-6,
+            theta: 1e6,
+            q_in: Rows { off: 0, stride },
+            k_in: Rows { off: qw, stride },
+            q_out: Rows { off: 0, stride: qw },
+            k_out: Rows { off: cache_off, stride: cache_stride },
+            wq_off: 0,
+            wk_off: hd + 8,
+        };
+        let run = |be: &dyn QkTest| be.qk(&sh, &qkv, &w, &pos, rows * cache_stride + cache_off);
+        let ((gq, gk), (cq, ck)) = (run(&g), run(&c));
+        let what = format!("qk_norm_rope {rows} rows {heads}/{kvh} heads hd {hd}");
+        rel_err(&format!("{what}: q"), &gq, &cq, BF16_TOL);
+        rel_err(&format!("{what}: k (cache rows)"), &gk, &ck, BF16_TOL);
+        // Cache rows outside the written ones stay untouched (zero).
+        for r in 0..rows {
+            let gap = &gk[cache_off + r * cache_stride + kw..][..cache_stride - kw];
+            assert!(gap.iter().all(|&x| x == 0.0), "{what}: wrote outside row {r}'s keys");
+        }
+        // The CPU op is rmsnorm_fwd then rope, bit for bit.
+        let s = c.compute_stream();
+        let mut q_sep = Vec::new();
+        for r in 0..rows {
+            q_sep.extend_from_slice(&qkv[r * stride..][..qw]);
+        }
+        let qin = put(&c, &q_sep, DType::BF16);
+        let mut y = c.alloc(&s, DType::BF16, rows * qw).unwrap();
+        let mut rstd = c.alloc(&s, DType::F32, rows * heads).unwrap();
+        c.rmsnorm_fwd(&s, &qin, &put(&c, &w, DType::BF16), 0, &mut y, &mut rstd, rows * heads, hd, 1e-6).unwrap();
+        c.rope(&s, &mut y, &ids(&c, &pos), rows, heads, hd, 1e6, false).unwrap();
+        bits_equal(&format!("{what}: cpu fused == rmsnorm_fwd + rope"), &cq, &get(&c, &y));
+    }
+}
+
+trait QkTest {
+    fn qk(
+        &self,
+        sh: &dflash_engine::backend::QkNormRope,
+        qkv: &[f32],
+        w: &[f32],
+        pos: &[i32],
+        k_len: usize,
+    ) -> (Vec<f32>, Vec<f32>);
+}
+
+impl<B: Backend> QkTest for B {
+    fn qk(
+        &self,
+        sh: &dflash_engine::backend::QkNormRope,
+        qkv: &[f32],
+        w: &[f32],
+        pos: &[i32],
+        k_len: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let s = self.compute_stream();
+        let qkv = put(self, qkv, DType::BF16);
+        let mut q = self.alloc(&s, DType::BF16, sh.rows * sh.heads * sh.head_dim).unwrap();
+        let mut k = self.alloc(&s, DType::BF16, k_len).unwrap();
+        self.qk_norm_rope(&s, sh, &qkv, &qkv, &put(self, w, DType::BF16), &mut q, &mut k, &ids(self, pos)).unwrap();
+        (get(self, &q), get(self, &k))
+    }
+}

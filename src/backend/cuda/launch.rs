@@ -308,8 +308,11 @@ mod tests {
         let attn = text.lines().filter(|l| l.starts_with("ATTN_EXPORT(")).count();
         let cec = text.lines().filter(|l| l.starts_with("CEC_KERNEL(")).count();
         let causal = text.lines().filter(|l| l.starts_with("ATTN_CAUSAL_EXPORT(")).count();
-        // ATTN_EXPORT stamps out 5 kernels per head dim; CEC_KERNEL and ATTN_CAUSAL_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal);
+        let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
+        let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
+        // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
+        // ATTN_CAUSAL_EXPORT and QKR_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr);
     }
 
     #[test]

@@ -22,15 +22,18 @@ use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
 use super::profile::{self, Phase, StepPhases, Work};
-use super::{check_len, AdamStep, Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result, StartError};
-use crate::kernels::launch::{
-    ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS, ATTN_KEYS,
-    ATTN_KV_CHUNK, ATTN_KV_ROWS, ATTN_KV_TILES, ATTN_KV_WARPS, ATTN_LD_PAD, ATTN_MAX_BLOCK_KEYS, ATTN_WARP_ROWS,
-    CEC_BLOCK, CEC_CHUNKS, CEC_CTAS, CEC_STAGES, CEC_WIDE_CHUNKS, CE_BLOCK, MAX_TAPS, PACK_MAX_BLOCK, PACK_UNITS,
-    PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD, RMS_WARP_TEAM_MAX_DIM,
-    SUMSQ_BLOCK, SUMSQ_PARTS,
+use super::{
+    check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope, Result,
+    Rows, StartError,
 };
-use crate::kernels::launch::{GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK};
+use crate::kernels::launch::{
+    ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
+    ATTN_KEYS, ATTN_KV_CHUNK, ATTN_KV_ROWS, ATTN_KV_TILES, ATTN_KV_WARPS, ATTN_LD_PAD, ATTN_MAX_BLOCK_KEYS,
+    ATTN_WARP_ROWS, CEC_BLOCK, CEC_CHUNKS, CEC_CTAS, CEC_STAGES, CEC_WIDE_CHUNKS, CE_BLOCK, MAX_TAPS, PACK_MAX_BLOCK,
+    PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD,
+    RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
+};
+use crate::kernels::launch::{DEC_MAX_GROUP, DEC_UNROLL, DEC_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -193,7 +196,7 @@ pub struct CudaBackend {
     name: String,
     /// `--profile`: every launch, GEMM and copy timed by phase (see `backend::profile`).
     profiling: std::sync::atomic::AtomicBool,
-    timed: Mutex<Vec<(Phase, device::Event, device::Event)>>,
+    timed: Mutex<Vec<(Phase, String, device::Event, device::Event)>>,
 }
 
 impl CudaBackend {
@@ -316,6 +319,18 @@ impl CudaBackend {
     /// Runs `f` (which enqueues `work` on `s`); when profiling, between two timed events filed
     /// under the phase of the calling thread's region.
     fn timed<T>(&self, s: &Stream, work: Work, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.timed_as(s, work, || None, f)
+    }
+
+    /// [`Self::timed`], with the operation's label in the per-operation table given by `label`
+    /// (default: the kernel's symbol, `gemm` or `copy`); called only when profiling.
+    fn timed_as<T>(
+        &self,
+        s: &Stream,
+        work: Work,
+        label: impl FnOnce() -> Option<String>,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         if !self.profiling.load(std::sync::atomic::Ordering::Relaxed) {
             return f();
         }
@@ -323,7 +338,12 @@ impl CudaBackend {
         let r = f()?;
         let b = device::Event::record_timed(s.raw()).map_err(|e| drv("profile event", e))?;
         let phase = Phase::of(profile::current(), work);
-        self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push((phase, a, b));
+        let op = label().unwrap_or_else(|| match work {
+            Work::Gemm => "gemm".into(),
+            Work::Kernel { symbol, .. } => symbol.into(),
+            Work::Copy => "copy".into(),
+        });
+        self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push((phase, op, a, b));
         Ok(r)
     }
 
@@ -379,6 +399,17 @@ impl CudaBackend {
     }
 
     /// Scratch f32 buffer for partial sums.
+    /// Device memory owned by `s` that is not zero-filled: only for buffers the next kernel
+    /// writes in full before anything reads them.
+    fn alloc_uninit(&self, s: &Stream, dtype: DType, len: usize, what: &str) -> Result<CudaBuf> {
+        let bytes = len.checked_mul(dtype.size_bytes()).ok_or_else(|| BackendError::Shape {
+            op: "alloc",
+            what: format!("{len} {} elements overflow a byte count", dtype.name()),
+        })?;
+        let (ptr, block) = self.raw_alloc(s, bytes, || format!("{what} ({len} {} elements)", dtype.name()))?;
+        Ok(CudaBuf { ptr, len, dtype, block, pool: self.pool.clone() })
+    }
+
     fn scratch(&self, s: &Stream, n: usize) -> Result<CudaBuf> {
         self.alloc(s, DType::F32, n)
     }
@@ -613,19 +644,24 @@ impl Backend for CudaBackend {
             return Ok(None);
         }
         let iv = std::mem::take(&mut *self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?);
-        let Some(origin) = iv.first().map(|(_, a, _)| a) else { return Ok(Some(StepPhases::default())) };
+        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
         self.bind()?;
-        for (_, _, b) in &iv {
+        for (_, _, _, b) in &iv {
             b.synchronize().map_err(|e| drv("profile event", e))?;
         }
         let at = |e: &device::Event| -> Result<f64> {
             Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
         };
         let mut spans = Vec::with_capacity(iv.len());
-        for (p, a, b) in &iv {
-            spans.push((*p, at(a)?, at(b)?));
+        let mut ops = Vec::with_capacity(iv.len());
+        for (p, op, a, b) in &iv {
+            let (a, b) = (at(a)?, at(b)?);
+            spans.push((*p, a, b));
+            ops.push((op.clone(), b - a));
         }
-        Ok(Some(profile::fold(spans)))
+        let mut step = profile::fold(spans);
+        step.by_op = profile::by_op(ops);
+        Ok(Some(step))
     }
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
@@ -836,19 +872,26 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let ws_bytes = blas::WORKSPACE_BYTES;
-        let ws = self.alloc(s, DType::F32, ws_bytes / 4)?;
-        self.timed(s, Work::Gemm, || {
-            self.blas.matmul(
-                g,
-                off_ptr(a, a_off),
-                off_ptr(b, b_off),
-                off_ptr(c, c_off),
-                c.dtype,
-                ws.ptr,
-                ws_bytes,
-                s.raw(),
-            )
-        })
+        // cuBLASLt's workspace is scratch it writes before reading: not zero-filled (a 32 MiB
+        // memset per GEMM cost more than the GEMM itself when decoding).
+        let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
+        self.timed_as(
+            s,
+            Work::Gemm,
+            || Some(format!("gemm {}x{}x{}", g.m, g.n, g.k)),
+            || {
+                self.blas.matmul(
+                    g,
+                    off_ptr(a, a_off),
+                    off_ptr(b, b_off),
+                    off_ptr(c, c_off),
+                    c.dtype,
+                    ws.ptr,
+                    ws_bytes,
+                    s.raw(),
+                )
+            },
+        )
     }
 
     fn fc_project(
@@ -1209,6 +1252,154 @@ impl Backend for CudaBackend {
         self.launch(s, kernel, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)
     }
 
+    fn qk_norm_rope(
+        &self,
+        s: &Stream,
+        sh: &QkNormRope,
+        q_in: &CudaBuf,
+        k_in: &CudaBuf,
+        w: &CudaBuf,
+        q_out: &mut CudaBuf,
+        k_out: &mut CudaBuf,
+        pos: &CudaIds,
+    ) -> Result<()> {
+        const OP: &str = "qk_norm_rope";
+        let hd = sh.head_dim;
+        if sh.rows == 0 {
+            return Ok(());
+        }
+        let Some(kernel) = variant(&launch::QkNormRopeBf16Hd::VARIANTS, &hd.to_string()) else {
+            let dims: Vec<&str> = launch::QkNormRopeBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("head_dim {hd} is not one of the compiled {dims:?}"),
+            });
+        };
+        let last = |r: Rows| r.off + (sh.rows - 1) * r.stride;
+        for (n, b, r, heads) in [("q_in", q_in, sh.q_in, sh.heads), ("k_in", k_in, sh.k_in, sh.kv_heads)] {
+            check_len(OP, n, b.len, last(r), heads * hd)?;
+            Self::need_bf16(OP, b)?;
+        }
+        for (n, b, r, heads) in [("q_out", &*q_out, sh.q_out, sh.heads), ("k_out", &*k_out, sh.k_out, sh.kv_heads)] {
+            check_len(OP, n, b.len, last(r), heads * hd)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "w", w.len, sh.wq_off.max(sh.wk_off), hd)?;
+        check_len(OP, "pos", pos.len, 0, sh.rows)?;
+        // Each lane loads head_dim / 32 elements (at least 1) at once: every row and weight must
+        // start on such a boundary.
+        let v = (hd / 32).max(1);
+        let offs = [sh.q_in, sh.k_in, sh.q_out, sh.k_out].into_iter().flat_map(|r| [r.off, r.stride]);
+        if let Some(bad) = offs.chain([sh.wq_off, sh.wk_off]).find(|x| x % v != 0) {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("offset or stride {bad} is not a multiple of {v} elements (head_dim {hd} / 32)"),
+            });
+        }
+        let inv = self.inv_freq(s, hd, sh.theta)?;
+        let args = launch::QkNormRopeBf16Hd {
+            q_in: q_in.at(OP, sh.q_in.off)?,
+            q_in_stride: sh.q_in.stride,
+            k_in: k_in.at(OP, sh.k_in.off)?,
+            k_in_stride: sh.k_in.stride,
+            wq: w.at(OP, sh.wq_off)?,
+            wk: w.at(OP, sh.wk_off)?,
+            q_out: q_out.at(OP, sh.q_out.off)?,
+            q_out_stride: sh.q_out.stride,
+            k_out: k_out.at(OP, sh.k_out.off)?,
+            k_out_stride: sh.k_out.stride,
+            pos: pos.at(OP, 0)?,
+            inv_freq: inv,
+            rows: sh.rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            eps: sh.eps,
+        };
+        let warps = sh.rows * (sh.heads + sh.kv_heads);
+        self.launch(s, kernel, (warps.div_ceil(QKR_WARPS), QKR_WARPS * 32, 0), args)
+    }
+
+    fn attn_decode(
+        &self,
+        s: &Stream,
+        sh: &DecodeAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        o: &mut CudaBuf,
+        lse: &mut CudaBuf,
+    ) -> Result<()> {
+        const OP: &str = "attn_decode";
+        let (hd, heads) = (sh.head_dim, sh.heads);
+        if sh.rows == 0 {
+            return Ok(());
+        }
+        if sh.kv_heads == 0 || heads % sh.kv_heads != 0 || heads / sh.kv_heads > DEC_MAX_GROUP || sh.len0 == 0 {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!(
+                    "{heads} heads over {} kv heads (at most {DEC_MAX_GROUP} per kv head), {} keys in the first row",
+                    sh.kv_heads, sh.len0
+                ),
+            });
+        }
+        let (qw, kw) = (heads * hd, sh.kv_heads * hd);
+        for (n, b) in [("q", &*q), ("o", &*o)] {
+            check_len(OP, n, b.len, 0, sh.rows * qw)?;
+            Self::need_bf16(OP, b)?;
+        }
+        for (n, b) in [("kc", kc), ("vc", vc)] {
+            check_len(OP, n, b.len, 0, sh.cache_rows() * kw)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "lse", lse.len, 0, sh.rows * heads)?;
+        Self::need_f32(OP, lse)?;
+        let split = variant(&launch::AttnDecodeSplitBf16Hd::VARIANTS, &hd.to_string());
+        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string());
+        let (Some(split), Some(comb)) = (split, comb) else {
+            let dims: Vec<&str> = launch::AttnDecodeSplitBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("head_dim {hd} is not one of the compiled {dims:?}"),
+            });
+        };
+        // Splits of the longest row's keys so rows * kv_heads * splits is about 4 CTAs per SM
+        // (16 warps, each with DEC_UNROLL key rows in flight); at least one unrolled round of
+        // keys per warp of a split.
+        let longest = sh.len0.max(sh.len(sh.rows - 1));
+        let want = (4 * self.sm_count).div_ceil(sh.rows * sh.kv_heads).max(1);
+        let split_keys = longest.div_ceil(want).max(DEC_UNROLL * DEC_WARPS);
+        let splits = longest.div_ceil(split_keys);
+        let parts = sh.rows * heads * splits;
+        let part_o = self.alloc_uninit(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
+        let part_ml = self.alloc_uninit(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
+        let args = launch::AttnDecodeSplitBf16Hd {
+            q: q.at(OP, 0)?,
+            kc: kc.at(OP, 0)?,
+            vc: vc.at(OP, 0)?,
+            part_o: part_o.at(OP, 0)?,
+            part_ml: part_ml.at(OP, 0)?,
+            rows: sh.rows,
+            heads,
+            kv_heads: sh.kv_heads,
+            row_stride: sh.row_stride,
+            len0: sh.len0,
+            len_inc: sh.len_inc,
+            split_keys,
+            splits,
+            scale: sh.scale(),
+        };
+        self.launch(s, split, (splits * sh.kv_heads * sh.rows, DEC_WARPS * 32, 0), args)?;
+        let args = launch::AttnDecodeCombineHd {
+            part_o: part_o.at(OP, 0)?,
+            part_ml: part_ml.at(OP, 0)?,
+            o: o.at(OP, 0)?,
+            lse: lse.at(OP, 0)?,
+            splits,
+        };
+        self.launch(s, comb, (sh.rows * heads, hd, 0), args)
+    }
+
     fn attn_draft_bwd(
         &self,
         s: &Stream,
@@ -1364,6 +1555,37 @@ impl Backend for CudaBackend {
             _ => {
                 let args = launch::CrossEntropyBf16 { logits, labels, weights, rows, vocab, grad_scale, loss, argmax };
                 self.launch(s, launch::CrossEntropyBf16::KERNEL, (rows.min(i32::MAX as usize), CE_BLOCK, 0), args)
+            }
+        }
+    }
+
+    fn argmax_rows(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaIds,
+    ) -> Result<()> {
+        const OP: &str = "argmax_rows";
+        if rows == 0 {
+            return Ok(());
+        }
+        if cols == 0 || cols > stride {
+            return Err(BackendError::Shape { op: OP, what: format!("{cols} columns in rows of {stride}") });
+        }
+        check_len(OP, "x", x.len, (rows - 1) * stride, cols)?;
+        check_len(OP, "out", out.len, 0, rows)?;
+        let cfg = (rows, ARGMAX_BLOCK, 0);
+        match x.dtype {
+            DType::F32 => {
+                let args = launch::ArgmaxRowsF32 { x: x.at(OP, 0)?, stride, cols, out: out.at(OP, 0)? };
+                self.launch(s, launch::ArgmaxRowsF32::KERNEL, cfg, args)
+            }
+            DType::BF16 => {
+                let args = launch::ArgmaxRowsBf16 { x: x.at(OP, 0)?, stride, cols, out: out.at(OP, 0)? };
+                self.launch(s, launch::ArgmaxRowsBf16::KERNEL, cfg, args)
             }
         }
     }

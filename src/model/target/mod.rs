@@ -13,7 +13,7 @@ mod qwen35;
 pub use qwen3::push_layer;
 
 use super::ParamTable;
-use crate::backend::{Backend, BackendError, DraftAttnShape, GdnShape, Gemm, Result};
+use crate::backend::{Backend, BackendError, DecodeAttnShape, GdnShape, Gemm, Result};
 use crate::config::{Arch, LayerDims};
 use crate::tensor::DType;
 
@@ -371,11 +371,9 @@ fn to_i32(op: &'static str, x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| BackendError::Shape { op, what: format!("{x} does not fit an i32 index") })
 }
 
-/// The id buffers of an extend: positions and anchors `start + i` (row `i` sees cache rows
-/// `0..start + i` and its own key), every row's cache starting at row 0.
+/// The id buffer of an extend: positions `start + i`.
 struct ExtendIds<B: Backend> {
     pos: B::Ids,
-    ctx_start: B::Ids,
 }
 
 impl<B: Backend> ExtendIds<B> {
@@ -383,39 +381,69 @@ impl<B: Backend> ExtendIds<B> {
         let p: Vec<i32> = (start..start + rows).map(|p| to_i32("extend", p)).collect::<Result<_>>()?;
         let mut pos = be.alloc_ids(s, rows)?;
         be.upload_ids(s, &p, &mut pos)?;
-        let mut ctx_start = be.alloc_ids(s, rows)?;
-        be.upload_ids(s, &vec![0; rows], &mut ctx_start)?;
-        Ok(ExtendIds { pos, ctx_start })
+        Ok(ExtendIds { pos })
     }
 }
 
 /// How a layer's queries attend: causally within sequences, or over a KV cache (decoding).
 enum Attend<'a, B: Backend> {
     Causal(&'a B::Ids),
+    /// One row per sequence at position `step` of a batch cache (`max_len` rows a sequence):
+    /// each row's key and value are appended at its sequence's row `step`, then the row attends
+    /// to that sequence's rows `0..=step`.
     Cached {
         k: &'a mut B::Buf,
         v: &'a mut B::Buf,
         max_len: usize,
         step: usize,
-        anchors: &'a B::Ids,
-        ctx_start: &'a B::Ids,
     },
     /// Consecutive rows of one sequence from position `start` (batch-1 cache): their keys and
-    /// values are written to the cache first, then row `i` is a block of one slot whose anchor
-    /// is its position, so it sees the cache up to the row before it (the earlier rows of the
-    /// same call included) and its own key: causal, with the decoding kernel.
+    /// values are written to the cache first, then row `i` attends to cache rows `0..=start + i`
+    /// (causal, the earlier rows of the same call included).
     Extend {
         k: &'a mut B::Buf,
         v: &'a mut B::Buf,
-        max_len: usize,
         start: usize,
-        ids: &'a ExtendIds<B>,
     },
 }
 
-/// `o = attention(q, k, v)` for `rows` query rows as `how` says. Decoding is the drafter attention
-/// with blocks of one slot whose anchor is the position: the same kernel, no second
-/// implementation; the new keys and values are then appended to the cache.
+impl<B: Backend> Attend<'_, B> {
+    /// Where this layer's keys and values go, as (k, v, rows): the cache rows of the new tokens
+    /// (`None` for a packed forward, whose keys stay in the layer's scratch).
+    fn kv_dest(&mut self, kw: usize) -> Option<(&mut B::Buf, &mut B::Buf, crate::backend::Rows)> {
+        use crate::backend::Rows;
+        match self {
+            Attend::Causal(_) => None,
+            Attend::Cached { k, v, max_len, step } => {
+                Some((&mut **k, &mut **v, Rows { off: *step * kw, stride: *max_len * kw }))
+            }
+            Attend::Extend { k, v, start } => Some((&mut **k, &mut **v, Rows { off: *start * kw, stride: kw })),
+        }
+    }
+}
+
+/// Writes the new keys and values (`[rows, kv width]` each) where `how` keeps them: the cache rows
+/// of a decoding step or an extend; nothing for a packed forward.
+fn place_kv<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    how: &mut Attend<'_, B>,
+    sh: &TargetShape,
+    rows: usize,
+    k: &B::Buf,
+    v: &B::Buf,
+) -> Result<()> {
+    let kw = sh.kv_width();
+    if let Some((kc, vc, at)) = how.kv_dest(kw) {
+        be.copy_strided(s, k, 0, kw, kc, at.off, at.stride, rows, kw)?;
+        be.copy_strided(s, v, 0, kw, vc, at.off, at.stride, rows, kw)?;
+    }
+    Ok(())
+}
+
+/// `o = attention(q, k, v)` for `rows` query rows as `how` says, the keys and values already
+/// placed ([`place_kv`]): a packed forward reads them from `k`, `v`; decoding and verification
+/// from the cache, with the split-K decoding attention (`Backend::attn_decode`).
 #[allow(clippy::too_many_arguments)]
 fn attend<B: Backend>(
     be: &B,
@@ -429,73 +457,37 @@ fn attend<B: Backend>(
     o: &mut B::Buf,
     lse: &mut B::Buf,
 ) -> Result<()> {
+    let dec = |row_stride, len0, len_inc| DecodeAttnShape {
+        rows,
+        heads: sh.heads,
+        kv_heads: sh.kv_heads,
+        head_dim: sh.head_dim,
+        row_stride,
+        len0,
+        len_inc,
+    };
     match how {
         Attend::Causal(seq_starts) => {
             be.attn_causal_fwd(s, q, k, v, o, seq_starts, rows, sh.heads, sh.kv_heads, sh.head_dim)
         }
-        Attend::Cached { k: kc, v: vc, max_len, step, anchors, ctx_start } => {
-            let kw = sh.kv_width();
-            let ash = DraftAttnShape {
-                window: None,
-                num_blocks: rows,
-                block_size: 1,
-                ctx_rows: rows * max_len,
-                heads: sh.heads,
-                kv_heads: sh.kv_heads,
-                head_dim: sh.head_dim,
-            };
-            be.attn_draft_fwd(s, &ash, q, kc, vc, k, v, anchors, ctx_start, o, lse)?;
-            for b in 0..rows {
-                be.copy(s, k, b * kw, kc, (b * max_len + step) * kw, kw)?;
-                be.copy(s, v, b * kw, vc, (b * max_len + step) * kw, kw)?;
-            }
-            Ok(())
+        Attend::Cached { k: kc, v: vc, max_len, step } => {
+            be.attn_decode(s, &dec(max_len, step + 1, 0), q, kc, vc, o, lse)
         }
-        Attend::Extend { k: kc, v: vc, max_len, start, ids } => {
-            let kw = sh.kv_width();
-            be.copy(s, k, 0, kc, start * kw, rows * kw)?;
-            be.copy(s, v, 0, vc, start * kw, rows * kw)?;
-            let ash = DraftAttnShape {
-                window: None,
-                num_blocks: rows,
-                block_size: 1,
-                ctx_rows: max_len,
-                heads: sh.heads,
-                kv_heads: sh.kv_heads,
-                head_dim: sh.head_dim,
-            };
-            be.attn_draft_fwd(s, &ash, q, kc, vc, k, v, &ids.pos, &ids.ctx_start, o, lse)
-        }
+        Attend::Extend { k: kc, v: vc, start } => be.attn_decode(s, &dec(0, start + 1, 1), q, kc, vc, o, lse),
     }
 }
 
-/// The per-step id buffers of a decoding step: positions (all `t`), anchors (all `t`: the cache
-/// rows `0..t` are visible) and each sequence's first cache row.
+/// The position buffer of a decoding step: every row at `t`.
 struct DecodeIds<B: Backend> {
     pos: B::Ids,
-    anchors: B::Ids,
-    ctx_start: B::Ids,
 }
 
 impl<B: Backend> DecodeIds<B> {
-    fn new(be: &B, s: &B::Stream, n: usize, t: usize, max_len: usize) -> Result<Self> {
-        let t_i32 = i32::try_from(t)
-            .map_err(|_| crate::backend::BackendError::Shape { op: "decode_step", what: format!("position {t}") })?;
+    fn new(be: &B, s: &B::Stream, n: usize, t: usize) -> Result<Self> {
+        let t_i32 = to_i32("decode_step", t)?;
         let mut pos = be.alloc_ids(s, n)?;
         be.upload_ids(s, &vec![t_i32; n], &mut pos)?;
-        let mut anchors = be.alloc_ids(s, n)?;
-        be.upload_ids(s, &vec![t_i32; n], &mut anchors)?;
-        let starts: Vec<i32> = (0..n)
-            .map(|b| {
-                i32::try_from(b * max_len).map_err(|_| crate::backend::BackendError::Shape {
-                    op: "decode_step",
-                    what: format!("cache of {n} x {max_len} rows"),
-                })
-            })
-            .collect::<Result<_>>()?;
-        let mut ctx_start = be.alloc_ids(s, n)?;
-        be.upload_ids(s, &starts, &mut ctx_start)?;
-        Ok(DecodeIds { pos, anchors, ctx_start })
+        Ok(DecodeIds { pos })
     }
 }
 

@@ -5,7 +5,7 @@ use super::{
     attend, names, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache, Target, TargetInputs,
     TargetShape,
 };
-use crate::backend::{Backend, Gemm, Result};
+use crate::backend::{Backend, Gemm, QkNormRope, Result, Rows};
 use crate::config::LayerDims;
 use crate::model::ParamTable;
 use crate::tensor::DType;
@@ -14,7 +14,8 @@ use crate::weights::LayerTensor;
 pub(super) struct Qwen3;
 
 /// Appends one decoder layer's tensors named `{prefix}{suffix}` in `LayerTensor::ALL` order, with
-/// up right after gate so the MLP's first projection is one `[2 * inter, hidden]` GEMM.
+/// up right after gate so the MLP's first projection is one `[2 * inter, hidden]` GEMM, and with
+/// `fuse_qkv` k and v right after q (one `[q + 2 kv width, hidden]` GEMM).
 pub fn push_layer(
     t: &mut ParamTable,
     prefix: &str,
@@ -23,6 +24,7 @@ pub fn push_layer(
     kv_heads: usize,
     head_dim: usize,
     inter: usize,
+    fuse_qkv: bool,
 ) {
     let dims = LayerDims {
         hidden_size: hidden,
@@ -33,7 +35,12 @@ pub fn push_layer(
     };
     for part in LayerTensor::ALL {
         let name = format!("{prefix}{}", part.suffix());
-        if part == LayerTensor::UpProj {
+        let adjacent = match part {
+            LayerTensor::UpProj => true,
+            LayerTensor::KProj | LayerTensor::VProj => fuse_qkv,
+            _ => false,
+        };
+        if adjacent {
             t.push_adjacent(name, &part.shape(&dims));
         } else {
             t.push(name, &part.shape(&dims));
@@ -54,6 +61,7 @@ impl<B: Backend> Family<B> for Qwen3 {
                 shape.kv_heads,
                 shape.head_dim,
                 shape.inter,
+                true,
             );
         }
         t.push(names::FINAL_NORM, &[shape.hidden]);
@@ -102,13 +110,13 @@ impl<B: Backend> Family<B> for Qwen3 {
         let sh = &t.shape;
         let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
         let w = &t.weights;
-        let ids = DecodeIds::new(be, s, n, step, max_len)?;
+        let ids = DecodeIds::new(be, s, n, step)?;
         let mut sc = Scratch::new(be, s, sh, n)?;
         let mut x = be.alloc(s, DType::BF16, n * h)?;
         be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
-            let how = Attend::Cached { k, v, max_len, step, anchors: &ids.anchors, ctx_start: &ids.ctx_start };
+            let how = Attend::Cached { k, v, max_len, step };
             layer(t, be, s, l, &mut x, &mut sc, &ids.pos, how)?;
         }
         be.rmsnorm_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
@@ -124,23 +132,14 @@ impl<B: Backend> Family<B> for Qwen3 {
         mut x: Extend<'_, B>,
         logits: &mut B::Buf,
     ) -> Result<ExtendUndo<B>> {
-        let (rows, h, max_len) = (x.rows, t.shape.hidden, cache.max_len);
+        let (rows, h) = (x.rows, t.shape.hidden);
         let ids = ExtendIds::new(be, s, x.start, rows)?;
         let mut sc = Scratch::new(be, s, &t.shape, rows)?;
         let mut hs = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
-            layer(
-                t,
-                be,
-                s,
-                l,
-                &mut hs,
-                &mut sc,
-                &ids.pos,
-                Attend::Extend { k, v, max_len, start: x.start, ids: &ids },
-            )?;
+            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, Attend::Extend { k, v, start: x.start })?;
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
             }
@@ -150,7 +149,10 @@ impl<B: Backend> Family<B> for Qwen3 {
     }
 }
 
-/// One decoder layer on `x [rows, hidden]` in place.
+/// One decoder layer on `x [rows, hidden]` in place. q, k and v come from one GEMM (their weights
+/// are adjacent, [`push_layer`] with `fuse_qkv`); the per-head norms and RoPE run as one op that
+/// writes the keys straight to where the attention reads them (the scratch, or the KV cache when
+/// decoding), and the values are copied there from the same GEMM's output.
 #[allow(clippy::too_many_arguments)]
 fn layer<B: Backend>(
     t: &Target<B>,
@@ -160,31 +162,41 @@ fn layer<B: Backend>(
     x: &mut B::Buf,
     sc: &mut Scratch<B>,
     pos: &B::Ids,
-    how: Attend<'_, B>,
+    mut how: Attend<'_, B>,
 ) -> Result<()> {
     let sh = &t.shape;
     let (rows, h, qw, kw) = (sc.rows, sh.hidden, sh.q_width(), sh.kv_width());
+    let qkv_w = qw + 2 * kw;
     let w = &t.weights;
     let off = |part: &str| t.table.off(&names::layer(l, part));
     be.rmsnorm_fwd(s, x, w, off("input_layernorm.weight"), &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
-    be.gemm(s, &Gemm::linear(rows, qw, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.q_pre, 0)?;
-    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.k_proj.weight"), &mut sc.k_pre, 0)?;
-    be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.v_proj.weight"), &mut sc.v, 0)?;
-    let (heads, kv_heads, hd) = (sh.heads, sh.kv_heads, sh.head_dim);
-    be.rmsnorm_fwd(s, &sc.q_pre, w, off("self_attn.q_norm.weight"), &mut sc.q, &mut sc.rstd, rows * heads, hd, sh.eps)?;
-    be.rmsnorm_fwd(
-        s,
-        &sc.k_pre,
-        w,
-        off("self_attn.k_norm.weight"),
-        &mut sc.k,
-        &mut sc.rstd,
-        rows * kv_heads,
-        hd,
-        sh.eps,
-    )?;
-    be.rope(s, &mut sc.q, pos, rows, heads, hd, sh.rope_theta, false)?;
-    be.rope(s, &mut sc.k, pos, rows, kv_heads, hd, sh.rope_theta, false)?;
+    be.gemm(s, &Gemm::linear(rows, qkv_w, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.qkv, 0)?;
+    let packed = |o: usize| Rows { off: o, stride: qkv_w };
+    let mut norm_rope = QkNormRope {
+        rows,
+        heads: sh.heads,
+        kv_heads: sh.kv_heads,
+        head_dim: sh.head_dim,
+        eps: sh.eps,
+        theta: sh.rope_theta,
+        q_in: packed(0),
+        k_in: packed(qw),
+        q_out: Rows { off: 0, stride: qw },
+        k_out: Rows { off: 0, stride: kw },
+        wq_off: off("self_attn.q_norm.weight"),
+        wk_off: off("self_attn.k_norm.weight"),
+    };
+    match how.kv_dest(kw) {
+        Some((kc, vc, at)) => {
+            norm_rope.k_out = at;
+            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, kc, pos)?;
+            be.copy_strided(s, &sc.qkv, qw + kw, qkv_w, vc, at.off, at.stride, rows, kw)?;
+        }
+        None => {
+            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, &mut sc.k, pos)?;
+            be.copy_strided(s, &sc.qkv, qw + kw, qkv_w, &mut sc.v, 0, kw, rows, kw)?;
+        }
+    }
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     // Projection then residual add, each rounded to bf16, as a bf16 Hugging Face forward does.
     be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)?;
@@ -201,9 +213,9 @@ struct Scratch<B: Backend> {
     rows: usize,
     xn: B::Buf,
     rstd: B::Buf,
-    q_pre: B::Buf,
+    /// `[rows, q | k | v]`: the fused projection's output.
+    qkv: B::Buf,
     q: B::Buf,
-    k_pre: B::Buf,
     k: B::Buf,
     v: B::Buf,
     o: B::Buf,
@@ -220,9 +232,8 @@ impl<B: Backend> Scratch<B> {
             rows: t,
             xn: bf(t * sh.hidden)?,
             rstd: be.alloc(s, DType::F32, t * sh.heads.max(1))?,
-            q_pre: bf(t * sh.q_width())?,
+            qkv: bf(t * (sh.q_width() + 2 * sh.kv_width()))?,
             q: bf(t * sh.q_width())?,
-            k_pre: bf(t * sh.kv_width())?,
             k: bf(t * sh.kv_width())?,
             v: bf(t * sh.kv_width())?,
             o: bf(t * sh.q_width())?,

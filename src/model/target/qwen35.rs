@@ -11,8 +11,8 @@
 //! the largest error of the layer.
 
 use super::{
-    attend, names, to_i32, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
-    Target, TargetInputs, TargetShape,
+    attend, names, place_kv, to_i32, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache,
+    LinearUndo, Target, TargetInputs, TargetShape,
 };
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
@@ -107,7 +107,7 @@ impl<B: Backend> Family<B> for Qwen35 {
         let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
         let k = hy.linear_conv_kernel_dim;
         let w = &t.weights;
-        let ids = DecodeIds::new(be, s, n, step, max_len)?;
+        let ids = DecodeIds::new(be, s, n, step)?;
         let to_i32 = |x: usize| {
             i32::try_from(x)
                 .map_err(|_| crate::backend::BackendError::Shape { op: "decode_step", what: format!("{x} rows") })
@@ -128,7 +128,6 @@ impl<B: Backend> Family<B> for Qwen35 {
                 cache: lc,
                 step,
                 max_len,
-                ids: &ids,
                 win: &mut win,
                 win_out: &mut win_out,
                 win_starts: &win_starts,
@@ -149,7 +148,7 @@ impl<B: Backend> Family<B> for Qwen35 {
         mut x: Extend<'_, B>,
         logits: &mut B::Buf,
     ) -> Result<ExtendUndo<B>> {
-        let (rows, h, max_len) = (x.rows, t.shape.hidden, cache.max_len);
+        let (rows, h) = (x.rows, t.shape.hidden);
         let pad = hybrid(&t.shape).linear_conv_kernel_dim - 1;
         let ids = ExtendIds::new(be, s, x.start, rows)?;
         // The rows are one sequence for the delta rule, and (after `pad` earlier inputs) one
@@ -164,15 +163,7 @@ impl<B: Backend> Family<B> for Qwen35 {
         let mut undo = ExtendUndo { rows, layers: Vec::with_capacity(cache.layers.len()) };
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let mut u = None;
-            let run = Run::Extend {
-                cache: lc,
-                start: x.start,
-                max_len,
-                ids: &ids,
-                one_seq: &one_seq,
-                win_seq: &win_seq,
-                undo: &mut u,
-            };
+            let run = Run::Extend { cache: lc, start: x.start, one_seq: &one_seq, win_seq: &win_seq, undo: &mut u };
             layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, run)?;
             undo.layers.push(u);
             if let Some(taps) = x.taps_out.as_deref_mut() {
@@ -194,7 +185,6 @@ enum Run<'a, B: Backend> {
         cache: &'a mut LayerCache<B>,
         step: usize,
         max_len: usize,
-        ids: &'a DecodeIds<B>,
         /// `[batch * kernel, conv channels]`: each sequence's last `kernel` convolution inputs.
         win: &'a mut B::Buf,
         win_out: &'a mut B::Buf,
@@ -204,8 +194,6 @@ enum Run<'a, B: Backend> {
     Extend {
         cache: &'a mut LayerCache<B>,
         start: usize,
-        max_len: usize,
-        ids: &'a ExtendIds<B>,
         /// `[0, rows]`: the rows as one sequence.
         one_seq: &'a B::Ids,
         /// `[0, kernel - 1 + rows]`: the convolution window (earlier inputs, then the rows).
@@ -270,16 +258,15 @@ fn gated_attention<B: Backend>(
     be.rmsnorm1p_fwd(s, &sc.k_pre, w, off("self_attn.k_norm.weight"), &mut sc.k, rows * kv_heads, hd, sh.eps)?;
     be.rope_partial(s, &mut sc.q, pos, rows, heads, hd, rot, sh.rope_theta)?;
     be.rope_partial(s, &mut sc.k, pos, rows, kv_heads, hd, rot, sh.rope_theta)?;
-    let how = match run {
+    let mut how = match run {
         Run::Packed { seq_starts } => Attend::Causal(seq_starts),
-        Run::Decode { cache: LayerCache::Attention { k, v }, step, max_len, ids, .. } => {
-            Attend::Cached { k, v, max_len, step, anchors: &ids.anchors, ctx_start: &ids.ctx_start }
+        Run::Decode { cache: LayerCache::Attention { k, v }, step, max_len, .. } => {
+            Attend::Cached { k, v, max_len, step }
         }
-        Run::Extend { cache: LayerCache::Attention { k, v }, start, max_len, ids, .. } => {
-            Attend::Extend { k, v, max_len, start, ids }
-        }
+        Run::Extend { cache: LayerCache::Attention { k, v }, start, .. } => Attend::Extend { k, v, start },
         Run::Decode { .. } | Run::Extend { .. } => unreachable!("a full-attention layer has an attention cache"),
     };
+    place_kv(be, s, &mut how, sh, rows, &sc.k, &sc.v)?;
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     be.sigmoid_mul(s, &mut sc.o, &sc.gate)?;
     be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)
@@ -326,16 +313,13 @@ fn gated_delta_net<B: Backend>(
         } => {
             // Append this token's inputs, gather each sequence's last `kernel` inputs (zeros
             // before its start), convolve them, keep the last row.
-            for b in 0..rows {
-                be.copy(s, &sc.qkv, b * c, qkv, (b * max_len + step) * c, c)?;
-            }
+            // One strided copy per window slot over all sequences (row b at b * max_len).
+            be.copy_strided(s, &sc.qkv, 0, c, qkv, step * c, max_len * c, rows, c)?;
             be.fill(s, win, 0.0)?;
-            for b in 0..rows {
-                for j in 0..kernel {
-                    if step + 1 + j >= kernel {
-                        let p = step + 1 + j - kernel;
-                        be.copy(s, qkv, (b * max_len + p) * c, win, (b * kernel + j) * c, c)?;
-                    }
+            for j in 0..kernel {
+                if step + 1 + j >= kernel {
+                    let p = step + 1 + j - kernel;
+                    be.copy_strided(s, qkv, p * c, max_len * c, win, j * c, kernel * c, rows, c)?;
                 }
             }
             be.causal_conv1d_silu(s, win, w, conv_w, win_out, win_starts, rows * kernel, c, kernel)?;
