@@ -178,7 +178,8 @@ struct RunArgs {
     /// Seed of a preset target's random weights.
     #[arg(long, default_value_t = 0)]
     target_seed: u64,
-    /// Std of a preset target's random weights (default: large enough for peaked, learnable continuations).
+    /// Std of a preset target's random weights (default: large enough for peaked, learnable
+    /// continuations; a Qwen3.5/3.6 hybrid's embedding and lm_head are drawn 16x and 4x larger).
     #[arg(long, default_value_t = session::TINY_INIT_STD)]
     init_std: f32,
     /// Pre-tokenized JSON Lines: {"input_ids": [...], "loss_mask": [...]} per line. Default: the
@@ -374,7 +375,8 @@ struct InitArgs {
     preset: String,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Std of linear and embedding weights.
+    /// Std of linear and embedding weights (a Qwen3.5/3.6 hybrid's embedding and lm_head: 16x and
+    /// 4x this, so its greedy continuations are learnable and its logits peaked).
     #[arg(long, default_value_t = session::TINY_INIT_STD)]
     init_std: f32,
     /// Output folder (e.g. weights/tiny).

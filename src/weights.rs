@@ -374,6 +374,8 @@ pub enum TensorRole {
     Embedding,
     /// ~ N(0, std).
     Linear,
+    /// ~ N(0, gain * std): a hybrid target's embedding and lm_head (see [`HYBRID_EMBED_GAIN`]).
+    Scaled { gain: u32 },
     /// A plain-`w` norm: 1.
     Norm,
     /// A `1 + w` norm (Qwen3.5/3.6): `w` ~ N(0, std), near 0 like transformers' zero init but not
@@ -406,16 +408,50 @@ impl TensorSpec {
     }
 }
 
-/// Every tensor of a Qwen3 target, in file order: embedding, layers 0..L (in
-/// [`LayerTensor::ALL`] order), final norm, then `lm_head` unless tied. The position in this list
-/// is the tensor's random-init stream ([`init_normal`]).
+/// A hybrid (Qwen3.5/3.6) target's random embedding is this many times `init_std`, so that its
+/// random-weight presets behave like the Qwen3 ones at the same `init_std`: greedy continuations
+/// that are mostly a function of the last token or two (chains, cycles and repeats a drafter can
+/// learn) rather than of the whole recent context.
+///
+/// Every layer reads the residual stream through an RMSNorm, so a layer's output has the same
+/// size whatever the embedding's, and what the greedy token depends on is set by the ratio of the
+/// embedding to what the layers add. In a Qwen3 layer every branch shrinks with `init_std`
+/// (attention averages `v` over the context, the MLP multiplies two small projections), so at
+/// 0.05 the current token's embedding dominates. A Gated DeltaNet layer ends in a gated RMSNorm
+/// that rescales its output to unit RMS before `out_proj`: its contribution stays as large as
+/// the embedding at 0.05 and depends on the last few tokens, and greedy continuations look
+/// random (measured on qwen3.5-tiny: the previous token predicts 9% of the next, against 57% for
+/// the Qwen3 tiny preset). An embedding 16x larger, with the layers unchanged, brings that back
+/// to 88%, with the layers still adding context; shrinking every weight instead (0.003) makes the
+/// continuations a pure function of the token but also flattens the lm_head's logits.
+pub const HYBRID_EMBED_GAIN: u32 = 16;
+
+/// A hybrid target's random lm_head is this many times `init_std`: its logits have a standard
+/// deviation of `4 * 0.05 * sqrt(64) = 1.6` on qwen3.5-tiny (0.4 for the Qwen3 tiny preset), so
+/// the target's next-token distributions are peaked like a trained model's and a drafter that
+/// predicts the right token lowers its loss well below the first step's (measured: `run
+/// --target qwen3.5-tiny` goes from 7.1 to 2.8 in 300 steps; with the lm_head at 1x, from 5.7 to
+/// 3.8). The greedy token does not depend on this scale.
+pub const HYBRID_LM_HEAD_GAIN: u32 = 4;
+
+/// Every tensor of a target, in file order: embedding, layers 0..L (in [`LayerTensor::ALL`] order
+/// for Qwen3, [`HybridTensor::of_layer`] for a hybrid), final norm, then `lm_head` unless tied.
+/// The position in this list is the tensor's random-init stream ([`init_normal`]); a hybrid's
+/// embedding and lm_head are [`TensorRole::Scaled`] ([`HYBRID_EMBED_GAIN`],
+/// [`HYBRID_LM_HEAD_GAIN`]).
 ///
 /// Names are the text-only layout's (`model.` prefix); [`ModelFiles`] maps them onto a
 /// vision-language checkpoint's `model.language_model.` prefix.
 pub fn target_tensor_specs(cfg: &TargetConfig) -> Vec<TensorSpec> {
     let d = cfg.layer_dims();
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let mut specs = vec![TensorSpec::new(names::EMBED_TOKENS, vec![v, h], TensorRole::Embedding)];
+    let (embed, head) = match &cfg.arch {
+        Arch::Qwen3 => (TensorRole::Embedding, TensorRole::Linear),
+        Arch::Qwen35(_) => {
+            (TensorRole::Scaled { gain: HYBRID_EMBED_GAIN }, TensorRole::Scaled { gain: HYBRID_LM_HEAD_GAIN })
+        }
+    };
+    let mut specs = vec![TensorSpec::new(names::EMBED_TOKENS, vec![v, h], embed)];
     let final_norm = match &cfg.arch {
         Arch::Qwen3 => {
             for i in 0..cfg.num_hidden_layers {
@@ -434,7 +470,7 @@ pub fn target_tensor_specs(cfg: &TargetConfig) -> Vec<TensorSpec> {
     };
     specs.push(TensorSpec::new(names::FINAL_NORM, vec![h], final_norm));
     if !cfg.tie_word_embeddings {
-        specs.push(TensorSpec::new(names::LM_HEAD, vec![v, h], TensorRole::Linear));
+        specs.push(TensorSpec::new(names::LM_HEAD, vec![v, h], head));
     }
     specs
 }
@@ -1051,6 +1087,7 @@ pub fn init_value_bf16(role: TensorRole, seed: u64, stream: u32, elem: u64, init
     match role {
         TensorRole::Norm | TensorRole::DtBias => bf16::ONE,
         TensorRole::Embedding | TensorRole::Linear | TensorRole::NormOffset => normal(f64::from(init_std)),
+        TensorRole::Scaled { gain } => normal(f64::from(gain) * f64::from(init_std)),
         TensorRole::Conv { kernel } => normal(1.0 / (3.0 * kernel.max(1) as f64).sqrt()),
         TensorRole::ALog => bf16::from_f32((0.01 + (16.0 - 0.01) * init_uniform(seed, stream, elem)).ln() as f32),
     }
@@ -1070,8 +1107,9 @@ fn fill_init_bf16(buf: &mut [u8], spec: &TensorSpec, seed: u64, stream: u32, fir
 
 /// Writes a randomly initialised target in Hugging Face layout to `out_dir` (created if needed):
 /// `model.safetensors` (bf16) then `config.json`, both atomically, so a folder with a config.json
-/// always has complete weights. Embedding and linears ~ N(0, init_std) (no lm_head when tied),
-/// norms = 1. Tensor `t` of [`target_tensor_specs`] uses Philox stream `[t, domain::INIT]`, so the
+/// always has complete weights. Embedding and linears ~ N(0, init_std) (no lm_head when tied;
+/// a hybrid's embedding and lm_head at [`HYBRID_EMBED_GAIN`] and [`HYBRID_LM_HEAD_GAIN`] times
+/// that), norms = 1 (the other hybrid tensors: [`TensorRole`]). Tensor `t` of [`target_tensor_specs`] uses Philox stream `[t, domain::INIT]`, so the
 /// result depends only on `(cfg, seed, init_std)`. Prints nothing.
 pub fn init_target(cfg: &TargetConfig, seed: u64, init_std: f32, out_dir: impl AsRef<Path>) -> Result<()> {
     init_target_with_progress(cfg, seed, init_std, out_dir, &|_, _| {})
@@ -1319,6 +1357,18 @@ mod tests {
         let conv = get("model.layers.0.linear_attn.conv1d.weight");
         let sd = (conv.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / conv.len() as f64).sqrt();
         assert!((sd - (1.0f64 / 12.0).sqrt()).abs() < 0.03, "conv sd {sd}");
+        // The embedding and the lm_head at their gains over init_std, the layers' matrices at it
+        // (n >= 4096 here: a sample sd within 5 / sqrt(2n) < 6% of the std).
+        for (name, gain) in [
+            ("model.embed_tokens.weight", HYBRID_EMBED_GAIN),
+            ("lm_head.weight", HYBRID_LM_HEAD_GAIN),
+            ("model.layers.0.linear_attn.in_proj_qkv.weight", 1),
+            ("model.layers.3.self_attn.o_proj.weight", 1),
+        ] {
+            let w = get(name);
+            let sd = (w.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
+            assert!((sd / (f64::from(gain) * 0.05) - 1.0).abs() < 0.06, "{name}: sd {sd}, want {gain} x 0.05");
+        }
     }
 
     /// A vision-language layout: the text model under `model.language_model.`, plus a vision

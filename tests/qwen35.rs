@@ -440,13 +440,11 @@ fn decoding_step_by_step_gives_the_forward_logits() {
     }
 }
 
-/// `run --target qwen3.5-tiny` trains on the CPU: taps, packing, the drafter step and the data the
-/// target generates all go through the same Target API. The preset's weights are drawn with std
-/// 0.003: at the default 0.05 the hybrid's greedy continuations depend on several recent tokens
-/// and look random (no drafter can learn them in a test's budget), while at 0.003 they are a
-/// function of the current token (cycles). The frozen lm_head is then small too, so the drafter's
-/// logits stay nearly flat and the loss barely moves even when its argmax is right: what this
-/// checks is the drafter's accuracy and simulated acceptance (last 10 steps against the first).
+/// `run --target qwen3.5-tiny` learns on the CPU with the preset's own weights (its scaled
+/// embedding and lm_head, `weights::HYBRID_EMBED_GAIN`): the same bar as `run::default_run_learns`
+/// (mean of the last 10 steps: loss below 0.7x the first step's, simulated acceptance length up
+/// by at least 0.3) on the default run, shortened like that test. Taps, packing, the drafter step
+/// and the data the target generates all go through the same Target API.
 #[test]
 fn qwen35_tiny_run_learns_on_the_cpu() {
     use dflash_engine::session::{self, Device, RunOptions};
@@ -455,14 +453,8 @@ fn qwen35_tiny_run_learns_on_the_cpu() {
     let opts = {
         let mut ro = RunOptions::tiny_default();
         ro.model.target = "qwen3.5-tiny".into();
-        ro.model.init_std = 0.003;
         ro.exec.device = Device::Cpu;
-        ro.data.gen_samples = 128;
-        ro.data.seq_len = 64;
-        ro.data.batch_size = 4;
-        ro.data.anchors = 8;
-        ro.model.block_size = 8;
-        ro.train.steps = 100;
+        ro.train.steps = 200;
         ro.output.checkpoints = false;
         ro.output.quiet = true;
         ro.output.out = out.clone();
@@ -474,9 +466,16 @@ fn qwen35_tiny_run_learns_on_the_cpu() {
     let tail = &r.history[r.history.len() - 10..];
     let mean = |f: fn(&dflash_engine::train::step::StepMetrics) -> f64| tail.iter().map(f).sum::<f64>() / 10.0;
     let (acc, accept, loss) = (mean(|m| m.accuracy), mean(|m| m.accept_len), mean(|m| m.loss));
+    println!(
+        "qwen3.5-tiny, {} steps: loss {:.3} -> {loss:.3} ({:.2}x), accept {:.3} -> {accept:.3}, accuracy {:.3} -> {acc:.3}",
+        r.history.len(),
+        first.loss,
+        loss / first.loss,
+        first.accept_len,
+        first.accuracy
+    );
     assert!(r.history.iter().all(|m| !m.skipped && m.loss.is_finite()));
+    assert!(loss < 0.7 * first.loss, "loss {:.3} -> {loss:.3}", first.loss);
     assert!(accept >= first.accept_len + 0.3, "accept {:.3} -> {accept:.3}", first.accept_len);
-    assert!(acc >= first.accuracy + 0.2, "accuracy {:.3} -> {acc:.3}", first.accuracy);
-    assert!(loss < first.loss, "loss {:.3} -> {loss:.3}", first.loss);
     let _ = std::fs::remove_dir_all(&out);
 }

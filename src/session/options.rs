@@ -145,7 +145,8 @@ pub struct RunOptions {
 /// The random-init scale of the embedded tiny target. With small weights the residual stream is
 /// dominated by the current token's embedding, so greedy decoding falls into repeats and cycles
 /// that a drafter can learn (copying from context, short-range patterns); at 0.25 the
-/// continuations are chaotic, at 0.02 nearly constant.
+/// continuations are chaotic, at 0.02 nearly constant. The hybrid presets draw their embedding
+/// and lm_head larger for the same effect (`weights::HYBRID_EMBED_GAIN`).
 pub const TINY_INIT_STD: f32 = 0.05;
 
 /// The most micro-batches a target may run ahead: each holds a packed batch in flight (and a
