@@ -257,6 +257,55 @@ fn eval_acceptance_is_within_20_percent_of_training() {
     assert!(written["train_round_accept_len"].as_f64().is_some());
 }
 
+/// The off-by-one switch (`FaultPlan::context_off_by_one`) is a trainer's label shift: slot `r`
+/// of the block at anchor `a` learns the token at `a + r + 1`, none past the sequence's end,
+/// every other slot's weight kept, and the step's weight sum follows.
+#[test]
+fn off_by_one_switch_shifts_every_label_one_ahead() {
+    let bs = 4;
+    let samples: Vec<Sample> = [(12usize, 3usize), (9, 2)]
+        .iter()
+        .map(|&(n, p)| Sample {
+            input_ids: (0..n as u32).map(|i| 100 + i * 7 + n as u32).collect(),
+            loss_mask: (0..n).map(|i| u8::from(i >= p)).collect(),
+        })
+        .collect();
+    let spec = BatchSpec {
+        anchors_per_seq: 5,
+        block_size: bs,
+        mask_token_id: 255,
+        gamma: 7.0,
+        pad_to_tokens: Some(32),
+        seed: 3,
+    };
+    let right = build_batch(&samples, &spec, 2, 0).unwrap();
+    let mut b = right.clone();
+    dflash_engine::session::setup::shift_labels_one_ahead(&mut b, bs);
+    assert_eq!(
+        (b.ids.clone(), b.block_ids.clone(), b.anchors.clone()),
+        (right.ids.clone(), right.block_ids.clone(), right.anchors.clone())
+    );
+    let mut checked = 0;
+    for j in 0..b.num_blocks {
+        let Ok(a) = usize::try_from(b.anchors[j]) else { continue };
+        let smp = &samples[j / (b.num_blocks / samples.len())];
+        for r in 1..bs {
+            let i = j * bs + r;
+            if a + r + 1 < smp.input_ids.len() {
+                assert_eq!(b.labels[i], smp.input_ids[a + r + 1] as i32, "block {j} slot {r}");
+                assert_eq!(b.weights[i], right.weights[i]);
+                checked += 1;
+            } else {
+                assert_eq!((b.labels[i], b.weights[i]), (-1, 0.0), "block {j} slot {r}: past the end");
+            }
+        }
+        assert_eq!((b.labels[j * bs], b.weights[j * bs]), (-1, 0.0));
+    }
+    assert!(checked > 20);
+    assert!((b.weight_sum - b.weights.iter().map(|&w| f64::from(w)).sum::<f64>()).abs() < 1e-9);
+    assert!(b.weight_sum < right.weight_sum);
+}
+
 /// A random drafter accepts ~nothing, and eval still ends cleanly: every round keeps the
 /// target's own token, the output is lossless, the report is written where --out says.
 #[test]
