@@ -27,9 +27,12 @@ pub struct FaultPlan {
     /// A checkpoint save aborts the process after writing its model file into the temporary
     /// folder, before the rename (proves a kill during a save is harmless).
     pub abort_mid_checkpoint: bool,
-    /// Trains with the drafter's context off by one (DFLASH.md pitfall 2's family): context row
-    /// `t` holds the target's state after token `t + 1`, so each block also sees its anchor's
-    /// state. Training's simulated acceptance looks fine and `eval` shows the collapse; test-only.
+    /// Trains with the drafter's context off by one against its labels, as a trainer
+    /// off-by-one does (DFLASH.md pitfall 1): slot `r` of the block at anchor `a` learns the
+    /// token at `a + r + 1`, so its context and anchor are one position behind what it learns
+    /// to predict (`session::setup::shift_labels_one_ahead`). Training's accuracy and simulated
+    /// acceptance look fine; `eval` shows the collapse: served, every draft is one token ahead
+    /// of the one the target verifies. Test-only.
     pub context_off_by_one: bool,
     /// `prepare-data` aborts after appending this 0-based chunk's lines to its partial output,
     /// before recording them (proves a kill there loses and duplicates nothing).

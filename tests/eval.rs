@@ -1,7 +1,7 @@
 //! `dflash-engine eval` on the CPU: speculative decoding is lossless (Qwen3 and Qwen3.5 hybrid
 //! targets, every acceptance length driven through verify and rewind), the drafter's inference
-//! path equals its training forward, a trained drafter accepts drafts on held-out prompts, and a
-//! random drafter accepts nothing and ends cleanly.
+//! path equals its training forward, a trained drafter's real acceptance on held-out prompts is
+//! what training predicted, and a random drafter accepts nothing and ends cleanly.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -21,7 +21,7 @@ use dflash_engine::session::setup::TargetSource;
 use dflash_engine::session::{self, Device, RunOptions, TINY_INIT_STD};
 use dflash_engine::tensor::DType;
 use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
-use dflash_engine::train::step::DeviceDraftBatch;
+use dflash_engine::train::step::{DeviceDraftBatch, StepMetrics};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("dflash-eval-{tag}-{}-{:?}", std::process::id(), Instant::now()));
@@ -190,15 +190,9 @@ fn drafter_inference_equals_the_training_forward() {
     assert!(sim.iter().all(|&x| (1..=shape.block_size).contains(&x)));
 }
 
-fn mean(v: impl Iterator<Item = f64>) -> f64 {
-    let v: Vec<f64> = v.collect();
-    v.iter().sum::<f64>() / v.len() as f64
-}
-
-/// The default run, shortened; returns its folder and its simulated acceptance length averaged
-/// over the last 20 steps (single steps are noisy: 8 sequences a batch, and acceptance differs
-/// a lot between sequences: greedy text that fell into a cycle or not).
-fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, f64) {
+/// The default run, shortened to 100 steps on 192 generated samples (the whole default run, 300
+/// steps on 512, takes minutes on two CPU cores); returns its folder and its history.
+fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
     let mut ro = RunOptions::tiny_default();
     ro.train.steps = 100;
     ro.data.gen_samples = 192;
@@ -208,42 +202,108 @@ fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, f64) {
     ro.output.tensorboard = false;
     ro.output.out = tmp(tag);
     let r = session::run(&ro, None).unwrap();
-    let tail = &r.history[r.history.len() - 20..];
-    (ro.output.out, mean(tail.iter().map(|m| m.accept_len)))
+    (ro.output.out, r.history)
 }
 
+/// `eval` of a run's drafter on 32 held-out prompts of the default generator (each decoded to
+/// the training sequences' length).
 fn eval_run(dir: &std::path::Path) -> eval::EvalReport {
     let mut o = EvalOptions::new(dir.display().to_string());
     o.device = Device::Cpu;
     o.quiet = true;
-    o.num_prompts = Some(24);
+    o.num_prompts = Some(32);
     eval::eval(&o).unwrap()
 }
 
-/// Train, then eval (issue item 3): after the default run (shortened), the trained drafter
-/// accepts drafts in real decoding on held-out prompts of the same generator, the output stays
-/// lossless, and eval.json lands in the run folder with training's acceptance beside it. The
-/// simulated acceptance on the held-out outputs is printed next to training's: on this tiny
-/// target it varies by tens of percent between runs of this size (acceptance differs a lot
-/// between sequences: greedy text that fell into a cycle or not), so it is not asserted here.
+/// Consistency with training (issue item 3): after the default run (shortened), `eval` on
+/// held-out prompts of the same generator measures, in real decoding, an acceptance length
+/// within 20% of the one the run's last steps predicted (their mean over the last 20 steps:
+/// one step's 128 blocks come from 8 sequences whose acceptance differs a lot). The output stays
+/// lossless and eval.json lands in the run folder with training's numbers beside it.
+///
+/// The prediction is the per-round one (`round_accept_len`). The per-position mean training
+/// also logs (DFLASH.md section 4) is ~3x above real decoding here, and that is no decoding
+/// bug: the default data's greedy text falls into runs of one repeated token, which the drafter
+/// accepts whole, between stretches it cannot predict; a run of 40 tokens is 40 positions of
+/// ~16 but only 3 rounds.
 #[test]
-fn train_then_eval_on_held_out_prompts() {
-    let (dir, train_accept) = short_default_run("consistent", FaultPlan::default());
+fn eval_acceptance_is_within_20_percent_of_training() {
+    let (dir, history) = short_default_run("consistent", FaultPlan::default());
     let r = eval_run(&dir);
-    let sim = r.overall.simulated_accept_len;
+    let tail = &history[history.len() - eval::TRAIN_STEPS_AVERAGED..];
+    let mean = |f: fn(&StepMetrics) -> f64| tail.iter().map(f).sum::<f64>() / tail.len() as f64;
+    let (per_position, per_round) = (mean(|m| m.accept_len), mean(|m| m.round_accept_len));
+    let real = r.overall.accept_len;
     println!(
-        "training simulated {train_accept:.3}, eval simulated {sim:.3}, eval real {:.3} tokens/round",
-        r.overall.accept_len
+        "training: {per_position:.3} per position, {per_round:.3} per round (last 20 steps); eval on held-out \
+         prompts: real {real:.3} per round, simulated {:.3} per position",
+        r.overall.simulated_accept_len
     );
-    assert!(train_accept > 2.0, "the run must have learned something: {train_accept}");
-    assert!(sim > 2.0, "the drafter must predict held-out text: simulated {sim}");
-    assert!(r.overall.accept_len > 1.05, "real decoding accepted nothing: {}", r.overall.accept_len);
+    // eval reads the same numbers back from the run's metrics.jsonl.
+    assert_eq!(r.train_steps_averaged, Some(eval::TRAIN_STEPS_AVERAGED));
+    assert!((r.train_round_accept_len.unwrap() - per_round).abs() < 1e-9);
+    assert!((r.train_accept_len.unwrap() - per_position).abs() < 1e-9);
+    assert!(per_position > 2.0, "the run must have learned something: {per_position}");
+    assert!(real > 1.1, "real decoding accepted nothing: {real}");
+    assert!(
+        (real / per_round - 1.0).abs() <= 0.2,
+        "real decoding's {real:.3} tokens per round is not within 20% of training's prediction {per_round:.3}"
+    );
     assert_eq!(r.lossless_prompts, r.per_prompt.len());
     assert_eq!(r.train_step, Some(100));
     let written: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
     assert_eq!(written["overall"]["rounds"].as_u64(), Some(r.overall.rounds as u64));
-    assert!(written["train_accept_len"].as_f64().is_some());
+    assert!(written["train_round_accept_len"].as_f64().is_some());
+}
+
+/// The off-by-one switch (`FaultPlan::context_off_by_one`) is a trainer's label shift: slot `r`
+/// of the block at anchor `a` learns the token at `a + r + 1`, none past the sequence's end,
+/// every other slot's weight kept, and the step's weight sum follows.
+#[test]
+fn off_by_one_switch_shifts_every_label_one_ahead() {
+    let bs = 4;
+    let samples: Vec<Sample> = [(12usize, 3usize), (9, 2)]
+        .iter()
+        .map(|&(n, p)| Sample {
+            input_ids: (0..n as u32).map(|i| 100 + i * 7 + n as u32).collect(),
+            loss_mask: (0..n).map(|i| u8::from(i >= p)).collect(),
+        })
+        .collect();
+    let spec = BatchSpec {
+        anchors_per_seq: 5,
+        block_size: bs,
+        mask_token_id: 255,
+        gamma: 7.0,
+        pad_to_tokens: Some(32),
+        seed: 3,
+    };
+    let right = build_batch(&samples, &spec, 2, 0).unwrap();
+    let mut b = right.clone();
+    dflash_engine::session::setup::shift_labels_one_ahead(&mut b, bs);
+    assert_eq!(
+        (b.ids.clone(), b.block_ids.clone(), b.anchors.clone()),
+        (right.ids.clone(), right.block_ids.clone(), right.anchors.clone())
+    );
+    let mut checked = 0;
+    for j in 0..b.num_blocks {
+        let Ok(a) = usize::try_from(b.anchors[j]) else { continue };
+        let smp = &samples[j / (b.num_blocks / samples.len())];
+        for r in 1..bs {
+            let i = j * bs + r;
+            if a + r + 1 < smp.input_ids.len() {
+                assert_eq!(b.labels[i], smp.input_ids[a + r + 1] as i32, "block {j} slot {r}");
+                assert_eq!(b.weights[i], right.weights[i]);
+                checked += 1;
+            } else {
+                assert_eq!((b.labels[i], b.weights[i]), (-1, 0.0), "block {j} slot {r}: past the end");
+            }
+        }
+        assert_eq!((b.labels[j * bs], b.weights[j * bs]), (-1, 0.0));
+    }
+    assert!(checked > 20);
+    assert!((b.weight_sum - b.weights.iter().map(|&w| f64::from(w)).sum::<f64>()).abs() < 1e-9);
+    assert!(b.weight_sum < right.weight_sum);
 }
 
 /// A random drafter accepts ~nothing, and eval still ends cleanly: every round keeps the

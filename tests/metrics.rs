@@ -374,6 +374,7 @@ fn synthetic_run(dir: &Path, steps: u32, scale: f64) {
             loss: if skipped { f64::NAN } else { scale * (5.0 / (1.0 + 0.05 * x) + 0.3 * (x * 1.7).sin()) },
             accuracy: 0.6 * (1.0 - (-x / 30.0).exp()),
             accept_len: 1.0 + 4.0 * (1.0 - (-x / 40.0).exp()),
+            round_accept_len: 1.0 + 2.0 * (1.0 - (-x / 40.0).exp()),
             grad_norm: 1.0,
             lr: 1e-3,
             skipped,

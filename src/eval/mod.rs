@@ -111,8 +111,15 @@ pub struct EvalReport {
     pub prompts: String,
     pub block_size: usize,
     pub max_new_tokens: usize,
-    /// The training run's last simulated acceptance length (None: not a trained run's drafter).
+    /// The training run's last simulated acceptance length, per position (DFLASH.md section 4),
+    /// the mean over its last logged steps up to the checkpoint (None: not a trained run's
+    /// drafter).
     pub train_accept_len: Option<f64>,
+    /// The same steps' prediction of real decoding's tokens per round
+    /// (`MetricSums::round_accept_len`): the number `accept_len` of `overall` should be near.
+    pub train_round_accept_len: Option<f64>,
+    /// How many steps the two means cover (1: only the checkpoint's own step was known).
+    pub train_steps_averaged: Option<usize>,
     pub train_step: Option<u32>,
     pub per_prompt: Vec<PromptReport>,
     pub overall: PromptReport,
@@ -370,6 +377,11 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     overall.first_divergence = None;
     let lossless_prompts = per_prompt.iter().filter(|r| r.lossless).count();
     let bound = decode_bound(be, &target, overall.target_ms_per_token)?;
+    let run_dir = match &src {
+        DrafterSource::Checkpoint { run_dir, .. } => run_dir.as_deref(),
+        DrafterSource::Random => None,
+    };
+    let train = training_acceptance(run_dir, &state);
     let report = EvalReport {
         backend,
         target: tsrc.describe(),
@@ -377,7 +389,9 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
         prompts: prompts_what,
         block_size: dcfg.block_size,
         max_new_tokens: max_new,
-        train_accept_len: state.as_ref().and_then(|st| st.extra.get("accept_len")).and_then(|v| v.as_f64()),
+        train_accept_len: train.map(|t| t.accept_len),
+        train_round_accept_len: train.and_then(|t| t.round_accept_len),
+        train_steps_averaged: train.map(|t| t.steps),
         train_step: state.as_ref().map(|st| st.step),
         per_prompt,
         overall,
@@ -399,6 +413,44 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
         println!("{text}");
     }
     Ok(report)
+}
+
+/// Steps of a run averaged for its acceptance: one step's blocks are few (a batch of sequences
+/// whose acceptance differs a lot from one to the next), so a single step's value is noise.
+pub const TRAIN_STEPS_AVERAGED: usize = 20;
+
+/// A run's simulated acceptance at a checkpoint.
+#[derive(Clone, Copy, Debug)]
+struct TrainAcceptance {
+    accept_len: f64,
+    round_accept_len: Option<f64>,
+    steps: usize,
+}
+
+/// The means over the last [`TRAIN_STEPS_AVERAGED`] steps up to the checkpoint, read from the
+/// run's `metrics.jsonl`; without it, the checkpoint's own step (saved with it).
+fn training_acceptance(run_dir: Option<&Path>, state: &Option<checkpoint::TrainerState>) -> Option<TrainAcceptance> {
+    let st = state.as_ref()?;
+    let logged = run_dir
+        .map(|d| d.join(crate::train::metrics::METRICS_FILE))
+        .filter(|p| p.is_file())
+        .and_then(|p| crate::train::metrics::read_records(&p).ok())
+        .map(|recs| recs.into_iter().filter(|r| r.step <= st.step && !r.skipped).collect::<Vec<_>>())
+        .filter(|recs| recs.last().is_some_and(|r| r.step == st.step));
+    if let Some(recs) = logged {
+        let tail = &recs[recs.len().saturating_sub(TRAIN_STEPS_AVERAGED)..];
+        let mean = |f: &dyn Fn(&crate::train::metrics::MetricsRecord) -> f64| {
+            tail.iter().map(f).sum::<f64>() / tail.len() as f64
+        };
+        let rounds = tail.iter().all(|r| r.round_accept_len > 0.0);
+        return Some(TrainAcceptance {
+            accept_len: mean(&|r| r.accept_len),
+            round_accept_len: rounds.then(|| mean(&|r| r.round_accept_len)),
+            steps: tail.len(),
+        });
+    }
+    let num = |k: &str| st.extra.get(k).and_then(serde_json::Value::as_f64);
+    Some(TrainAcceptance { accept_len: num("accept_len")?, round_accept_len: num("round_accept_len"), steps: 1 })
 }
 
 /// The report of one prompt (or, given several, of all of them together).
@@ -515,11 +567,19 @@ pub fn print_summary(r: &EvalReport) {
     eprintln!("backend           {}", r.backend);
     eprintln!("prompts           {}", r.prompts);
     eprintln!("new tokens        {} in {} rounds (block {})", o.new_tokens, o.rounds, r.block_size);
-    let train = match (r.train_accept_len, r.train_step) {
-        (Some(a), Some(step)) => format!(" (training's simulated: {a:.2} at step {step})"),
+    let steps = |n: usize| if n == 1 { "step".to_string() } else { format!("last {n} steps") };
+    let train = match (r.train_accept_len, r.train_step, r.train_steps_averaged) {
+        (Some(a), Some(step), Some(n)) => format!(" (training's: {a:.2}, {} to step {step})", steps(n)),
         _ => String::new(),
     };
     eprintln!("accept length     {:.2} tokens per round (real decoding)", o.accept_len);
+    if let (Some(a), Some(step), Some(n)) = (r.train_round_accept_len, r.train_step, r.train_steps_averaged) {
+        eprintln!(
+            "predicted         {a:.2} tokens per round by training ({}, to step {step}): real x{:.2} of it",
+            steps(n),
+            o.accept_len / a
+        );
+    }
     eprintln!(
         "simulated         {:.2} per position on these outputs, as training measures it{train}",
         o.simulated_accept_len

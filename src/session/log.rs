@@ -155,7 +155,10 @@ pub fn print_summary(r: &RunSummary) {
         eprintln!("steps          {} (from {} to {}), {} skipped", st.steps, r.first_step, last.step + 1, st.skipped);
         eprintln!("loss           {:.4} -> {:.4}", first.loss, last.loss);
         eprintln!("accuracy       {:.3} -> {:.3}", first.accuracy, last.accuracy);
-        eprintln!("accept length  {:.3} -> {:.3}", first.accept_len, last.accept_len);
+        eprintln!(
+            "accept length  {:.3} -> {:.3} per position; {:.3} -> {:.3} per round (what decoding gets)",
+            first.accept_len, last.accept_len, first.round_accept_len, last.round_accept_len
+        );
     }
     // Training time excludes checkpoint writes; the median step is the steady state (the first
     // steps also pay for plan selection and the allocator's first segments).

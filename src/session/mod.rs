@@ -288,7 +288,11 @@ fn run_on<B: Backend>(
                 step: done,
                 seed: t.seed,
                 run_fingerprint: fingerprint.to_json(),
-                extra: serde_json::json!({ "loss": m.loss, "accept_len": m.accept_len }),
+                extra: serde_json::json!({
+                    "loss": m.loss,
+                    "accept_len": m.accept_len,
+                    "round_accept_len": m.round_accept_len
+                }),
             };
             last_ckpt =
                 Some(checkpoint::save_with(&out.out, &state, &config_json, &tensors, out.keep_last, &e.faults)?);

@@ -297,7 +297,8 @@ pub struct StepBatches {
     pub batch_size: usize,
     pub grad_accum: usize,
     pub seed: u64,
-    /// Test-only (`FaultPlan::context_off_by_one`): the drafter's context one position ahead.
+    /// Test-only (`FaultPlan::context_off_by_one`): every block's labels one token ahead of its
+    /// context and anchor ([`shift_labels_one_ahead`]).
     pub context_off_by_one: bool,
 }
 
@@ -309,20 +310,41 @@ impl BatchSource for StepBatches {
         for (m, chunk) in samples.chunks(per_micro).enumerate() {
             let mut b = build_batch(chunk, &self.spec, step, u32::try_from(m * per_micro)?)?;
             if self.context_off_by_one {
-                // The target reads each sequence one token ahead, so context row t holds the
-                // state after token t + 1: every row is paired with the wrong position and the
-                // anchor's own state is visible to its block.
-                for w in b.seq_starts.windows(2) {
-                    let (s, e) = (w[0] as usize, w[1] as usize);
-                    if e > s + 1 {
-                        b.ids.copy_within(s + 1..e, s);
-                    }
-                }
+                shift_labels_one_ahead(&mut b, self.spec.block_size);
             }
             out.push(b);
         }
         Ok(out)
     }
+}
+
+/// The trainer off-by-one of `FaultPlan::context_off_by_one` (DFLASH.md pitfall 1): slot `r` of
+/// the block at anchor `a` learns the token at `a + r + 1` instead of `a + r`, as a trainer that
+/// applies a causal LM's next-token shift to DFlash's labels does. Seen from what the drafter
+/// learns to predict, its context rows and its anchor are each one position behind: the context
+/// is off by one. Training's metrics compare against these labels, so its accuracy and
+/// simulated acceptance look as good as a correct run's; served, slot `r` proposes the token
+/// one past the one the target verifies there, and almost nothing is accepted. A label past the
+/// sequence's end becomes none (weight 0); the others keep their slot's weight.
+pub fn shift_labels_one_ahead(b: &mut HostBatch, bs: usize) {
+    let end_of = |start: i32| b.seq_starts.iter().copied().find(|&e| e > start).unwrap_or(start) as usize;
+    let mut weight_sum = 0.0;
+    for j in 0..b.num_blocks {
+        let Ok(a) = usize::try_from(b.anchors[j]) else { continue };
+        let start = b.ctx_start[j];
+        let (first, end) = (start as usize, end_of(start).min(b.n_valid));
+        for r in 1..bs {
+            let (i, row) = (j * bs + r, first + a + r + 1);
+            if row < end && b.labels[i] >= 0 {
+                b.labels[i] = b.ids[row];
+            } else {
+                b.labels[i] = -1;
+                b.weights[i] = 0.0;
+            }
+            weight_sum += f64::from(b.weights[i]);
+        }
+    }
+    b.weight_sum = weight_sum;
 }
 
 /// The drafter ranks, every one from the same weights (the same seed). The frozen tables go to

@@ -49,7 +49,7 @@ pub enum MetricsError {
 
 type Result<T, E = MetricsError> = std::result::Result<T, E>;
 
-/// One optimizer step. The first seven fields are a pure function of the run's flags and seed
+/// One optimizer step. The first eight fields are a pure function of the run's flags and seed
 /// (a resumed run reproduces them bit for bit); the rest are timings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MetricsRecord {
@@ -60,8 +60,12 @@ pub struct MetricsRecord {
     #[serde(with = "nullable")]
     pub loss: f64,
     pub accuracy: f64,
-    /// Simulated acceptance length (DFLASH.md section 4).
+    /// Simulated acceptance length (DFLASH.md section 4), per position.
     pub accept_len: f64,
+    /// The tokens per round real decoding gets, predicted from the same blocks
+    /// (`MetricSums::round_accept_len`; 0 in records of older runs).
+    #[serde(default)]
+    pub round_accept_len: f64,
     #[serde(with = "nullable")]
     pub grad_norm: f64,
     pub lr: f32,
@@ -156,6 +160,7 @@ impl Window {
             loss: m.loss,
             accuracy: m.accuracy,
             accept_len: m.accept_len,
+            round_accept_len: m.round_accept_len,
             grad_norm: m.grad_norm,
             lr: m.lr,
             skipped: m.skipped,
@@ -401,6 +406,7 @@ mod tests {
             loss: 1.0 / f64::from(step),
             accuracy: 0.5,
             accept_len: 1.25,
+            round_accept_len: 1.1,
             grad_norm: 0.3,
             lr: 1e-3,
             skipped: false,
