@@ -16,7 +16,8 @@
 //           probabilities), scores pre-scaled by scale*log2(e) and exponentiated with exp2f, every
 //           accumulator f32; o is rounded to bf16 once (RNE). Splits are combined in split order:
 //           bit-identical run to run.
-// Symbols:  <kernel>_hd<D> for D in {16, 32, 64, 128, 256} (every head dim a preset uses).
+// Symbols:  <kernel>_hd<D> for D in {16, 32, 64, 128, 256} (every head dim a preset uses);
+//           attn_decode_split4_* is the split kernel for G <= 4 (fewer registers).
 // Launch:   attn_decode_split_bf16_hd<D>: grid splits*kv_heads*rows (block b: split b % splits, kv
 //           head (b / splits) % kv_heads, row b / (splits*kv_heads); traps on another size), block
 //           DEC_WARPS*32;
@@ -32,7 +33,7 @@
 
 namespace dec {
 
-template <int D>
+template <int D, int GM>
 __device__ __forceinline__ void split(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
                                       const __nv_bfloat16* __restrict__ vc, float* __restrict__ part_o,
                                       float* __restrict__ part_ml, int rows, int heads, int kv_heads,
@@ -40,7 +41,6 @@ __device__ __forceinline__ void split(const __nv_bfloat16* __restrict__ q, const
                                       float scale) {
   constexpr int V = bf16_lane_dims(D);
   constexpr int W = DEC_WARPS;
-  constexpr int GM = DEC_MAX_GROUP;
   if (blockDim.x != W * 32) __trap();
   const int g = heads / kv_heads;
   if (g > GM || g * kv_heads != heads) __trap();
@@ -173,13 +173,22 @@ __device__ __forceinline__ void combine(const float* __restrict__ part_o, const 
 
 }  // namespace dec
 
+// Two register budgets of the split kernel: up to DEC_MAX_GROUP query heads per kv head, and up
+// to 4 (Qwen3: fewer registers, more resident CTAs); the launcher takes the smaller that fits.
 #define DEC_EXPORT(D)                                                                                          \
   extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_split_bf16_hd##D(                   \
       const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, float* part_o, float* part_ml, \
       int rows, int heads, int kv_heads, long long row_stride, int len0, int len_inc, int split_keys,           \
       int splits, float scale) {                                                                                \
-    dec::split<D>(q, kc, vc, part_o, part_ml, rows, heads, kv_heads, row_stride, len0, len_inc, split_keys,    \
-                  splits, scale);                                                                               \
+    dec::split<D, DEC_MAX_GROUP>(q, kc, vc, part_o, part_ml, rows, heads, kv_heads, row_stride, len0, len_inc, \
+                                 split_keys, splits, scale);                                                    \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_split4_bf16_hd##D(                  \
+      const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, float* part_o, float* part_ml, \
+      int rows, int heads, int kv_heads, long long row_stride, int len0, int len_inc, int split_keys,           \
+      int splits, float scale) {                                                                                \
+    dec::split<D, 4>(q, kc, vc, part_o, part_ml, rows, heads, kv_heads, row_stride, len0, len_inc, split_keys, \
+                     splits, scale);                                                                            \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(D) attn_decode_combine_hd##D(                                   \
       const float* part_o, const float* part_ml, __nv_bfloat16* o, float* lse, int splits) {                   \

@@ -605,3 +605,71 @@ extern "C" __global__ void __launch_bounds__(RMS_BLOCK, 1)
     __syncthreads(); // slice_sum is rewritten by the next column group
   }
 }
+
+// ---- add_rmsnorm_fwd_bf16: the residual add and the next RMSNorm in one pass ------------------
+// Math:     x[r, c] = bf16(f32(x[r, c]) + f32(t[r, c]))        (add_inplace_bf16, in place)
+//           then rmsnorm_fwd_bf16 of the new x: ms = sum_c x^2 / dim, r = 1 / sqrtf(ms + eps),
+//           rstd[row] = r, y = bf16((x * r) * w). Bit-identical to the two kernels but for the
+//           order of the row's sum of squares.
+// Layouts:  x, t, y: [rows, dim] bf16; w: [dim] bf16; rstd: [rows] f32. x and y do not overlap.
+// Launch:   grid.x = rows (one block a row), blockDim.x = RMS_BLOCK (traps otherwise). The
+//           16-byte path needs dim % 8 == 0 and 16-byte aligned x, t, y, w (else 2-byte accesses).
+// Why:      decoding runs these two back to back at 1-64 rows, where each launch costs more than
+//           its memory traffic.
+extern "C" __global__ void __launch_bounds__(RMS_BLOCK)
+    add_rmsnorm_fwd_bf16(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
+                         const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                         float* __restrict__ rstd, long long rows, int dim, float eps) {
+  if (blockDim.x != RMS_BLOCK) __trap();
+  const index_t row = blockIdx.x;
+  if (row >= rows) return;
+  __nv_bfloat16* xr = x + row * dim;
+  const __nv_bfloat16* tr = t + row * dim;
+  __nv_bfloat16* yr = y + row * dim;
+  const bool vec = dim % 8 == 0 && is_vec_aligned(x) && is_vec_aligned(t) && is_vec_aligned(y) && is_vec_aligned(w);
+  float ss = 0.0f;
+  if (vec) {
+    for (int c = threadIdx.x * 8; c < dim; c += RMS_BLOCK * 8) {
+      float a[8], b[8];
+      bf16_chunk_load<8>(xr + c, a);
+      bf16_chunk_load<8>(tr + c, b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        a[j] = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(a[j], b[j])));
+        ss = fmaf(a[j], a[j], ss);
+      }
+      bf16_chunk_store_rne<8>(xr + c, a);
+    }
+  } else {
+    for (int c = threadIdx.x; c < dim; c += RMS_BLOCK) {
+      const float a = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(bf16_to_f32(xr[c]), bf16_to_f32(tr[c]))));
+      ss = fmaf(a, a, ss);
+      xr[c] = f32_to_bf16_rne(a);
+    }
+  }
+  __shared__ float warp_ss[RMS_BLOCK / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  if ((threadIdx.x & 31u) == 0u) warp_ss[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < RMS_BLOCK / 32; ++i) tot += warp_ss[i];
+  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)dim), eps)));
+  if (threadIdx.x == 0) rstd[row] = r;
+  // Each thread reads back the x elements it wrote itself: no other thread's writes are needed.
+  if (vec) {
+    for (int c = threadIdx.x * 8; c < dim; c += RMS_BLOCK * 8) {
+      float a[8], wf[8];
+      bf16_chunk_load<8>(xr + c, a);
+      bf16_chunk_load<8>(w + c, wf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = __fmul_rn(__fmul_rn(a[j], r), wf[j]);
+      bf16_chunk_store_rne<8>(yr + c, a);
+    }
+  } else {
+    for (int c = threadIdx.x; c < dim; c += RMS_BLOCK) {
+      yr[c] = f32_to_bf16_rne(__fmul_rn(__fmul_rn(bf16_to_f32(xr[c]), r), bf16_to_f32(w[c])));
+    }
+  }
+}

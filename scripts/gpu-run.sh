@@ -18,11 +18,11 @@ has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 # Modes only run when named (not part of all: each takes minutes of a whole H200).
 named() { [[ " $what " == *" $1 "* ]]; }
 status=0
-# flash-linear-attention from the wheels the bundle carries (scripts/fetch-wheels.sh), if any.
-if ls $B/whl/*.whl > /dev/null 2>&1 && [ -z "${FLA_SITE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $B/whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLA_SITE=1
-fi
+# flash-linear-attention from the wheels the bundle carries (scripts/fetch-wheels.sh), if any: on
+# the path of hybridbench's reference only (the transformers oracles run transformers' own code).
+fla_path=""
+if ls $B/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site $B/whl/*.whl; then fla_path=/tmp/site; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
 if has tests; then
@@ -53,7 +53,7 @@ if has hybridbench; then
   echo "== Qwen3.6-27B-shaped kernels: the chunked Gated DeltaNet and head_dim-256 causal attention,"
   echo "   the engine's kernels, then flash-linear-attention's chunk_gated_delta_rule and torch SDPA"
   DFLASH_BENCH_KERNELS="gdn;attention" $B/bench-kernels 2>&1 | tee "$OUT/hybridbench.log" || status=1
-  python3 $B/bench_fla_gdn.py 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
 fi
 W=/tmp/q8b
 # T8B=qwen3-8b-shape generates the random target in memory at start-up instead of writing 16 GB.

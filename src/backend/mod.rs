@@ -405,6 +405,25 @@ pub trait Backend: Send + Sync + 'static {
     fn add_inplace(&self, s: &Self::Stream, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
 
     // ---- normalisation ----
+    /// `x += t` (`add_inplace`), then `rmsnorm_fwd` of the new `x` into `y`: the residual add and
+    /// the next norm of a decoder layer in one pass where the backend fuses them.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm_fwd(
+        &self,
+        s: &Self::Stream,
+        x: &mut Self::Buf,
+        t: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        y: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.add_inplace(s, x, t)?;
+        self.rmsnorm_fwd(s, x, w, w_off, y, rstd, rows, dim, eps)
+    }
     /// `y = x * rstd * w`, `rstd = 1 / sqrt(mean(x^2) + eps)` per row of `dim`; saves `rstd` (f32).
     /// With `rows = tokens * heads`, `dim = head_dim` this is the per-head QK-norm.
     #[allow(clippy::too_many_arguments)]

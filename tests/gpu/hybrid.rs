@@ -459,7 +459,7 @@ fn uniform(role: dflash_engine::weights::TensorRole) -> dflash_engine::weights::
 fn tiny_taps<B: Backend>(be: &B, tokens: &[i32], lens: &[usize]) -> Vec<Vec<f32>> {
     use dflash_engine::config::TargetConfig;
     use dflash_engine::model::target::{Target, TargetInputs, TargetShape};
-    use dflash_engine::weights::{init_value_bf16, target_tensor_specs, TensorRole};
+    use dflash_engine::weights::{init_value_bf16, target_tensor_specs};
     let cfg = TargetConfig::preset("qwen3.5-tiny").unwrap();
     let specs = target_tensor_specs(&cfg);
     let taps: Vec<usize> = (0..cfg.num_hidden_layers).collect();

@@ -27,6 +27,10 @@ import os
 import sys
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+# The oracle is transformers' own torch code: with flash-linear-attention importable, its Gated
+# DeltaNet would run fla's Triton kernels instead (lower-precision internals: its "f32" forward
+# is then no f32 reference). Hide any fla on the path (the GPU bundle carries one for the bench).
+sys.path = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "fla"))]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402

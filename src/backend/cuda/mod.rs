@@ -33,7 +33,9 @@ use crate::kernels::launch::{
     PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD,
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
-use crate::kernels::launch::{DEC_MAX_GROUP, DEC_UNROLL, DEC_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS};
+use crate::kernels::launch::{
+    DEC_MAX_GROUP, DEC_UNROLL, DEC_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS,
+};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -908,6 +910,44 @@ impl Backend for CudaBackend {
         self.fc_kernel(s, x, w, w_off, y, rows, h, k)
     }
 
+    fn add_rmsnorm_fwd(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        t: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "add_rmsnorm_fwd";
+        for (n, b) in [("x", &*x), ("t", t), ("y", &*y)] {
+            check_len(OP, n, b.len, 0, rows * dim)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "w", w.len, w_off, dim)?;
+        check_len(OP, "rstd", rstd.len, 0, rows)?;
+        Self::need_bf16(OP, w)?;
+        Self::need_f32(OP, rstd)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = launch::AddRmsnormFwdBf16 {
+            x: x.at(OP, 0)?,
+            t: t.at(OP, 0)?,
+            w: w.at(OP, w_off)?,
+            y: y.at(OP, 0)?,
+            rstd: rstd.at(OP, 0)?,
+            rows,
+            dim,
+            eps,
+        };
+        self.launch(s, launch::AddRmsnormFwdBf16::KERNEL, (rows, RMS_BLOCK, 0), args)
+    }
+
     fn add_inplace(&self, s: &Stream, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
         check_len("add_inplace", "y", y.len, 0, x.len)?;
         Self::need_bf16("add_inplace", x)?;
@@ -1354,15 +1394,10 @@ impl Backend for CudaBackend {
         }
         check_len(OP, "lse", lse.len, 0, sh.rows * heads)?;
         Self::need_f32(OP, lse)?;
-        let split = variant(&launch::AttnDecodeSplitBf16Hd::VARIANTS, &hd.to_string());
-        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string());
-        let (Some(split), Some(comb)) = (split, comb) else {
-            let dims: Vec<&str> = launch::AttnDecodeSplitBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
-            return Err(BackendError::Shape {
-                op: OP,
-                what: format!("head_dim {hd} is not one of the compiled {dims:?}"),
-            });
-        };
+        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string()).ok_or_else(|| {
+            let dims: Vec<&str> = launch::AttnDecodeCombineHd::VARIANTS.iter().map(|(d, _)| *d).collect();
+            BackendError::Shape { op: OP, what: format!("head_dim {hd} is not one of the compiled {dims:?}") }
+        })?;
         // Splits of the longest row's keys so rows * kv_heads * splits is about 4 CTAs per SM
         // (16 warps, each with DEC_UNROLL key rows in flight); at least one unrolled round of
         // keys per warp of a split.
@@ -1373,23 +1408,47 @@ impl Backend for CudaBackend {
         let parts = sh.rows * heads * splits;
         let part_o = self.alloc_uninit(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
         let part_ml = self.alloc_uninit(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
-        let args = launch::AttnDecodeSplitBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            part_o: part_o.at(OP, 0)?,
-            part_ml: part_ml.at(OP, 0)?,
-            rows: sh.rows,
-            heads,
-            kv_heads: sh.kv_heads,
-            row_stride: sh.row_stride,
-            len0: sh.len0,
-            len_inc: sh.len_inc,
-            split_keys,
-            splits,
-            scale: sh.scale(),
-        };
-        self.launch(s, split, (splits * sh.kv_heads * sh.rows, DEC_WARPS * 32, 0), args)?;
+        // The two split kernels (up to 4 query heads per kv head, or DEC_MAX_GROUP) take the
+        // same arguments through two argument types.
+        macro_rules! split_args {
+            ($t:ident) => {
+                launch::$t {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    part_o: part_o.at(OP, 0)?,
+                    part_ml: part_ml.at(OP, 0)?,
+                    rows: sh.rows,
+                    heads,
+                    kv_heads: sh.kv_heads,
+                    row_stride: sh.row_stride,
+                    len0: sh.len0,
+                    len_inc: sh.len_inc,
+                    split_keys,
+                    splits,
+                    scale: sh.scale(),
+                }
+            };
+        }
+        let cfg = (splits * sh.kv_heads * sh.rows, DEC_WARPS * 32, 0);
+        let hd_s = hd.to_string();
+        if heads / sh.kv_heads <= 4 {
+            let k = variant(&launch::AttnDecodeSplit4Bf16Hd::VARIANTS, &hd_s);
+            self.launch(
+                s,
+                k.expect("split4 is compiled at every combine head dim"),
+                cfg,
+                split_args!(AttnDecodeSplit4Bf16Hd),
+            )?;
+        } else {
+            let k = variant(&launch::AttnDecodeSplitBf16Hd::VARIANTS, &hd_s);
+            self.launch(
+                s,
+                k.expect("split is compiled at every combine head dim"),
+                cfg,
+                split_args!(AttnDecodeSplitBf16Hd),
+            )?;
+        }
         let args = launch::AttnDecodeCombineHd {
             part_o: part_o.at(OP, 0)?,
             part_ml: part_ml.at(OP, 0)?,

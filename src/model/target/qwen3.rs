@@ -82,7 +82,7 @@ impl<B: Backend> Family<B> for Qwen3 {
         let mut x = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
         for l in 0..=t.last_layer() {
-            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts))?;
+            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts), Residual::Applied)?;
             t.copy_taps(be, s, l, &x, rows, taps_out)?;
         }
         Ok(())
@@ -117,9 +117,12 @@ impl<B: Backend> Family<B> for Qwen3 {
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Cached { k, v, max_len, step };
-            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, how)?;
+            // No taps here: each layer leaves its last residual add to the next norm.
+            let residual = Residual::Deferred { pending: l > 0 };
+            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, how, residual)?;
         }
-        be.rmsnorm_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
+        let fin = t.table.off(names::FINAL_NORM);
+        be.add_rmsnorm_fwd(s, &mut x, &sc.tmp, w, fin, &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
     }
 
@@ -139,7 +142,8 @@ impl<B: Backend> Family<B> for Qwen3 {
         be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
-            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, Attend::Extend { k, v, start: x.start })?;
+            let how = Attend::Extend { k, v, start: x.start };
+            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, how, Residual::Applied)?;
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
             }
@@ -149,7 +153,8 @@ impl<B: Backend> Family<B> for Qwen3 {
     }
 }
 
-/// One decoder layer on `x [rows, hidden]` in place. q, k and v come from one GEMM (their weights
+/// One decoder layer on `x [rows, hidden]` in place (its last residual add possibly deferred,
+/// [`Residual`]). q, k and v come from one GEMM (their weights
 /// are adjacent, [`push_layer`] with `fuse_qkv`); the per-head norms and RoPE run as one op that
 /// writes the keys straight to where the attention reads them (the scratch, or the KV cache when
 /// decoding), and the values are copied there from the same GEMM's output.
@@ -163,13 +168,21 @@ fn layer<B: Backend>(
     sc: &mut Scratch<B>,
     pos: &B::Ids,
     mut how: Attend<'_, B>,
+    residual: Residual,
 ) -> Result<()> {
     let sh = &t.shape;
     let (rows, h, qw, kw) = (sc.rows, sh.hidden, sh.q_width(), sh.kv_width());
     let qkv_w = qw + 2 * kw;
     let w = &t.weights;
     let off = |part: &str| t.table.off(&names::layer(l, part));
-    be.rmsnorm_fwd(s, x, w, off("input_layernorm.weight"), &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
+    let input_norm = off("input_layernorm.weight");
+    match residual {
+        // The previous layer's MLP output is still in `sc.tmp`: add it as part of this norm.
+        Residual::Deferred { pending: true } => {
+            be.add_rmsnorm_fwd(s, x, &sc.tmp, w, input_norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?
+        }
+        _ => be.rmsnorm_fwd(s, x, w, input_norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?,
+    }
     be.gemm(s, &Gemm::linear(rows, qkv_w, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.qkv, 0)?;
     let packed = |o: usize| Rows { off: o, stride: qkv_w };
     let mut norm_rope = QkNormRope {
@@ -200,12 +213,37 @@ fn layer<B: Backend>(
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     // Projection then residual add, each rounded to bf16, as a bf16 Hugging Face forward does.
     be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)?;
-    be.add_inplace(s, x, &sc.tmp)?;
-    be.rmsnorm_fwd(s, x, w, off("post_attention_layernorm.weight"), &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
+    be.add_rmsnorm_fwd(
+        s,
+        x,
+        &sc.tmp,
+        w,
+        off("post_attention_layernorm.weight"),
+        &mut sc.xn,
+        &mut sc.rstd,
+        rows,
+        h,
+        sh.eps,
+    )?;
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
     be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
-    be.add_inplace(s, x, &sc.tmp)
+    match residual {
+        Residual::Applied => be.add_inplace(s, x, &sc.tmp),
+        // Left in `sc.tmp` for the next layer's (or the final) norm to add.
+        Residual::Deferred { .. } => Ok(()),
+    }
+}
+
+/// Whether a layer ends with its MLP's residual add (`x` complete after it, e.g. for taps), or
+/// leaves that add in the scratch for the next norm to fuse (decoding, where every launch counts).
+#[derive(Clone, Copy)]
+enum Residual {
+    Applied,
+    /// `pending`: the previous layer left its add to this one.
+    Deferred {
+        pending: bool,
+    },
 }
 
 /// Per-layer temporaries, allocated once per forward and reused by every layer.
