@@ -9,13 +9,13 @@
 //!   the target's own next token, the target cache is rewound past the rejected rows, and the
 //!   accepted tokens' taps (the anchor's and the accepted drafts') join the drafter's context.
 //!
-//! Greedy choices are the argmax of bf16 logits computed on the device (the cross-entropy
-//! kernel's argmax), the same function for every path, so only the forward differs between them.
+//! Greedy choices are the argmax of bf16 logits computed on the device (`Backend::argmax_rows`),
+//! the same function for every path, so only the forward differs between them.
 
 use std::time::Instant;
 
 use crate::backend::{Backend, BackendError, Result};
-use crate::model::drafting::{greedy_bf16, DraftCache, DraftWeights};
+use crate::model::drafting::{DraftCache, DraftWeights};
 use crate::model::target::Target;
 use crate::tensor::DType;
 
@@ -84,9 +84,9 @@ fn upload_ids<B: Backend>(be: &B, s: &B::Stream, v: &[u32]) -> Result<B::Ids> {
 }
 
 /// The greedy token of each of `rows` rows of bf16 logits (downloaded: the host waits).
-fn greedy<B: Backend>(be: &B, s: &B::Stream, logits: &mut B::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+fn greedy<B: Backend>(be: &B, s: &B::Stream, logits: &B::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
     let mut out = be.alloc_ids(s, rows)?;
-    greedy_bf16(be, s, logits, rows, vocab, &mut out)?;
+    be.argmax_rows(s, logits, vocab, rows, vocab, &mut out)?;
     Ok(be.download_ids(s, &out)?.into_iter().map(|t| t.max(0) as u32).collect())
 }
 

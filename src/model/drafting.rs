@@ -257,26 +257,13 @@ impl<B: Backend> DraftWeights<'_, B> {
             be.gemm(s, &Gemm::linear(bs, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
             be.add_inplace(s, &mut x, &tmp)?;
         }
-        // Final norm, lm_head over slots 1..bs, argmax (the cross-entropy kernel's, with zero
-        // weights: no loss, the same tie rule as training's accuracy).
+        // Final norm, lm_head over slots 1..bs, argmax on the device (the first maximum on ties,
+        // the tie rule of training's accuracy).
         let n = bs - 1;
         let mut hn = bf(bs * h)?;
         be.rmsnorm_fwd(s, &x, w, t.off("norm.weight"), &mut hn, &mut rstd, bs, h, sh.eps)?;
         let mut logits = bf(n * sh.vocab)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &hn, h, self.lm_head, 0, &mut logits, 0)?;
-        greedy_bf16(be, s, &mut logits, n, sh.vocab, drafts)
+        be.argmax_rows(s, &logits, sh.vocab, n, sh.vocab, drafts)
     }
-}
-
-/// The argmax of each of `rows` rows of logits into `out` (the first maximum on ties), on the
-/// device: greedy decoding's pick without downloading the logits.
-pub fn greedy_bf16<B: Backend>(
-    be: &B,
-    s: &B::Stream,
-    logits: &B::Buf,
-    rows: usize,
-    vocab: usize,
-    out: &mut B::Ids,
-) -> Result<()> {
-    be.argmax_rows(s, logits, vocab, rows, vocab, out)
 }

@@ -1394,10 +1394,11 @@ impl Backend for CudaBackend {
         }
         check_len(OP, "lse", lse.len, 0, sh.rows * heads)?;
         Self::need_f32(OP, lse)?;
-        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string()).ok_or_else(|| {
+        let no_kernel = || {
             let dims: Vec<&str> = launch::AttnDecodeCombineHd::VARIANTS.iter().map(|(d, _)| *d).collect();
             BackendError::Shape { op: OP, what: format!("head_dim {hd} is not one of the compiled {dims:?}") }
-        })?;
+        };
+        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string()).ok_or_else(no_kernel)?;
         // Splits of the longest row's keys so rows * kv_heads * splits is about 4 CTAs per SM
         // (16 warps, each with DEC_UNROLL key rows in flight); at least one unrolled round of
         // keys per warp of a split.
@@ -1434,20 +1435,10 @@ impl Backend for CudaBackend {
         let hd_s = hd.to_string();
         if heads / sh.kv_heads <= 4 {
             let k = variant(&launch::AttnDecodeSplit4Bf16Hd::VARIANTS, &hd_s);
-            self.launch(
-                s,
-                k.expect("split4 is compiled at every combine head dim"),
-                cfg,
-                split_args!(AttnDecodeSplit4Bf16Hd),
-            )?;
+            self.launch(s, k.ok_or_else(no_kernel)?, cfg, split_args!(AttnDecodeSplit4Bf16Hd))?;
         } else {
             let k = variant(&launch::AttnDecodeSplitBf16Hd::VARIANTS, &hd_s);
-            self.launch(
-                s,
-                k.expect("split is compiled at every combine head dim"),
-                cfg,
-                split_args!(AttnDecodeSplitBf16Hd),
-            )?;
+            self.launch(s, k.ok_or_else(no_kernel)?, cfg, split_args!(AttnDecodeSplitBf16Hd))?;
         }
         let args = launch::AttnDecodeCombineHd {
             part_o: part_o.at(OP, 0)?,

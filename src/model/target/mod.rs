@@ -371,18 +371,18 @@ fn to_i32(op: &'static str, x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| BackendError::Shape { op, what: format!("{x} does not fit an i32 index") })
 }
 
-/// The id buffer of an extend: positions `start + i`.
-struct ExtendIds<B: Backend> {
-    pos: B::Ids,
-}
-
-impl<B: Backend> ExtendIds<B> {
-    fn new(be: &B, s: &B::Stream, start: usize, rows: usize) -> Result<Self> {
-        let p: Vec<i32> = (start..start + rows).map(|p| to_i32("extend", p)).collect::<Result<_>>()?;
-        let mut pos = be.alloc_ids(s, rows)?;
-        be.upload_ids(s, &p, &mut pos)?;
-        Ok(ExtendIds { pos })
-    }
+/// Each row's position (RoPE's input) on the device: `start..` for an extend, all `t` for a
+/// decoding step.
+fn positions<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    op: &'static str,
+    pos: impl ExactSizeIterator<Item = usize>,
+) -> Result<B::Ids> {
+    let host: Vec<i32> = pos.map(|p| to_i32(op, p)).collect::<Result<_>>()?;
+    let mut d = be.alloc_ids(s, host.len())?;
+    be.upload_ids(s, &host, &mut d)?;
+    Ok(d)
 }
 
 /// How a layer's queries attend: causally within sequences, or over a KV cache (decoding).
@@ -474,20 +474,6 @@ fn attend<B: Backend>(
             be.attn_decode(s, &dec(max_len, step + 1, 0), q, kc, vc, o, lse)
         }
         Attend::Extend { k: kc, v: vc, start } => be.attn_decode(s, &dec(0, start + 1, 1), q, kc, vc, o, lse),
-    }
-}
-
-/// The position buffer of a decoding step: every row at `t`.
-struct DecodeIds<B: Backend> {
-    pos: B::Ids,
-}
-
-impl<B: Backend> DecodeIds<B> {
-    fn new(be: &B, s: &B::Stream, n: usize, t: usize) -> Result<Self> {
-        let t_i32 = to_i32("decode_step", t)?;
-        let mut pos = be.alloc_ids(s, n)?;
-        be.upload_ids(s, &vec![t_i32; n], &mut pos)?;
-        Ok(DecodeIds { pos })
     }
 }
 

@@ -2,7 +2,7 @@
 //! SwiGLU MLP, no biases.
 
 use super::{
-    attend, names, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache, Target, TargetInputs,
+    attend, names, positions, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, Target, TargetInputs,
     TargetShape,
 };
 use crate::backend::{Backend, Gemm, QkNormRope, Result, Rows};
@@ -110,7 +110,7 @@ impl<B: Backend> Family<B> for Qwen3 {
         let sh = &t.shape;
         let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
         let w = &t.weights;
-        let ids = DecodeIds::new(be, s, n, step)?;
+        let pos = positions(be, s, "decode_step", std::iter::repeat_n(step, n))?;
         let mut sc = Scratch::new(be, s, sh, n)?;
         let mut x = be.alloc(s, DType::BF16, n * h)?;
         be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
@@ -119,7 +119,7 @@ impl<B: Backend> Family<B> for Qwen3 {
             let how = Attend::Cached { k, v, max_len, step };
             // No taps here: each layer leaves its last residual add to the next norm.
             let residual = Residual::Deferred { pending: l > 0 };
-            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, how, residual)?;
+            layer(t, be, s, l, &mut x, &mut sc, &pos, how, residual)?;
         }
         let fin = t.table.off(names::FINAL_NORM);
         be.add_rmsnorm_fwd(s, &mut x, &sc.tmp, w, fin, &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
@@ -136,14 +136,14 @@ impl<B: Backend> Family<B> for Qwen3 {
         logits: &mut B::Buf,
     ) -> Result<ExtendUndo<B>> {
         let (rows, h) = (x.rows, t.shape.hidden);
-        let ids = ExtendIds::new(be, s, x.start, rows)?;
+        let pos = positions(be, s, "extend", x.start..x.start + rows)?;
         let mut sc = Scratch::new(be, s, &t.shape, rows)?;
         let mut hs = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Extend { k, v, start: x.start };
-            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, how, Residual::Applied)?;
+            layer(t, be, s, l, &mut hs, &mut sc, &pos, how, Residual::Applied)?;
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
             }

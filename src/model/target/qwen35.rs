@@ -11,8 +11,8 @@
 //! the largest error of the layer.
 
 use super::{
-    attend, names, place_kv, to_i32, Attend, DecodeIds, Extend, ExtendIds, ExtendUndo, Family, KvCache, LayerCache,
-    LinearUndo, Target, TargetInputs, TargetShape,
+    attend, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
+    Target, TargetInputs, TargetShape,
 };
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
@@ -107,7 +107,7 @@ impl<B: Backend> Family<B> for Qwen35 {
         let (n, h, max_len) = (cache.batch, sh.hidden, cache.max_len);
         let k = hy.linear_conv_kernel_dim;
         let w = &t.weights;
-        let ids = DecodeIds::new(be, s, n, step)?;
+        let pos = positions(be, s, "decode_step", std::iter::repeat_n(step, n))?;
         let to_i32 = |x: usize| {
             i32::try_from(x)
                 .map_err(|_| crate::backend::BackendError::Shape { op: "decode_step", what: format!("{x} rows") })
@@ -133,7 +133,7 @@ impl<B: Backend> Family<B> for Qwen35 {
                 win_starts: &win_starts,
                 one_starts: &one_starts,
             };
-            layer(t, be, s, l, &mut x, &mut sc, &ids.pos, run)?;
+            layer(t, be, s, l, &mut x, &mut sc, &pos, run)?;
         }
         be.rmsnorm1p_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
@@ -150,7 +150,7 @@ impl<B: Backend> Family<B> for Qwen35 {
     ) -> Result<ExtendUndo<B>> {
         let (rows, h) = (x.rows, t.shape.hidden);
         let pad = hybrid(&t.shape).linear_conv_kernel_dim - 1;
-        let ids = ExtendIds::new(be, s, x.start, rows)?;
+        let pos = positions(be, s, "extend", x.start..x.start + rows)?;
         // The rows are one sequence for the delta rule, and (after `pad` earlier inputs) one
         // sequence for the convolution.
         let mut one_seq = be.alloc_ids(s, 2)?;
@@ -164,7 +164,7 @@ impl<B: Backend> Family<B> for Qwen35 {
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let mut u = None;
             let run = Run::Extend { cache: lc, start: x.start, one_seq: &one_seq, win_seq: &win_seq, undo: &mut u };
-            layer(t, be, s, l, &mut hs, &mut sc, &ids.pos, run)?;
+            layer(t, be, s, l, &mut hs, &mut sc, &pos, run)?;
             undo.layers.push(u);
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
