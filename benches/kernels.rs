@@ -108,7 +108,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // attention, gdn, fc) whose name contains a pattern; the peaks are always measured.
+    // decode, attention, gdn, fc) whose name contains a pattern; the peaks are always measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();
@@ -321,6 +321,40 @@ fn main() {
             (np * 4) as f64,
         );
         drop((p, gr, m, v, wb));
+    }
+
+    // Decoding attention over a KV cache: bytes = the cache rows read (K and V) + q and o. Every
+    // cache is larger than L2. c<N>: the split's target in CTAs per SM (the default is c2).
+    if want("decode") {
+        use dflash_engine::backend::cuda::DecodeTuning;
+        use dflash_engine::backend::DecodeAttnShape;
+        // (rows, heads, kv_heads, head_dim, context, cache rows per sequence)
+        for (rows_, heads, kvh, hd, len, stride) in
+            [(64, 32, 8, 128, 288, 320), (1, 32, 8, 128, 32768, 32768), (64, 24, 4, 256, 288, 320)]
+        {
+            let sh = DecodeAttnShape {
+                rows: rows_,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                row_stride: stride,
+                len0: len,
+                len_inc: 0,
+            };
+            let q = normal_buf(DType::BF16, rows_ * heads * hd, 11);
+            let kc = normal_buf(DType::BF16, sh.cache_rows() * kvh * hd, 12);
+            let vc = normal_buf(DType::BF16, sh.cache_rows() * kvh * hd, 13);
+            let mut o = buf(DType::BF16, rows_ * heads * hd);
+            let mut lse = buf(DType::F32, rows_ * heads);
+            let bytes = (rows_ * len * kvh * hd * 2 * 2 + 2 * rows_ * heads * hd * 2) as f64;
+            for c in [1, 2, 4] {
+                let tuning = DecodeTuning { ctas_per_sm: c };
+                let t = time_per_call(&be, 20, MEM_CALLS, || {
+                    be.attn_decode_with(&s, &sh, &q, &kc, &vc, &mut o, &mut lse, tuning).unwrap()
+                });
+                mem(&format!("decode attention c{c} ({rows_} x {len}, {heads}/{kvh}, {hd})"), t, bytes);
+            }
+        }
     }
 
     // Compute-bound: attention (FLOPs counted for the visible keys only).

@@ -84,12 +84,11 @@ constexpr int SUMSQ_BLOCK = 256;
 constexpr int QKR_WARPS = 8;
 
 // ---- decode.cu -------------------------------------------------------------------------------
-// Warps per CTA of attn_decode_split (each takes every DEC_WARPS-th key of the CTA's split), and
-// the most query heads per kv head it holds in registers (Qwen3-8B: 4, Qwen3.6-27B: 6).
-constexpr int DEC_WARPS = 4;
-constexpr int DEC_MAX_GROUP = 8;
-// Keys a warp loads before using any (memory-level parallelism at small batches).
-constexpr int DEC_UNROLL = 4;
+// attn_decode_mma: keys per K/V tile of one warp (two n8 tiles of S), and the most warps per CTA
+// (each takes every W-th tile of the CTA's split, with its own two-stage cp.async buffers). Query
+// heads per kv head: at most ATTN_WARP_ROWS (the M of the MMA).
+constexpr int DEC_KEYS = 16;
+constexpr int DEC_MMA_MAX_WARPS = 4;
 
 // Threads per block of argmax_rows_* (one block per row).
 constexpr int ARGMAX_BLOCK = 256;

@@ -220,6 +220,7 @@ fn gpu_sliding_drafter_attention_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attn_decode_matches_cpu() {
+    use dflash_engine::backend::cuda::DecodeTuning;
     use dflash_engine::backend::DecodeAttnShape;
     let (g, c) = (gpu(), CpuBackend::new());
     // (rows, heads, kv_heads, hd, row_stride, len0, len_inc)
@@ -232,24 +233,52 @@ fn gpu_attn_decode_matches_cpu() {
         (8, 24, 4, 256, 0, 100, 1),
         (5, 4, 2, 16, 20, 9, 0), // the tiny presets
         (4, 8, 4, 32, 0, 3, 1),
-        (6, 8, 2, 64, 0, 60, 1), // qwen3.5-small
+        (6, 8, 2, 64, 0, 60, 1),   // qwen3.5-small
+        (2, 32, 2, 64, 90, 77, 0), // 16 query heads per kv head: every row of the MMA tile
     ];
+    // The default split and two others (1 to 4 warps per CTA, one split or many, partial last
+    // tiles).
+    let tunings = [DecodeTuning::default(), DecodeTuning { ctas_per_sm: 1 }, DecodeTuning { ctas_per_sm: 64 }];
     for (i, &(rows, heads, kv_heads, hd, row_stride, len0, len_inc)) in cases.iter().enumerate() {
         let sh = DecodeAttnShape { rows, heads, kv_heads, head_dim: hd, row_stride, len0, len_inc };
         let cache = sh.cache_rows() + 3;
         let q = rand(rows * heads * hd, 100 + i as u64, 1.0);
         let k = rand(cache * kv_heads * hd, 200 + i as u64, 1.0);
         let v = rand(cache * kv_heads * hd, 300 + i as u64, 1.0);
-        let run = |be: &dyn DecodeTest| be.decode(&sh, &q, &k, &v);
-        let (go, gl) = run(&g);
-        let (co, cl) = run(&c);
-        let what = format!("attn_decode {rows} rows, {heads}/{kv_heads} heads, hd {hd}, len {len0}+{len_inc}r");
-        rel_err(&format!("{what}: o"), &go, &co, super::BF16_TOL);
-        rel_err(&format!("{what}: lse"), &gl, &cl, 1e-5);
-        let (go2, gl2) = run(&g);
-        super::bits_equal(&format!("{what}: rerun o"), &go2, &go);
-        super::bits_equal(&format!("{what}: rerun lse"), &gl2, &gl);
+        let (co, cl) = c.decode(&sh, &q, &k, &v);
+        let (go, gl) = g.decode(&sh, &q, &k, &v);
+        for t in tunings {
+            let what =
+                format!("attn_decode {t:?} {rows} rows, {heads}/{kv_heads} heads, hd {hd}, len {len0}+{len_inc}r");
+            let (to, tl) = decode_tuned(&g, &sh, &q, &k, &v, t);
+            rel_err(&format!("{what}: o"), &to, &co, super::BF16_TOL);
+            rel_err(&format!("{what}: lse"), &tl, &cl, 1e-5);
+            let (to2, tl2) = decode_tuned(&g, &sh, &q, &k, &v, t);
+            super::bits_equal(&format!("{what}: rerun o"), &to2, &to);
+            super::bits_equal(&format!("{what}: rerun lse"), &tl2, &tl);
+            if t == DecodeTuning::default() {
+                super::bits_equal(&format!("{what}: the trait's o"), &go, &to);
+                super::bits_equal(&format!("{what}: the trait's lse"), &gl, &tl);
+            }
+        }
     }
+}
+
+/// `attn_decode_with` on the GPU, returning o and lse.
+fn decode_tuned(
+    g: &dflash_engine::backend::cuda::CudaBackend,
+    sh: &dflash_engine::backend::DecodeAttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    t: dflash_engine::backend::cuda::DecodeTuning,
+) -> (Vec<f32>, Vec<f32>) {
+    let s = g.compute_stream();
+    let mut o = g.alloc(&s, DType::BF16, sh.rows * sh.heads * sh.head_dim).unwrap();
+    let mut lse = g.alloc(&s, DType::F32, sh.rows * sh.heads).unwrap();
+    let (q, k, v) = (put(g, q, DType::BF16), put(g, k, DType::BF16), put(g, v, DType::BF16));
+    g.attn_decode_with(&s, sh, &q, &k, &v, &mut o, &mut lse, t).unwrap();
+    (get(g, &o), get(g, &lse))
 }
 
 trait DecodeTest {

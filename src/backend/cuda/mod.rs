@@ -33,9 +33,7 @@ use crate::kernels::launch::{
     PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD,
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
-use crate::kernels::launch::{
-    DEC_MAX_GROUP, DEC_UNROLL, DEC_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS,
-};
+use crate::kernels::launch::{DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -1369,85 +1367,7 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         lse: &mut CudaBuf,
     ) -> Result<()> {
-        const OP: &str = "attn_decode";
-        let (hd, heads) = (sh.head_dim, sh.heads);
-        if sh.rows == 0 {
-            return Ok(());
-        }
-        if sh.kv_heads == 0 || heads % sh.kv_heads != 0 || heads / sh.kv_heads > DEC_MAX_GROUP || sh.len0 == 0 {
-            return Err(BackendError::Shape {
-                op: OP,
-                what: format!(
-                    "{heads} heads over {} kv heads (at most {DEC_MAX_GROUP} per kv head), {} keys in the first row",
-                    sh.kv_heads, sh.len0
-                ),
-            });
-        }
-        let (qw, kw) = (heads * hd, sh.kv_heads * hd);
-        for (n, b) in [("q", &*q), ("o", &*o)] {
-            check_len(OP, n, b.len, 0, sh.rows * qw)?;
-            Self::need_bf16(OP, b)?;
-        }
-        for (n, b) in [("kc", kc), ("vc", vc)] {
-            check_len(OP, n, b.len, 0, sh.cache_rows() * kw)?;
-            Self::need_bf16(OP, b)?;
-        }
-        check_len(OP, "lse", lse.len, 0, sh.rows * heads)?;
-        Self::need_f32(OP, lse)?;
-        let no_kernel = || {
-            let dims: Vec<&str> = launch::AttnDecodeCombineHd::VARIANTS.iter().map(|(d, _)| *d).collect();
-            BackendError::Shape { op: OP, what: format!("head_dim {hd} is not one of the compiled {dims:?}") }
-        };
-        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string()).ok_or_else(no_kernel)?;
-        // Splits of the longest row's keys so rows * kv_heads * splits is about 4 CTAs per SM
-        // (16 warps, each with DEC_UNROLL key rows in flight); at least one unrolled round of
-        // keys per warp of a split.
-        let longest = sh.len0.max(sh.len(sh.rows - 1));
-        let want = (4 * self.sm_count).div_ceil(sh.rows * sh.kv_heads).max(1);
-        let split_keys = longest.div_ceil(want).max(DEC_UNROLL * DEC_WARPS);
-        let splits = longest.div_ceil(split_keys);
-        let parts = sh.rows * heads * splits;
-        let part_o = self.alloc_uninit(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
-        let part_ml = self.alloc_uninit(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
-        // The two split kernels (up to 4 query heads per kv head, or DEC_MAX_GROUP) take the
-        // same arguments through two argument types.
-        macro_rules! split_args {
-            ($t:ident) => {
-                launch::$t {
-                    q: q.at(OP, 0)?,
-                    kc: kc.at(OP, 0)?,
-                    vc: vc.at(OP, 0)?,
-                    part_o: part_o.at(OP, 0)?,
-                    part_ml: part_ml.at(OP, 0)?,
-                    rows: sh.rows,
-                    heads,
-                    kv_heads: sh.kv_heads,
-                    row_stride: sh.row_stride,
-                    len0: sh.len0,
-                    len_inc: sh.len_inc,
-                    split_keys,
-                    splits,
-                    scale: sh.scale(),
-                }
-            };
-        }
-        let cfg = (splits * sh.kv_heads * sh.rows, DEC_WARPS * 32, 0);
-        let hd_s = hd.to_string();
-        if heads / sh.kv_heads <= 4 {
-            let k = variant(&launch::AttnDecodeSplit4Bf16Hd::VARIANTS, &hd_s);
-            self.launch(s, k.ok_or_else(no_kernel)?, cfg, split_args!(AttnDecodeSplit4Bf16Hd))?;
-        } else {
-            let k = variant(&launch::AttnDecodeSplitBf16Hd::VARIANTS, &hd_s);
-            self.launch(s, k.ok_or_else(no_kernel)?, cfg, split_args!(AttnDecodeSplitBf16Hd))?;
-        }
-        let args = launch::AttnDecodeCombineHd {
-            part_o: part_o.at(OP, 0)?,
-            part_ml: part_ml.at(OP, 0)?,
-            o: o.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            splits,
-        };
-        self.launch(s, comb, (sh.rows * heads, hd, 0), args)
+        self.attn_decode_with(s, sh, q, kc, vc, o, lse, DecodeTuning::default())
     }
 
     fn attn_draft_bwd(
@@ -2009,6 +1929,107 @@ impl Backend for CudaBackend {
 /// Grid of a hybrid.cu row kernel: one row per warp, HYB_BLOCK / 32 warps per block.
 fn hyb_row_grid(rows: usize) -> usize {
     rows.div_ceil(HYB_BLOCK / 32).clamp(1, i32::MAX as usize)
+}
+
+/// How `attn_decode` splits the keys; the trait method takes `DecodeTuning::default()`, the
+/// benches compare settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeTuning {
+    /// CTAs per SM the key split aims at (more: finer splits, fewer warps per CTA and more
+    /// partial-result traffic).
+    pub ctas_per_sm: usize,
+}
+
+impl Default for DecodeTuning {
+    /// 2 CTAs per SM: the fastest of 1 to 8 on the H200 at every benched shape.
+    fn default() -> Self {
+        Self { ctas_per_sm: 2 }
+    }
+}
+
+impl CudaBackend {
+    /// `Backend::attn_decode` with an explicit split target.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode_with(
+        &self,
+        s: &Stream,
+        sh: &DecodeAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        o: &mut CudaBuf,
+        lse: &mut CudaBuf,
+        tuning: DecodeTuning,
+    ) -> Result<()> {
+        const OP: &str = "attn_decode";
+        let (hd, heads) = (sh.head_dim, sh.heads);
+        if sh.rows == 0 {
+            return Ok(());
+        }
+        let max_group = ATTN_WARP_ROWS;
+        if sh.kv_heads == 0 || heads % sh.kv_heads != 0 || heads / sh.kv_heads > max_group || sh.len0 == 0 {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!(
+                    "{heads} heads over {} kv heads (at most {max_group} per kv head), {} keys in the first row",
+                    sh.kv_heads, sh.len0
+                ),
+            });
+        }
+        let (qw, kw) = (heads * hd, sh.kv_heads * hd);
+        for (n, b) in [("q", &*q), ("o", &*o)] {
+            check_len(OP, n, b.len, 0, sh.rows * qw)?;
+            Self::need_bf16(OP, b)?;
+        }
+        for (n, b) in [("kc", kc), ("vc", vc)] {
+            check_len(OP, n, b.len, 0, sh.cache_rows() * kw)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "lse", lse.len, 0, sh.rows * heads)?;
+        Self::need_f32(OP, lse)?;
+        let no_kernel = || {
+            let dims: Vec<&str> = launch::AttnDecodeCombineHd::VARIANTS.iter().map(|(d, _)| *d).collect();
+            BackendError::Shape { op: OP, what: format!("head_dim {hd} is not one of the compiled {dims:?}") }
+        };
+        let comb = variant(&launch::AttnDecodeCombineHd::VARIANTS, &hd.to_string()).ok_or_else(no_kernel)?;
+        // Splits of the longest row's keys (multiples of DEC_KEYS) so rows * kv_heads * splits is
+        // about `ctas_per_sm` CTAs per SM; one warp per tile of a split, up to DEC_MMA_MAX_WARPS.
+        let longest = sh.len0.max(sh.len(sh.rows - 1));
+        let want = (tuning.ctas_per_sm.max(1) * self.sm_count).div_ceil(sh.rows * sh.kv_heads).max(1);
+        let split_keys = longest.div_ceil(want).next_multiple_of(DEC_KEYS).max(DEC_KEYS);
+        let splits = longest.div_ceil(split_keys);
+        let warps = (split_keys / DEC_KEYS).clamp(1, DEC_MMA_MAX_WARPS);
+        let parts = sh.rows * heads * splits;
+        let part_o = self.alloc_uninit(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
+        let part_ml = self.alloc_uninit(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
+        let split = variant(&launch::AttnDecodeMmaBf16Hd::VARIANTS, &hd.to_string()).ok_or_else(no_kernel)?;
+        let args = launch::AttnDecodeMmaBf16Hd {
+            q: q.at(OP, 0)?,
+            kc: kc.at(OP, 0)?,
+            vc: vc.at(OP, 0)?,
+            part_o: part_o.at(OP, 0)?,
+            part_ml: part_ml.at(OP, 0)?,
+            rows: sh.rows,
+            heads,
+            kv_heads: sh.kv_heads,
+            row_stride: sh.row_stride,
+            len0: sh.len0,
+            len_inc: sh.len_inc,
+            split_keys,
+            splits,
+            scale: sh.scale(),
+        };
+        let smem = (ATTN_WARP_ROWS + 4 * DEC_KEYS * warps) * (hd + ATTN_LD_PAD) * 2;
+        self.launch(s, split, (splits * sh.kv_heads * sh.rows, warps * 32, smem), args)?;
+        let args = launch::AttnDecodeCombineHd {
+            part_o: part_o.at(OP, 0)?,
+            part_ml: part_ml.at(OP, 0)?,
+            o: o.at(OP, 0)?,
+            lse: lse.at(OP, 0)?,
+            splits,
+        };
+        self.launch(s, comb, (sh.rows * heads, hd, 0), args)
+    }
 }
 
 /// Which gated-delta-rule kernel of kernels/gdn.cu runs.
