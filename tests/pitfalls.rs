@@ -2,7 +2,7 @@
 
 use crate::common::*;
 use crate::drafter_fd::fd_batch;
-use dflash_engine::backend::cpu::{CpuBackend, CpuBuf, CpuStream};
+use dflash_engine::backend::cpu::{CpuBackend, CpuStream};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape};
 use dflash_engine::model::drafter::{fc_backward, fc_forward, DrafterShape};
 use dflash_engine::model::target::{Target, TargetInputs, TargetShape};
@@ -31,27 +31,6 @@ fn pitfall_1_labels_are_not_shifted() {
         }
     }
     assert!(checked > 20);
-}
-
-fn attn_inputs(sh: &DraftAttnShape, seed: u64) -> [Vec<f64>; 5] {
-    let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
-    [
-        randn(sh.q_rows() * qw, seed, 1.0),
-        randn(sh.ctx_rows * kw, seed + 1, 1.0),
-        randn(sh.ctx_rows * kw, seed + 2, 1.0),
-        randn(sh.q_rows() * kw, seed + 3, 1.0),
-        randn(sh.q_rows() * kw, seed + 4, 1.0),
-    ]
-}
-
-fn attn_out(sh: &DraftAttnShape, t: &[Vec<f64>; 5], anchors: &[i32], starts: &[i32]) -> Vec<f64> {
-    let be = Exact::exact();
-    let mut o = buf(vec![0.0; sh.q_rows() * sh.heads * sh.head_dim]);
-    let mut lse = buf32(vec![0.0; sh.q_rows() * sh.heads]);
-    let b: Vec<CpuBuf<f64>> = t.iter().map(|v| buf(v.clone())).collect();
-    be.attn_draft_fwd(&S, sh, &b[0], &b[1], &b[2], &b[3], &b[4], &anchors.to_vec(), &starts.to_vec(), &mut o, &mut lse)
-        .unwrap();
-    o.data
 }
 
 /// Pitfall 2: context key t is visible iff t < anchor (strictly). The anchor's own hidden state

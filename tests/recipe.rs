@@ -27,27 +27,6 @@ fn tmp(tag: &str) -> PathBuf {
 // ---------------------------------------------------------------------------------------------
 // The sliding-window mask (DFLASH.md section 3, "Per-layer attention kind")
 
-fn attn_inputs(sh: &DraftAttnShape, seed: u64) -> [Vec<f64>; 5] {
-    let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
-    [
-        randn(sh.q_rows() * qw, seed, 1.0),
-        randn(sh.ctx_rows * kw, seed + 1, 1.0),
-        randn(sh.ctx_rows * kw, seed + 2, 1.0),
-        randn(sh.q_rows() * kw, seed + 3, 1.0),
-        randn(sh.q_rows() * kw, seed + 4, 1.0),
-    ]
-}
-
-fn attn_out(sh: &DraftAttnShape, t: &[Vec<f64>; 5], anchors: &[i32], starts: &[i32]) -> Vec<f64> {
-    let be = Exact::exact();
-    let mut o = buf(vec![0.0; sh.q_rows() * sh.heads * sh.head_dim]);
-    let mut lse = buf32(vec![0.0; sh.q_rows() * sh.heads]);
-    let b: Vec<CpuBuf<f64>> = t.iter().map(|v| buf(v.clone())).collect();
-    be.attn_draft_fwd(&S, sh, &b[0], &b[1], &b[2], &b[3], &b[4], &anchors.to_vec(), &starts.to_vec(), &mut o, &mut lse)
-        .unwrap();
-    o.data
-}
-
 /// Whether perturbing key/value row `row` of tensor `which` (1, 2: context; 3, 4: block) changes
 /// the output of query slot `slot` of block 0.
 fn slot_sees(

@@ -113,3 +113,34 @@ pub fn final_masters(dir: &std::path::Path) -> Vec<(String, Vec<u32>)> {
     let ck = dflash_engine::train::checkpoint::load_latest(dir).unwrap().expect("a checkpoint");
     ck.tensors.iter().map(|t| (t.name.clone(), t.master.iter().map(|x| x.to_bits()).collect())).collect()
 }
+
+/// Random q, context k/v and block k/v for the drafter attention at `sh` (N(0, 1), seeds
+/// seed..seed + 4).
+pub fn attn_inputs(sh: &dflash_engine::backend::DraftAttnShape, seed: u64) -> [Vec<f64>; 5] {
+    let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+    [
+        randn(sh.q_rows() * qw, seed, 1.0),
+        randn(sh.ctx_rows * kw, seed + 1, 1.0),
+        randn(sh.ctx_rows * kw, seed + 2, 1.0),
+        randn(sh.q_rows() * kw, seed + 3, 1.0),
+        randn(sh.q_rows() * kw, seed + 4, 1.0),
+    ]
+}
+
+/// The drafter attention's output in f64 on the CPU for `attn_inputs`' tensors.
+pub fn attn_out(
+    sh: &dflash_engine::backend::DraftAttnShape,
+    t: &[Vec<f64>; 5],
+    anchors: &[i32],
+    starts: &[i32],
+) -> Vec<f64> {
+    use dflash_engine::backend::Backend;
+    let be = Exact::exact();
+    let mut o = buf(vec![0.0; sh.q_rows() * sh.heads * sh.head_dim]);
+    let mut lse = buf32(vec![0.0; sh.q_rows() * sh.heads]);
+    let b: Vec<CpuBuf<f64>> = t.iter().map(|v| buf(v.clone())).collect();
+    let s = dflash_engine::backend::cpu::CpuStream;
+    be.attn_draft_fwd(&s, sh, &b[0], &b[1], &b[2], &b[3], &b[4], &anchors.to_vec(), &starts.to_vec(), &mut o, &mut lse)
+        .unwrap();
+    o.data
+}
