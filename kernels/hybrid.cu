@@ -19,12 +19,17 @@
 //           seq_starts: i32 [n_starts], rising from 0; row t belongs to the last listed start
 //           <= t (rows past the last entry form one more sequence, as cpu.rs seq_ranges does).
 // Launch:   every kernel: blockDim.x = HYB_BLOCK (launch.cuh), any grid >= 1 (grid-stride).
-//           Row kernels (norms) give each warp one row at a time: grid ceil(rows / 8).
+//           Row kernels (norms) give each warp one row at a time: grid ceil(rows / 8). conv1d:
+//           one item per HYB_CONV_ROWS rows of a channel, kernel_size <= HYB_CONV_MAX_K (traps
+//           otherwise). copy_strided: a CTA per row (grid-stride over rows), 16-byte units where addresses,
+//           strides and width allow.
 //           No shared memory.
 // Bytes:    each kernel reads its inputs once and writes its output once (the row norms read a
 //           row twice, the second time from L1/L2); e.g. rmsnorm1p 4 * rows * dim + 2 * dim.
 // FLOPs:    O(1) per element (conv1d: 2K + ~20 for silu); all memory-bound. Target: >= 60% of the
 //           device-to-device copy bandwidth at the 27B shape (these ops are < 2% of the forward).
+#include <climits>
+
 #include "common.cuh"
 #include "launch.cuh"
 
@@ -80,6 +85,17 @@ __device__ __forceinline__ index_t seq_start_of(const int* seq_starts, int n, in
     else b = mid - 1;
   }
   return seq_starts[a];
+}
+
+// The first listed sequence start after row r (a row index past every row when there is none).
+__device__ __forceinline__ index_t next_start_after(const int* seq_starts, int n, index_t r) {
+  int a = 0, b = n;  // first index with seq_starts[i] > r
+  while (a < b) {
+    const int mid = (a + b) >> 1;
+    if ((index_t)seq_starts[mid] <= r) a = mid + 1;
+    else b = mid;
+  }
+  return a < n ? (index_t)seq_starts[a] : LLONG_MAX;
 }
 
 }  // namespace hyb
@@ -163,27 +179,55 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rope_partial_bf16(__nv_b
   }
 }
 
+namespace hyb {
+
+// dst rows of wbytes bytes from src rows, in units of U (a CTA per row, grid-stride over rows):
+// the caller has checked that both addresses, both strides and the width are multiples of
+// sizeof(U).
+template <class U>
+__device__ __forceinline__ void copy_units(const char* __restrict__ src, index_t ss, char* __restrict__ dst,
+                                           index_t ds, index_t rows, index_t wbytes) {
+  const int wu = (int)(wbytes / (index_t)sizeof(U));
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const U* s = reinterpret_cast<const U*>(src + r * ss);
+    U* d = reinterpret_cast<U*>(dst + r * ds);
+    for (int c = threadIdx.x; c < wu; c += blockDim.x) d[c] = s[c];
+  }
+}
+
+// A strided row copy as bytes, in the widest unit (16, 8, 4 or 2 bytes) that every address,
+// stride and the width allow: the target's splits of f32 projections (widths of 512 B and up) move
+// in 16-byte units. Element size E in bytes; strides and width in elements.
+template <int E>
+__device__ __forceinline__ void copy_strided_bytes(const void* src, index_t src_stride, void* dst, index_t dst_stride,
+                                                   index_t rows, index_t width) {
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  const index_t ss = src_stride * E, ds = dst_stride * E, wb = width * E;
+  const unsigned long long all =
+      (unsigned long long)(uintptr_t)s | (unsigned long long)(uintptr_t)d | (unsigned long long)ss |
+      (unsigned long long)ds | (unsigned long long)wb;
+  if (all % 16 == 0) copy_units<uint4>(s, ss, d, ds, rows, wb);
+  else if (all % 8 == 0) copy_units<uint2>(s, ss, d, ds, rows, wb);
+  else if (all % 4 == 0) copy_units<uint32_t>(s, ss, d, ds, rows, wb);
+  else copy_units<uint16_t>(s, ss, d, ds, rows, wb);
+}
+
+}  // namespace hyb
+
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) copy_strided_bf16(const __nv_bfloat16* __restrict__ src,
                                                                         long long src_stride,
                                                                         __nv_bfloat16* __restrict__ dst,
                                                                         long long dst_stride, long long rows,
                                                                         long long width) {
-  const index_t total = rows * width;
-  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
-    const index_t r = e / width, c = e - r * width;
-    dst[r * dst_stride + c] = src[r * src_stride + c];
-  }
+  hyb::copy_strided_bytes<2>(src, src_stride, dst, dst_stride, rows, width);
 }
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) copy_strided_f32(const float* __restrict__ src,
                                                                        long long src_stride, float* __restrict__ dst,
                                                                        long long dst_stride, long long rows,
                                                                        long long width) {
-  const index_t total = rows * width;
-  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
-    const index_t r = e / width, c = e - r * width;
-    dst[r * dst_stride + c] = src[r * src_stride + c];
-  }
+  hyb::copy_strided_bytes<4>(src, src_stride, dst, dst_stride, rows, width);
 }
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) sigmoid_mul_bf16(__nv_bfloat16* __restrict__ x,
@@ -195,24 +239,72 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) sigmoid_mul_bf16(__nv_bf
   }
 }
 
-// One item per (row t, channel c). The taps run from the oldest input to t, as cpu.rs sums them.
+// One item per run of HYB_CONV_ROWS rows of one channel: the channel's weights and its last K - 1
+// inputs stay in registers, so each input is read once (plus K - 1 per run), coalesced across
+// the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
+// clears its window there). The taps sum from the oldest input to t, as cpu.rs sums them (the
+// zeros add exactly nothing: a sum that starts at +0 never becomes -0).
+template <class T, int K>
+__device__ __forceinline__ void conv1d_silu_k(const T* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                              T* __restrict__ y, const int* __restrict__ seq_starts, int n_starts,
+                                              long long rows, int channels) {
+  constexpr int R = HYB_CONV_ROWS;
+  const index_t runs = (rows + R - 1) / R;
+  const index_t total = runs * channels;
+  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+    const index_t run = e / channels;
+    const int c = (int)(e - run * channels);
+    const index_t t0 = run * R, t1 = min((index_t)rows, t0 + R);
+    // wk[j] multiplies x[t - K + 1 + j]; win[j] = x[t - K + 1 + j] for j < K - 1 (K is a
+    // template parameter so that both arrays live in registers).
+    float wk[K], win[K];
+    index_t ss = hyb::seq_start_of(seq_starts, n_starts, t0);
+    index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      wk[j] = bf16_to_f32(w[(index_t)c * K + j]);
+      const index_t src = t0 - (K - 1) + j;
+      win[j] = (j < K - 1 && src >= ss) ? hyb::load_f32(x + src * channels + c) : 0.f;
+    }
+    for (index_t t = t0; t < t1; ++t) {
+      if (t == next) {  // a sequence starts here: nothing before it is visible
+#pragma unroll
+        for (int j = 0; j < K; ++j) win[j] = 0.f;
+        next = hyb::next_start_after(seq_starts, n_starts, t);
+      }
+      const float xt = hyb::load_f32(x + t * channels + c);
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) acc += wk[j] * win[j];
+      acc += wk[K - 1] * xt;
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
+      if (K > 1) win[K > 1 ? K - 2 : 0] = xt;
+      hyb::store_f32(y + t * channels + c, hyb::silu(acc));
+    }
+  }
+}
+
+// One item per run of HYB_CONV_ROWS rows of one channel: the channel's weights and its last K - 1
+// inputs stay in registers, so each input is read once (plus K - 1 per run), coalesced across
+// the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
+// clears its window there). The taps sum from the oldest input to t, as cpu.rs sums them (the
+// zeros add exactly nothing: a sum that starts at +0 never becomes -0).
 template <class T>
 __device__ __forceinline__ void conv1d_silu(const T* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                             T* __restrict__ y, const int* __restrict__ seq_starts, int n_starts,
                                             long long rows, int channels, int kernel_size) {
-  const index_t total = rows * channels;
-  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
-    const index_t t = e / channels;
-    const int c = (int)(e - t * channels);
-    const index_t ss = hyb::seq_start_of(seq_starts, n_starts, t);
-    const int kernel = kernel_size;
-    index_t first = t + 1 - kernel;
-    if (first < ss) first = ss;
-    float acc = 0.f;
-    for (index_t src = first; src <= t; ++src) {
-      acc += bf16_to_f32(w[(index_t)c * kernel + (kernel - 1 - (t - src))]) * hyb::load_f32(x + src * channels + c);
-    }
-    hyb::store_f32(y + e, hyb::silu(acc));
+  static_assert(HYB_CONV_MAX_K == 8, "one case per kernel size below");
+  switch (kernel_size) {
+    case 1: conv1d_silu_k<T, 1>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 2: conv1d_silu_k<T, 2>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 3: conv1d_silu_k<T, 3>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 4: conv1d_silu_k<T, 4>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 5: conv1d_silu_k<T, 5>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 6: conv1d_silu_k<T, 6>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 7: conv1d_silu_k<T, 7>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    case 8: conv1d_silu_k<T, 8>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    default: __trap();
   }
 }
 

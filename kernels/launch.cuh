@@ -108,6 +108,10 @@ constexpr int RMS_BWD_TARGET_PARTS = 1024;
 // ---- hybrid.cu -------------------------------------------------------------------------------
 // Threads per block of every hybrid.cu kernel (the row norms give each of its 8 warps a row).
 constexpr int HYB_BLOCK = 256;
+// causal_conv1d_silu: rows per item (one channel's run; its K - 1 earlier inputs are re-read
+// once per run), and the largest kernel size its register window holds (Qwen3.5/3.6: 4).
+constexpr int HYB_CONV_ROWS = 16;
+constexpr int HYB_CONV_MAX_K = 8;
 
 // ---- gdn.cu ----------------------------------------------------------------------------------
 // Tokens per chunk of the chunked gated delta rule (flash-linear-attention's chunk size; the Rust

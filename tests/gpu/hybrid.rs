@@ -124,9 +124,15 @@ fn gpu_copy_strided_and_sigmoid_mul_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
     // q | gate interleaved per head (the gated attention's split), and a q | k | v column slice.
     for dt in [DType::BF16, DType::F32] {
-        for (rows, src_off, src_stride, dst_off, dst_stride, width) in
-            [(393 * 4, 0, 32, 0, 16, 16), (393 * 4, 16, 32, 0, 16, 16), (200, 70, 300, 5, 130, 130), (1, 3, 9, 1, 4, 4)]
-        {
+        for (rows, src_off, src_stride, dst_off, dst_stride, width) in [
+            (393 * 4, 0, 32, 0, 16, 16),
+            (393 * 4, 16, 32, 0, 16, 16),
+            (200, 70, 300, 5, 130, 130),
+            (1, 3, 9, 1, 4, 4),
+            // 16-byte units, one and several per thread (the target's q | k | v splits).
+            (300, 0, 2560, 8, 2048, 2048),
+            (40, 8192, 10240, 0, 6144, 6144),
+        ] {
             let src = rand(src_off + rows * src_stride, 40, 1.0);
             let dst0 = rand(dst_off + rows * dst_stride, 41, 1.0);
             let ga = copy_strided(&g, &src, &dst0, dt, [src_off, src_stride, dst_off, dst_stride, rows, width]);

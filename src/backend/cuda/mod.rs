@@ -33,7 +33,10 @@ use crate::kernels::launch::{
     PACK_UNITS, PACK_VEC_MAX_HIDDEN, RMS_BLOCK, RMS_BWD_TARGET_PARTS, RMS_CHUNKS_PER_LANE, RMS_SLAB_PAD,
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
-use crate::kernels::launch::{DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, QKR_WARPS};
+use crate::kernels::launch::{
+    DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS,
+    QKR_WARPS,
+};
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
@@ -1735,7 +1738,8 @@ impl Backend for CudaBackend {
         }
         check_len(OP, "src", src.len, src_off + (rows - 1) * src_stride, width)?;
         check_len(OP, "dst", dst.len, dst_off + (rows - 1) * dst_stride, width)?;
-        let cfg = (self.hyb_grid(rows * width), HYB_BLOCK, 0);
+        // A CTA per row (kernels/hybrid.cu), grid-stride past 32 CTAs per SM.
+        let cfg = (rows.clamp(1, 32 * self.sm_count), HYB_BLOCK, 0);
         match (src.dtype, dst.dtype) {
             (DType::BF16, DType::BF16) => {
                 let args = launch::CopyStridedBf16 {
@@ -1790,7 +1794,13 @@ impl Backend for CudaBackend {
         if seq_starts.len == 0 {
             return Err(BackendError::Shape { op: OP, what: "seq_starts is empty (it starts with 0)".into() });
         }
-        let cfg = (self.hyb_grid(rows * channels), HYB_BLOCK, 0);
+        if kernel == 0 || kernel > HYB_CONV_MAX_K {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("kernel size {kernel}: the CUDA kernel takes 1 to {HYB_CONV_MAX_K}"),
+            });
+        }
+        let cfg = (self.hyb_grid(rows.div_ceil(HYB_CONV_ROWS) * channels), HYB_BLOCK, 0);
         macro_rules! args {
             ($ty:ident) => {
                 launch::$ty {
