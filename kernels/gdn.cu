@@ -502,7 +502,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
 //   are neighbouring CTAs), U, writes V' (32 KB each) and S_c (64 KB); the output reads q, k once
 //   per block (2 x 64 KB, L2), S_c (64 KB), V' (32 KB) and writes o (16 KB bf16).
 // Bound: the state pass is the critical path: 48 chunks in a row per CTA at 4 x 3072, each two
-//   64 x 128 x 32 products and ~100 KB of loads; 768 CTAs (2 per SM) at the 27B shape.
+//   64 x 128 x 32 products and ~72 KB of loads (W, K, U), not overlapped with the products
+//   within a CTA (single-buffered; the second CTA on the SM overlaps them); 768 CTAs at 2 per SM
+//   are three waves on 132 SMs (1 x 4096: 192 CTAs, one wave of 64 chunks).
 
 namespace gdn {
 
