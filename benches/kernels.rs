@@ -48,7 +48,8 @@ fn time_per_call(be: &CudaBackend, reps: usize, calls: usize, mut f: impl FnMut(
 /// Back-to-back calls per sample in `time_per_call`.
 const MEM_CALLS: usize = 5;
 
-/// The peer a row is compared with (keys of `bench_attention_peers.py`'s output).
+/// The peer a row is compared with (keys of `bench_attention_peers.py`'s output, and of
+/// `bench_fla_gdn.py --peers`).
 fn peer_key(name: &str) -> Option<String> {
     let sliding = if name.contains("sliding") { "_sliding" } else { "" };
     if name.starts_with("causal attention fwd") {
@@ -64,6 +65,15 @@ fn peer_key(name: &str) -> Option<String> {
     }
     if name.starts_with("drafter attention bwd") {
         return Some(format!("draft_bwd{sliding}"));
+    }
+    // The chunked gated delta rule: flash-linear-attention at the same shape
+    // (tests/reference/bench_fla_gdn.py --peers).
+    if name.starts_with("gdn chunked") {
+        for shape in ["4 x 3072", "1 x 4096"] {
+            if name.contains(&format!("({shape},")) {
+                return Some(format!("gdn_fla_{}", shape.replace(" x ", "x")));
+            }
+        }
     }
     None
 }
@@ -463,7 +473,8 @@ fn main() {
             }
             let starts = ids(st);
             let sh = dflash_engine::backend::GdnShape { rows: n, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
-            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc] {
+            // The split form (the default) beside the one-CTA-per-sequence kernels it replaces.
+            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc, GdnForm::ChunkedSplit] {
                 let t = time(&be, 5, || {
                     be.gdn_launch(form, &s, &sh, [&q, &k, &v, &gl, &beta], &starts, &mut o, None).unwrap()
                 });

@@ -460,3 +460,450 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_chunked_fwd_tc(
     for (int e = tid; e < dk * dv; e += nt) st[e] = S[(e / dv) * lv + e % dv];
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The split chunked form: the TC kernel's steps in three kernels, so that only the state
+// recurrence runs chunk after chunk (flash-linear-attention's decomposition: chunk-local prep,
+// the state pass, the output).
+//
+// Math (per chunk of L <= C tokens from its sequence's start, value head h; as above):
+//   gdn_split_prep   G = cumsum(g);  A[i][j] = beta_i (k_i . k_j) exp(G_i - G_j) (j < i);
+//                    [W | U] = (I + A)^-1 [diag(beta exp(G)) K | diag(beta) V], solved in blocks
+//                    of 16 rows (the off-diagonal blocks' products on tensor cores, the 16-row
+//                    diagonal blocks by forward substitution on CUDA cores).
+//   gdn_split_state  per dv block of GDN_SPLIT_BV columns, the chunks in order from S = state (or
+//                    0): S_c = S (stored); V' = U - W S_c (stored over U);
+//                    S = exp(G_L) S + K^T diag(exp(G_L - G_j)) V'.  The last S is the state out.
+//   gdn_split_out    o_i = exp(G_i) q_i^T S_c + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j.
+// Chunk slots: chunk j of sequence b (rows [r0, r1), seq_range) is slot r0 / C + b + j, which is
+// unique per chunk and below n_slots = ceil(rows / C) + n_starts (for any rows r0 <= r1 <= rows,
+// r0 / C + ceil((r1 - r0) / C) <= r1 / C + 1, so sequence b's slots end before b + 1's begin).
+// The prep and output kernels run one CTA per slot and find its chunk by a binary search of the
+// starts (a slot no chunk has returns at once); the state pass walks its sequence's slots.
+// Scratch (f32, from the caller; rows >= L of a chunk are zero in W, U, V'; G's pad repeats G_L):
+//   W [n_slots][v_heads][C][dk]   U, then V' [n_slots][v_heads][C][dv]   G [n_slots][v_heads][C]
+//   S [n_slots][v_heads][dk][dv]  = 4 * n_slots * v_heads * (C (dk + dv + 1) + dk dv) bytes
+//   (27B shape, 48 heads, 128/128: 1,241,837,568 B at 4 x 3072 tokens, 416,047,104 B at 1 x 4096).
+// Launch (dynamic shared memory in f32 words, P = GDN_TC_PAD, 128/128 in bytes):
+//   prep   grid n_slots * v_heads, GDN_THREADS; C (dk+P) + C (dv+P) + C (C+P) + 2 C   (85,504)
+//   state  grid n_starts * v_heads * ceil(dv / BV), GDN_SPLIT_STATE_THREADS, BV = GDN_SPLIT_BV;
+//          2 C (dk+P) + (dk + C) (BV+P) + C                                            (95,488)
+//   out    grid n_slots * v_heads * ceil(dv / BO), GDN_THREADS, BO = GDN_SPLIT_OUT_BV;
+//          C max(dk+P, BO+P) + max(C (dk+P), dk (BO+P)) + C (C+P) + C (BO+P) + C   (103,680)
+//   each small enough for 2 CTAs per SM at 128/128 (228 KB per SM on Hopper).
+// Precision: the prep's products (K K^T and the solve's blocks) are 3xTF32 (hi/lo split, ~f32);
+//   the state pass and the output use 1xTF32 operands with f32 accumulators, as the TC kernel.
+// FLOPs per chunk and head (L = 64, dk = dv = 128): prep 3 x 2 (10/16 L^2 dk [K K^T] + 6 x 16^2
+//   (dk + dv) [solve blocks]) + 2 (L^2/2 (dk + dv)) [16-row substitution, CUDA cores] ~ 9 MFLOP;
+//   state 2 (2 L dk dv) = 4.2 MFLOP; out 2 (L^2/2 dk n_o + L dk dv + L^2/2 dv) ~ 3.4 MFLOP at
+//   n_o = dv / BO = 2 blocks (each recomputes Q K^T).
+// Bytes (f32 scratch, per chunk and head, 128/128): prep reads k, v (64 KB) and writes W, U, G
+//   (64 KB); the state pass reads W, K once per dv block (4 x 64 KB, mostly from L2: the 4 blocks
+//   are neighbouring CTAs), U, writes V' (32 KB each) and S_c (64 KB); the output reads q, k once
+//   per block (2 x 64 KB, L2), S_c (64 KB), V' (32 KB) and writes o (16 KB bf16).
+// Bound: the state pass is the critical path: 48 chunks in a row per CTA at 4 x 3072, each two
+//   64 x 128 x 32 products and ~72 KB of loads (W, K, U), not overlapped with the products
+//   within a CTA (single-buffered; the second CTA on the SM overlaps them); 768 CTAs at 2 per SM
+//   are three waves on 132 SMs (1 x 4096: 192 CTAs, one wave of 64 chunks).
+
+namespace gdn {
+
+constexpr int WARPS_S = GDN_SPLIT_STATE_THREADS / 32;
+constexpr int BV = GDN_SPLIT_BV;
+constexpr int BO = GDN_SPLIT_OUT_BV;
+
+__device__ __forceinline__ void cp16(float* dst, const float* src, bool valid) {
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_commit_wait_all() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// rows x cols f32 (cols % 4 == 0) from global src (row pitch sld, 16-byte aligned rows) to shared
+// dst (pitch dld); rows >= valid_rows are zero-filled and read nothing (src is still a mapped
+// address: the tile's base).
+__device__ __forceinline__ void tile_async(float* dst, int dld, const float* src, index_t sld, int rows, int cols,
+                                           int valid_rows, int tid, int nt) {
+  const int c4 = cols / 4;
+  for (int e = tid; e < rows * c4; e += nt) {
+    const int i = e / c4, c = (e - i * c4) * 4;
+    const bool ok = i < valid_rows;
+    cp16(dst + i * dld + c, ok ? src + (index_t)i * sld + c : src, ok);
+  }
+}
+
+// First slot of sequence b (see the header).
+__device__ __forceinline__ index_t slot_base(const int* seq_starts, int n_starts, index_t rows, int b) {
+  index_t r0, r1;
+  seq_range(seq_starts, n_starts, rows, b, r0, r1);
+  return r0 / C + b;
+}
+
+// The chunk of slot s: sequence b, first row c0, length L; false if no chunk has this slot.
+__device__ __forceinline__ bool slot_chunk(const int* seq_starts, int n_starts, index_t rows, index_t s, int& b,
+                                           index_t& c0, int& L) {
+  int lo = 0, hi = n_starts - 1, found = -1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (slot_base(seq_starts, n_starts, rows, mid) <= s) {
+      found = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  if (found < 0) return false;
+  index_t r0, r1;
+  seq_range(seq_starts, n_starts, rows, found, r0, r1);
+  const index_t j = s - (r0 / C + found);
+  c0 = r0 + j * C;
+  if (r1 <= r0 || c0 >= r1) return false;
+  b = found;
+  L = (int)min((index_t)C, r1 - c0);
+  return true;
+}
+
+// acc (+/-)= A[16 x kdim] B[kdim x 16] in 3xTF32: each operand split into a TF32 high part and
+// a TF32 remainder; hi*hi + hi*lo + lo*hi keeps ~f32 accuracy. Layouts as mma_acc.
+template <class LA, class LB>
+__device__ __forceinline__ void mma_acc3(Acc& acc, const float* a, int lda, const float* b, int ldb, int kdim,
+                                         bool negate) {
+  constexpr bool a_row = std::is_same<LA, wm::row_major>::value;
+  constexpr bool b_row = std::is_same<LB, wm::row_major>::value;
+  FragA<LA> ah, al;
+  FragB<LB> bh, bl;
+  for (int k0 = 0; k0 < kdim; k0 += KS) {
+    wm::load_matrix_sync(ah, a + (a_row ? k0 : k0 * lda), lda);
+    wm::load_matrix_sync(bh, b + (b_row ? k0 * ldb : k0), ldb);
+#pragma unroll
+    for (int t = 0; t < ah.num_elements; ++t) {
+      const float x = negate ? -ah.x[t] : ah.x[t];
+      const float hi = wm::__float_to_tf32(x);
+      ah.x[t] = hi;
+      al.x[t] = wm::__float_to_tf32(x - hi);
+    }
+#pragma unroll
+    for (int t = 0; t < bh.num_elements; ++t) {
+      const float x = bh.x[t];
+      const float hi = wm::__float_to_tf32(x);
+      bh.x[t] = hi;
+      bl.x[t] = wm::__float_to_tf32(x - hi);
+    }
+    wm::mma_sync(acc, al, bh, acc);
+    wm::mma_sync(acc, ah, bl, acc);
+    wm::mma_sync(acc, ah, bh, acc);
+  }
+}
+
+}  // namespace gdn
+
+// One CTA per (chunk slot, value head): G, A, and the solve for W and U, written to scratch.
+// Shared memory (f32): K, then W [C][dk+P] | V, then U [C][dv+P] | A [C][C+P] | G [C] | beta [C].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
+    const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const __nv_bfloat16* __restrict__ beta, float* __restrict__ w_out, float* __restrict__ u_out,
+    float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads,
+    int v_heads, int dk, int dv) {
+  using gdn::C;
+  using gdn::T;
+  namespace wm = gdn::wm;
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
+  constexpr int la = C + gdn::PAD;
+  float* X = smem;        // [C][lk]
+  float* U = X + C * lk;  // [C][lv]
+  float* A = U + C * lv;  // [C][la]
+  float* G = A + C * la;  // [C]
+  float* Bt = G + C;      // [C]
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5;
+  if (blockDim.x != GDN_THREADS || (dk % T) != 0 || (dv % T) != 0) __trap();
+  const int h = (int)(blockIdx.x % (unsigned)v_heads);
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)v_heads);
+  int b;
+  index_t c0;
+  int L;
+  if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
+  gdn::tile_async(X, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_async(U, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
+  for (int i = tid; i < C; i += nt) Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
+  if (tid == 0) {
+    // Sequential, as cpu.rs accumulates it; the pad repeats G_L.
+    float acc = 0.f;
+    for (int i = 0; i < C; ++i) {
+      if (i < L) acc += g[(c0 + i) * v_heads + h];
+      G[i] = acc;
+    }
+  }
+  gdn::cp_commit_wait_all();
+  __syncthreads();
+  // A = K K^T, the tiles on or below the diagonal (the mask zeroes the rest).
+  for (int t = warp; t < (C / T) * (C / T); t += gdn::WARPS) {
+    const int i0 = (t / (C / T)) * T, j0 = (t % (C / T)) * T;
+    if (j0 > i0) continue;
+    gdn::Acc acc;
+    wm::fill_fragment(acc, 0.f);
+    gdn::mma_acc3<wm::row_major, wm::col_major>(acc, X + i0 * lk, lk, X + j0 * lk, lk, dk, false);
+    wm::store_matrix_sync(A + i0 * la + j0, acc, la, wm::mem_row_major);
+  }
+  __syncthreads();
+  for (int e = tid; e < C * C; e += nt) {
+    const int i = e / C, j = e - i * C;
+    A[i * la + j] = (j < i && i < L) ? Bt[i] * A[i * la + j] * expf(G[i] - G[j]) : 0.f;
+  }
+  for (int e = tid; e < C * dk; e += nt) {
+    const int i = e / dk, d = e - i * dk;
+    X[i * lk + d] *= Bt[i] * expf(G[i]);
+  }
+  for (int e = tid; e < C * dv; e += nt) {
+    const int i = e / dv, c = e - i * dv;
+    U[i * lv + c] *= Bt[i];
+  }
+  __syncthreads();
+  // (I + A) [W | U] = [W | U] in blocks of T rows: rows of block r first lose A[r, <r] times the
+  // finished rows above (tensor cores), then the block's own lower triangle (one column a thread).
+  const int col_tiles = dk / T + dv / T;
+  for (int r0 = 0; r0 < C; r0 += T) {
+    if (r0 > 0) {
+      for (int t = warp; t < col_tiles; t += gdn::WARPS) {
+        float* Xc = t < dk / T ? X + t * T : U + (t - dk / T) * T;
+        const int ld = t < dk / T ? lk : lv;
+        gdn::Acc acc;
+        wm::load_matrix_sync(acc, Xc + r0 * ld, ld, wm::mem_row_major);
+        gdn::mma_acc3<wm::row_major, wm::row_major>(acc, A + r0 * la, la, Xc, ld, r0, true);
+        // Each tile is read and written by its own warp only; the rows it reads (< r0) are final.
+        wm::store_matrix_sync(Xc + r0 * ld, acc, ld, wm::mem_row_major);
+      }
+      __syncthreads();
+    }
+    for (int col = tid; col < dk + dv; col += nt) {
+      float* Xc = col < dk ? X + col : U + (col - dk);
+      const int ld = col < dk ? lk : lv;
+      float x[T];
+#pragma unroll
+      for (int i = 0; i < T; ++i) x[i] = Xc[(r0 + i) * ld];
+#pragma unroll
+      for (int i = 1; i < T; ++i) {
+#pragma unroll
+        for (int j = 0; j < i; ++j) x[i] -= A[(r0 + i) * la + r0 + j] * x[j];
+      }
+#pragma unroll
+      for (int i = 1; i < T; ++i) Xc[(r0 + i) * ld] = x[i];
+    }
+    __syncthreads();
+  }
+  const index_t sh = slot * v_heads + h;
+  float* wo = w_out + sh * C * dk;
+  float* uo = u_out + sh * C * dv;
+  for (int e = tid; e < C * dk / 4; e += nt) {
+    const int i = e / (dk / 4), d = (e - i * (dk / 4)) * 4;
+    *reinterpret_cast<float4*>(wo + i * dk + d) = *reinterpret_cast<const float4*>(X + i * lk + d);
+  }
+  for (int e = tid; e < C * dv / 4; e += nt) {
+    const int i = e / (dv / 4), c = (e - i * (dv / 4)) * 4;
+    *reinterpret_cast<float4*>(uo + i * dv + c) = *reinterpret_cast<const float4*>(U + i * lv + c);
+  }
+  for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
+}
+
+// One CTA per (sequence, value head, block of BV value columns), the chunks in order, the state
+// block S [dk][BV] in shared memory throughout. Shared memory (f32): W [C][dk+P] | K [C][dk+P] |
+// S [dk][BV+P] | U, then V' [C][BV+P] | G [C] (the pad keeps the layout's 16-byte alignment).
+extern "C" __global__ void __launch_bounds__(GDN_SPLIT_STATE_THREADS, 2) gdn_split_state(
+    const float* __restrict__ k, const float* __restrict__ w_in, float* __restrict__ u_v,
+    const float* __restrict__ g_in, float* __restrict__ s_out, float* __restrict__ state, int state_seqs,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+  using gdn::BV;
+  using gdn::C;
+  using gdn::T;
+  namespace wm = gdn::wm;
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::PAD;
+  constexpr int lb = BV + gdn::PAD;
+  float* sW = smem;           // [C][lk]
+  float* sK = sW + C * lk;    // [C][lk]
+  float* sS = sK + C * lk;    // [dk][lb]
+  float* sV = sS + dk * lb;   // [C][lb]
+  float* sG = sV + C * lb;    // [C]
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5;
+  if (blockDim.x != GDN_SPLIT_STATE_THREADS || (dk % T) != 0 || (dv % T) != 0) __trap();
+  const int nvb = (dv + BV - 1) / BV;
+  const int vb = (int)(blockIdx.x % (unsigned)nvb);
+  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
+  const int b = (int)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
+  index_t r0, r1;
+  gdn::seq_range(seq_starts, n_starts, rows, b, r0, r1);
+  if (r1 <= r0) return;
+  const int v0 = vb * BV, bw = min(BV, dv - v0);  // a multiple of T
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk;
+  float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
+  for (int e = tid; e < dk * bw; e += nt) {
+    const int d = e / bw, c = e - d * bw;
+    sS[d * lb + c] = st ? st[(index_t)d * dv + v0 + c] : 0.f;
+  }
+  __syncthreads();
+  const int tiles_v = (C / T) * (bw / T), tiles_s = (dk / T) * (bw / T);
+  const index_t base = r0 / C + b;
+  for (index_t c0 = r0, j = 0; c0 < r1; c0 += C, ++j) {
+    // The previous chunk ended with a barrier: every buffer is free, sS holds S_c.
+    const int L = (int)min((index_t)C, r1 - c0);
+    const index_t sh = (base + j) * v_heads + h;
+    float* uv = u_v + sh * C * dv + v0;
+    gdn::tile_async(sW, lk, w_in + sh * C * dk, dk, C, dk, C, tid, nt);
+    gdn::tile_async(sK, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+    gdn::tile_async(sV, lb, uv, dv, C, bw, C, tid, nt);
+    for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+    float* sc = s_out + sh * dk * dv + v0;
+    for (int e = tid; e < dk * bw; e += nt) {
+      const int d = e / bw, c = e - d * bw;
+      sc[(index_t)d * dv + c] = sS[d * lb + c];
+    }
+    gdn::cp_commit_wait_all();
+    __syncthreads();
+    // V' = U - W S_c: the accumulator starts from U, W's fragments are negated.
+    for (int t = warp; t < tiles_v; t += gdn::WARPS_S) {
+      const int i0 = (t / (bw / T)) * T, n0 = (t % (bw / T)) * T;
+      gdn::Acc acc;
+      wm::load_matrix_sync(acc, sV + i0 * lb + n0, lb, wm::mem_row_major);
+      gdn::FragA<wm::row_major> fa;
+      gdn::FragB<wm::row_major> fb;
+      for (int k0 = 0; k0 < dk; k0 += gdn::KS) {
+        wm::load_matrix_sync(fa, sW + i0 * lk + k0, lk);
+        wm::load_matrix_sync(fb, sS + k0 * lb + n0, lb);
+#pragma unroll
+        for (int x = 0; x < fa.num_elements; ++x) fa.x[x] = -wm::__float_to_tf32(fa.x[x]);
+#pragma unroll
+        for (int x = 0; x < fb.num_elements; ++x) fb.x[x] = wm::__float_to_tf32(fb.x[x]);
+        wm::mma_sync(acc, fa, fb, acc);
+      }
+      wm::store_matrix_sync(sV + i0 * lb + n0, acc, lb, wm::mem_row_major);
+    }
+    __syncthreads();
+    // V' out (over U; its rows >= L are 0 - 0), and diag(exp(G_L - G_j)) V' for the update.
+    const float gl = sG[L - 1];
+    for (int e = tid; e < C * bw; e += nt) {
+      const int i = e / bw, c = e - i * bw;
+      const float x = sV[i * lb + c];
+      uv[(index_t)i * dv + c] = x;
+      sV[i * lb + c] = x * expf(gl - sG[i]);
+    }
+    __syncthreads();
+    // S = exp(G_L) S + K^T (E V').
+    const float end_decay = expf(gl);
+    for (int t = warp; t < tiles_s; t += gdn::WARPS_S) {
+      const int d0 = (t / (bw / T)) * T, n0 = (t % (bw / T)) * T;
+      gdn::Acc acc;
+      wm::load_matrix_sync(acc, sS + d0 * lb + n0, lb, wm::mem_row_major);
+#pragma unroll
+      for (int x = 0; x < acc.num_elements; ++x) acc.x[x] *= end_decay;
+      gdn::mma_acc<wm::col_major, wm::row_major>(acc, sK + d0, lk, sV + n0, lb, C);
+      wm::store_matrix_sync(sS + d0 * lb + n0, acc, lb, wm::mem_row_major);
+    }
+    __syncthreads();
+  }
+  if (st) {
+    for (int e = tid; e < dk * bw; e += nt) {
+      const int d = e / bw, c = e - d * bw;
+      st[(index_t)d * dv + v0 + c] = sS[d * lb + c];
+    }
+  }
+}
+
+// One CTA per (chunk slot, value head, block of BO value columns). Shared memory (f32):
+// Q, then the output tile [C][max(dk, BO)+P] | K, then S_c (K dead once Q K^T is taken)
+// [max(C (dk+P), dk (BO+P))] | A [C][C+P] | V' [C][BO+P] | G [C].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ vp,
+    const float* __restrict__ g_in, const float* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+  using gdn::BO;
+  using gdn::C;
+  using gdn::T;
+  namespace wm = gdn::wm;
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::PAD;
+  constexpr int lb = BO + gdn::PAD;
+  constexpr int la = C + gdn::PAD;
+  const int lq = lk > lb ? lk : lb;
+  float* sQ = smem;                                             // [C][lq]
+  float* sK = sQ + C * lq;                                      // [C][lk], then S_c [dk][lb]
+  float* sA = sK + (C * lk > dk * lb ? C * lk : dk * lb);       // [C][la]
+  float* sV = sA + C * la;                                      // [C][lb]
+  float* sG = sV + C * lb;                                      // [C]
+  float* sS = sK;
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5;
+  if (blockDim.x != GDN_THREADS || (dk % T) != 0 || (dv % T) != 0) __trap();
+  const int nvb = (dv + BO - 1) / BO;
+  const int vb = (int)(blockIdx.x % (unsigned)nvb);
+  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
+  int b;
+  index_t c0;
+  int L;
+  if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  const int v0 = vb * BO, bw = min(BO, dv - v0);  // a multiple of T
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
+  const index_t sh = slot * v_heads + h;
+  gdn::tile_async(sQ, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_async(sK, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_async(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+  gdn::cp_commit_wait_all();
+  __syncthreads();
+  // Q K^T on and below the diagonal, rows < L.
+  for (int t = warp; t < (C / T) * (C / T); t += gdn::WARPS) {
+    const int i0 = (t / (C / T)) * T, j0 = (t % (C / T)) * T;
+    if (j0 > i0 || i0 >= L) continue;
+    gdn::Acc acc;
+    wm::fill_fragment(acc, 0.f);
+    gdn::mma_acc<wm::row_major, wm::col_major>(acc, sQ + i0 * lq, lq, sK + j0 * lk, lk, dk);
+    wm::store_matrix_sync(sA + i0 * la + j0, acc, la, wm::mem_row_major);
+  }
+  __syncthreads();
+  // K is dead: S_c takes its place. Meanwhile the decayed causal mask, and Q's rows take exp(G_i).
+  gdn::tile_async(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
+  for (int e = tid; e < C * C; e += nt) {
+    const int i = e / C, j = e - i * C;
+    sA[i * la + j] = (j <= i && i < L) ? sA[i * la + j] * expf(sG[i] - sG[j]) : 0.f;
+  }
+  for (int e = tid; e < C * dk; e += nt) {
+    const int i = e / dk, d = e - i * dk;
+    sQ[i * lq + d] *= expf(sG[i]);
+  }
+  gdn::cp_commit_wait_all();
+  __syncthreads();
+  // o = (exp(G) Q) S_c + A V': at most 16 tiles of 16 x 16, two per warp; A's row block i0 is
+  // zero past column i0 + T.
+  const int tiles = (C / T) * (bw / T);
+  gdn::Acc acc[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int t = warp + u * gdn::WARPS;
+    const int i0 = (t / (bw / T)) * T, n0 = (t % (bw / T)) * T;
+    wm::fill_fragment(acc[u], 0.f);
+    if (t < tiles && i0 < L) {
+      gdn::mma_acc<wm::row_major, wm::row_major>(acc[u], sQ + i0 * lq, lq, sS + n0, lb, dk);
+      gdn::mma_acc<wm::row_major, wm::row_major>(acc[u], sA + i0 * la, la, sV + n0, lb, i0 + T);
+    }
+  }
+  __syncthreads();  // every warp is done with Q: the output tiles take its place
+  float* sO = sQ;   // [C][lb]
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int t = warp + u * gdn::WARPS;
+    const int i0 = (t / (bw / T)) * T, n0 = (t % (bw / T)) * T;
+    if (t < tiles && i0 < L) wm::store_matrix_sync(sO + i0 * lb + n0, acc[u], lb, wm::mem_row_major);
+  }
+  __syncthreads();
+  __nv_bfloat16* oh = o + c0 * vw + (index_t)h * dv + v0;
+  for (int e = tid; e < L * bw; e += nt) {
+    const int i = e / bw, c = e - i * bw;
+    oh[(index_t)i * vw + c] = f32_to_bf16_rne(sO[i * lb + c]);
+  }
+}

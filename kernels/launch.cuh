@@ -123,3 +123,10 @@ constexpr int GDN_THREADS = 256;
 // Tensor-core kernel: f32 padding per shared-memory row (16 bytes: rows 4 banks apart, and the
 // wmma 32-byte pointer alignment kept for 16-row tiles).
 constexpr int GDN_TC_PAD = 4;
+// Split chunked form (gdn_split_prep / gdn_split_state / gdn_split_out): value columns per
+// CTA of the sequential state pass (4 CTAs per (sequence, head) at dv = 128) and its threads.
+constexpr int GDN_SPLIT_BV = 32;
+constexpr int GDN_SPLIT_STATE_THREADS = 128;
+// Value columns per CTA of the output kernel (its 8 warps hold at most 2 of the 16 x 16 output
+// tiles of a [GDN_CHUNK, 64] block each).
+constexpr int GDN_SPLIT_OUT_BV = 64;

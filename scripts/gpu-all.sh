@@ -19,14 +19,15 @@ el "attention peers, kernel bench, Gated DeltaNet reference"
 # The attention peers first (cuDNN SDPA, FlexAttention with the DFlash mask), on the same GPU, so
 # the bench table prints each attention row's ratio to its peer.
 timeout 120 python3 tests/reference/bench_attention_peers.py --out $OUT/peers.json > $OUT/peers.log 2>&1; echo "peers rc $?"
-DFLASH_PEERS=$OUT/peers.json timeout 150 $B/bench-kernels > $OUT/bench.log 2>&1; echo "bench rc $?"
-grep "measured peaks\|fc kernel /" $OUT/bench.log; sed -n '/^kernel  /,/^$/p' $OUT/bench.log
 # flash-linear-attention's wheels (scripts/fetch-wheels.sh), on the path of its bench only (the
-# transformers oracles must run transformers' own torch code).
+# transformers oracles must run transformers' own torch code); its times join the peers, so the
+# bench table prints each gdn row's ratio to fla.
 fla_path=""
 if ls $B/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $B/whl/*.whl; then fla_path=/tmp/site; fi
-PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 $B/bench_fla_gdn.py > $OUT/hybridbench.log 2>&1; echo "gdn reference rc $?"; tail -12 $OUT/hybridbench.log
+PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 $B/bench_fla_gdn.py --peers $OUT/peers.json > $OUT/hybridbench.log 2>&1; echo "gdn reference rc $?"; tail -12 $OUT/hybridbench.log
+DFLASH_PEERS=$OUT/peers.json timeout 150 $B/bench-kernels > $OUT/bench.log 2>&1; echo "bench rc $?"
+grep "measured peaks\|fc kernel /" $OUT/bench.log; sed -n '/^kernel  /,/^$/p' $OUT/bench.log
 el "parallel: tests | 4 sanitizers | stream-order"
 ( OUT=$OUT TESTS=gpu_ timeout 420 bash $B/run.sh tests > $L/tests.txt 2>&1; echo "tests rc $?" > $L/tests.rc
   grep -E "two-GPU tests" $OUT/tests.log >> $L/tests.rc ) &

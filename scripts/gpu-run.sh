@@ -51,9 +51,11 @@ if has bench; then
 fi
 if has hybridbench; then
   echo "== Qwen3.6-27B-shaped kernels: the chunked Gated DeltaNet and head_dim-256 causal attention,"
-  echo "   the engine's kernels, then flash-linear-attention's chunk_gated_delta_rule and torch SDPA"
-  DFLASH_BENCH_KERNELS="gdn;attention" $B/bench-kernels 2>&1 | tee "$OUT/hybridbench.log" || status=1
-  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
+  echo "   flash-linear-attention's chunk_gated_delta_rule and torch SDPA, then the engine's kernels"
+  echo "   (each gdn row with its ratio to fla at its shape)"
+  rm -f "$OUT/gdn_peers.json"
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" 2>&1 | tee "$OUT/hybridbench.log" || status=1
+  DFLASH_PEERS="$OUT/gdn_peers.json" DFLASH_BENCH_KERNELS="gdn;attention" $B/bench-kernels 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
 fi
 W=/tmp/q8b
 # T8B=qwen3-8b-shape generates the random target in memory at start-up instead of writing 16 GB.

@@ -318,22 +318,31 @@ fn gdn_run_form(
     (get(be, &o), st.map(|b| get(be, &b)).unwrap_or_default())
 }
 
-/// Every delta-rule kernel that takes these head dims against the CPU (the chunked ones against
-/// the CPU's chunked form, the recurrent one against its recurrent form), from a zero state and
-/// from a given one (the state out compared too), and the chunked kernels against the recurrent.
+/// Every delta-rule kernel, the split tensor-core form first (the trait's default).
+const GDN_FORMS: [GdnForm; 4] = [GdnForm::ChunkedSplit, GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent];
+
+/// Every delta-rule kernel that takes these head dims against the CPU.
 fn gdn_check(what: &str, x: &GdnInputs, starts: &[i32]) {
+    gdn_check_forms(what, x, starts, &GDN_FORMS);
+}
+
+/// `forms` (those that take these head dims) against the CPU (the chunked ones against the CPU's
+/// chunked form, the recurrent one against its recurrent form), from a zero state and from a
+/// given one (the state out compared too), the chunked kernels against the recurrent one on the
+/// GPU, and a rerun bit-identical (outputs and state).
+fn gdn_check_forms(what: &str, x: &GdnInputs, starts: &[i32], forms: &[GdnForm]) {
     let (g, c) = (gpu(), CpuBackend::new());
     let seqs = starts.len() - 1;
     let st0 = rand(seqs * x.sh.v_heads * x.sh.k_dim * x.sh.v_dim, 70, 0.1);
     let (rec, _) = gdn_run_form(&g, x, starts, GdnForm::Recurrent, None);
-    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+    for &form in forms {
         if !form.takes(x.sh.k_dim, x.sh.v_dim) {
             continue;
         }
         let chunked = form != GdnForm::Recurrent;
         // f32 states after hundreds of updates summed in another order: 1e-3 of the largest entry;
-        // the tensor-core kernel rounds its product operands to TF32 (10 mantissa bits): 1e-2.
-        let st_tol = if form == GdnForm::ChunkedTc { 1e-2 } else { 1e-3 };
+        // the tensor-core kernels round their product operands to TF32 (10 mantissa bits): 1e-2.
+        let st_tol = if matches!(form, GdnForm::ChunkedTc | GdnForm::ChunkedSplit) { 1e-2 } else { 1e-3 };
         let (a, _) = gdn_run_form(&g, x, starts, form, None);
         let (b, _) = gdn_run(&c, x, starts, chunked, None);
         rel_err(&format!("gdn {form:?} {what}"), &a, &b, BF16_TOL);
@@ -344,6 +353,9 @@ fn gdn_check(what: &str, x: &GdnInputs, starts: &[i32]) {
         let (b, sb) = gdn_run(&c, x, starts, chunked, Some(&st0));
         rel_err(&format!("gdn {form:?} {what}, state in"), &a, &b, BF16_TOL);
         rel_err(&format!("gdn {form:?} {what}, state out"), &sa, &sb, st_tol);
+        let (a2, sa2) = gdn_run_form(&g, x, starts, form, Some(&st0));
+        bits_equal(&format!("gdn {form:?} {what}: rerun"), &a2, &a);
+        bits_equal(&format!("gdn {form:?} {what}: rerun, state out"), &sa2, &sa);
     }
     // The trait's chunked op runs one of them.
     let (a, _) = gdn_run(&g, x, starts, true, None);
@@ -358,6 +370,10 @@ fn gpu_gdn_chunked_and_recurrent_match_cpu_on_ragged_batches() {
     gdn_check("2/6 heads 16x16 packed", &gdn_inputs(rows, 2, 6, 16, 16, 1), &starts_of(&LENS));
     gdn_check("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 2), &starts_of(&LENS));
     gdn_check("2/4 heads 32x64 packed", &gdn_inputs(rows, 2, 4, 32, 64, 3), &starts_of(&LENS));
+    // Value dims that end in a partial column block of the split form (state pass 32 + 32 + 16,
+    // output 64 + 16) and a key dim below the output block.
+    gdn_check("1/2 heads 48x80 packed", &gdn_inputs(rows, 1, 2, 48, 80, 5), &starts_of(&LENS));
+    gdn_check("1/1 heads 16x48 packed", &gdn_inputs(rows, 1, 1, 16, 48, 6), &starts_of(&LENS));
     // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
     gdn_check("1/2 heads 24x40 packed", &gdn_inputs(rows, 1, 2, 24, 40, 4), &starts_of(&LENS));
     // Each length alone.
@@ -379,7 +395,7 @@ fn gpu_gdn_state_restarts_at_every_sequence_start() {
     let rows: usize = LENS.iter().sum();
     let x = gdn_inputs(rows, 2, 6, 32, 32, 80);
     let (hv, dv) = (6, 32);
-    for form in [GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent] {
+    for form in GDN_FORMS {
         let (packed, _) = gdn_run_form(&g, &x, &starts_of(&LENS), form, None);
         let (joined, _) = gdn_run_form(&g, &x, &[0, rows as i32], form, None);
         let mut r0 = 0;
@@ -405,6 +421,22 @@ fn gpu_gdn_state_restarts_at_every_sequence_start() {
         // And the restart changes something: one long sequence differs after the first start.
         assert!(rel_err_quiet(&joined[hv * dv..], &packed[hv * dv..]) > 1e-2, "the packed batch never restarted");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_split_matches_cpu_at_the_27b_head_shape() {
+    // Qwen3.6-27B's Gated DeltaNet heads (48 value heads over 16 key heads, dk = dv = 128) on the
+    // ragged packed batch, from a zero state and from a given one: the split form (the default)
+    // and the one-CTA-per-sequence tensor-core kernel it replaces, each against the CPU.
+    let rows: usize = LENS.iter().sum();
+    let x = gdn_inputs(rows, 16, 48, 128, 128, 27);
+    gdn_check_forms("16/48 heads 128x128 packed", &x, &starts_of(&LENS), &[GdnForm::ChunkedSplit, GdnForm::ChunkedTc]);
+    // And a batch whose sequences start mid-chunk of the packed rows and end in a one-token chunk.
+    let lens = [129usize, 3, 64];
+    let rows: usize = lens.iter().sum();
+    let x = gdn_inputs(rows, 16, 48, 128, 128, 28);
+    gdn_check_forms("16/48 heads 128x128, 129/3/64", &x, &starts_of(&lens), &[GdnForm::ChunkedSplit]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference timings for benches/kernels.rs's Qwen3.6-27B rows (QWEN35.md sections 4 and 6).
 
-    python3 tests/reference/bench_fla_gdn.py [--reps 20]
+    python3 tests/reference/bench_fla_gdn.py [--reps 20] [--peers peers.json]
 
 - flash-linear-attention's `chunk_gated_delta_rule` (fla-core / flash-linear-attention 0.6, if
   importable; a note otherwise) at the 27B Gated DeltaNet shape: 48 value heads over 16 key
@@ -15,10 +15,15 @@
 Each row: median milliseconds of --reps timed calls (CUDA events) after 3 warm-ups, and the
 throughput in the same FLOP count the engine's bench prints (the chunk form's products for the
 delta rule; 4 * hd * heads * L(L+1)/2 for causal attention), so the rows compare side by side.
+With --peers, the fla milliseconds are also merged into that JSON file (created if missing) as
+gdn_fla_4x3072 and gdn_fla_1x4096: benches/kernels.rs reads it from $DFLASH_PEERS and prints each
+`gdn chunked` row's ratio to fla's time at its shape.
 Exit status 0 even when fla is missing (the SDPA rows still print); non-zero without CUDA.
 """
 
 import argparse
+import json
+import os
 import sys
 
 sys.dont_write_bytecode = True
@@ -60,7 +65,7 @@ def row(name, ms, flops):
     print(f"{name:<52} {ms:>9.3f}ms {flops / (ms * 1e-3) / 1e12:>8.1f} TFLOP/s")
 
 
-def bench_fla(reps):
+def bench_fla(reps, peers):
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:  # noqa: BLE001 - any import failure means: no fla here
@@ -94,6 +99,7 @@ def bench_fla(reps):
             qq, kk = q.repeat_interleave(HV // HK, dim=2), k.repeat_interleave(HV // HK, dim=2)
         ms = median_ms(lambda: call(qq, kk), reps)
         row(f"fla chunk_gated_delta_rule ({len(lens)} x {lens[0]}, 48/16, 128)", ms, gdn_flops(lens))
+        peers[f"gdn_fla_{len(lens)}x{lens[0]}"] = ms
         if note:
             print(note)
 
@@ -114,12 +120,22 @@ def bench_sdpa(reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peers", help="merge the fla times into this JSON file (benches/kernels.rs's DFLASH_PEERS)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_fla_gdn.py: no CUDA device", file=sys.stderr)
         sys.exit(2)
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
-    bench_fla(args.reps)
+    peers = {}
+    bench_fla(args.reps, peers)
+    if args.peers and peers:
+        merged = {}
+        if os.path.exists(args.peers):
+            with open(args.peers) as f:
+                merged = json.load(f)
+        merged.update(peers)
+        with open(args.peers, "w") as f:
+            json.dump(merged, f, indent=1)
     bench_sdpa(args.reps)
 
 

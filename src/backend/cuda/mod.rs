@@ -34,8 +34,8 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_TC_PAD, GDN_THREADS, HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS,
-    QKR_WARPS,
+    DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD,
+    GDN_THREADS, HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS, QKR_WARPS,
 };
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
@@ -1918,9 +1918,13 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         state: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        // Tensor cores where the head dims tile by 16 (every Qwen3.5/3.6 config), else the CUDA-core
-        // kernel, said once.
-        let form = if GdnForm::ChunkedTc.takes(sh.k_dim, sh.v_dim) {
+        // The split tensor-core kernels where the head dims tile by 16 (every Qwen3.5/3.6 config)
+        // and fit shared memory, else the one-CTA-per-sequence tensor-core kernel, else the
+        // CUDA-core kernel, said once.
+        let fits = |f: GdnForm| f.takes(sh.k_dim, sh.v_dim) && f.smem_bytes(sh.k_dim, sh.v_dim) <= self.smem_optin;
+        let form = if fits(GdnForm::ChunkedSplit) {
+            GdnForm::ChunkedSplit
+        } else if fits(GdnForm::ChunkedTc) {
             GdnForm::ChunkedTc
         } else {
             static ONCE: std::sync::Once = std::sync::Once::new();
@@ -2052,12 +2056,21 @@ pub enum GdnForm {
     /// `gdn_chunked_fwd_tc`: chunks of GDN_CHUNK, products on tensor cores (TF32 wmma); head
     /// dims multiples of 16.
     ChunkedTc,
+    /// `gdn_split_prep`, `gdn_split_state`, `gdn_split_out`: the chunked form split so only the
+    /// state recurrence is sequential (chunk-local work parallel over every chunk, the state pass
+    /// over value-column blocks); tensor cores, head dims multiples of 16, f32 scratch in device
+    /// memory (kernels/gdn.cu's header has the bytes).
+    ChunkedSplit,
 }
 
 impl GdnForm {
-    /// Dynamic shared memory in bytes (kernels/gdn.cu's header has the layouts).
+    /// Dynamic shared memory in bytes (kernels/gdn.cu's header has the layouts); for the split
+    /// form the largest of its three kernels'.
     pub fn smem_bytes(self, dk: usize, dv: usize) -> usize {
         let c = GDN_CHUNK;
+        if self == GdnForm::ChunkedSplit {
+            return split_smem(dk, dv).into_iter().max().unwrap_or(0);
+        }
         4 * match self {
             GdnForm::Recurrent => dk * dv + 2 * dk,
             GdnForm::ChunkedSimt => dk * dv + 2 * c * dk + c * dv + c * c + 3 * c,
@@ -2065,13 +2078,39 @@ impl GdnForm {
                 let (lk, lv, la) = (dk + GDN_TC_PAD, dv + GDN_TC_PAD, c + GDN_TC_PAD);
                 dk * lv + 2 * c * lk + c * lv + c * la + 3 * c + (GDN_THREADS / 32) * 16 * 16
             }
+            GdnForm::ChunkedSplit => unreachable!("returned above"),
         }
     }
 
     /// Whether this form's kernel takes these head dims.
     pub fn takes(self, dk: usize, dv: usize) -> bool {
-        self != GdnForm::ChunkedTc || (dk % 16 == 0 && dv % 16 == 0)
+        !matches!(self, GdnForm::ChunkedTc | GdnForm::ChunkedSplit) || (dk % 16 == 0 && dv % 16 == 0)
     }
+}
+
+/// Dynamic shared memory in bytes of gdn_split_prep, gdn_split_state and gdn_split_out
+/// (kernels/gdn.cu's split-form header has the layouts).
+pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
+    let (c, p) = (GDN_CHUNK, GDN_TC_PAD);
+    let (lk, lv, la) = (dk + p, dv + p, c + p);
+    let (lb, lo) = (GDN_SPLIT_BV + p, GDN_SPLIT_OUT_BV + p);
+    [
+        4 * (c * lk + c * lv + c * la + 2 * c),
+        4 * (2 * c * lk + (dk + c) * lb + c),
+        4 * (c * lk.max(lo) + (c * lk).max(dk * lo) + c * la + c * lo + c),
+    ]
+}
+
+/// Chunk slots of the split form's scratch: every chunk of every sequence has its own below this
+/// (kernels/gdn.cu's split-form header).
+pub fn split_slots(rows: usize, n_starts: usize) -> usize {
+    rows.div_ceil(GDN_CHUNK) + n_starts
+}
+
+/// Bytes of the split form's f32 scratch (W, U then V', G, the chunk-start states).
+pub fn split_scratch_bytes(rows: usize, n_starts: usize, v_heads: usize, dk: usize, dv: usize) -> usize {
+    let c = GDN_CHUNK;
+    4 * split_slots(rows, n_starts) * v_heads * (c * (dk + dv + 1) + dk * dv)
 }
 
 impl CudaBackend {
@@ -2095,7 +2134,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let op = match form {
             GdnForm::Recurrent => "gdn_recurrent_fwd",
-            GdnForm::ChunkedSimt | GdnForm::ChunkedTc => "gdn_chunked_fwd",
+            GdnForm::ChunkedSimt | GdnForm::ChunkedTc | GdnForm::ChunkedSplit => "gdn_chunked_fwd",
         };
         let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
         if k_heads == 0 || v_heads % k_heads != 0 || dk == 0 || dv == 0 {
@@ -2143,6 +2182,9 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
+        if form == GdnForm::ChunkedSplit {
+            return self.gdn_split(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs);
+        }
         macro_rules! args {
             ($ty:ident) => {
                 launch::$ty {
@@ -2169,7 +2211,87 @@ impl CudaBackend {
             GdnForm::Recurrent => self.launch(s, launch::GdnRecurrentFwd::KERNEL, cfg, args!(GdnRecurrentFwd)),
             GdnForm::ChunkedSimt => self.launch(s, launch::GdnChunkedFwdSimt::KERNEL, cfg, args!(GdnChunkedFwdSimt)),
             GdnForm::ChunkedTc => self.launch(s, launch::GdnChunkedFwdTc::KERNEL, cfg, args!(GdnChunkedFwdTc)),
+            GdnForm::ChunkedSplit => unreachable!("launched above"),
         }
+    }
+
+    /// The split chunked form (shapes checked by `gdn_launch`): prep over every chunk, the state
+    /// pass over (sequence, head, value block), the output over (chunk, head, value block); the
+    /// scratch is stream-ordered and freed when the three launches are queued.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_split(
+        &self,
+        s: &Stream,
+        sh: &GdnShape,
+        [q, k, v, g, beta]: [&CudaBuf; 5],
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: DevPtr<f32>,
+        state_seqs: usize,
+    ) -> Result<()> {
+        const OP: &str = "gdn_chunked_fwd";
+        let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
+        let n_starts = seq_starts.len;
+        let slots = split_slots(rows, n_starts);
+        let c = GDN_CHUNK;
+        let w = self.alloc_uninit(s, DType::F32, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
+        let uv = self.alloc_uninit(s, DType::F32, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
+        let gs = self.alloc_uninit(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
+        let st = self.alloc_uninit(s, DType::F32, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
+        let [sm_prep, sm_state, sm_out] = split_smem(dk, dv);
+        let prep = launch::GdnSplitPrep {
+            k: k.at(OP, 0)?,
+            v: v.at(OP, 0)?,
+            g: g.at(OP, 0)?,
+            beta: beta.at(OP, 0)?,
+            w_out: w.at(OP, 0)?,
+            u_out: uv.at(OP, 0)?,
+            g_out: gs.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        self.launch(s, launch::GdnSplitPrep::KERNEL, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
+        let state_args = launch::GdnSplitState {
+            k: k.at(OP, 0)?,
+            w_in: w.at(OP, 0)?,
+            u_v: uv.at(OP, 0)?,
+            g_in: gs.at(OP, 0)?,
+            s_out: st.at(OP, 0)?,
+            state,
+            state_seqs,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        let blocks = dv.div_ceil(GDN_SPLIT_BV);
+        let cfg = (n_starts * v_heads * blocks, GDN_SPLIT_STATE_THREADS, sm_state);
+        self.launch(s, launch::GdnSplitState::KERNEL, cfg, state_args)?;
+        let out = launch::GdnSplitOut {
+            q: q.at(OP, 0)?,
+            k: k.at(OP, 0)?,
+            vp: uv.at(OP, 0)?,
+            g_in: gs.at(OP, 0)?,
+            s_in: st.at(OP, 0)?,
+            o: o.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        let blocks = dv.div_ceil(GDN_SPLIT_OUT_BV);
+        self.launch(s, launch::GdnSplitOut::KERNEL, (slots * v_heads * blocks, GDN_THREADS, sm_out), out)
     }
 }
 
@@ -2284,6 +2406,17 @@ mod tests {
         assert!(GdnForm::ChunkedTc.takes(128, 128) && GdnForm::ChunkedTc.takes(16, 32));
         assert!(!GdnForm::ChunkedTc.takes(24, 128) && GdnForm::ChunkedSimt.takes(24, 100));
         assert!(GdnForm::ChunkedSimt.smem_bytes(128, 128) <= 227 * 1024);
+        // The split form's kernels (prep, state pass, output) as its header says, each small
+        // enough for two CTAs per SM (228 KB per SM, 1 KB reserved per CTA).
+        assert_eq!(split_smem(128, 128), [85_504, 95_488, 103_680]);
+        assert_eq!(GdnForm::ChunkedSplit.smem_bytes(128, 128), 103_680);
+        assert!(split_smem(128, 128).iter().all(|&b| 2 * (b + 1024) <= 228 * 1024));
+        assert!(GdnForm::ChunkedSplit.takes(128, 128) && GdnForm::ChunkedSplit.takes(16, 48));
+        assert!(!GdnForm::ChunkedSplit.takes(24, 128) && !GdnForm::ChunkedSplit.takes(128, 40));
+        // Its scratch at the 27B shape (48 value heads, 128/128), as the header says.
+        assert_eq!(split_slots(4 * 3072, 5), 197);
+        assert_eq!(split_scratch_bytes(4 * 3072, 5, 48, 128, 128), 1_241_837_568);
+        assert_eq!(split_scratch_bytes(4096, 2, 48, 128, 128), 416_047_104);
         // The forward substitution gives each thread one column of [W | U] at the 27B dims.
         assert_eq!(GDN_THREADS, 128 + 128);
     }
