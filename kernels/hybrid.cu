@@ -29,6 +29,7 @@
 // FLOPs:    O(1) per element (conv1d: 2K + ~20 for silu); all memory-bound. Target: >= 60% of the
 //           device-to-device copy bandwidth at the 27B shape (these ops are < 2% of the forward).
 #include <climits>
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.cuh"
@@ -239,9 +240,105 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) sigmoid_mul_bf16(__nv_bf
   }
 }
 
-// One item per run of HYB_CONV_ROWS rows of one channel: the channel's weights and its last K - 1
-// inputs stay in registers, so each input is read once (plus K - 1 per run), coalesced across
-// the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
+// One item per run of HYB_CONV_ROWS rows of one channel (four adjacent channels for f32 rows of
+// 16-byte groups): the channels' weights and last K - 1 inputs stay in registers, so each input
+// is read once (plus K - 1 per run), coalesced across the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
+// clears its window there). The taps sum from the oldest input to t, as cpu.rs sums them (the
+// zeros add exactly nothing: a sum that starts at +0 never becomes -0).
+// V consecutive channels of one row as f32 (V == 4: one 16-byte f32 load), and stored back.
+template <int V>
+__device__ __forceinline__ void load_vec(const float* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = p[i];
+  }
+}
+template <int V>
+__device__ __forceinline__ void load_vec(const bf16* p, float (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) v[i] = bf16_to_f32(p[i]);
+}
+template <int V>
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = v[i];
+  }
+}
+template <int V>
+__device__ __forceinline__ void store_vec(bf16* p, const float (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) p[i] = f32_to_bf16_rne(v[i]);
+}
+
+template <class T, int K, int V>
+__device__ __forceinline__ void conv1d_silu_k(const T* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                              T* __restrict__ y, const int* __restrict__ seq_starts, int n_starts,
+                                              long long rows, int channels) {
+  constexpr int R = HYB_CONV_ROWS;
+  const int groups = channels / V;  // V divides channels (the caller checks)
+  const index_t runs = (rows + R - 1) / R;
+  const index_t total = runs * groups;
+  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+    const index_t run = e / groups;
+    const int c0 = (int)(e - run * groups) * V;
+    const index_t t0 = run * R, t1 = min((index_t)rows, t0 + R);
+    // wk[j] multiplies x[t - K + 1 + j]; win[j] = x[t - K + 1 + j] for j < K - 1 (K and V are
+    // template parameters so that both arrays live in registers).
+    float wk[K][V], win[K][V];
+    index_t ss = hyb::seq_start_of(seq_starts, n_starts, t0);
+    index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const index_t src = t0 - (K - 1) + j;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        wk[j][i] = bf16_to_f32(w[(index_t)(c0 + i) * K + j]);
+        win[j][i] = 0.f;
+      }
+      if (j < K - 1 && src >= ss) load_vec<V>(x + src * channels + c0, win[j]);
+    }
+    for (index_t t = t0; t < t1; ++t) {
+      if (t == next) {  // a sequence starts here: nothing before it is visible
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) win[j][i] = 0.f;
+        }
+        next = hyb::next_start_after(seq_starts, n_starts, t);
+      }
+      float xt[V], out[V];
+      load_vec<V>(x + t * channels + c0, xt);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) acc += wk[j][i] * win[j][i];
+        acc += wk[K - 1][i] * xt[i];
+        out[i] = hyb::silu(acc);
+      }
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) win[j][i] = win[j + 1][i];
+      }
+      if (K > 1) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) win[K > 1 ? K - 2 : 0][i] = xt[i];
+      }
+      store_vec<V>(y + t * channels + c0, out);
+    }
+  }
+}
+
+// One item per run of HYB_CONV_ROWS rows of one channel (four adjacent channels for f32 rows of
+// 16-byte groups): the channels' weights and last K - 1 inputs stay in registers, so each input
+// is read once (plus K - 1 per run), coalesced across the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
 // clears its window there). The taps sum from the oldest input to t, as cpu.rs sums them (the
 // zeros add exactly nothing: a sum that starts at +0 never becomes -0).
 template <class T, int K>
@@ -285,9 +382,9 @@ __device__ __forceinline__ void conv1d_silu_k(const T* __restrict__ x, const __n
   }
 }
 
-// One item per run of HYB_CONV_ROWS rows of one channel: the channel's weights and its last K - 1
-// inputs stay in registers, so each input is read once (plus K - 1 per run), coalesced across
-// the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
+// One item per run of HYB_CONV_ROWS rows of one channel (four adjacent channels for f32 rows of
+// 16-byte groups): the channels' weights and last K - 1 inputs stay in registers, so each input
+// is read once (plus K - 1 per run), coalesced across the warp's channels. Inputs before the row's sequence start are zeros (a run that crosses a start
 // clears its window there). The taps sum from the oldest input to t, as cpu.rs sums them (the
 // zeros add exactly nothing: a sum that starts at +0 never becomes -0).
 template <class T>
@@ -295,17 +392,26 @@ __device__ __forceinline__ void conv1d_silu(const T* __restrict__ x, const __nv_
                                             T* __restrict__ y, const int* __restrict__ seq_starts, int n_starts,
                                             long long rows, int channels, int kernel_size) {
   static_assert(HYB_CONV_MAX_K == 8, "one case per kernel size below");
+  // f32 rows of whole 16-byte groups (the target's layout) take four channels an item.
+  const bool vec = std::is_same<T, float>::value && channels % 4 == 0 && ((uintptr_t)x % 16) == 0 &&
+                   ((uintptr_t)y % 16) == 0;
+#define HYB_CONV_CASE(KS)                                                                      \
+  case KS:                                                                                     \
+    if (vec) conv1d_silu_k<T, KS, 4>(x, w, y, seq_starts, n_starts, rows, channels);           \
+    else conv1d_silu_k<T, KS, 1>(x, w, y, seq_starts, n_starts, rows, channels);               \
+    break;
   switch (kernel_size) {
-    case 1: conv1d_silu_k<T, 1>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 2: conv1d_silu_k<T, 2>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 3: conv1d_silu_k<T, 3>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 4: conv1d_silu_k<T, 4>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 5: conv1d_silu_k<T, 5>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 6: conv1d_silu_k<T, 6>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 7: conv1d_silu_k<T, 7>(x, w, y, seq_starts, n_starts, rows, channels); break;
-    case 8: conv1d_silu_k<T, 8>(x, w, y, seq_starts, n_starts, rows, channels); break;
+    HYB_CONV_CASE(1)
+    HYB_CONV_CASE(2)
+    HYB_CONV_CASE(3)
+    HYB_CONV_CASE(4)
+    HYB_CONV_CASE(5)
+    HYB_CONV_CASE(6)
+    HYB_CONV_CASE(7)
+    HYB_CONV_CASE(8)
     default: __trap();
   }
+#undef HYB_CONV_CASE
 }
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) causal_conv1d_silu_bf16(
