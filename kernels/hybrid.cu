@@ -19,7 +19,8 @@
 //           seq_starts: i32 [n_starts], rising from 0; row t belongs to the last listed start
 //           <= t (rows past the last entry form one more sequence, as cpu.rs seq_ranges does).
 // Launch:   every kernel: blockDim.x = HYB_BLOCK (launch.cuh), any grid >= 1 (grid-stride).
-//           Row kernels (norms) give each warp one row at a time: grid ceil(rows / 8). conv1d:
+//           Row kernels (norms) give each warp one row at a time: grid ceil(rows / 8); the bf16
+//           norms move 4 elements (8 bytes) a lane where dim % 4 == 0 and the pointers allow. conv1d:
 //           one item per HYB_CONV_ROWS rows of a channel, kernel_size <= HYB_CONV_MAX_K (traps
 //           otherwise). copy_strided: a CTA per row (grid-stride over rows), 16-byte units where addresses,
 //           strides and width allow.
@@ -103,33 +104,70 @@ __device__ __forceinline__ index_t next_start_after(const int* seq_starts, int n
 
 using hyb::bf16;
 
+namespace hyb {
+
+// Four bf16 at p (8-byte aligned) as f32, and four f32 stored as bf16 (RNE).
+__device__ __forceinline__ void load4(const bf16* p, float (&f)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  f[0] = __uint_as_float(u.x << 16), f[1] = __uint_as_float(u.x & 0xFFFF0000u);
+  f[2] = __uint_as_float(u.y << 16), f[3] = __uint_as_float(u.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void store4_rne(bf16* p, const float (&f)[4]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]));
+}
+__device__ __forceinline__ bool aligned8(const void* p) { return ((uintptr_t)p % 8) == 0; }
+
+// One warp per row, lane l holding the 4-element groups l, l + 32, ... (8-byte accesses; every
+// pointer 8-byte aligned and dim % 4 == 0), or the elements l, l + 32, ... otherwise. f(c, x_c,
+// i) gives output element c from x's element (f32) and i = 1 / sqrt(mean(x^2) + eps).
+template <class F>
+__device__ __forceinline__ void norm_rows(const bf16* __restrict__ x, bf16* __restrict__ y, long long rows, int dim,
+                                          float eps, bool vec, F f) {
+  const int lane = threadIdx.x & 31;
+  for (index_t r = (index_t)blockIdx.x * WARPS + (threadIdx.x >> 5); r < rows; r += (index_t)gridDim.x * WARPS) {
+    const bf16* xr = x + r * dim;
+    bf16* yr = y + r * dim;
+    if (vec) {
+      float ss = 0.f;
+      for (int c = lane * 4; c < dim; c += 128) {
+        float v[4];
+        load4(xr + c, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ss = fmaf(v[i], v[i], ss);
+      }
+      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)dim + eps);
+      for (int c = lane * 4; c < dim; c += 128) {
+        float v[4];
+        load4(xr + c, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = f(r, c + i, v[i], inv);
+        store4_rne(yr + c, v);
+      }
+    } else {
+      const float inv = 1.f / sqrtf(row_sumsq(xr, dim, lane) / (float)dim + eps);
+      for (int c = lane; c < dim; c += 32) yr[c] = f32_to_bf16_rne(f(r, c, bf16_to_f32(xr[c]), inv));
+    }
+  }
+}
+
+}  // namespace hyb
+
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_fwd_bf16(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
     long long rows, int dim, float eps) {
-  const int lane = threadIdx.x & 31;
-  for (index_t r = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); r < rows;
-       r += (index_t)gridDim.x * hyb::WARPS) {
-    const bf16* xr = x + r * dim;
-    const float inv = 1.f / sqrtf(hyb::row_sumsq(xr, dim, lane) / (float)dim + eps);
-    for (int c = lane; c < dim; c += 32) {
-      y[r * dim + c] = f32_to_bf16_rne(bf16_to_f32(xr[c]) * inv * (1.f + bf16_to_f32(w[c])));
-    }
-  }
+  const bool vec = dim % 4 == 0 && hyb::aligned8(x) && hyb::aligned8(w) && hyb::aligned8(y);
+  hyb::norm_rows(x, y, rows, dim, eps, vec, [&](index_t, int c, float xc, float inv) {
+    return xc * inv * (1.f + bf16_to_f32(w[c]));
+  });
 }
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gated_rmsnorm_fwd_bf16(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {
-  const int lane = threadIdx.x & 31;
-  for (index_t r = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); r < rows;
-       r += (index_t)gridDim.x * hyb::WARPS) {
-    const bf16* xr = x + r * dim;
-    const float inv = 1.f / sqrtf(hyb::row_sumsq(xr, dim, lane) / (float)dim + eps);
-    for (int c = lane; c < dim; c += 32) {
-      const float v = bf16_to_f32(xr[c]) * inv * bf16_to_f32(w[c]) * hyb::silu(bf16_to_f32(z[r * dim + c]));
-      y[r * dim + c] = f32_to_bf16_rne(v);
-    }
-  }
+  const bool vec = dim % 4 == 0 && hyb::aligned8(x) && hyb::aligned8(z) && hyb::aligned8(w) && hyb::aligned8(y);
+  hyb::norm_rows(x, y, rows, dim, eps, vec, [&](index_t r, int c, float xc, float inv) {
+    return xc * inv * bf16_to_f32(w[c]) * hyb::silu(bf16_to_f32(z[r * dim + c]));
+  });
 }
 
 // x (bf16 or f32) scaled to unit L2 norm per row, times `scale`, in f32.
