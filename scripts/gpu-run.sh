@@ -19,7 +19,8 @@ has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 named() { [[ " $what " == *" $1 "* ]]; }
 status=0
 # flash-linear-attention from the wheels the bundle carries (scripts/fetch-wheels.sh), if any: on
-# the path of hybridbench's reference only (the transformers oracles run transformers' own code).
+# the path of the fla bench and the transformers target bench only (the transformers oracles run
+# transformers' own code).
 fla_path=""
 if ls $B/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $B/whl/*.whl; then fla_path=/tmp/site; fi
@@ -150,6 +151,9 @@ if named target27b; then
   echo "== the target's forward with taps at the qwen3.6-27b-shape, 4 x 3072 tokens, layers 0..61 (training's first stage)"
   $B/dflash-engine bench-target --device cuda --target $T27B --init-std 0.02 --batch 4 --seq-len 3072 --steps 3 \
     --profile 2>&1 | tee "$OUT/target27b.log" || status=1
+  echo "== its peer: transformers (+ flash-linear-attention) at the same shape, 64 layers and cut after layer 61"
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 tests/reference/bench_target_hf.py --batch 4 --seq-len 3072 \
+    --layers 64,62 --steps 3 --json "$OUT/target27b_hf.json" 2>&1 | tee "$OUT/target27b_hf.log" || status=1
 fi
 if named target8b; then
   echo "== the target's forward with taps at the Qwen3-8B shape, 4 x 3072 tokens, layers 0..31"
