@@ -196,7 +196,7 @@ __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o,
 }  // namespace attn
 
 // The split kernel and its combine pass, at every head dim a preset uses.
-#define ATTN_DECODE_EXPORT(D)                                                                                    \
+#define DEC_EXPORT(D)                                                                                    \
   extern "C" __global__ void __launch_bounds__(DEC_MMA_MAX_WARPS * 32) attn_decode_mma_bf16_hd##D(              \
       const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, float* part_o, float* part_ml,   \
       int rows, int heads, int kv_heads, long long row_stride, int len0, int len_inc, int split_keys,             \
@@ -209,8 +209,8 @@ __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o,
     attn::decode_combine<D>(part_o, part_ml, o, lse, splits);                                                  \
   }
 
-ATTN_DECODE_EXPORT(16)
-ATTN_DECODE_EXPORT(32)
-ATTN_DECODE_EXPORT(64)
-ATTN_DECODE_EXPORT(128)
-ATTN_DECODE_EXPORT(256)
+DEC_EXPORT(16)
+DEC_EXPORT(32)
+DEC_EXPORT(64)
+DEC_EXPORT(128)
+DEC_EXPORT(256)
