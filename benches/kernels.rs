@@ -473,8 +473,9 @@ fn main() {
             }
             let starts = ids(st);
             let sh = dflash_engine::backend::GdnShape { rows: n, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
-            // The split form (the default) beside the one-CTA-per-sequence kernels it replaces.
-            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc, GdnForm::ChunkedSplit] {
+            // The fast split form (the default) beside the f32 split form and the
+            // one-CTA-per-sequence kernels they replace.
+            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc, GdnForm::ChunkedSplit, GdnForm::ChunkedFast] {
                 let t = time(&be, 5, || {
                     be.gdn_launch(form, &s, &sh, [&q, &k, &v, &gl, &beta], &starts, &mut o, None).unwrap()
                 });
