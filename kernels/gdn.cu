@@ -954,7 +954,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV value columns), warp w
 //                   owns rows 16w..16w+15 of the chunk: A = mask(Q K^T) exp(G_i - G_j) in
 //                   registers (f32, then rounded to bf16 as the A operand), o = exp(G_i) (Q S_c)
-//                   + A V'. q and k are read as f32 and rounded to bf16 when staged.
+//                   + A V'. q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in
+//                   three products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the
+//                   largest single error term, tests/reference/gdn_bf16_rounding.py).
 // Scratch: W, Ke [n_slots][v_heads][C][dk] bf16; U then V' [n_slots][v_heads][C][dv] bf16;
 //   G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv] bf16
 //   = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072: 777 MB,
@@ -966,20 +968,20 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
 //          2 (2 stages) x [2 C (dk+P) + C (BV+P)] x 2 + dk (BV+P) 2 + C (BV+P) 2     (95,232)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
-//          2 [C (max(dk, BO)+P) + C (dk+P) + dk (BO+P) + C (BO+P)] + 4 C            (62,720)
-//   (prep, state: 2 CTAs per SM; out: 3.)
+//          2 [2 C (max(dk, BO)+P) + 2 C (dk+P) + dk (BO+P) + C (BO+P)] + 4 C        (97,536)
+//   (2 CTAs per SM each.)
 // Expected time at the 27B shape, 4 x 3072 tokens (H200; estimates from bytes and the
 //   sequential chain, not measured): state ~0.5-0.7 ms (768 CTAs, 2 per SM, 48 chunks each;
 //   per chunk 2 x 64x128x32 bf16 MMAs per CTA and ~40 KB of bf16 loads, prefetched; 0.8 GB of
-//   HBM traffic in all); out ~0.3-0.4 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
+//   HBM traffic in all); out ~0.35-0.5 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
 //   ~0.8-1.2 ms: the split prep's arithmetic, bf16 stores, and (in both preps) the chunk's g
 //   loaded by all threads at once, where thread 0 used to wait out 64 global loads in a row
 //   (~40K cycles, most of a CTA's ~90K at the split prep's measured 1.83 ms) while the CTA
 //   stood at the next barrier. Whole call ~1.7-2.3 ms (the split form: 5.78 ms; fla: 1.33 ms).
-//   Registers (ptxas, sm_90a): prep 111, state 126, out 136; no spills.
+//   Registers (ptxas, sm_90a): prep 111, state 126, out 170; no spills.
 // Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
-//   ~2e-3 relative each), the running state and every accumulator stay f32; flash-linear-
-//   attention rounds the same operands to bf16.
+//   ~2e-3 relative each), q and k kept as hi + lo pairs, the running state and every accumulator
+//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16.
 
 #include "mma.cuh"
 
@@ -1006,12 +1008,16 @@ __device__ __forceinline__ void tile_async_bf16(bf16* dst, int dld, const bf16* 
   }
 }
 
-// rows x cols f32 (cols % 4 == 0) from global, rounded to bf16 into shared dst (pitch dld);
+// rows x cols f32 (cols % 4 == 0) from global as two bf16 tiles in shared memory (pitch dld):
+// hi = bf16(x) at dst and lo = bf16(x - hi) at dst + lo_off (hi + lo keeps ~16 mantissa bits);
 // rows >= valid_rows zero. Loads go out in batches of FB per thread before their stores, so a
 // thread waits for one global latency per batch, not per element.
 constexpr int FB = 8;
-__device__ __forceinline__ void tile_f32_to_bf16(bf16* dst, int dld, const float* __restrict__ src, index_t sld,
-                                                 int rows, int cols, int valid_rows, int tid, int nt) {
+__device__ __forceinline__ uint32_t lo_part(float a, float b, uint32_t hi) {
+  return attn::pack_op(a - bf16x2_lo_to_f32(hi), b - bf16x2_hi_to_f32(hi));
+}
+__device__ __forceinline__ void tile_f32_to_bf16x2(bf16* dst, int lo_off, int dld, const float* __restrict__ src,
+                                                   index_t sld, int rows, int cols, int valid_rows, int tid, int nt) {
   const int c4 = cols / 4, n = rows * c4;
   for (int e0 = tid; e0 < n; e0 += FB * nt) {
     float4 x[FB];
@@ -1025,8 +1031,10 @@ __device__ __forceinline__ void tile_f32_to_bf16(bf16* dst, int dld, const float
     for (int u = 0; u < FB; ++u) {
       const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
       if (e < n) {
-        *reinterpret_cast<uint2*>(dst + i * dld + c) =
-            make_uint2(attn::pack_op(x[u].x, x[u].y), attn::pack_op(x[u].z, x[u].w));
+        const uint32_t h0 = attn::pack_op(x[u].x, x[u].y), h1 = attn::pack_op(x[u].z, x[u].w);
+        *reinterpret_cast<uint2*>(dst + i * dld + c) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(dst + lo_off + i * dld + c) =
+            make_uint2(lo_part(x[u].x, x[u].y, h0), lo_part(x[u].z, x[u].w, h1));
       }
     }
   }
@@ -1288,9 +1296,11 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
 }
 
 // One CTA per (chunk slot, value head, block of BO value columns); warp w owns the chunk's rows
-// [16 w, 16 w + 16). Shared memory (bf16): Q, then the output rows [C][max(dk, BO)+P] | K [C][dk+P]
-// | S_c [dk][BO+P] | V' [C][BO+P] | G [C] f32.
-extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 3) gdn_fast_out(
+// [16 w, 16 w + 16). q and k are split into bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi,
+// Q S_c takes hi + lo (S_c is bf16). Shared memory (bf16): Q hi, then the output rows
+// [C][max(dk, BO)+P] | Q lo [C][max(dk, BO)+P] | K hi [C][dk+P] | K lo [C][dk+P] | S_c [dk][BO+P] |
+// V' [C][BO+P] | G [C] f32.
+extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
     const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
@@ -1301,9 +1311,9 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 3) gdn_fast_o
   const int lk = dk + gdn::FP;
   const int lq = (dk > FBO ? dk : FBO) + gdn::FP;
   constexpr int lb = FBO + gdn::FP;
-  bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq]
-  bf16* sK = sQ + C * lq;                    // [C][lk]
-  bf16* sS = sK + C * lk;                    // [dk][lb]
+  bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
+  bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
+  bf16* sS = sK + 2 * C * lk;                // [dk][lb]
   bf16* sV = sS + dk * lb;                   // [C][lb]
   float* sG = reinterpret_cast<float*>(sV + C * lb);
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
@@ -1325,28 +1335,36 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 3) gdn_fast_o
   gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
   gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
   attn::cp_async_commit();
-  gdn::tile_f32_to_bf16(sQ, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_f32_to_bf16(sK, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_f32_to_bf16x2(sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_f32_to_bf16x2(sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
   for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
   attn::cp_async_wait<0>();
   __syncthreads();
   const int i0 = warp * 16;
   if (i0 < L) {  // warp-uniform; no barrier below
     const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
+    const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
     // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 warp + 1).
     float pa[C / 8][4];
 #pragma unroll
     for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
     {
       const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
+      const uint32_t k_lo = (uint32_t)(C * lk * 2);
       for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4];
+        uint32_t a[4], al[4];
         attn::ldsm_x4(a, q_base + kk * 32);
+        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
         for (int nn = 0; nn < C / 16; ++nn) {
           if (nn > warp) continue;
-          uint32_t bq[4];
+          uint32_t bq[4], bl[4];
           attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+          attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+          attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
+          attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
+          attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
+          attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
           attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
           attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
         }
@@ -1368,13 +1386,16 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 3) gdn_fast_o
     {
       const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
       for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4];
+        uint32_t a[4], al[4];
         attn::ldsm_x4(a, q_base + kk * 32);
+        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
         for (int nn = 0; nn < FBO / 16; ++nn) {
           if (2 * nn >= nb) continue;
           uint32_t bq[4];
           attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
           attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
           attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
         }
