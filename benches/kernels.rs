@@ -334,7 +334,8 @@ fn main() {
     }
 
     // Decoding attention over a KV cache: bytes = the cache rows read (K and V) + q and o. Every
-    // cache is larger than L2. c<N>: the split's target in CTAs per SM (the default is c2).
+    // cache is larger than L2. c<N>: the split's target in CTAs per SM (the default: c2, c1 at
+    // head_dim 256).
     if want("decode") {
         use dflash_engine::backend::cuda::DecodeTuning;
         use dflash_engine::backend::DecodeAttnShape;
@@ -473,8 +474,9 @@ fn main() {
             }
             let starts = ids(st);
             let sh = dflash_engine::backend::GdnShape { rows: n, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
-            // The split form (the default) beside the one-CTA-per-sequence kernels it replaces.
-            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc, GdnForm::ChunkedSplit] {
+            // The fast split form (the default) beside the f32 split form and the
+            // one-CTA-per-sequence kernels they replace.
+            for form in [GdnForm::ChunkedSimt, GdnForm::ChunkedTc, GdnForm::ChunkedSplit, GdnForm::ChunkedFast] {
                 let t = time(&be, 5, || {
                     be.gdn_launch(form, &s, &sh, [&q, &k, &v, &gl, &beta], &starts, &mut o, None).unwrap()
                 });

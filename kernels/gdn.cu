@@ -600,19 +600,20 @@ __device__ __forceinline__ void mma_acc3(Acc& acc, const float* a, int lda, cons
 
 }  // namespace gdn
 
-// One CTA per (chunk slot, value head): G, A, and the solve for W and U, written to scratch.
-// Shared memory (f32): K, then W [C][dk+P] | V, then U [C][dv+P] | A [C][C+P] | G [C] | beta [C].
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
-    const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
-    const __nv_bfloat16* __restrict__ beta, float* __restrict__ w_out, float* __restrict__ u_out,
-    float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads,
-    int v_heads, int dk, int dv) {
-  using gdn::C;
-  using gdn::T;
-  namespace wm = gdn::wm;
-  extern __shared__ __align__(128) float smem[];
-  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
-  constexpr int la = C + gdn::PAD;
+namespace gdn {
+
+// The split forms' prep up to the solve (gdn_split_prep, gdn_fast_prep): CTA (slot, value head)
+// loads its chunk, takes G, A and solves (I + A) [W | U] = [diag(beta exp(G)) K | diag(beta) V];
+// on return (after a barrier) smem holds W [C][dk+P] | U [C][dv+P] | A [C][C+P] | G [C] | beta [C]
+// in f32 (rows >= L zero, G's pad repeats G_L). False (before any barrier, so the whole CTA
+// returns) when no chunk has this slot.
+__device__ __forceinline__ bool prep_solve(const float* __restrict__ k, const float* __restrict__ v,
+                                           const float* __restrict__ g, const __nv_bfloat16* __restrict__ beta,
+                                           const int* __restrict__ seq_starts, int n_starts, long long rows,
+                                           int k_heads, int v_heads, int dk, int dv, float* smem, index_t& slot,
+                                           index_t& c0, int& L) {
+  const int lk = dk + PAD, lv = dv + PAD;
+  constexpr int la = C + PAD;
   float* X = smem;        // [C][lk]
   float* U = X + C * lk;  // [C][lv]
   float* A = U + C * lv;  // [C][la]
@@ -621,33 +622,36 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5;
   if (blockDim.x != GDN_THREADS || (dk % T) != 0 || (dv % T) != 0) __trap();
   const int h = (int)(blockIdx.x % (unsigned)v_heads);
-  const index_t slot = (index_t)(blockIdx.x / (unsigned)v_heads);
+  slot = (index_t)(blockIdx.x / (unsigned)v_heads);
   int b;
-  index_t c0;
-  int L;
-  if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  if (!slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return false;
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
-  gdn::tile_async(X, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_async(U, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
-  for (int i = tid; i < C; i += nt) Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
+  tile_async(X, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  tile_async(U, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
+  for (int i = tid; i < C; i += nt) {
+    Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
+    G[i] = i < L ? g[(c0 + i) * v_heads + h] : 0.f;  // loaded in parallel, summed below
+  }
+  cp_commit_wait_all();
+  __syncthreads();
   if (tid == 0) {
-    // Sequential, as cpu.rs accumulates it; the pad repeats G_L.
+    // Sequential, as cpu.rs accumulates it (from shared memory: one global latency, not C); the
+    // pad repeats G_L.
     float acc = 0.f;
     for (int i = 0; i < C; ++i) {
-      if (i < L) acc += g[(c0 + i) * v_heads + h];
+      if (i < L) acc += G[i];
       G[i] = acc;
     }
   }
-  gdn::cp_commit_wait_all();
-  __syncthreads();
+  // (G is next read after the barrier that follows A.)
   // A = K K^T, the tiles on or below the diagonal (the mask zeroes the rest).
-  for (int t = warp; t < (C / T) * (C / T); t += gdn::WARPS) {
+  for (int t = warp; t < (C / T) * (C / T); t += WARPS) {
     const int i0 = (t / (C / T)) * T, j0 = (t % (C / T)) * T;
     if (j0 > i0) continue;
-    gdn::Acc acc;
+    Acc acc;
     wm::fill_fragment(acc, 0.f);
-    gdn::mma_acc3<wm::row_major, wm::col_major>(acc, X + i0 * lk, lk, X + j0 * lk, lk, dk, false);
+    mma_acc3<wm::row_major, wm::col_major>(acc, X + i0 * lk, lk, X + j0 * lk, lk, dk, false);
     wm::store_matrix_sync(A + i0 * la + j0, acc, la, wm::mem_row_major);
   }
   __syncthreads();
@@ -669,12 +673,12 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
   const int col_tiles = dk / T + dv / T;
   for (int r0 = 0; r0 < C; r0 += T) {
     if (r0 > 0) {
-      for (int t = warp; t < col_tiles; t += gdn::WARPS) {
+      for (int t = warp; t < col_tiles; t += WARPS) {
         float* Xc = t < dk / T ? X + t * T : U + (t - dk / T) * T;
         const int ld = t < dk / T ? lk : lv;
-        gdn::Acc acc;
+        Acc acc;
         wm::load_matrix_sync(acc, Xc + r0 * ld, ld, wm::mem_row_major);
-        gdn::mma_acc3<wm::row_major, wm::row_major>(acc, A + r0 * la, la, Xc, ld, r0, true);
+        mma_acc3<wm::row_major, wm::row_major>(acc, A + r0 * la, la, Xc, ld, r0, true);
         // Each tile is read and written by its own warp only; the rows it reads (< r0) are final.
         wm::store_matrix_sync(Xc + r0 * ld, acc, ld, wm::mem_row_major);
       }
@@ -696,6 +700,29 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
     }
     __syncthreads();
   }
+  return true;
+}
+
+}  // namespace gdn
+
+// One CTA per (chunk slot, value head): G, A, and the solve for W and U, written to scratch.
+// Shared memory (f32): K, then W [C][dk+P] | V, then U [C][dv+P] | A [C][C+P] | G [C] | beta [C].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_prep(
+    const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const __nv_bfloat16* __restrict__ beta, float* __restrict__ w_out, float* __restrict__ u_out,
+    float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads,
+    int v_heads, int dk, int dv) {
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
+  float* X = smem;
+  float* U = X + gdn::C * lk;
+  float* G = U + gdn::C * lv + gdn::C * (gdn::C + gdn::PAD);
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int h = (int)(blockIdx.x % (unsigned)v_heads);
+  using gdn::C;
+  index_t slot, c0;
+  int L;
+  if (!gdn::prep_solve(k, v, g, beta, seq_starts, n_starts, rows, k_heads, v_heads, dk, dv, smem, slot, c0, L)) return;
   const index_t sh = slot * v_heads + h;
   float* wo = w_out + sh * C * dk;
   float* uo = u_out + sh * C * dv;
@@ -905,5 +932,517 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
   for (int e = tid; e < L * bw; e += nt) {
     const int i = e / bw, c = e - i * bw;
     oh[(index_t)i * vw + c] = f32_to_bf16_rne(sO[i * lb + c]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fast split form: the split form's three steps with bf16 scratch and bf16 tensor-core
+// operands (mma.sync m16n8k16, f32 accumulators; mma.cuh), as flash-linear-attention's
+// chunk_gated_delta_rule keeps its w, u, v_new and per-chunk states h in bf16.
+//
+// Math (as the split form, per chunk of L <= C tokens, value head h):
+//   gdn_fast_prep   the split prep's f32 solve (prep_solve: 3xTF32 products, f32 substitution);
+//                   W, U written rounded to bf16, and Ke = diag(exp(G_L - G_j)) K (bf16, rows
+//                   >= L zero) so the state pass needs neither k nor G per row.
+//   gdn_fast_state  per (sequence, value head, block of GDN_FAST_BV value columns): the state
+//                   block S [dk][BV] lives in the warps' f32 MMA accumulators for the whole
+//                   sequence (warp w owns the 16-row tiles w, w + 4 of dk). Per chunk:
+//                   S_c = bf16(S) (stored, and the B operand of the next product);
+//                   V' = bf16(U - W S_c) (stored over U);  S = exp(G_L) S + Ke^T V'.
+//                   The next chunk's W, Ke, U arrive by cp.async (double-buffered) while the
+//                   current one computes. The last S (f32) is the state out.
+//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV value columns), warp w
+//                   owns rows 16w..16w+15 of the chunk: A = mask(Q K^T) exp(G_i - G_j) in
+//                   registers (f32, then rounded to bf16 as the A operand), o = exp(G_i) (Q S_c)
+//                   + A V'. q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in
+//                   three products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the
+//                   largest single error term, tests/reference/gdn_bf16_rounding.py).
+// Scratch: W, Ke [n_slots][v_heads][C][dk] bf16; U then V' [n_slots][v_heads][C][dv] bf16;
+//   G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv] bf16
+//   = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072: 777 MB,
+//   0.63x the split form's).
+// Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
+//   launcher uses the split form otherwise).
+// Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
+//   prep   grid n_slots * v_heads, GDN_THREADS; the split prep's               (85,504)
+//   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
+//          2 (2 stages) x [2 C (dk+P) + C (BV+P)] x 2 + dk (BV+P) 2 + C (BV+P) 2     (95,232)
+//   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
+//          2 [2 C (max(dk, BO)+P) + 2 C (dk+P) + dk (BO+P) + C (BO+P)] + 4 C        (97,536)
+//   (2 CTAs per SM each.)
+// Expected time at the 27B shape, 4 x 3072 tokens (H200; estimates from bytes and the
+//   sequential chain, not measured): state ~0.5-0.7 ms (768 CTAs, 2 per SM, 48 chunks each;
+//   per chunk 2 x 64x128x32 bf16 MMAs per CTA and ~40 KB of bf16 loads, prefetched; 0.8 GB of
+//   HBM traffic in all); out ~0.35-0.5 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
+//   ~0.8-1.2 ms: the split prep's arithmetic, bf16 stores, and (in both preps) the chunk's g
+//   loaded by all threads at once, where thread 0 used to wait out 64 global loads in a row
+//   (~40K cycles, most of a CTA's ~90K at the split prep's measured 1.83 ms) while the CTA
+//   stood at the next barrier. Whole call ~1.7-2.3 ms (the split form: 5.78 ms; fla: 1.33 ms).
+//   Registers (ptxas, sm_90a): prep 111, state 126, out 170; no spills.
+// Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
+//   ~2e-3 relative each), q and k kept as hi + lo pairs, the running state and every accumulator
+//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16.
+
+#include "mma.cuh"
+
+namespace gdn {
+
+using attn::bf16;
+constexpr int FP = GDN_FAST_PAD;               // bf16 padding per shared-memory row
+constexpr int FBV = GDN_FAST_BV;               // state pass: value columns per CTA
+constexpr int FBO = GDN_FAST_OUT_BV;           // output: value columns per CTA
+constexpr int FW_S = GDN_FAST_STATE_THREADS / 32;
+constexpr int FW_O = GDN_FAST_OUT_THREADS / 32;
+static_assert(FW_S * 16 == C && FW_O * 16 == C, "one warp per 16 rows of a chunk");
+static_assert(FBV % 16 == 0 && FBO % 16 == 0, "value blocks of whole 16-column tiles");
+
+// rows x cols bf16 (cols % 8 == 0) from global src (row pitch sld elements, 16-byte aligned
+// rows) to shared dst (pitch dld); rows >= valid_rows zero-filled.
+__device__ __forceinline__ void tile_async_bf16(bf16* dst, int dld, const bf16* src, index_t sld, int rows, int cols,
+                                                int valid_rows, int tid, int nt) {
+  const int c8 = cols / 8;
+  for (int e = tid; e < rows * c8; e += nt) {
+    const int i = e / c8, c = (e - i * c8) * 8;
+    const bool ok = i < valid_rows;
+    attn::cp_async_16(attn::smem_u32(dst + i * dld + c), ok ? src + (index_t)i * sld + c : src, ok);
+  }
+}
+
+// rows x cols f32 (cols % 4 == 0) from global as two bf16 tiles in shared memory (pitch dld):
+// hi = bf16(x) at dst and lo = bf16(x - hi) at dst + lo_off (hi + lo keeps ~16 mantissa bits);
+// rows >= valid_rows zero. Loads go out in batches of FB per thread before their stores, so a
+// thread waits for one global latency per batch, not per element.
+constexpr int FB = 8;
+__device__ __forceinline__ uint32_t lo_part(float a, float b, uint32_t hi) {
+  return attn::pack_op(a - bf16x2_lo_to_f32(hi), b - bf16x2_hi_to_f32(hi));
+}
+__device__ __forceinline__ void tile_f32_to_bf16x2(bf16* dst, int lo_off, int dld, const float* __restrict__ src,
+                                                   index_t sld, int rows, int cols, int valid_rows, int tid, int nt) {
+  const int c4 = cols / 4, n = rows * c4;
+  for (int e0 = tid; e0 < n; e0 += FB * nt) {
+    float4 x[FB];
+#pragma unroll
+    for (int u = 0; u < FB; ++u) {
+      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
+      x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < n && i < valid_rows) x[u] = __ldg(reinterpret_cast<const float4*>(src + (index_t)i * sld + c));
+    }
+#pragma unroll
+    for (int u = 0; u < FB; ++u) {
+      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
+      if (e < n) {
+        const uint32_t h0 = attn::pack_op(x[u].x, x[u].y), h1 = attn::pack_op(x[u].z, x[u].w);
+        *reinterpret_cast<uint2*>(dst + i * dld + c) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(dst + lo_off + i * dld + c) =
+            make_uint2(lo_part(x[u].x, x[u].y, h0), lo_part(x[u].z, x[u].w, h1));
+      }
+    }
+  }
+}
+
+// rows x cols bf16 (cols % 8 == 0) from shared src (pitch sld) to global dst (pitch dld).
+__device__ __forceinline__ void tile_store_bf16(bf16* dst, index_t dld, const bf16* src, int sld, int rows, int cols,
+                                                int tid, int nt) {
+  const int c8 = cols / 8;
+  for (int e = tid; e < rows * c8; e += nt) {
+    const int i = e / c8, c = (e - i * c8) * 8;
+    *reinterpret_cast<uint4*>(dst + (index_t)i * dld + c) = *reinterpret_cast<const uint4*>(src + i * sld + c);
+  }
+}
+
+// ldmatrix lane offsets (bytes) into a row-major bf16 tile of pitch ld:
+//   a_rows: the A operand (m16 x k16) of rows m, columns k (non-transposed);
+//   a_cols: the A operand of a tile stored transposed ([k][m]: element (m, k) at row k, column m);
+//   b_rows: two n8 B operands (k16 x n16) of a tile stored [k][n] (transposed load), as mma_pb;
+//   b_cols: two n8 B operands of a tile stored [n][k] (B^T row-major), as mma_abt.
+__device__ __forceinline__ uint32_t off_a_rows(int lane, int ld) {
+  return (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t off_a_cols(int lane, int ld) {
+  return (uint32_t)((((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t off_b_rows(int lane, int ld) {
+  return (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t off_b_cols(int lane, int ld) {
+  return (uint32_t)((((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8) * 2);
+}
+
+}  // namespace gdn
+
+// The split prep's solve, written as bf16 W, U and Ke (see above). Shared memory: the split
+// prep's.
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
+    const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out,
+    __nv_bfloat16* __restrict__ ke_out, float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts,
+    long long rows, int k_heads, int v_heads, int dk, int dv) {
+  extern __shared__ __align__(128) float smem[];
+  using gdn::C;
+  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
+  const float* X = smem;
+  const float* U = X + C * lk;
+  const float* G = U + C * lv + C * (C + gdn::PAD);
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int h = (int)(blockIdx.x % (unsigned)v_heads);
+  index_t slot, c0;
+  int L;
+  if (!gdn::prep_solve(k, v, g, beta, seq_starts, n_starts, rows, k_heads, v_heads, dk, dv, smem, slot, c0, L)) return;
+  const index_t sh = slot * v_heads + h;
+  __nv_bfloat16* wo = w_out + sh * C * dk;
+  __nv_bfloat16* uo = u_out + sh * C * dv;
+  __nv_bfloat16* ko = ke_out + sh * C * dk;
+  const index_t kw = (index_t)k_heads * dk;
+  const float* kin = k + c0 * kw + (index_t)(h / (v_heads / k_heads)) * dk;
+  const float gl = G[L - 1];
+  const int c4 = dk / 4, n = C * c4;
+  for (int e0 = tid; e0 < n; e0 += gdn::FB * nt) {
+    // k again (L2: this CTA just read it), the loads of a batch before any use.
+    float4 x[gdn::FB];
+#pragma unroll
+    for (int u = 0; u < gdn::FB; ++u) {
+      const int e = e0 + u * nt, i = e / c4, d = (e - i * c4) * 4;
+      x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < n && i < L) x[u] = __ldg(reinterpret_cast<const float4*>(kin + (index_t)i * kw + d));
+    }
+#pragma unroll
+    for (int u = 0; u < gdn::FB; ++u) {
+      const int e = e0 + u * nt, i = e / c4, d = (e - i * c4) * 4;
+      if (e >= n) continue;
+      const float4 w = *reinterpret_cast<const float4*>(X + i * lk + d);
+      *reinterpret_cast<uint2*>(wo + i * dk + d) = make_uint2(pack_bf16x2_rne(w.x, w.y), pack_bf16x2_rne(w.z, w.w));
+      const float f = i < L ? expf(gl - G[i]) : 0.f;
+      *reinterpret_cast<uint2*>(ko + i * dk + d) =
+          make_uint2(pack_bf16x2_rne(x[u].x * f, x[u].y * f), pack_bf16x2_rne(x[u].z * f, x[u].w * f));
+    }
+  }
+  for (int e = tid; e < C * dv / 4; e += nt) {
+    const int i = e / (dv / 4), c = (e - i * (dv / 4)) * 4;
+    const float4 u = *reinterpret_cast<const float4*>(U + i * lv + c);
+    *reinterpret_cast<uint2*>(uo + i * dv + c) = make_uint2(pack_bf16x2_rne(u.x, u.y), pack_bf16x2_rne(u.z, u.w));
+  }
+  for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
+}
+
+// One CTA per (sequence, value head, block of BV value columns), the chunks in order, the state
+// block in the warps' accumulators. Shared memory (bf16): 2 stages of [W [C][dk+P] | Ke [C][dk+P]
+// | U [C][BV+P]] | S_c [dk][BV+P] | V' [C][BV+P].
+extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast_state(
+    const __nv_bfloat16* __restrict__ w_in, const __nv_bfloat16* __restrict__ ke_in, __nv_bfloat16* __restrict__ u_v,
+    const float* __restrict__ g_in, __nv_bfloat16* __restrict__ s_out, float* __restrict__ state, int state_seqs,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+  using gdn::C;
+  using gdn::FBV;
+  using gdn::bf16;
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::FP;
+  constexpr int lb = FBV + gdn::FP;
+  const int stage = 2 * C * lk + C * lb;  // bf16 elements per stage
+  bf16* base_s = reinterpret_cast<bf16*>(smem);
+  bf16* sS = base_s + 2 * stage;  // [dk][lb]
+  bf16* sV = sS + dk * lb;        // [C][lb]
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  const int gr = lane >> 2, tq = lane & 3;
+  if (blockDim.x != GDN_FAST_STATE_THREADS || (dk % 16) != 0 || dk > 32 * gdn::FW_S || (dv % 16) != 0) __trap();
+  const int nvb = (dv + FBV - 1) / FBV;
+  const int vb = (int)(blockIdx.x % (unsigned)nvb);
+  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
+  const int b = (int)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
+  index_t r0, r1;
+  gdn::seq_range(seq_starts, n_starts, rows, b, r0, r1);
+  if (r1 <= r0) return;
+  const int v0 = vb * FBV, bw = min(FBV, dv - v0);  // a multiple of 16
+  const int nb = bw / 8;                            // n8 tiles in use
+  (void)k_heads;
+  float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
+  // The state block: warp w owns dk rows [16 m, 16 m + 16) for m = w, w + FW_S (those < dk / 16).
+  float acc[2][FBV / 8][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int m = warp + u * gdn::FW_S;
+#pragma unroll
+    for (int n = 0; n < FBV / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = m * 16 + gr + 8 * (e >> 1), c = n * 8 + 2 * tq + (e & 1);
+        acc[u][n][e] = (st && m * 16 < dk && n < nb) ? st[(index_t)d * dv + v0 + c] : 0.f;
+      }
+    }
+  }
+  const index_t base = r0 / C + b;
+  const index_t n_chunks = (r1 - r0 + C - 1) / C;
+  auto prefetch = [&](index_t j) {
+    bf16* sw = base_s + (int)(j & 1) * stage;
+    const index_t sh = (base + j) * v_heads + h;
+    gdn::tile_async_bf16(sw, lk, w_in + sh * C * dk, dk, C, dk, C, tid, nt);
+    gdn::tile_async_bf16(sw + C * lk, lk, ke_in + sh * C * dk, dk, C, dk, C, tid, nt);
+    gdn::tile_async_bf16(sw + 2 * C * lk, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  };
+  prefetch(0);
+  attn::cp_async_commit();
+  for (index_t j = 0; j < n_chunks; ++j) {
+    // The previous chunk ended with a barrier: the other stage, sS and sV are free.
+    if (j + 1 < n_chunks) prefetch(j + 1);
+    attn::cp_async_commit();
+    const index_t sh = (base + j) * v_heads + h;
+    const float gl = g_in[sh * C + C - 1];  // G's pad repeats G_L
+    // S_c = bf16(S) into sS (each warp its own rows).
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int m = warp + u * gdn::FW_S;
+      if (m * 16 >= dk) continue;
+#pragma unroll
+      for (int n = 0; n < FBV / 8; ++n) {
+        if (n >= nb) continue;
+        bf16* p = sS + (m * 16 + gr) * lb + n * 8 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(acc[u][n][0], acc[u][n][1]);
+        *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(acc[u][n][2], acc[u][n][3]);
+      }
+    }
+    attn::cp_async_wait<1>();  // this chunk's W, Ke, U
+    __syncthreads();
+    const bf16* sW = base_s + (int)(j & 1) * stage;
+    const bf16* sK = sW + C * lk;
+    const bf16* sU = sK + C * lk;
+    gdn::tile_store_bf16(s_out + sh * dk * dv + v0, dv, sS, lb, dk, bw, tid, nt);
+    // V' = U - W S_c for rows [16 warp, 16 warp + 16): W's fragments negated (exact in bf16).
+    float pv[FBV / 8][4];
+#pragma unroll
+    for (int n = 0; n < FBV / 8; ++n) {
+      const bf16* p = sU + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
+      const bool ok = n < nb;
+      const uint32_t lo = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+      const uint32_t hi = ok ? *reinterpret_cast<const uint32_t*>(p + 8 * lb) : 0u;
+      pv[n][0] = bf16x2_lo_to_f32(lo);
+      pv[n][1] = bf16x2_hi_to_f32(lo);
+      pv[n][2] = bf16x2_lo_to_f32(hi);
+      pv[n][3] = bf16x2_hi_to_f32(hi);
+    }
+    {
+      const uint32_t a_base = attn::smem_u32(sW) + (uint32_t)(warp * 16 * lk * 2) + gdn::off_a_rows(lane, lk);
+      const uint32_t b_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
+      for (int kk = 0; kk < dk / 16; ++kk) {
+        uint32_t a[4];
+        attn::ldsm_x4(a, a_base + kk * 32);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) a[x] ^= 0x80008000u;
+#pragma unroll
+        for (int nn = 0; nn < FBV / 16; ++nn) {
+          if (2 * nn >= nb) continue;
+          uint32_t bq[4];
+          attn::ldsm_x4_t(bq, b_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(pv[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(pv[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < FBV / 8; ++n) {
+      if (n >= nb) continue;
+      bf16* p = sV + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(pv[n][0], pv[n][1]);
+      *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(pv[n][2], pv[n][3]);
+    }
+    __syncthreads();  // V' complete; every warp is done with sS
+    gdn::tile_store_bf16(u_v + sh * C * dv + v0, dv, sV, lb, C, bw, tid, nt);
+    // S = exp(G_L) S + Ke^T V': A = Ke^T (Ke stored [C][dk]: transposed loads), B = V' [C][bw].
+    const float end_decay = expf(gl);
+    {
+      const uint32_t a_base = attn::smem_u32(sK) + gdn::off_a_cols(lane, lk);
+      const uint32_t b_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int m = warp + u * gdn::FW_S;
+        if (m * 16 >= dk) continue;
+#pragma unroll
+        for (int n = 0; n < FBV / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[u][n][e] *= end_decay;
+        }
+#pragma unroll
+        for (int kk = 0; kk < C / 16; ++kk) {
+          uint32_t a[4];
+          attn::ldsm_x4_t(a, a_base + (uint32_t)(kk * 16 * lk * 2) + m * 32);
+#pragma unroll
+          for (int nn = 0; nn < FBV / 16; ++nn) {
+            if (2 * nn >= nb) continue;
+            uint32_t bq[4];
+            attn::ldsm_x4_t(bq, b_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+            attn::mma16816(acc[u][2 * nn], a, bq[0], bq[1]);
+            attn::mma16816(acc[u][2 * nn + 1], a, bq[2], bq[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage, sS and sV
+  }
+  attn::cp_async_wait<0>();
+  if (st) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int m = warp + u * gdn::FW_S;
+      if (m * 16 >= dk) continue;
+#pragma unroll
+      for (int n = 0; n < FBV / 8; ++n) {
+        if (n >= nb) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = m * 16 + gr + 8 * (e >> 1), c = n * 8 + 2 * tq + (e & 1);
+          st[(index_t)d * dv + v0 + c] = acc[u][n][e];
+        }
+      }
+    }
+  }
+}
+
+// One CTA per (chunk slot, value head, block of BO value columns); warp w owns the chunk's rows
+// [16 w, 16 w + 16). q and k are split into bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi,
+// Q S_c takes hi + lo (S_c is bf16). Shared memory (bf16): Q hi, then the output rows
+// [C][max(dk, BO)+P] | Q lo [C][max(dk, BO)+P] | K hi [C][dk+P] | K lo [C][dk+P] | S_c [dk][BO+P] |
+// V' [C][BO+P] | G [C] f32.
+extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
+    const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
+    const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+  using gdn::C;
+  using gdn::FBO;
+  using gdn::bf16;
+  extern __shared__ __align__(128) float smem[];
+  const int lk = dk + gdn::FP;
+  const int lq = (dk > FBO ? dk : FBO) + gdn::FP;
+  constexpr int lb = FBO + gdn::FP;
+  bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
+  bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
+  bf16* sS = sK + 2 * C * lk;                // [dk][lb]
+  bf16* sV = sS + dk * lb;                   // [C][lb]
+  float* sG = reinterpret_cast<float*>(sV + C * lb);
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  const int gr = lane >> 2, tq = lane & 3;
+  if (blockDim.x != GDN_FAST_OUT_THREADS || (dk % 16) != 0 || (dv % 16) != 0) __trap();
+  const int nvb = (dv + FBO - 1) / FBO;
+  const int vb = (int)(blockIdx.x % (unsigned)nvb);
+  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
+  int b;
+  index_t c0;
+  int L;
+  if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  const int v0 = vb * FBO, bw = min(FBO, dv - v0);  // a multiple of 16
+  const int nb = bw / 8;
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
+  const index_t sh = slot * v_heads + h;
+  gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
+  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  attn::cp_async_commit();
+  gdn::tile_f32_to_bf16x2(sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_f32_to_bf16x2(sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+  attn::cp_async_wait<0>();
+  __syncthreads();
+  const int i0 = warp * 16;
+  if (i0 < L) {  // warp-uniform; no barrier below
+    const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
+    const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
+    // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 warp + 1).
+    float pa[C / 8][4];
+#pragma unroll
+    for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
+    {
+      const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
+      const uint32_t k_lo = (uint32_t)(C * lk * 2);
+      for (int kk = 0; kk < dk / 16; ++kk) {
+        uint32_t a[4], al[4];
+        attn::ldsm_x4(a, q_base + kk * 32);
+        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+#pragma unroll
+        for (int nn = 0; nn < C / 16; ++nn) {
+          if (nn > warp) continue;
+          uint32_t bq[4], bl[4];
+          attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+          attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+          attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
+          attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
+          attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
+          attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
+          attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+    const float gi[2] = {sG[i0 + gr], sG[i0 + gr + 8]};
+#pragma unroll
+    for (int n = 0; n < C / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + gr + 8 * (e >> 1), j = n * 8 + 2 * tq + (e & 1);
+        pa[n][e] = (j <= i && i < L) ? pa[n][e] * expf(gi[e >> 1] - sG[j]) : 0.f;
+      }
+    }
+    // o = exp(G_i) (Q S_c) + A V'.
+    float po[FBO / 8][4];
+#pragma unroll
+    for (int n = 0; n < FBO / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
+    {
+      const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
+      for (int kk = 0; kk < dk / 16; ++kk) {
+        uint32_t a[4], al[4];
+        attn::ldsm_x4(a, q_base + kk * 32);
+        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+#pragma unroll
+        for (int nn = 0; nn < FBO / 16; ++nn) {
+          if (2 * nn >= nb) continue;
+          uint32_t bq[4];
+          attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
+          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+    const float eg[2] = {expf(gi[0]), expf(gi[1])};
+#pragma unroll
+    for (int n = 0; n < FBO / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) po[n][e] *= eg[e >> 1];
+    }
+    {
+      const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
+#pragma unroll
+      for (int kk = 0; kk < C / 16; ++kk) {
+        if (kk > warp) continue;
+        uint32_t a[4];
+        a[0] = attn::pack_op(pa[2 * kk][0], pa[2 * kk][1]);
+        a[1] = attn::pack_op(pa[2 * kk][2], pa[2 * kk][3]);
+        a[2] = attn::pack_op(pa[2 * kk + 1][0], pa[2 * kk + 1][1]);
+        a[3] = attn::pack_op(pa[2 * kk + 1][2], pa[2 * kk + 1][3]);
+#pragma unroll
+        for (int nn = 0; nn < FBO / 16; ++nn) {
+          if (2 * nn >= nb) continue;
+          uint32_t bq[4];
+          attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+    // The warp's output rows over its own Q rows (no other warp reads them), then 16-byte stores.
+    __syncwarp();
+    bf16* sO = sQ + i0 * lq;
+#pragma unroll
+    for (int n = 0; n < FBO / 8; ++n) {
+      if (n >= nb) continue;
+      bf16* p = sO + gr * lq + n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
+      *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
+    }
+    __syncwarp();
+    __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0;
+    const int c8 = bw / 8, nrows = min(16, L - i0);
+    for (int e = lane; e < nrows * c8; e += 32) {
+      const int i = e / c8, c = (e - i * c8) * 8;
+      *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
+    }
   }
 }

@@ -34,8 +34,9 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD,
-    GDN_THREADS, HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS, QKR_WARPS,
+    DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
+    GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
+    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS, QKR_WARPS,
 };
 use crate::tensor::DType;
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
@@ -1370,7 +1371,7 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         lse: &mut CudaBuf,
     ) -> Result<()> {
-        self.attn_decode_with(s, sh, q, kc, vc, o, lse, DecodeTuning::default())
+        self.attn_decode_with(s, sh, q, kc, vc, o, lse, DecodeTuning::for_head_dim(sh.head_dim))
     }
 
     fn attn_draft_bwd(
@@ -1918,11 +1919,32 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         state: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        // The split tensor-core kernels where the head dims tile by 16 (every Qwen3.5/3.6 config)
-        // and fit shared memory, else the one-CTA-per-sequence tensor-core kernel, else the
-        // CUDA-core kernel, said once.
+        // The fast split kernels (bf16 scratch and operands) where the head dims tile by 16 and
+        // dk <= 128 (every Qwen3.5/3.6 config), else the f32 split kernels, else the
+        // one-CTA-per-sequence tensor-core kernel, else the CUDA-core kernel, said once.
         let fits = |f: GdnForm| f.takes(sh.k_dim, sh.v_dim) && f.smem_bytes(sh.k_dim, sh.v_dim) <= self.smem_optin;
-        let form = if fits(GdnForm::ChunkedSplit) {
+        // DFLASH_GDN_FORM=fast|split|tc|simt picks a form instead (where it fits), for comparing
+        // them inside a whole forward.
+        static PICKED: std::sync::OnceLock<Option<GdnForm>> = std::sync::OnceLock::new();
+        let picked = *PICKED.get_or_init(|| {
+            let v = std::env::var("DFLASH_GDN_FORM").ok()?;
+            let f = match v.as_str() {
+                "fast" => GdnForm::ChunkedFast,
+                "split" => GdnForm::ChunkedSplit,
+                "tc" => GdnForm::ChunkedTc,
+                "simt" => GdnForm::ChunkedSimt,
+                _ => {
+                    eprintln!("note: DFLASH_GDN_FORM={v} is not fast, split, tc or simt; using the default");
+                    return None;
+                }
+            };
+            Some(f)
+        });
+        let form = if let Some(f) = picked.filter(|&f| f == GdnForm::ChunkedSimt || fits(f)) {
+            f
+        } else if fits(GdnForm::ChunkedFast) {
+            GdnForm::ChunkedFast
+        } else if fits(GdnForm::ChunkedSplit) {
             GdnForm::ChunkedSplit
         } else if fits(GdnForm::ChunkedTc) {
             GdnForm::ChunkedTc
@@ -1945,7 +1967,7 @@ fn hyb_row_grid(rows: usize) -> usize {
     rows.div_ceil(HYB_BLOCK / 32).clamp(1, i32::MAX as usize)
 }
 
-/// How `attn_decode` splits the keys; the trait method takes `DecodeTuning::default()`, the
+/// How `attn_decode` splits the keys; the trait method takes `DecodeTuning::for_head_dim`, the
 /// benches compare settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeTuning {
@@ -1954,10 +1976,13 @@ pub struct DecodeTuning {
     pub ctas_per_sm: usize,
 }
 
-impl Default for DecodeTuning {
-    /// 2 CTAs per SM: the fastest of 1 to 8 on the H200 at every benched shape.
-    fn default() -> Self {
-        Self { ctas_per_sm: 2 }
+impl DecodeTuning {
+    /// The split target for `head_dim`: 2 CTAs per SM, 1 at head_dim 256 (one 143 KB CTA of 4
+    /// warps fills an SM's shared memory). H200, benches/kernels.rs: at 64 x 288 keys, hd 128
+    /// (32/8 heads) 35 us at c1 and c2, 38 at c4; 1 x 32768 keys 46 us at c2, 48 at c1; hd 256
+    /// (24/4) 42 us at c1, 57 at c2, 68 at c4.
+    pub fn for_head_dim(head_dim: usize) -> Self {
+        Self { ctas_per_sm: if head_dim >= 256 { 1 } else { 2 } }
     }
 }
 
@@ -2061,6 +2086,10 @@ pub enum GdnForm {
     /// over value-column blocks); tensor cores, head dims multiples of 16, f32 scratch in device
     /// memory (kernels/gdn.cu's header has the bytes).
     ChunkedSplit,
+    /// `gdn_fast_prep`, `gdn_fast_state`, `gdn_fast_out`: the split form with bf16 scratch (W,
+    /// U/V', the chunk states) and bf16 tensor-core operands (mma.sync, f32 accumulators), the
+    /// state block in registers; head dims multiples of 16, dk <= 128.
+    ChunkedFast,
 }
 
 impl GdnForm {
@@ -2071,6 +2100,9 @@ impl GdnForm {
         if self == GdnForm::ChunkedSplit {
             return split_smem(dk, dv).into_iter().max().unwrap_or(0);
         }
+        if self == GdnForm::ChunkedFast {
+            return fast_smem(dk, dv).into_iter().max().unwrap_or(0);
+        }
         4 * match self {
             GdnForm::Recurrent => dk * dv + 2 * dk,
             GdnForm::ChunkedSimt => dk * dv + 2 * c * dk + c * dv + c * c + 3 * c,
@@ -2078,13 +2110,17 @@ impl GdnForm {
                 let (lk, lv, la) = (dk + GDN_TC_PAD, dv + GDN_TC_PAD, c + GDN_TC_PAD);
                 dk * lv + 2 * c * lk + c * lv + c * la + 3 * c + (GDN_THREADS / 32) * 16 * 16
             }
-            GdnForm::ChunkedSplit => unreachable!("returned above"),
+            GdnForm::ChunkedSplit | GdnForm::ChunkedFast => unreachable!("returned above"),
         }
     }
 
     /// Whether this form's kernel takes these head dims.
     pub fn takes(self, dk: usize, dv: usize) -> bool {
-        !matches!(self, GdnForm::ChunkedTc | GdnForm::ChunkedSplit) || (dk % 16 == 0 && dv % 16 == 0)
+        match self {
+            GdnForm::Recurrent | GdnForm::ChunkedSimt => true,
+            GdnForm::ChunkedTc | GdnForm::ChunkedSplit => dk % 16 == 0 && dv % 16 == 0,
+            GdnForm::ChunkedFast => dk % 16 == 0 && dv % 16 == 0 && dk <= 32 * (GDN_FAST_STATE_THREADS / 32),
+        }
     }
 }
 
@@ -2099,6 +2135,25 @@ pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
         4 * (2 * c * lk + (dk + c) * lb + c),
         4 * (c * lk.max(lo) + (c * lk).max(dk * lo) + c * la + c * lo + c),
     ]
+}
+
+/// Dynamic shared memory in bytes of gdn_fast_prep, gdn_fast_state and gdn_fast_out
+/// (kernels/gdn.cu's fast-form header has the layouts).
+pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
+    let (c, p) = (GDN_CHUNK, GDN_FAST_PAD);
+    let (lk, lb, lo) = (dk + p, GDN_FAST_BV + p, GDN_FAST_OUT_BV + p);
+    let lq = dk.max(GDN_FAST_OUT_BV) + p;
+    [
+        split_smem(dk, dv)[0],
+        2 * (2 * (2 * c * lk + c * lb) + dk * lb + c * lb),
+        2 * (2 * c * lq + 2 * c * lk + dk * lo + c * lo) + 4 * c,
+    ]
+}
+
+/// Bytes of the fast form's scratch (W, Ke, U then V', the chunk-start states in bf16; G in f32).
+pub fn fast_scratch_bytes(rows: usize, n_starts: usize, v_heads: usize, dk: usize, dv: usize) -> usize {
+    let c = GDN_CHUNK;
+    split_slots(rows, n_starts) * v_heads * (2 * c * (2 * dk + dv) + 4 * c + 2 * dk * dv)
 }
 
 /// Chunk slots of the split form's scratch: every chunk of every sequence has its own below this
@@ -2134,7 +2189,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let op = match form {
             GdnForm::Recurrent => "gdn_recurrent_fwd",
-            GdnForm::ChunkedSimt | GdnForm::ChunkedTc | GdnForm::ChunkedSplit => "gdn_chunked_fwd",
+            GdnForm::ChunkedSimt | GdnForm::ChunkedTc | GdnForm::ChunkedSplit | GdnForm::ChunkedFast => {
+                "gdn_chunked_fwd"
+            }
         };
         let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
         if k_heads == 0 || v_heads % k_heads != 0 || dk == 0 || dv == 0 {
@@ -2166,7 +2223,9 @@ impl CudaBackend {
         if !form.takes(dk, dv) {
             return Err(BackendError::Shape {
                 op,
-                what: format!("{form:?} needs head dims that are multiples of 16, not {dk} x {dv}"),
+                what: format!(
+                    "{form:?} needs head dims that are multiples of 16 (dk <= 128 for ChunkedFast), not {dk} x {dv}"
+                ),
             });
         }
         let smem = form.smem_bytes(dk, dv);
@@ -2184,6 +2243,9 @@ impl CudaBackend {
         }
         if form == GdnForm::ChunkedSplit {
             return self.gdn_split(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs);
+        }
+        if form == GdnForm::ChunkedFast {
+            return self.gdn_fast(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs);
         }
         macro_rules! args {
             ($ty:ident) => {
@@ -2211,7 +2273,7 @@ impl CudaBackend {
             GdnForm::Recurrent => self.launch(s, launch::GdnRecurrentFwd::KERNEL, cfg, args!(GdnRecurrentFwd)),
             GdnForm::ChunkedSimt => self.launch(s, launch::GdnChunkedFwdSimt::KERNEL, cfg, args!(GdnChunkedFwdSimt)),
             GdnForm::ChunkedTc => self.launch(s, launch::GdnChunkedFwdTc::KERNEL, cfg, args!(GdnChunkedFwdTc)),
-            GdnForm::ChunkedSplit => unreachable!("launched above"),
+            GdnForm::ChunkedSplit | GdnForm::ChunkedFast => unreachable!("launched above"),
         }
     }
 
@@ -2292,6 +2354,87 @@ impl CudaBackend {
         };
         let blocks = dv.div_ceil(GDN_SPLIT_OUT_BV);
         self.launch(s, launch::GdnSplitOut::KERNEL, (slots * v_heads * blocks, GDN_THREADS, sm_out), out)
+    }
+}
+
+impl CudaBackend {
+    /// The fast split form (shapes checked by `gdn_launch`): as `gdn_split`, with bf16 scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_fast(
+        &self,
+        s: &Stream,
+        sh: &GdnShape,
+        [q, k, v, g, beta]: [&CudaBuf; 5],
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: DevPtr<f32>,
+        state_seqs: usize,
+    ) -> Result<()> {
+        const OP: &str = "gdn_chunked_fwd";
+        let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
+        let n_starts = seq_starts.len;
+        let slots = split_slots(rows, n_starts);
+        let c = GDN_CHUNK;
+        let w = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
+        let ke = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's decayed K scratch")?;
+        let uv = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
+        let gs = self.alloc_uninit(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
+        let st = self.alloc_uninit(s, DType::BF16, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
+        let [sm_prep, sm_state, sm_out] = fast_smem(dk, dv);
+        let prep = launch::GdnFastPrep {
+            k: k.at(OP, 0)?,
+            v: v.at(OP, 0)?,
+            g: g.at(OP, 0)?,
+            beta: beta.at(OP, 0)?,
+            w_out: w.at(OP, 0)?,
+            u_out: uv.at(OP, 0)?,
+            ke_out: ke.at(OP, 0)?,
+            g_out: gs.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        self.launch(s, launch::GdnFastPrep::KERNEL, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
+        let state_args = launch::GdnFastState {
+            w_in: w.at(OP, 0)?,
+            ke_in: ke.at(OP, 0)?,
+            u_v: uv.at(OP, 0)?,
+            g_in: gs.at(OP, 0)?,
+            s_out: st.at(OP, 0)?,
+            state,
+            state_seqs,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        let blocks = dv.div_ceil(GDN_FAST_BV);
+        let cfg = (n_starts * v_heads * blocks, GDN_FAST_STATE_THREADS, sm_state);
+        self.launch(s, launch::GdnFastState::KERNEL, cfg, state_args)?;
+        let out = launch::GdnFastOut {
+            q: q.at(OP, 0)?,
+            k: k.at(OP, 0)?,
+            vp: uv.at(OP, 0)?,
+            g_in: gs.at(OP, 0)?,
+            s_in: st.at(OP, 0)?,
+            o: o.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts,
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+        };
+        let blocks = dv.div_ceil(GDN_FAST_OUT_BV);
+        self.launch(s, launch::GdnFastOut::KERNEL, (slots * v_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
     }
 }
 
@@ -2417,6 +2560,14 @@ mod tests {
         assert_eq!(split_slots(4 * 3072, 5), 197);
         assert_eq!(split_scratch_bytes(4 * 3072, 5, 48, 128, 128), 1_241_837_568);
         assert_eq!(split_scratch_bytes(4096, 2, 48, 128, 128), 416_047_104);
+        // The fast form (bf16 scratch and operands), as its header says: the prep as the split
+        // prep, each kernel two CTAs per SM; dk up to 128.
+        assert_eq!(fast_smem(128, 128), [85_504, 95_232, 97_536]);
+        assert_eq!(GdnForm::ChunkedFast.smem_bytes(128, 128), 97_536);
+        assert!(fast_smem(128, 128).iter().all(|&b| 2 * (b + 1024) <= 228 * 1024));
+        assert!(GdnForm::ChunkedFast.takes(128, 128) && GdnForm::ChunkedFast.takes(16, 48));
+        assert!(!GdnForm::ChunkedFast.takes(144, 128) && !GdnForm::ChunkedFast.takes(24, 128));
+        assert_eq!(fast_scratch_bytes(4 * 3072, 5, 48, 128, 128), 777_056_256);
         // The forward substitution gives each thread one column of [W | U] at the 27B dims.
         assert_eq!(GDN_THREADS, 128 + 128);
     }
