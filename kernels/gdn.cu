@@ -1070,56 +1070,213 @@ __device__ __forceinline__ uint32_t off_b_cols(int lane, int ld) {
 
 }  // namespace gdn
 
-// The split prep's solve, written as bf16 W, U and Ke (see above). Shared memory: the split
-// prep's.
+// One CTA (GDN_THREADS = 8 warps) per (chunk slot, value head): G, A, the explicit inverse
+// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke (see above).
+// Steps (each ends at a barrier):
+//   1. k, v (f32) staged as bf16 hi + lo pairs; g, beta; thread 0 sums G (as cpu.rs).
+//   2. K K^T on tensor cores (3 bf16 MMAs per step: hi hi, hi lo, lo hi; ~f32), warp w the row
+//      block w & 3 and the column half w >> 2; masked, decayed and scaled by beta in registers
+//      into A (f32).
+//   3. Ai = (I + A)^-1 in f32 on CUDA cores: the four 16 x 16 diagonal blocks by substitution
+//      (one column a thread, 16 steps), then the off-diagonal blocks by distance d = 1, 2, 3:
+//      Ai[i][i-d] = -Ai[i][i] (sum_{m=i-d}^{i-1} A[i][m] Ai[m][i-d]) (two barriers each).
+//   4. W = (Ai diag(beta exp(G))) K, U = (Ai diag(beta)) V on tensor cores: warp w the row
+//      block w & 3 of W (w < 4) or U (w >= 4); Ai's scaled rows as bf16 hi + lo A fragments, K
+//      and V hi + lo (3 MMAs a step), only the k-steps on or below the diagonal; rounded to
+//      bf16 from the accumulators into global memory. Ke = bf16(exp(G_L - G_j) (k_hi + k_lo)).
+// Shared memory (bytes): bf16 Kh, Kl [C][dk+FP] | Vh, Vl [C][dv+FP] | f32 A, Ai [C][C+4] |
+//   T [3][16][16] | G, beta, beta exp(G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
+//   + 4 (2 C (C+4) + 768 + 3 C)  (128/128: 108,288; 2 CTAs per SM).
 extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out,
     __nv_bfloat16* __restrict__ ke_out, float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts,
     long long rows, int k_heads, int v_heads, int dk, int dv) {
-  extern __shared__ __align__(128) float smem[];
+  using gdn::bf16;
   using gdn::C;
-  const int lk = dk + gdn::PAD, lv = dv + gdn::PAD;
-  const float* X = smem;
-  const float* U = X + C * lk;
-  const float* G = U + C * lv + C * (C + gdn::PAD);
-  const int tid = threadIdx.x, nt = blockDim.x;
+  using gdn::FP;
+  extern __shared__ __align__(128) float smem[];
+  constexpr int LA = C + 4;  // f32 pitch of A, Ai
+  const int lk = dk + FP, lv = dv + FP;
+  bf16* Kh = reinterpret_cast<bf16*>(smem);
+  bf16* Kl = Kh + C * lk;
+  bf16* Vh = Kl + C * lk;
+  bf16* Vl = Vh + C * lv;
+  float* A = reinterpret_cast<float*>(Vl + C * lv);  // 16-byte aligned: every tile is C * 16 * x bytes
+  float* Ai = A + C * LA;
+  float* Tm = Ai + C * LA;  // [3][16][16]
+  float* G = Tm + 3 * 256;
+  float* Bt = G + C;
+  float* Sw = Bt + C;  // beta_j exp(G_j)
+  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  const int gr = lane >> 2, tq = lane & 3;
+  if (blockDim.x != GDN_THREADS || (dk % 16) != 0 || (dv % 16) != 0 || dk > 128) __trap();
   const int h = (int)(blockIdx.x % (unsigned)v_heads);
-  index_t slot, c0;
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)v_heads);
+  int b;
+  index_t c0;
   int L;
-  if (!gdn::prep_solve(k, v, g, beta, seq_starts, n_starts, rows, k_heads, v_heads, dk, dv, smem, slot, c0, L)) return;
-  const index_t sh = slot * v_heads + h;
-  __nv_bfloat16* wo = w_out + sh * C * dk;
-  __nv_bfloat16* uo = u_out + sh * C * dv;
-  __nv_bfloat16* ko = ke_out + sh * C * dk;
-  const index_t kw = (index_t)k_heads * dk;
-  const float* kin = k + c0 * kw + (index_t)(h / (v_heads / k_heads)) * dk;
-  const float gl = G[L - 1];
-  const int c4 = dk / 4, n = C * c4;
-  for (int e0 = tid; e0 < n; e0 += gdn::FB * nt) {
-    // k again (L2: this CTA just read it), the loads of a batch before any use.
-    float4 x[gdn::FB];
-#pragma unroll
-    for (int u = 0; u < gdn::FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, d = (e - i * c4) * 4;
-      x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (e < n && i < L) x[u] = __ldg(reinterpret_cast<const float4*>(kin + (index_t)i * kw + d));
-    }
-#pragma unroll
-    for (int u = 0; u < gdn::FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, d = (e - i * c4) * 4;
-      if (e >= n) continue;
-      const float4 w = *reinterpret_cast<const float4*>(X + i * lk + d);
-      *reinterpret_cast<uint2*>(wo + i * dk + d) = make_uint2(pack_bf16x2_rne(w.x, w.y), pack_bf16x2_rne(w.z, w.w));
-      const float f = i < L ? expf(gl - G[i]) : 0.f;
-      *reinterpret_cast<uint2*>(ko + i * dk + d) =
-          make_uint2(pack_bf16x2_rne(x[u].x * f, x[u].y * f), pack_bf16x2_rne(x[u].z * f, x[u].w * f));
+  if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  const int kh = h / (v_heads / k_heads);
+  const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
+  for (int i = tid; i < C; i += nt) {
+    Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
+    G[i] = i < L ? g[(c0 + i) * v_heads + h] : 0.f;  // loaded in parallel, summed below
+  }
+  gdn::tile_f32_to_bf16x2(Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
+  gdn::tile_f32_to_bf16x2(Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
+  __syncthreads();
+  if (tid == 0) {
+    // Sequential, as cpu.rs accumulates it; the pad repeats G_L.
+    float acc = 0.f;
+    for (int i = 0; i < C; ++i) {
+      if (i < L) acc += G[i];
+      G[i] = acc;
     }
   }
-  for (int e = tid; e < C * dv / 4; e += nt) {
-    const int i = e / (dv / 4), c = (e - i * (dv / 4)) * 4;
-    const float4 u = *reinterpret_cast<const float4*>(U + i * lv + c);
-    *reinterpret_cast<uint2*>(uo + i * dv + c) = make_uint2(pack_bf16x2_rne(u.x, u.y), pack_bf16x2_rne(u.z, u.w));
+  // 2. K K^T: warp w rows rb*16.., columns ch*32..ch*32+31 (skipped where wholly above the
+  // diagonal: nothing reads those entries of A).
+  const int rb = warp & 3, ch = warp >> 2;
+  const uint32_t kh_s = attn::smem_u32(Kh), kl_s = attn::smem_u32(Kl);
+  float kk_acc[4][4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) kk_acc[n][0] = kk_acc[n][1] = kk_acc[n][2] = kk_acc[n][3] = 0.f;
+  const bool kk_live = ch * 32 <= rb * 16 + 15;
+  if (kk_live) {
+    const uint32_t a_off = gdn::off_a_rows(lane, lk) + (uint32_t)(rb * 16 * lk * 2);
+    const uint32_t b_off = gdn::off_b_cols(lane, lk) + (uint32_t)(ch * 32 * lk * 2);
+    for (int k0 = 0; k0 < dk; k0 += 16) {
+      uint32_t ah[4], al[4];
+      attn::ldsm_x4(ah, kh_s + a_off + k0 * 2);
+      attn::ldsm_x4(al, kl_s + a_off + k0 * 2);
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn) {
+        uint32_t bh[4], bl[4];
+        attn::ldsm_x4(bh, kh_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
+        attn::ldsm_x4(bl, kl_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
+        attn::mma16816(kk_acc[2 * nn], al, bh[0], bh[1]);
+        attn::mma16816(kk_acc[2 * nn], ah, bl[0], bl[1]);
+        attn::mma16816(kk_acc[2 * nn], ah, bh[0], bh[1]);
+        attn::mma16816(kk_acc[2 * nn + 1], al, bh[2], bh[3]);
+        attn::mma16816(kk_acc[2 * nn + 1], ah, bl[2], bl[3]);
+        attn::mma16816(kk_acc[2 * nn + 1], ah, bh[2], bh[3]);
+      }
+    }
+  }
+  __syncthreads();  // G summed
+  if (kk_live) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = rb * 16 + gr + 8 * (e >> 1), j = ch * 32 + n * 8 + 2 * tq + (e & 1);
+        A[i * LA + j] = (j < i && i < L) ? Bt[i] * kk_acc[n][e] * expf(G[i] - G[j]) : 0.f;
+      }
+    }
+  }
+  for (int i = tid; i < C; i += nt) Sw[i] = Bt[i] * expf(G[i]);
+  __syncthreads();
+  // 3. Diagonal blocks of Ai: thread t < C solves column t & 15 of block t >> 4.
+  if (tid < C) {
+    const int base = (tid >> 4) * 16, c = tid & 15;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float s = i == c ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s -= A[(base + i) * LA + base + j] * x[j];
+      x[i] = s;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) Ai[(base + i) * LA + base + c] = x[i];
+  }
+  __syncthreads();
+  for (int d = 1; d < 4; ++d) {
+    const int nb = 4 - d;
+    for (int e = tid; e < nb * 256; e += nt) {
+      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+      const float* a = A + (i * 16 + r) * LA + m * 16;
+      const float* x = Ai + (m * 16) * LA + m * 16 + c;
+      float s = 0.f;
+      for (int t = 0; t < 16 * d; ++t) s += a[t] * x[t * LA];
+      Tm[e] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * 256; e += nt) {
+      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+      const float* a = Ai + (i * 16 + r) * LA + i * 16;
+      const float* t = Tm + m * 256 + c;
+      float s = 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) s += a[u] * t[u * 16];
+      Ai[(i * 16 + r) * LA + m * 16 + c] = -s;
+    }
+    __syncthreads();
+  }
+  // 4. W (warps 0-3) and U (warps 4-7), row block rb, columns in passes of 128.
+  {
+    const bool is_u = warp >= 4;
+    const int ncols = is_u ? dv : dk, ld = is_u ? lv : lk;
+    const float* sc = is_u ? Bt : Sw;
+    const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
+    bf16* dst = (is_u ? u_out + (slot * v_heads + h) * C * dv : w_out + (slot * v_heads + h) * C * dk);
+    const uint32_t b_off = gdn::off_b_rows(lane, ld);
+    const int r0 = rb * 16 + gr, r1 = r0 + 8;
+    for (int n0 = 0; n0 < ncols; n0 += 128) {
+      float acc[16][4];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+      for (int kk = 0; kk <= rb; ++kk) {
+        const int j0 = kk * 16 + 2 * tq, j1 = j0 + 8;
+        const float s00 = sc[j0], s01 = sc[j0 + 1], s10 = sc[j1], s11 = sc[j1 + 1];
+        const float x[8] = {Ai[r0 * LA + j0] * s00, Ai[r0 * LA + j0 + 1] * s01, Ai[r1 * LA + j0] * s00,
+                            Ai[r1 * LA + j0 + 1] * s01, Ai[r0 * LA + j1] * s10, Ai[r0 * LA + j1 + 1] * s11,
+                            Ai[r1 * LA + j1] * s10, Ai[r1 * LA + j1 + 1] * s11};
+        uint32_t ah[4], al[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          ah[q] = attn::pack_op(x[2 * q], x[2 * q + 1]);
+          al[q] = gdn::lo_part(x[2 * q], x[2 * q + 1], ah[q]);
+        }
+#pragma unroll
+        for (int nn = 0; nn < 8; ++nn) {
+          if (n0 + nn * 16 < ncols) {
+            const uint32_t o = b_off + (uint32_t)(kk * 16 * ld * 2) + (uint32_t)((n0 + nn * 16) * 2);
+            uint32_t bh[4], bl[4];
+            attn::ldsm_x4_t(bh, xh_s + o);
+            attn::ldsm_x4_t(bl, xl_s + o);
+            attn::mma16816(acc[2 * nn], al, bh[0], bh[1]);
+            attn::mma16816(acc[2 * nn], ah, bl[0], bl[1]);
+            attn::mma16816(acc[2 * nn], ah, bh[0], bh[1]);
+            attn::mma16816(acc[2 * nn + 1], al, bh[2], bh[3]);
+            attn::mma16816(acc[2 * nn + 1], ah, bl[2], bl[3]);
+            attn::mma16816(acc[2 * nn + 1], ah, bh[2], bh[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const int c = n0 + n * 8 + 2 * tq;
+        if (c < ncols) {
+          *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+          *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+        }
+      }
+    }
+  }
+  // Ke = exp(G_L - G_j) k_j from the staged hi + lo (rows >= L zero), and G.
+  const index_t sh = slot * v_heads + h;
+  bf16* ko = ke_out + sh * C * dk;
+  const float gl = G[L - 1];
+  for (int e = tid; e < C * dk / 8; e += nt) {
+    const int i = e / (dk / 8), d = (e - i * (dk / 8)) * 8;
+    const float f = i < L ? expf(gl - G[i]) : 0.f;
+    float xh[8], xl[8];
+    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kh + i * lk + d), xh);
+    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kl + i * lk + d), xl);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) xh[u] = (xh[u] + xl[u]) * f;
+    *reinterpret_cast<uint4*>(ko + i * dk + d) = bf16x8_pack_rne(xh);
   }
   for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
 }
