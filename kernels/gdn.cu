@@ -941,8 +941,11 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 // chunk_gated_delta_rule keeps its w, u, v_new and per-chunk states h in bf16.
 //
 // Math (as the split form, per chunk of L <= C tokens, value head h):
-//   gdn_fast_prep   the split prep's f32 solve (prep_solve: 3xTF32 products, f32 substitution);
-//                   W, U written rounded to bf16, and Ke = diag(exp(G_L - G_j)) K (bf16, rows
+//   gdn_fast_prep   K K^T on bf16 tensor cores (k as hi + lo pairs, ~f32), A masked and decayed,
+//                   the explicit inverse Ai = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
+//                   substitution, then the off-diagonal blocks from them, as flash-linear-
+//                   attention's solve_tril), W = (Ai diag(beta exp(G))) K and U = (Ai diag(beta))
+//                   V on tensor cores (hi + lo operands, ~f32), written rounded to bf16, and Ke = diag(exp(G_L - G_j)) K (bf16, rows
 //                   >= L zero) so the state pass needs neither k nor G per row.
 //   gdn_fast_state  per (sequence, value head, block of GDN_FAST_BV value columns): the state
 //                   block S [dk][BV] lives in the warps' f32 MMA accumulators for the whole
@@ -964,7 +967,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 // Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
-//   prep   grid n_slots * v_heads, GDN_THREADS; the split prep's               (85,504)
+//   prep   grid n_slots * v_heads, GDN_THREADS;
+//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 3 C)                  (108,288)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
 //          2 (2 stages) x [2 C (dk+P) + C (BV+P)] x 2 + dk (BV+P) 2 + C (BV+P) 2     (95,232)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
@@ -974,13 +978,16 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   sequential chain, not measured): state ~0.5-0.7 ms (768 CTAs, 2 per SM, 48 chunks each;
 //   per chunk 2 x 64x128x32 bf16 MMAs per CTA and ~40 KB of bf16 loads, prefetched; 0.8 GB of
 //   HBM traffic in all); out ~0.35-0.5 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
-//   ~0.8-1.2 ms: the split prep's arithmetic, bf16 stores, and (in both preps) the chunk's g
-//   loaded by all threads at once, where thread 0 used to wait out 64 global loads in a row
-//   (~40K cycles, most of a CTA's ~90K at the split prep's measured 1.83 ms) while the CTA
-//   stood at the next barrier. Whole call ~1.7-2.3 ms (the split form: 5.78 ms; fla: 1.33 ms).
-//   Registers (ptxas, sm_90a): prep 111, state 126, out 170; no spills.
+//   ~0.35-0.6 ms (measured 1.91 ms with the split prep's 3xTF32 wmma products and 16-row
+//   substitution): 9216 CTAs, 2 per SM, 35 waves; per CTA ~1.3 MFLOP of bf16 MMAs (K K^T and
+//   W, U, three products each, ~10 us of tensor-core time per SM-wave at most), ~0.1 MFLOP of
+//   f32 inverse with a 16-step chain and 8 barriers in all (the split prep: a 64-step chain
+//   across 4 blocks, 13 barriers), ~0.85 GB of HBM traffic in all (v f32, k mostly from L2 as 3
+//   value heads share it, W, U, Ke bf16). Whole call ~1.2-1.8 ms (the split form: 5.78 ms;
+//   fla: 1.33 ms). Registers (ptxas, sm_90a): prep 117, state 126, out 170; no spills.
 // Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
-//   ~2e-3 relative each), q and k kept as hi + lo pairs, the running state and every accumulator
+//   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
+//   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
 //   f32; flash-linear-attention rounds the same operands (and q, k) to bf16.
 
 #include "mma.cuh"

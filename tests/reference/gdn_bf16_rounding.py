@@ -8,8 +8,9 @@ states S_c, V' and the intra-chunk A; q and k are hi + lo pairs) and bf16 output
 Inputs as tests/gpu/hybrid.rs's gdn_inputs (unit q scaled by dk^-0.5, unit k, decays exp(-0.005)
 to exp(-0.7), beta in [0.05, 0.95] rounded to bf16) with a given state (0.1 scale); one head,
 dk = dv = DIM (default 128), one sequence of TOKENS (default 200). Every product is exact (f64)
-apart from the modelled roundings: the kernels' f32 accumulators and 3xTF32 solve are taken as
-exact. No numpy needed.
+apart from the modelled roundings: the kernels' f32 accumulators and the prep's f32 inverse are
+taken as exact; the prep's products (K K^T, W, U) drop the lo x lo term of their bf16 hi + lo
+operands (k, v, the scaled inverse) as the kernel does. No numpy needed.
 """
 import math, random, struct, sys
 def bf(x):
@@ -31,6 +32,11 @@ g = [-(0.005 + 0.7 * random.random() * random.random()) for _ in range(T)]
 beta = [bf(0.05 + 0.9 * random.random()) for _ in range(T)]
 S0 = [[random.uniform(-1, 1) * 0.1 for _ in range(dv)] for _ in range(dk)]
 def dot(a, b): return sum(x * y for x, y in zip(a, b))
+def split(M):
+    H = [[bf(x) for x in r] for r in M]
+    return H, [[bf(x - h) for x, h in zip(r, hr)] for r, hr in zip(M, H)]
+def dot3(ah, al, bh, bl):
+    return sum(a * b + a * d + c * b for a, c, b, d in zip(ah, al, bh, bl))
 # exact recurrent (f64)
 S = [row[:] for row in S0]; o_ref = []
 for t in range(T):
@@ -51,17 +57,27 @@ for c0 in range(0, T, C):
     G = []; acc = 0.0
     for i in range(L): acc = f32(acc + g[c0 + i]); G.append(acc)
     K = k[c0:c0 + L]; Q = q[c0:c0 + L]; V = v[c0:c0 + L]; B = beta[c0:c0 + L]
-    A = [[B[i] * dot(K[i], K[j]) * math.exp(G[i] - G[j]) if j < i else 0.0 for j in range(L)] for i in range(L)]
-    W = [[B[i] * math.exp(G[i]) * x for x in K[i]] for i in range(L)]
-    U = [[B[i] * x for x in V[i]] for i in range(L)]
+    # prep: k, v and the scaled inverse as bf16 hi + lo pairs, each product hi hi + hi lo + lo hi
+    # (lo lo dropped); the f32 inverse and accumulators taken as exact.
+    Kh, Kl = split(K); Vh, Vl = split(V)
+    A = [[B[i] * dot3(Kh[i], Kl[i], Kh[j], Kl[j]) * math.exp(G[i] - G[j]) if j < i else 0.0
+          for j in range(L)] for i in range(L)]
+    Ai = []  # (I + A)^-1 by rows
     for i in range(L):
+        r = [0.0] * L; r[i] = 1.0
         for j in range(i):
             a = A[i][j]
-            if a:
-                W[i] = [x - a * y for x, y in zip(W[i], W[j])]
-                U[i] = [x - a * y for x, y in zip(U[i], U[j])]
+            if a: r = [x - a * y for x, y in zip(r, Ai[j])]
+        Ai.append(r)
+    def apply(s, Xh, Xl):
+        M = [[Ai[i][j] * s[j] for j in range(L)] for i in range(L)]
+        Mh, Ml = split(M)
+        XhT = [list(c) for c in zip(*Xh)]; XlT = [list(c) for c in zip(*Xl)]
+        return [[dot3(Mh[i], Ml[i], XhT[c], XlT[c]) for c in range(len(XhT))] for i in range(L)]
+    W = apply([B[j] * math.exp(G[j]) for j in range(L)], Kh, Kl)
+    U = apply(B, Vh, Vl)
     Wb = [[bf(x) for x in r] for r in W]; Ub = [[bf(x) for x in r] for r in U]
-    Ke = [[bf(math.exp(G[L - 1] - G[j]) * x) for x in K[j]] for j in range(L)]
+    Ke = [[bf(math.exp(G[L - 1] - G[j]) * (h + l)) for h, l in zip(Kh[j], Kl[j])] for j in range(L)]
     Sc = [[bf(x) for x in r] for r in S]
     ScT = [list(col) for col in zip(*Sc)]
     Vp = [[bf(Ub[i][c] - dot(Wb[i], ScT[c])) for c in range(dv)] for i in range(L)]
