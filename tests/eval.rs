@@ -194,14 +194,20 @@ fn drafter_inference_equals_the_training_forward() {
 /// The default run, shortened to 100 steps on 192 generated samples (the whole default run, 300
 /// steps on 512, takes minutes on two CPU cores); returns its folder and its history.
 fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
+    short_cpu_run(tag, faults, |ro| ro.train.steps = 100)
+}
+
+/// A quiet CPU run of the tiny default on 192 generated samples, changed by `adjust`, in a fresh
+/// folder; returns the folder and the run's history.
+fn short_cpu_run(tag: &str, faults: FaultPlan, adjust: impl FnOnce(&mut RunOptions)) -> (PathBuf, Vec<StepMetrics>) {
     let mut ro = RunOptions::tiny_default();
-    ro.train.steps = 100;
     ro.data.gen_samples = 192;
     ro.exec.device = Device::Cpu;
     ro.exec.faults = faults;
     ro.output.quiet = true;
     ro.output.tensorboard = false;
     ro.output.out = tmp(tag);
+    adjust(&mut ro);
     let r = session::run(&ro, None).unwrap();
     (ro.output.out, r.history)
 }
@@ -311,19 +317,12 @@ fn off_by_one_switch_shifts_every_label_one_ahead() {
 /// 4-slot blocks and a peak learning rate of 0.01 (the drafter learns the target's next-token
 /// map within the steps a CPU test affords); returns its folder and its history.
 fn short_hybrid_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
-    let mut ro = RunOptions::tiny_default();
-    ro.model.target = "qwen3.5-tiny".into();
-    ro.model.block_size = 4;
-    ro.train.steps = 200;
-    ro.train.lr = 0.01;
-    ro.data.gen_samples = 192;
-    ro.exec.device = Device::Cpu;
-    ro.exec.faults = faults;
-    ro.output.quiet = true;
-    ro.output.tensorboard = false;
-    ro.output.out = tmp(tag);
-    let r = session::run(&ro, None).unwrap();
-    (ro.output.out, r.history)
+    short_cpu_run(tag, faults, |ro| {
+        ro.model.target = "qwen3.5-tiny".into();
+        ro.model.block_size = 4;
+        ro.train.steps = 200;
+        ro.train.lr = 0.01;
+    })
 }
 
 /// The complaint the eval command exists for (issue item 3): a drafter trained with its context
