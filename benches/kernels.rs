@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend, FcPath, GdnForm};
+use dflash_engine::backend::cuda::{alloc::Mode, CausalForm, CudaBackend, FcPath, GdnForm};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
@@ -380,17 +380,24 @@ fn main() {
     };
     if want("attention") {
         let (heads, kvh, hd) = (32, 8, 128);
-        let q = buf(DType::BF16, t_rows * heads * hd);
         let k = buf(DType::BF16, t_rows * kvh * hd);
         let vv = buf(DType::BF16, t_rows * kvh * hd);
         let mut o = buf(DType::BF16, t_rows * heads * hd);
         let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
         let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
-        flops(
-            "causal attention fwd (4 x 3072, 32/8, 128)",
-            time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()),
-            causal_f,
+        // Both kernel forms on the same random inputs: the Hopper warpgroup kernel (the default)
+        // and the mma.sync one it replaced, as the in-run baseline.
+        let (qr, kr, vr) = (
+            normal_buf(DType::BF16, t_rows * heads * hd, 44),
+            normal_buf(DType::BF16, t_rows * kvh * hd, 45),
+            normal_buf(DType::BF16, t_rows * kvh * hd, 46),
         );
+        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+            let t = time(&be, 10, || {
+                be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
+            });
+            flops(&format!("causal attention fwd {form:?} (4 x 3072, 32/8, 128)"), t, causal_f);
+        }
         let nb = 4 * 512;
         let sh = DraftAttnShape {
             num_blocks: nb,
@@ -493,8 +500,12 @@ fn main() {
         let mut o = buf(DType::BF16, n * heads * hd);
         let starts = ids(vec![0, n as i32]);
         let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
-        let t = time(&be, 10, || be.attn_causal_fwd(&s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap());
-        flops("causal attention fwd (1 x 4096, 24/4, 256)", t, f);
+        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+            let t = time(&be, 10, || {
+                be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
+            });
+            flops(&format!("causal attention fwd {form:?} (1 x 4096, 24/4, 256)"), t, f);
+        }
     }
     if want("fc") {
         // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel

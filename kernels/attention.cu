@@ -134,19 +134,6 @@ constexpr int KV_LIST_CAP = 1024;
 // default; M <= 128 alone would allow 128 with G = 1), checked in the kernel.
 constexpr int MAX_BLOCK_KEYS = ATTN_MAX_BLOCK_KEYS;
 
-// Start of the sequence that holds row r: seq_starts[b] for the largest b < num_seqs with
-// seq_starts[b] <= r (empty sequences are skipped that way); 0 before the first start.
-__device__ __forceinline__ index_t seq_start_of(const int* seq_starts, int num_seqs, index_t r) {
-  if (num_seqs <= 0 || r < (index_t)seq_starts[0]) return 0;
-  int a = 0, b = num_seqs - 1;
-  while (a < b) {
-    const int mid = (a + b + 1) >> 1;
-    if ((index_t)seq_starts[mid] <= r) a = mid;
-    else b = mid - 1;
-  }
-  return seq_starts[a];
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. Target causal forward. CTA = (128-row query tile, q head); heaviest tiles (last rows) are
 // launched first. Keys of the tile: [ss(first row), last row], in 32-row tiles aligned to

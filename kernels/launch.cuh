@@ -37,6 +37,25 @@ constexpr int ATTN_KV_CHUNK = 32;
 // Block keys in the f32 P / dS side buffers of attn_draft_bwd_q: block_size <= 16.
 constexpr int ATTN_MAX_BLOCK_KEYS = 16;
 
+// ---- attention_wgmma.cu ----------------------------------------------------------------------
+// Hopper causal forward: 2 warpgroups of 64 query rows (the M of one wgmma) = 128 rows of one
+// head per CTA, 256 threads.
+constexpr int ATTN_WG_WARPGROUPS = 2;
+constexpr int ATTN_WG_THREADS = ATTN_WG_WARPGROUPS * 128;
+constexpr int ATTN_WG_ROWS = ATTN_WG_WARPGROUPS * 64;
+// Keys per K/V tile: 128 at head_dim 128 (S = 64 registers, O = 64: an n128 wgmma reads 6 KB of
+// shared memory per 64 tensor-core cycles, under the 128 B/cycle port), 64 at head_dim 256 (O alone
+// is 128 registers).
+constexpr int ATTN_WG_KEYS_HD128 = 128;
+constexpr int ATTN_WG_KEYS_HD256 = 64;
+// K/V stages: tile t + 1 loads while tile t's S = Q K^T and tile t - 1's O += P V run, so K
+// needs 2 stages and V 3. Shared memory: (ROWS + (K_STAGES + V_STAGES) * KEYS) * hd * 2 + 1024
+// bytes (alignment slack for the 1024-byte swizzle atoms): 197,632 at hd 128, 230,400 at hd 256
+// (of the 232,448 an H100/H200 CTA may opt in to): one CTA per SM.
+constexpr int ATTN_WG_K_STAGES = 2;
+constexpr int ATTN_WG_V_STAGES = 3;
+constexpr int ATTN_WG_ALIGN = 1024;
+
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.
 constexpr int CE_BLOCK = 512;

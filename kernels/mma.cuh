@@ -26,6 +26,19 @@ struct Geo {
   static constexpr int NT = HD / 8;      // n8 tiles over the head dim
 };
 
+// Start of the sequence that holds row r: seq_starts[b] for the largest b < num_seqs with
+// seq_starts[b] <= r (empty sequences are skipped that way); 0 before the first start.
+__device__ __forceinline__ index_t seq_start_of(const int* seq_starts, int num_seqs, index_t r) {
+  if (num_seqs <= 0 || r < (index_t)seq_starts[0]) return 0;
+  int a = 0, b = num_seqs - 1;
+  while (a < b) {
+    const int mid = (a + b + 1) >> 1;
+    if ((index_t)seq_starts[mid] <= r) a = mid;
+    else b = mid - 1;
+  }
+  return seq_starts[a];
+}
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.
 
@@ -193,13 +206,14 @@ __device__ __forceinline__ void store_warp_rows(const float (&acc)[HD / 8][4], b
   }
 }
 
-// One K/V tile of the online softmax for one m-tile (16 rows) of a warp: s holds raw q.k for
-// NN*8 keys; m (running max of scale*log2(e)*q.k) and l (this thread's partial row sums) for rows
-// gr and gr+8; o rescaled. vis(half, col) says whether key column col is visible to row
-// gr + 8*half; called only when masked. On return s holds p = exp2(scale*log2(e)*q.k - m).
-template <int HD, int NN, class Vis>
-__device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
-                                             float sl2, bool masked, int lane, Vis vis) {
+// One K/V tile of the online softmax for one m-tile (16 rows) of a warp, without touching O:
+// s holds raw q.k for NN*8 keys; m (running max of scale*log2(e)*q.k) and l (this thread's
+// partial row sums) for rows gr and gr+8. vis(half, col) says whether key column col is visible
+// to row gr + 8*half; called only when masked. On return s holds p = exp2(scale*log2(e)*q.k - m)
+// and alpha the factor O must be rescaled by (softmax_rescale) before p V is added.
+template <int NN, class Vis>
+__device__ __forceinline__ void softmax_p(float (&s)[NN][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                          float sl2, bool masked, int lane, Vis vis) {
   const int tq = lane & 3;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -210,7 +224,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 
       mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
     }
   }
-  float mu[2], alpha[2], rs[2] = {0.f, 0.f};
+  float mu[2], rs[2] = {0.f, 0.f};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
@@ -234,8 +248,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
-  // Once a row's max has settled (most tiles of a long row) alpha is exactly 1 and the rescale
-  // is an exact no-op: skip its HD/2 multiplies.
+}
+
+// O *= alpha per row half. Once a row's max has settled (most tiles of a long row) alpha is
+// exactly 1 and the rescale is an exact no-op: skip its HD/2 multiplies.
+template <int HD>
+__device__ __forceinline__ void softmax_rescale(float (&o)[HD / 8][4], const float (&alpha)[2]) {
   if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {
@@ -243,6 +261,15 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 
       for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
     }
   }
+}
+
+// softmax_p, then O rescaled: one whole tile of the online softmax (O += p V follows).
+template <int HD, int NN, class Vis>
+__device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                             float sl2, bool masked, int lane, Vis vis) {
+  float alpha[2];
+  softmax_p<NN>(s, m, l, alpha, sl2, masked, lane, vis);
+  softmax_rescale<HD>(o, alpha);
 }
 
 // Final normalisation: reduces l over the 4 threads of a row and divides (IEEE division, as the

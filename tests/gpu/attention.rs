@@ -5,7 +5,7 @@ use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::{Backend, DraftAttnShape};
 use dflash_engine::tensor::DType;
 
-use super::{get, gpu, ids, put, rand, rel_err};
+use super::{bits_equal, get, gpu, ids, put, rand, rel_err};
 
 trait AttnTest {
     fn causal(
@@ -110,6 +110,50 @@ fn gpu_causal_attention_matches_cpu() {
             &c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd),
             ATTN_TOL,
         );
+    }
+}
+
+/// Both causal kernels (mma.sync and the Hopper warpgroup one) against the CPU, at the head dims
+/// the warpgroup kernel takes, on batches long enough to cycle its K/V stages many times: a
+/// 1000-row sequence, one of a single row, one that ends mid-tile, query tiles that straddle
+/// sequence starts, and GQA (4 and 1 q heads per kv head). Each form must also be bit-identical
+/// from run to run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_forms_match_cpu() {
+    use dflash_engine::backend::cuda::CausalForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let s = g.compute_stream();
+    for (hd, heads, kvh, lens) in
+        [(128, 8, 2, vec![1000usize, 1, 300, 129]), (256, 6, 6, vec![77, 640, 2]), (128, 4, 1, vec![2048])]
+    {
+        let rows: usize = lens.iter().sum();
+        let mut starts = vec![0i32];
+        for l in &lens {
+            starts.push(starts.last().unwrap() + *l as i32);
+        }
+        let q = rand(rows * heads * hd, 170 + hd as u64, 1.0);
+        let k = rand(rows * kvh * hd, 171, 1.0);
+        let v = rand(rows * kvh * hd, 172, 1.0);
+        let want = c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd);
+        let (qb, kb, vb) = (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16));
+        let st = ids(&g, &starts);
+        for form in [CausalForm::Mma, CausalForm::Wgmma] {
+            assert!(form.takes(hd), "{form:?} has no kernel for head_dim {hd}");
+            let run = || {
+                let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+                g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+                get(&g, &o)
+            };
+            let got = run();
+            rel_err(
+                &format!("{form:?} causal attention hd {hd}, {heads}/{kvh} heads, lens {lens:?}"),
+                &got,
+                &want,
+                ATTN_TOL,
+            );
+            bits_equal(&format!("{form:?} hd {hd} rerun"), &run(), &got);
+        }
     }
 }
 

@@ -279,6 +279,8 @@ mod tests {
         // Macro-stamped kernels are found: one attention kernel per head dim, both cluster kernels.
         let dims: Vec<&str> = AttnCausalFwdBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
         assert_eq!(dims, ["128", "16", "256", "32", "64"]);
+        let dims: Vec<&str> = AttnCausalFwdWgBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
+        assert_eq!(dims, ["128", "256"]);
         assert_eq!(variant(&AttnDraftBwdKvBf16Hd::VARIANTS, "64"), Some(Kernel::AttnDraftBwdKvBf16Hd64));
         assert_eq!(CecKernel::VARIANTS.len(), 2);
         assert_eq!(Kernel::PackTapsNoiseBf16.family(), "pack");
@@ -310,9 +312,10 @@ mod tests {
         let causal = text.lines().filter(|l| l.starts_with("ATTN_CAUSAL_EXPORT(")).count();
         let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
         let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
+        let wg = text.lines().filter(|l| l.starts_with("ATTN_WG_EXPORT(")).count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
-        // ATTN_CAUSAL_EXPORT and QKR_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr);
+        // ATTN_CAUSAL_EXPORT, QKR_EXPORT and ATTN_WG_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg);
     }
 
     #[test]

@@ -34,6 +34,10 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
+    ATTN_WG_ALIGN, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
+    ATTN_WG_V_STAGES,
+};
+use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
     GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
     HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS, QKR_WARPS,
@@ -424,6 +428,84 @@ impl CudaBackend {
             let dims: Vec<&str> = variants.iter().map(|(d, _)| *d).collect();
             BackendError::Shape { op, what: format!("head_dim {head_dim} is not one of the compiled {dims:?}") }
         })
+    }
+
+    /// The causal forward with an explicit kernel form (the trait method takes
+    /// `CausalForm::pick`); benches and tests compare the forms with it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_causal_fwd_with(
+        &self,
+        form: CausalForm,
+        s: &Stream,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        o: &mut CudaBuf,
+        seq_starts: &CudaIds,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+        check_len("attn_causal_fwd", "q", q.len, 0, rows * qw)?;
+        check_len("attn_causal_fwd", "k", k.len, 0, rows * kw)?;
+        check_len("attn_causal_fwd", "v", v.len, 0, rows * kw)?;
+        check_len("attn_causal_fwd", "o", o.len, 0, rows * qw)?;
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(BackendError::Shape {
+                op: "attn_causal_fwd",
+                what: format!("{heads} heads over {kv_heads} kv heads"),
+            });
+        }
+        let (kernel, cta_rows, threads, smem) = match form {
+            CausalForm::Mma => {
+                let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
+                // A CTA owns ATTN_CAUSAL_ROWS query rows of one head (ATTN_CAUSAL_ROWS_HD256 at
+                // head_dim 256); shared memory holds them and ATTN_KV_TILES K/V tiles of
+                // ATTN_CAUSAL_KEYS keys, rows of head_dim + pad bf16.
+                let cta_rows = if head_dim > 128 { ATTN_CAUSAL_ROWS_HD256 } else { ATTN_CAUSAL_ROWS };
+                let ld = head_dim + ATTN_LD_PAD;
+                (kernel, cta_rows, ATTN_CAUSAL_WARPS * 32, (cta_rows + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2)
+            }
+            CausalForm::Wgmma => {
+                let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdWgBf16Hd::VARIANTS, head_dim)?;
+                // kernels/attention_wgmma.cu: ATTN_WG_ROWS query rows of one head per CTA, and
+                // ATTN_WG_K_STAGES K and ATTN_WG_V_STAGES V tiles of the head dim's key count,
+                // unpadded (swizzled).
+                let keys = if head_dim > 128 { ATTN_WG_KEYS_HD256 } else { ATTN_WG_KEYS_HD128 };
+                let tiles = ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * keys;
+                let smem = tiles * head_dim * 2 + ATTN_WG_ALIGN;
+                (kernel, ATTN_WG_ROWS, ATTN_WG_THREADS, smem)
+            }
+        };
+        let grid = rows.div_ceil(cta_rows) * heads;
+        let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
+            op: "attn_causal_fwd",
+            what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
+        })?;
+        // Both forms take the same arguments (kernels/attention_wgmma.cu repeats attention.cu's
+        // signature).
+        macro_rules! args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at("attn_causal_fwd", 0)?,
+                    k: k.at("attn_causal_fwd", 0)?,
+                    v: v.at("attn_causal_fwd", 0)?,
+                    o: o.at("attn_causal_fwd", 0)?,
+                    seq_starts: seq_starts.at("attn_causal_fwd", 0)?,
+                    num_seqs,
+                    rows,
+                    heads,
+                    kv_heads,
+                    scale: 1.0f32 / (head_dim as f32).sqrt(),
+                }
+            };
+        }
+        match form {
+            CausalForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
+            CausalForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+        }
     }
 
     fn need_bf16(op: &'static str, b: &CudaBuf) -> Result<()> {
@@ -1213,42 +1295,8 @@ impl Backend for CudaBackend {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
-        check_len("attn_causal_fwd", "q", q.len, 0, rows * qw)?;
-        check_len("attn_causal_fwd", "k", k.len, 0, rows * kw)?;
-        check_len("attn_causal_fwd", "v", v.len, 0, rows * kw)?;
-        check_len("attn_causal_fwd", "o", o.len, 0, rows * qw)?;
-        if kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(BackendError::Shape {
-                op: "attn_causal_fwd",
-                what: format!("{heads} heads over {kv_heads} kv heads"),
-            });
-        }
-        let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
-        // A CTA owns ATTN_CAUSAL_ROWS query rows of one head (ATTN_CAUSAL_ROWS_HD256 at head_dim
-        // 256); shared memory holds them and ATTN_KV_TILES K/V tiles of ATTN_CAUSAL_KEYS keys,
-        // rows of head_dim + pad bf16.
-        let cta_rows = if head_dim > 128 { ATTN_CAUSAL_ROWS_HD256 } else { ATTN_CAUSAL_ROWS };
-        let ld = head_dim + ATTN_LD_PAD;
-        let smem = (cta_rows + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2;
-        let grid = rows.div_ceil(cta_rows) * heads;
-        let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
-            op: "attn_causal_fwd",
-            what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
-        })?;
-        let args = launch::AttnCausalFwdBf16Hd {
-            q: q.at("attn_causal_fwd", 0)?,
-            k: k.at("attn_causal_fwd", 0)?,
-            v: v.at("attn_causal_fwd", 0)?,
-            o: o.at("attn_causal_fwd", 0)?,
-            seq_starts: seq_starts.at("attn_causal_fwd", 0)?,
-            num_seqs,
-            rows,
-            heads,
-            kv_heads,
-            scale: 1.0f32 / (head_dim as f32).sqrt(),
-        };
-        self.launch(s, kernel, (grid, ATTN_CAUSAL_WARPS * 32, smem), args)
+        let form = CausalForm::pick(head_dim);
+        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)
     }
 
     fn attn_draft_fwd(
@@ -2071,6 +2119,46 @@ impl CudaBackend {
     }
 }
 
+/// Which kernel runs the target's causal attention forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CausalForm {
+    /// `attn_causal_fwd_bf16_hd*` (kernels/attention.cu): mma.sync, head dims 16..=256.
+    Mma,
+    /// `attn_causal_fwd_wg_bf16_hd*` (kernels/attention_wgmma.cu): Hopper warpgroup MMAs, head
+    /// dims 128 and 256.
+    Wgmma,
+}
+
+impl CausalForm {
+    /// The warpgroup kernel where it is compiled (head_dim 128, 256), else mma.sync.
+    /// DFLASH_ATTN_FORM=mma picks mma.sync everywhere, for comparisons inside a whole run.
+    pub fn pick(head_dim: usize) -> CausalForm {
+        static FORCED_MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let forced = *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
+            None | Some("wgmma") => false,
+            Some("mma") => true,
+            Some(v) => {
+                eprintln!("note: DFLASH_ATTN_FORM={v} is not mma or wgmma; using the default");
+                false
+            }
+        });
+        if !forced && CausalForm::Wgmma.takes(head_dim) {
+            CausalForm::Wgmma
+        } else {
+            CausalForm::Mma
+        }
+    }
+
+    /// Whether this form has a kernel for `head_dim`.
+    pub fn takes(self, head_dim: usize) -> bool {
+        let variants: &[(&str, launch::Kernel)] = match self {
+            CausalForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
+            CausalForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
+        };
+        variant(variants, &head_dim.to_string()).is_some()
+    }
+}
+
 /// Which gated-delta-rule kernel of kernels/gdn.cu runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnForm {
@@ -2505,6 +2593,22 @@ mod tests {
         let b2 = be.alloc(&s2, DType::F32, 1024).expect("memory");
         assert_ne!(b2.ptr, p1, "a new stream took memory cached for a dropped one");
         be.synchronize(&s2).expect("sync");
+    }
+
+    /// The warpgroup kernel takes head_dim 128 and 256 (Qwen3, Qwen3.5/3.6), mma.sync the rest.
+    #[test]
+    fn causal_attention_picks_the_warpgroup_kernel_where_it_is_compiled() {
+        assert!(CausalForm::Wgmma.takes(128) && CausalForm::Wgmma.takes(256));
+        assert!(!CausalForm::Wgmma.takes(64) && !CausalForm::Wgmma.takes(16));
+        for hd in [16, 32, 64, 128, 256] {
+            assert!(CausalForm::Mma.takes(hd), "mma.sync has every head dim ({hd})");
+        }
+        if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
+            assert_eq!(CausalForm::pick(128), CausalForm::Wgmma);
+            assert_eq!(CausalForm::pick(256), CausalForm::Wgmma);
+            assert_eq!(CausalForm::pick(64), CausalForm::Mma);
+        }
+        assert!(!CausalForm::Mma.takes(96) && !CausalForm::Wgmma.takes(96));
     }
 
     #[test]

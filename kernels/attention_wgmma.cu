@@ -1,0 +1,270 @@
+// attention_wgmma.cu: the target's causal GQA prefill attention on Hopper's warpgroup MMA
+// (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention).
+// Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
+// states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
+//
+// CTA = (128-row query tile, q head), two warpgroups of 64 rows, heaviest tiles (last rows)
+// launched first: CTA b takes tile ntiles - 1 - b / heads, head b % heads. Keys of the tile:
+// [ss(first row), last row] in KEYS-row tiles aligned to absolute multiples of KEYS.
+// Per key tile t and warpgroup:
+//   S_t = Q K_t^T      HD/16 wgmma m64nKEYSk16, Q and K from swizzled shared memory (K-major)
+//   online softmax     in registers (mma.cuh softmax_p: the wgmma accumulator of each warp's 16
+//                      rows is the m16n8 C fragment), masked per element on diagonal tiles and
+//                      tiles a sequence boundary crosses; P rounded to bf16 (as attention.cu)
+//   O += P_t V_t       KEYS/16 wgmma m64nHDk16, P from registers, V N-major (transposed read),
+//                      issued together with S_{t+1}, so that the softmax of S_{t+1} overlaps it
+// K/V move by cp.async: all 256 threads issue tile t + 1's copies right after issuing tile t's
+// MMAs; one CTA barrier per tile (after it, the tile has landed and the stages tile t + 1 reuses
+// are free: K_{t-1} in ATTN_WG_K_STAGES = 2 stages, V_{t-2} in ATTN_WG_V_STAGES = 3).
+// The output is staged through the warpgroup's own (dead) Q rows for 16-byte stores.
+//
+// Launch: grid ceil(rows / ATTN_WG_ROWS) * heads (exactly), block ATTN_WG_THREADS,
+//   dynamic smem (ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * KEYS) * HD * 2 +
+//   ATTN_WG_ALIGN bytes (KEYS = ATTN_WG_KEYS_HD128 / _HD256; 197,632 / 230,400), which needs the
+//   CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES opt-in. A mismatch traps at entry.
+// Registers (ptxas, no spills): 248 at hd 128 (O 64 f32, S 64, P 32 packed), 240 at hd 256
+//   (O 128, S 32, P 16).
+// Bound: tensor-core compute (4 * hd * heads * sum L(L+1)/2 FLOPs, ~0.31 TFLOP per layer at
+//   4 x 3072 tokens, 32/8 heads, hd 128). Each warpgroup overlaps its softmax with its own O += P V;
+//   the two warpgroups still meet at the per-tile barrier (the copies are everyone's work), so
+//   the tensor cores idle through the copy issue and the barrier wait. Next steps: a producer warp
+//   with mbarriers (or TMA) so the warpgroups never meet, and a persistent tile loop so one tile's
+//   epilogue overlaps the next one's loads.
+#include <climits>
+
+#include "wgmma.cuh"
+
+namespace attn {
+
+template <int HD>
+struct WgGeo {
+  static constexpr int BM = ATTN_WG_ROWS;
+  static constexpr int BN = HD > 128 ? ATTN_WG_KEYS_HD256 : ATTN_WG_KEYS_HD128;
+  static constexpr int KS = ATTN_WG_K_STAGES, VS = ATTN_WG_V_STAGES;
+  static constexpr uint32_t Q_BYTES = BM * HD * 2;
+  static constexpr uint32_t KV_BYTES = BN * HD * 2;  // one K or one V tile
+  static constexpr uint32_t SMEM = Q_BYTES + (KS + VS) * KV_BYTES + ATTN_WG_ALIGN;
+  static_assert(HD == 128 || HD == 256, "the wgmma causal forward takes head_dim 128 or 256");
+  static_assert(BM % 8 == 0 && BN % 16 == 0, "swizzle atoms are 8 rows, k steps 16 keys");
+};
+
+// Copies R rows of HD bf16 into an R-row swizzled tile with 16-byte cp.async (all threads of the
+// CTA); src(i) is row i's global address or nullptr for a zero row. Consecutive threads take
+// consecutive chunks of a row: coalesced global reads, and the 8 chunks of one row land in 8
+// different bank groups.
+template <int HD, int R, class Src>
+__device__ __forceinline__ void wg_load_rows(uint32_t tile, const bf16* any_mapped, Src src) {
+  constexpr int C = HD / 8;
+  static_assert((R * C) % ATTN_WG_THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int c = threadIdx.x; c < R * C; c += ATTN_WG_THREADS) {
+    const int i = c / C, ch = c % C;
+    const bf16* p = src(i);
+    cp_async_16(tile + sw128_chunk<R>(i, ch), p ? p + ch * 8 : any_mapped, p != nullptr);
+  }
+}
+
+template <int HD>
+__device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                              const bf16* __restrict__ v, bf16* __restrict__ o,
+                                              const int* __restrict__ seq_starts, int num_seqs, index_t rows,
+                                              int heads, int kv_heads, float scale) {
+  using G = WgGeo<HD>;
+  constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS;
+  require_launch(ATTN_WG_THREADS, G::SMEM);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base;
+  auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
+  auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
+
+  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const index_t ntiles = (rows + BM - 1) / BM;
+  const int h = (int)(blockIdx.x % (unsigned)heads);
+  const index_t tile = ntiles - 1 - (index_t)(blockIdx.x / (unsigned)heads);
+  if (tile < 0) return;
+  const int kvh = h / (heads / kv_heads);
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+  const index_t q0 = tile * BM;
+  const index_t lo = seq_start_of(seq_starts, num_seqs, q0);  // first key any row of the tile sees
+  const index_t hi = min(q0 + BM, rows) - 1;                   // last key
+
+  // This warpgroup's rows [r0, r1a - q0] and their sequence starts, and this thread's two rows
+  // (gr and gr + 8 of its warp's 16), all relative to q0.
+  const index_t r0a = q0 + wg * 64;
+  const bool live = r0a < rows;
+  const index_t r1a = min(r0a + 64, rows) - 1;
+  const int r0 = (int)(r0a - q0);
+  const int ss0 = live ? (int)(seq_start_of(seq_starts, num_seqs, r0a) - q0) : 0;
+  const int ss1 = live ? (int)(seq_start_of(seq_starts, num_seqs, r1a) - q0) : 0;
+  int row_of[2], ss_of[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const index_t r = r0a + wi * 16 + gr + 8 * hh;
+    row_of[hh] = (int)(r - q0);
+    ss_of[hh] = r < rows ? (int)(seq_start_of(seq_starts, num_seqs, r) - q0) : INT_MAX;
+  }
+
+  const bf16* kbase = k + kvh * HD;
+  const bf16* vbase = v + kvh * HD;
+  auto load_kv = [&](index_t kt, int it) {
+    const index_t k0 = kt * BN;
+    wg_load_rows<HD, BN>(sK(it % KS), k, [&](int i) -> const bf16* {
+      const index_t t = k0 + i;
+      return (t >= lo && t <= hi) ? kbase + t * kw : nullptr;
+    });
+    wg_load_rows<HD, BN>(sV(it % VS), v, [&](int i) -> const bf16* {
+      const index_t t = k0 + i;
+      return (t >= lo && t <= hi) ? vbase + t * kw : nullptr;
+    });
+  };
+
+  const index_t kt_lo = lo / BN, kt_hi = hi / BN;
+  const int n_kt = (int)(kt_hi - kt_lo + 1);
+  wg_load_rows<HD, BM>(sQ, q, [&](int i) -> const bf16* {
+    const index_t r = q0 + i;
+    return r < rows ? q + r * qw + (index_t)h * HD : nullptr;
+  });
+  load_kv(kt_lo, 0);
+  cp_async_commit();
+
+  float acc[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sl2 = scale * LOG2E;
+  // Q of this warpgroup: rows wg*64.. of every 64-column block; k16 step kk at byte (kk % 4) * 32
+  // of block kk / 4.
+  const uint32_t sQw = sQ + (uint32_t)(wg * 64 * 128);
+
+  // Software pipeline per warpgroup: in iteration it, S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+  // are issued together; the softmax of S_it runs while the tensor cores finish P_{it-1} V_{it-1};
+  // then O is rescaled and P_it packed (pa: bf16 pairs, the A operand). No wgmma sits under a
+  // branch (ptxas serialises every wgmma of a kernel that has one in a divergent path): a tile with
+  // no key visible to a warpgroup's rows is computed fully masked (p = 0, alpha = 1), which costs
+  // at most the last tile of the first warpgroup, and the first iteration is peeled.
+  float s[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  // Waits for tile it's copies; after the barrier every warpgroup has also finished S_{it-1}
+  // (K stage (it + 1) % KS) and P_{it-2} V_{it-2} (V stage (it + 1) % VS), which tile it + 1
+  // reuses.
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  auto issue_s = [&](int it) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      const uint64_t da = wg_desc(sQw + (uint32_t)((kk >> 2) * BM * 128) + off, 16, 1024);
+      const uint64_t db = wg_desc(sK(it % KS) + (uint32_t)((kk >> 2) * BN * 128) + off, 16, 1024);
+      wg_abt<BN>(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int it) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint64_t db = wg_desc(sV(it % VS) + (uint32_t)(kk * 16 * 128), BN * 128, 1024);
+      wg_pb<HD>(acc, pa[kk], db, 1);
+    }
+    wgmma_commit();
+  };
+  // Tile it + 1's copies go out while the tensor cores work on tile it.
+  auto prefetch = [&](int it) {
+    if (it + 1 < n_kt) load_kv(kt_lo + it + 1, it + 1);
+    cp_async_commit();
+  };
+  // Softmax of S_it into P (in s), statistics updated; alpha for O.
+  auto softmax = [&](int it, float (&alpha)[2]) {
+    const int k0 = (int)((kt_lo + it) * BN - q0), k1 = k0 + BN - 1;  // relative to q0, like the rows
+    // Unmasked only when every key of the tile is visible to every row of the warpgroup.
+    const bool masked = !live || !(k0 >= ss1 && k1 <= r0);
+    softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
+      const int t = k0 + col;
+      return t >= ss_of[hh] && t <= row_of[hh];
+    });
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
+  {  // it = 0: S_0 alone.
+    float alpha[2];
+    tile_ready();
+    wgmma_fence();
+    issue_s(0);
+    prefetch(0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    softmax(0, alpha);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    float alpha[2];
+    tile_ready();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_s(it);
+    issue_pv(it - 1);
+    prefetch(it);
+    wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
+    wg_fence_regs(s);
+    softmax(it, alpha);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  wg_fence_regs(acc);
+  wgmma_fence();
+  issue_pv(n_kt - 1);
+  wgmma_wait<0>();
+  wg_fence_regs(acc);
+  cp_async_wait<0>();
+  if (!live) return;
+
+  softmax_finish<HD>(acc, l);
+  // Stage the bf16 output in this warpgroup's Q rows (read only by its own, finished, wgmmas):
+  // each warp writes and then reads back its own 16 rows.
+  const int wr = wg * 64 + wi * 16;  // the warp's first row in the tile
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
+        pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  constexpr int C = HD / 8;
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const index_t r = q0 + wr + i;
+    if (r < rows) {
+      *reinterpret_cast<uint4*>(o + r * qw + (index_t)h * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
+}  // namespace attn
+
+#define ATTN_WG_EXPORT(D)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_causal_fwd_wg_bf16_hd##D(            \
+      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
+      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
+    attn::causal_fwd_wg<D>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);                 \
+  }
+
+ATTN_WG_EXPORT(128)
+ATTN_WG_EXPORT(256)
