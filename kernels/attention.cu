@@ -98,8 +98,9 @@
 //   Target: >= 40% of the measured dense bf16 peak (~790 TFLOP/s on H200). Measured (H200,
 //   standalone harness): causal 4 x 3072, 32/8, hd 128: 1.63 ms = 190 TFLOP/s (24%); drafter
 //   4 x 512 blocks x 16, contexts 3072, 32/8, hd 128: fwd 5.5 ms = 151 TFLOP/s, bwd_q 8.3 ms =
-//   150, bwd_kv 9.3 ms = 175 (19-22%). The way to the target: wgmma (sm_90a) with K/V via the
-//   bulk tensor copy engine.
+//   150, bwd_kv 9.3 ms = 175 (19-22%). The causal forward at head_dim 128 and 256 now runs on
+//   warpgroup MMAs by default (attention_wgmma.cu: 244 and 303 TFLOP/s at the bench's shapes);
+//   this file's attn_causal_fwd serves the other head dims and DFLASH_ATTN_FORM=mma.
 #include <climits>
 
 #include "mma.cuh"
