@@ -278,6 +278,25 @@ fn causal_attention_matches_brute_force() {
     }
 }
 
+/// Bad head counts are shape errors naming the op, not panics: no kv head at all (a division by
+/// zero before the check was shared by the backends), heads that do not split evenly, and a short
+/// buffer.
+#[test]
+fn causal_attention_rejects_bad_head_counts() {
+    let be = Exact::exact();
+    let (rows, hd) = (3, 4);
+    let z = |n: usize| buf(vec![0.0; n]);
+    let starts = vec![0, 3];
+    for (heads, kvh, q_len) in [(4, 0, rows * 16), (4, 3, rows * 16), (4, 2, rows * 16 - 1)] {
+        let mut o = z(rows * heads * hd);
+        let e = be
+            .attn_causal_fwd(&S, &z(q_len), &z(rows * 8), &z(rows * 8), &mut o, &starts, rows, heads, kvh, hd)
+            .expect_err("a bad shape");
+        let msg = e.to_string();
+        assert!(msg.contains("attn_causal_fwd"), "{heads}/{kvh}, q {q_len}: {msg}");
+    }
+}
+
 /// The decoding attention over a cache (`attn_decode`) is the drafter attention with blocks of
 /// one slot anchored at the row's position, its own key the block's (how decoding ran before it
 /// had its own op): equal on the exact backend, for a batch at one step and a causal block.

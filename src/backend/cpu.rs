@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::slots::{SlotError, SlotMemory};
 use super::{
-    check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope, Result,
-    Rows, GDN_CHUNK,
+    check_causal_attn, check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm,
+    QkNormRope, Result, Rows, GDN_CHUNK,
 };
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
@@ -732,16 +732,7 @@ impl<F: Real> Backend for CpuBackend<F> {
         head_dim: usize,
     ) -> Result<()> {
         let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
-        check_len("attn_causal_fwd", "q", q.data.len(), 0, rows * qw)?;
-        check_len("attn_causal_fwd", "k", k.data.len(), 0, rows * kw)?;
-        check_len("attn_causal_fwd", "v", v.data.len(), 0, rows * kw)?;
-        check_len("attn_causal_fwd", "o", o.data.len(), 0, rows * qw)?;
-        if heads % kv_heads != 0 {
-            return Err(BackendError::Shape {
-                op: "attn_causal_fwd",
-                what: format!("{heads} heads over {kv_heads} kv heads"),
-            });
-        }
+        check_causal_attn(q.data.len(), k.data.len(), v.data.len(), o.data.len(), rows, heads, kv_heads, head_dim)?;
         // Row -> start of its sequence.
         let mut start_of = vec![0usize; rows];
         for w in seq_starts.windows(2) {

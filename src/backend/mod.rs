@@ -35,6 +35,32 @@ pub fn check_len(op: &'static str, operand: &str, have: usize, off: usize, need:
     }
 }
 
+/// The shape checks of `attn_causal_fwd`, the same on every backend: q and o hold `rows` rows of
+/// `heads * head_dim`, k and v of `kv_heads * head_dim` (buffer lengths in that order), and the
+/// query heads split evenly over at least one kv head.
+#[allow(clippy::too_many_arguments)]
+pub fn check_causal_attn(
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    const OP: &str = "attn_causal_fwd";
+    let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+    check_len(OP, "q", q, 0, rows * qw)?;
+    check_len(OP, "k", k, 0, rows * kw)?;
+    check_len(OP, "v", v, 0, rows * kw)?;
+    check_len(OP, "o", o, 0, rows * qw)?;
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(BackendError::Shape { op: OP, what: format!("{heads} heads over {kv_heads} kv heads") });
+    }
+    Ok(())
+}
+
 /// `bufs` of `from`'s device as buffers of `to`'s device (the same buffers when `to` is `from`).
 /// The host waits for the sources' last writes before the copies and for the copies after, so
 /// the sources may be dropped on return. For set-up, not for the step loop.

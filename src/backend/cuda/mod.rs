@@ -23,8 +23,8 @@ use rayon::prelude::*;
 
 use super::profile::{self, Phase, StepPhases, Work};
 use super::{
-    check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope, Result,
-    Rows, StartError,
+    check_causal_attn, check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm,
+    QkNormRope, Result, Rows, StartError,
 };
 use crate::kernels::launch::{
     ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
@@ -447,17 +447,7 @@ impl CudaBackend {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
-        check_len("attn_causal_fwd", "q", q.len, 0, rows * qw)?;
-        check_len("attn_causal_fwd", "k", k.len, 0, rows * kw)?;
-        check_len("attn_causal_fwd", "v", v.len, 0, rows * kw)?;
-        check_len("attn_causal_fwd", "o", o.len, 0, rows * qw)?;
-        if kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(BackendError::Shape {
-                op: "attn_causal_fwd",
-                what: format!("{heads} heads over {kv_heads} kv heads"),
-            });
-        }
+        check_causal_attn(q.len, k.len, v.len, o.len, rows, heads, kv_heads, head_dim)?;
         let (kernel, cta_rows, threads, smem) = match form {
             CausalForm::Mma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
