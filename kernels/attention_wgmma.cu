@@ -155,22 +155,24 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
     fence_proxy_async();
     __syncthreads();
   };
+  // Descriptors: built once, then moved by constant byte offsets per k step and stage.
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const uint32_t off = (uint32_t)((kk & 3) * 32);
-      const uint64_t da = wg_desc(sQw + (uint32_t)((kk >> 2) * BM * 128) + off, 16, 1024);
-      const uint64_t db = wg_desc(sK(it % KS) + (uint32_t)((kk >> 2) * BN * 128) + off, 16, 1024);
-      wg_abt<BN>(s, da, db, kk > 0);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
     }
     wgmma_commit();
   };
   auto issue_pv = [&](int it) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = wg_desc(sV(it % VS) + (uint32_t)(kk * 16 * 128), BN * 128, 1024);
-      wg_pb<HD>(acc, pa[kk], db, 1);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
     wgmma_commit();
   };
   // Tile it + 1's copies go out while the tensor cores work on tile it.
