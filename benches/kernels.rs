@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, CausalForm, CudaBackend, FcPath, GdnForm};
+use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
@@ -392,7 +392,7 @@ fn main() {
             normal_buf(DType::BF16, t_rows * kvh * hd, 45),
             normal_buf(DType::BF16, t_rows * kvh * hd, 46),
         );
-        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+        for form in [AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
             });
@@ -423,11 +423,18 @@ fn main() {
         let vb = buf(DType::BF16, nb * 16 * kvh * hd);
         let mut od = buf(DType::BF16, nb * 16 * heads * hd);
         let mut lse = buf(DType::F32, nb * 16 * heads);
-        flops(
-            "drafter attention fwd (2048 blocks x 16)",
-            time(&be, 5, || be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()),
-            4.0 * visible * heads as f64 * hd as f64,
-        );
+        // Both forward forms (the warpgroup kernel is the default); the backward below reads the
+        // lse of the last one timed, the default's.
+        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            let t = time(&be, 5, || {
+                be.attn_draft_fwd_with(form, &s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()
+            });
+            flops(
+                &format!("drafter attention fwd {form:?} (2048 blocks x 16)"),
+                t,
+                4.0 * visible * heads as f64 * hd as f64,
+            );
+        }
         let mut grads: Vec<_> =
             [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
                 .iter()
@@ -500,7 +507,7 @@ fn main() {
         let mut o = buf(DType::BF16, n * heads * hd);
         let starts = ids(vec![0, n as i32]);
         let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
-        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+        for form in [AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
             });

@@ -300,12 +300,6 @@ __device__ __forceinline__ void draft_checks(int block_size, int heads, int kv_h
   }
 }
 
-// The first key (in the virtual sequence of DraftCta) that any slot of a block anchored at a sees:
-// 0 in a full layer (window == 0), slot 0's window start max(0, a - (W - 1)) in a sliding one.
-__device__ __forceinline__ index_t draft_first_key(index_t a, int window) {
-  return window > 0 ? max((index_t)0, a - (index_t)(window - 1)) : (index_t)0;
-}
-
 // Whether slot r sees key u of the virtual sequence: u < nk, and in a sliding layer
 // (window W > 0) a context key u < a needs u >= a + r - (W - 1), a block key (slot u - a) needs
 // u - a <= r.

@@ -55,6 +55,9 @@ constexpr int ATTN_WG_KEYS_HD256 = 64;
 constexpr int ATTN_WG_K_STAGES = 2;
 constexpr int ATTN_WG_V_STAGES = 3;
 constexpr int ATTN_WG_ALIGN = 1024;
+// The drafter forward's own block keys (block_size <= 16): one 16-row K and V tile per warpgroup
+// on top of the causal layout (4 * 16 * hd * 2 bytes more: 214,016 at hd 128).
+constexpr int ATTN_WG_BLOCK_KEYS = 16;
 
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.

@@ -39,6 +39,12 @@ __device__ __forceinline__ index_t seq_start_of(const int* seq_starts, int num_s
   return seq_starts[a];
 }
 
+// The first key (in the virtual sequence of a drafter block, attention.cu DraftCta) that any slot of a block anchored at a sees:
+// 0 in a full layer (window == 0), slot 0's window start max(0, a - (W - 1)) in a sliding one.
+__device__ __forceinline__ index_t draft_first_key(index_t a, int window) {
+  return window > 0 ? max((index_t)0, a - (index_t)(window - 1)) : (index_t)0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.
 

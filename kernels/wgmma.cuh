@@ -66,9 +66,10 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[NT][4]) {
 // S[64 x BN] (+)= A B^T for one k16 step, A and B K-major tiles.
 template <int BN>
 __device__ __forceinline__ void wg_abt(float (&d)[BN / 8][4], uint64_t da, uint64_t db, int accumulate) {
-  if constexpr (BN == 64) wgmma_ss_m64n64k16(d, da, db, accumulate);
+  if constexpr (BN == 16) wgmma_ss_m64n16k16(d, da, db, accumulate);
+  else if constexpr (BN == 64) wgmma_ss_m64n64k16(d, da, db, accumulate);
   else if constexpr (BN == 128) wgmma_ss_m64n128k16(d, da, db, accumulate);
-  else static_assert(BN == 64 || BN == 128, "no wgmma wrapper for this key tile");
+  else static_assert(BN == 16 || BN == 64 || BN == 128, "no wgmma wrapper for this key tile");
 }
 
 // O[64 x HD] (+)= P B for one k16 step, P in registers, B an N-major tile.

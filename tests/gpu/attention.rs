@@ -121,7 +121,7 @@ fn gpu_causal_attention_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_causal_attention_forms_match_cpu() {
-    use dflash_engine::backend::cuda::CausalForm;
+    use dflash_engine::backend::cuda::AttnForm;
     let (g, c) = (gpu(), CpuBackend::new());
     let s = g.compute_stream();
     for (hd, heads, kvh, lens) in
@@ -138,8 +138,8 @@ fn gpu_causal_attention_forms_match_cpu() {
         let want = c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd);
         let (qb, kb, vb) = (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16));
         let st = ids(&g, &starts);
-        for form in [CausalForm::Mma, CausalForm::Wgmma] {
-            assert!(form.takes(hd), "{form:?} has no kernel for head_dim {hd}");
+        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            assert!(form.takes_causal(hd), "{form:?} has no kernel for head_dim {hd}");
             let run = || {
                 let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
                 g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
@@ -196,6 +196,87 @@ fn gpu_drafter_attention_matches_cpu() {
         // Padded blocks: exact zeros out.
         let w = heads * hd;
         assert!(a[0][3 * bs * w..4 * bs * w].iter().all(|&x| x == 0.0));
+    }
+}
+
+/// Both drafter forward kernels (mma.sync and the Hopper warpgroup one, which takes two blocks
+/// per CTA and streams their shared context once) against the CPU, o and lse: anchors at 0 and
+/// at the end, padded blocks, a pair of blocks in two sequences, an odd block count (a pair with
+/// one block), padding rows (block_size * G < 64), full and sliding layers, and contexts of
+/// thousands of rows (many K/V stages). Each form must be bit-identical from run to run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_drafter_forward_forms_match_cpu() {
+    use dflash_engine::backend::cuda::AttnForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let long_anchors: Vec<i32> = (0..24).map(|i| if i == 5 { -1 } else { (i % 12) * 230 + 7 }).collect();
+    let long_starts: Vec<i32> = (0..24).map(|i| if i < 12 { 0 } else { 2800 }).collect();
+    let cases: Vec<(usize, usize, usize, usize, Vec<i32>, Vec<i32>, Vec<Option<usize>>)> = vec![
+        (16, 32, 8, 150, vec![0, 17, 99, -1, 3, 49, -1], vec![0, 0, 0, 0, 100, 100, 100], vec![None, Some(8)]),
+        (5, 6, 2, 150, vec![0, 17, 99, -1, 3, 49, -1], vec![0, 0, 0, 0, 100, 100, 100], vec![None, Some(40)]),
+        (16, 32, 8, 5600, long_anchors, long_starts, vec![None, Some(2048), Some(3)]),
+    ];
+    for (bs, heads, kvh, ctx_rows, anchors, starts, windows) in cases {
+        let hd = 128;
+        for window in windows {
+            let sh = DraftAttnShape {
+                num_blocks: anchors.len(),
+                block_size: bs,
+                ctx_rows,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                window,
+            };
+            let (qn, kn, kbn) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
+            let t =
+                [rand(qn, 180, 1.0), rand(kn, 181, 1.0), rand(kn, 182, 1.0), rand(kbn, 183, 1.0), rand(kbn, 184, 1.0)];
+            // o and lse of one forward on backend `be` (the form picked by `launch`).
+            fn fwd<B: Backend>(
+                be: &B,
+                sh: &DraftAttnShape,
+                t: &[Vec<f32>; 5],
+                anchors: &[i32],
+                starts: &[i32],
+                launch: impl Fn(&B, &B::Stream, &[B::Buf], &B::Ids, &B::Ids, &mut B::Buf, &mut B::Buf),
+            ) -> (Vec<f32>, Vec<f32>) {
+                let s = be.compute_stream();
+                let b: Vec<B::Buf> = t.iter().map(|v| put(be, v, DType::BF16)).collect();
+                let mut o = be.alloc(&s, DType::BF16, sh.q_rows() * sh.heads * sh.head_dim).unwrap();
+                let mut lse = be.alloc(&s, DType::F32, sh.q_rows() * sh.heads).unwrap();
+                launch(be, &s, &b, &ids(be, anchors), &ids(be, starts), &mut o, &mut lse);
+                (get(be, &o), get(be, &lse))
+            }
+            let want = fwd(&c, &sh, &t, &anchors, &starts, |be, s, b, a, st, o, lse| {
+                be.attn_draft_fwd(s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse).unwrap()
+            });
+            let gpu_fwd = |form: AttnForm| {
+                fwd(&g, &sh, &t, &anchors, &starts, |be, s, b, a, st, o, lse| {
+                    be.attn_draft_fwd_with(form, s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse).unwrap()
+                })
+            };
+            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+                assert!(form.takes_draft(&sh), "{form:?} takes bs {bs}, {heads}/{kvh} heads");
+                let what = format!("{form:?} drafter fwd bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
+                let got = gpu_fwd(form);
+                rel_err(&format!("{what} o"), &got.0, &want.0, ATTN_TOL);
+                rel_err(&format!("{what} lse"), &got.1, &want.1, 1e-5);
+                let again = gpu_fwd(form);
+                bits_equal(&format!("{what} rerun o"), &again.0, &got.0);
+                bits_equal(&format!("{what} rerun lse"), &again.1, &got.1);
+                // Padded blocks: exact zeros out, lse 0.
+                let w = heads * hd;
+                for (j, &a) in anchors.iter().enumerate() {
+                    if a < 0 {
+                        assert!(got.0[j * bs * w..(j + 1) * bs * w].iter().all(|&x| x == 0.0), "{what}: block {j}");
+                        assert!(
+                            got.1[j * bs * heads..(j + 1) * bs * heads].iter().all(|&x| x == 0.0),
+                            "{what}: lse {j}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -34,8 +34,8 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    ATTN_WG_ALIGN, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
-    ATTN_WG_V_STAGES,
+    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS,
+    ATTN_WG_THREADS, ATTN_WG_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -431,11 +431,11 @@ impl CudaBackend {
     }
 
     /// The causal forward with an explicit kernel form (the trait method takes
-    /// `CausalForm::pick`); benches and tests compare the forms with it.
+    /// `AttnForm::pick`); benches and tests compare the forms with it.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_causal_fwd_with(
         &self,
-        form: CausalForm,
+        form: AttnForm,
         s: &Stream,
         q: &CudaBuf,
         k: &CudaBuf,
@@ -459,7 +459,7 @@ impl CudaBackend {
             });
         }
         let (kernel, cta_rows, threads, smem) = match form {
-            CausalForm::Mma => {
+            AttnForm::Mma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
                 // A CTA owns ATTN_CAUSAL_ROWS query rows of one head (ATTN_CAUSAL_ROWS_HD256 at
                 // head_dim 256); shared memory holds them and ATTN_KV_TILES K/V tiles of
@@ -468,7 +468,7 @@ impl CudaBackend {
                 let ld = head_dim + ATTN_LD_PAD;
                 (kernel, cta_rows, ATTN_CAUSAL_WARPS * 32, (cta_rows + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2)
             }
-            CausalForm::Wgmma => {
+            AttnForm::Wgmma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdWgBf16Hd::VARIANTS, head_dim)?;
                 // kernels/attention_wgmma.cu: ATTN_WG_ROWS query rows of one head per CTA, and
                 // ATTN_WG_K_STAGES K and ATTN_WG_V_STAGES V tiles of the head dim's key count,
@@ -503,8 +503,85 @@ impl CudaBackend {
             };
         }
         match form {
-            CausalForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
-            CausalForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+            AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
+            AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+        }
+    }
+
+    /// The drafter forward with an explicit kernel form (the trait method takes
+    /// `AttnForm::pick_draft`); tests and benches compare the forms with it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_draft_fwd_with(
+        &self,
+        form: AttnForm,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        kb: &CudaBuf,
+        vb: &CudaBuf,
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        o: &mut CudaBuf,
+        lse: &mut CudaBuf,
+    ) -> Result<()> {
+        let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
+        check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
+        const OP: &str = "attn_draft_fwd";
+        macro_rules! args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    kb: kb.at(OP, 0)?,
+                    vb: vb.at(OP, 0)?,
+                    o: o.at(OP, 0)?,
+                    lse: lse.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    window: sh.window.unwrap_or(0),
+                }
+            };
+        }
+        match form {
+            AttnForm::Mma => {
+                let kernel = Self::attn_kernel(OP, &launch::AttnDraftFwdBf16Hd::VARIANTS, sh.head_dim)?;
+                // Shared memory: the query tile (w warps of ATTN_WARP_ROWS rows) and ATTN_KV_TILES
+                // K/V tiles of ATTN_KEYS keys.
+                let smem = (ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2;
+                let grid = sh.num_blocks * sh.kv_heads;
+                self.launch(s, kernel, (grid, 32 * g.w, smem), args!(AttnDraftFwdBf16Hd))
+            }
+            AttnForm::Wgmma => {
+                if !form.takes_draft(sh) {
+                    return Err(BackendError::Shape {
+                        op: OP,
+                        what: format!(
+                            "the warpgroup kernel takes head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
+                             block_size * heads / kv_heads <= 64, not head_dim {}, block_size {}, {}/{} heads",
+                            sh.head_dim, sh.block_size, sh.heads, sh.kv_heads
+                        ),
+                    });
+                }
+                // kernels/attention_wgmma.cu draft_fwd_wg: two blocks per CTA, the causal layout
+                // (128 query rows, K/V stages of ATTN_WG_KEYS_HD128 keys) plus a 16-row K and V
+                // tile of block keys per warpgroup.
+                let keys = ATTN_WG_KEYS_HD128;
+                let tiles = ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
+                let smem = tiles * sh.head_dim * 2 + ATTN_WG_ALIGN;
+                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
+                let kernel = launch::Kernel::AttnDraftFwdWgBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), args!(AttnDraftFwdWgBf16Hd128))
+            }
         }
     }
 
@@ -1295,7 +1372,7 @@ impl Backend for CudaBackend {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        let form = CausalForm::pick(head_dim);
+        let form = AttnForm::pick_causal(head_dim);
         self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)
     }
 
@@ -1313,33 +1390,8 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         lse: &mut CudaBuf,
     ) -> Result<()> {
-        let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
-        check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
-        check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
-        const OP: &str = "attn_draft_fwd";
-        let kernel = Self::attn_kernel(OP, &launch::AttnDraftFwdBf16Hd::VARIANTS, sh.head_dim)?;
-        // Shared memory: the query tile (w warps of ATTN_WARP_ROWS rows) and ATTN_KV_TILES K/V
-        // tiles of ATTN_KEYS keys.
-        let smem = (ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2;
-        let args = launch::AttnDraftFwdBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            kb: kb.at(OP, 0)?,
-            vb: vb.at(OP, 0)?,
-            o: o.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            anchors: anchors.at(OP, 0)?,
-            ctx_start: ctx_start.at(OP, 0)?,
-            num_blocks: sh.num_blocks,
-            block_size: sh.block_size,
-            ctx_rows: sh.ctx_rows,
-            heads: sh.heads,
-            kv_heads: sh.kv_heads,
-            scale: sh.scale(),
-            window: sh.window.unwrap_or(0),
-        };
-        self.launch(s, kernel, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)
+        let form = AttnForm::pick_draft(sh);
+        self.attn_draft_fwd_with(form, s, sh, q, kc, vc, kb, vb, anchors, ctx_start, o, lse)
     }
 
     fn qk_norm_rope(
@@ -2119,43 +2171,69 @@ impl CudaBackend {
     }
 }
 
-/// Which kernel runs the target's causal attention forward.
+/// Which kernel runs an attention forward: the target's causal one, the drafter's block one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CausalForm {
-    /// `attn_causal_fwd_bf16_hd*` (kernels/attention.cu): mma.sync, head dims 16..=256.
+pub enum AttnForm {
+    /// kernels/attention.cu (`attn_causal_fwd_bf16_hd*`, `attn_draft_fwd_bf16_hd*`): mma.sync,
+    /// every compiled head dim and block shape.
     Mma,
-    /// `attn_causal_fwd_wg_bf16_hd*` (kernels/attention_wgmma.cu): Hopper warpgroup MMAs, head
-    /// dims 128 and 256.
+    /// kernels/attention_wgmma.cu (`attn_causal_fwd_wg_bf16_hd*` at head_dim 128 and 256,
+    /// `attn_draft_fwd_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
+    /// warpgroup MMAs.
     Wgmma,
 }
 
-impl CausalForm {
-    /// The warpgroup kernel where it is compiled (head_dim 128, 256), else mma.sync.
+impl AttnForm {
     /// DFLASH_ATTN_FORM=mma picks mma.sync everywhere, for comparisons inside a whole run.
-    pub fn pick(head_dim: usize) -> CausalForm {
+    fn forced_mma() -> bool {
         static FORCED_MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let forced = *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
+        *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
             None | Some("wgmma") => false,
             Some("mma") => true,
             Some(v) => {
                 eprintln!("note: DFLASH_ATTN_FORM={v} is not mma or wgmma; using the default");
                 false
             }
-        });
-        if !forced && CausalForm::Wgmma.takes(head_dim) {
-            CausalForm::Wgmma
+        })
+    }
+
+    /// The causal forward's kernel: the warpgroup one where it is compiled, else mma.sync.
+    pub fn pick_causal(head_dim: usize) -> AttnForm {
+        if !Self::forced_mma() && AttnForm::Wgmma.takes_causal(head_dim) {
+            AttnForm::Wgmma
         } else {
-            CausalForm::Mma
+            AttnForm::Mma
         }
     }
 
-    /// Whether this form has a kernel for `head_dim`.
-    pub fn takes(self, head_dim: usize) -> bool {
+    /// The drafter forward's kernel: the warpgroup one where it takes the shape, else mma.sync.
+    pub fn pick_draft(sh: &DraftAttnShape) -> AttnForm {
+        if !Self::forced_mma() && AttnForm::Wgmma.takes_draft(sh) {
+            AttnForm::Wgmma
+        } else {
+            AttnForm::Mma
+        }
+    }
+
+    /// Whether this form has a causal kernel for `head_dim`.
+    pub fn takes_causal(self, head_dim: usize) -> bool {
         let variants: &[(&str, launch::Kernel)] = match self {
-            CausalForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
-            CausalForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
+            AttnForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
+            AttnForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
         };
         variant(variants, &head_dim.to_string()).is_some()
+    }
+
+    /// Whether this form has a drafter forward for the shape (the mma.sync kernel: every compiled
+    /// head dim; its own limits are checked by the launcher).
+    pub fn takes_draft(self, sh: &DraftAttnShape) -> bool {
+        match self {
+            AttnForm::Mma => variant(&launch::AttnDraftFwdBf16Hd::VARIANTS, &sh.head_dim.to_string()).is_some(),
+            AttnForm::Wgmma => {
+                let g = if sh.kv_heads > 0 { sh.heads / sh.kv_heads } else { 0 };
+                sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
+            }
+        }
     }
 }
 
@@ -2597,18 +2675,33 @@ mod tests {
 
     /// The warpgroup kernel takes head_dim 128 and 256 (Qwen3, Qwen3.5/3.6), mma.sync the rest.
     #[test]
-    fn causal_attention_picks_the_warpgroup_kernel_where_it_is_compiled() {
-        assert!(CausalForm::Wgmma.takes(128) && CausalForm::Wgmma.takes(256));
-        assert!(!CausalForm::Wgmma.takes(64) && !CausalForm::Wgmma.takes(16));
+    fn attention_picks_the_warpgroup_kernels_where_they_take_the_shape() {
+        assert!(AttnForm::Wgmma.takes_causal(128) && AttnForm::Wgmma.takes_causal(256));
+        assert!(!AttnForm::Wgmma.takes_causal(64) && !AttnForm::Wgmma.takes_causal(16));
         for hd in [16, 32, 64, 128, 256] {
-            assert!(CausalForm::Mma.takes(hd), "mma.sync has every head dim ({hd})");
+            assert!(AttnForm::Mma.takes_causal(hd), "mma.sync has every head dim ({hd})");
         }
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
-            assert_eq!(CausalForm::pick(128), CausalForm::Wgmma);
-            assert_eq!(CausalForm::pick(256), CausalForm::Wgmma);
-            assert_eq!(CausalForm::pick(64), CausalForm::Mma);
+            assert_eq!(AttnForm::pick_causal(128), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_causal(256), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
-        assert!(!CausalForm::Mma.takes(96) && !CausalForm::Wgmma.takes(96));
+        assert!(!AttnForm::Mma.takes_causal(96) && !AttnForm::Wgmma.takes_causal(96));
+        // The drafter's warpgroup kernel: head_dim 128, block_size <= 16, block_size * G <= 64.
+        let sh = |hd, bs, heads, kv_heads| DraftAttnShape {
+            num_blocks: 4,
+            block_size: bs,
+            ctx_rows: 64,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            window: None,
+        };
+        assert!(AttnForm::Wgmma.takes_draft(&sh(128, 16, 32, 8)));
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 16, 32, 4)), "M = 128");
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
+        assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
     }
 
     #[test]
