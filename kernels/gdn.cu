@@ -1000,7 +1000,8 @@ constexpr int FBV = GDN_FAST_BV;               // state pass: value columns per 
 constexpr int FBO = GDN_FAST_OUT_BV;           // output: value columns per CTA
 constexpr int FW_S = GDN_FAST_STATE_THREADS / 32;
 constexpr int FW_O = GDN_FAST_OUT_THREADS / 32;
-static_assert(FW_S * 16 == C && FW_O * 16 == C, "one warp per 16 rows of a chunk");
+static_assert(FW_S * 16 == C, "state pass: one warp per 16 rows of a chunk");
+static_assert(FW_O * 16 == 2 * C && FBO % 32 == 0, "output: two warps (column halves) per 16 rows");
 static_assert(FBV % 16 == 0 && FBO % 16 == 0, "value blocks of whole 16-column tiles");
 
 // rows x cols bf16 (cols % 8 == 0) from global src (row pitch sld elements, 16-byte aligned
@@ -1015,34 +1016,47 @@ __device__ __forceinline__ void tile_async_bf16(bf16* dst, int dld, const bf16* 
   }
 }
 
-// rows x cols f32 (cols % 4 == 0) from global as two bf16 tiles in shared memory (pitch dld):
-// hi = bf16(x) at dst and lo = bf16(x - hi) at dst + lo_off (hi + lo keeps ~16 mantissa bits);
-// rows >= valid_rows zero. Loads go out in batches of FB per thread before their stores, so a
-// thread waits for one global latency per batch, not per element.
+// Two f32 tiles of the same rows (a chunk's q and k, or k and v; cols % 4 == 0) from global as
+// bf16 pairs in shared memory (pitch dld): hi = bf16(x) at dst and lo = bf16(x - hi) at dst +
+// lo_off (hi + lo keeps ~16 mantissa bits); rows >= valid_rows zero. Loads of both tiles go out in
+// batches of FB per thread and tile before their stores, so a thread waits for one global latency
+// per batch, not per element or per tile.
 constexpr int FB = 8;
 __device__ __forceinline__ uint32_t lo_part(float a, float b, uint32_t hi) {
   return attn::pack_op(a - bf16x2_lo_to_f32(hi), b - bf16x2_hi_to_f32(hi));
 }
-__device__ __forceinline__ void tile_f32_to_bf16x2(bf16* dst, int lo_off, int dld, const float* __restrict__ src,
-                                                   index_t sld, int rows, int cols, int valid_rows, int tid, int nt) {
-  const int c4 = cols / 4, n = rows * c4;
+__device__ __forceinline__ void store_bf16x2(bf16* dst, int lo_off, const float4 x) {
+  const uint32_t h0 = attn::pack_op(x.x, x.y), h1 = attn::pack_op(x.z, x.w);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(dst + lo_off) = make_uint2(lo_part(x.x, x.y, h0), lo_part(x.z, x.w, h1));
+}
+struct TileF32 {
+  bf16* dst;  // hi part; lo part lo_off further
+  int lo_off, dld;
+  const float* src;
+  index_t sld;
+  int cols;  // % 4 == 0
+};
+__device__ __forceinline__ void tiles2_f32_to_bf16x2(const TileF32 t0, const TileF32 t1, int rows, int valid_rows,
+                                                     int tid, int nt) {
+  const int c0 = t0.cols / 4, c1 = t1.cols / 4, n0 = rows * c0, n1 = rows * c1;
+  const int n = n0 > n1 ? n0 : n1;
   for (int e0 = tid; e0 < n; e0 += FB * nt) {
-    float4 x[FB];
+    float4 x0[FB], x1[FB];
 #pragma unroll
     for (int u = 0; u < FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
-      x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (e < n && i < valid_rows) x[u] = __ldg(reinterpret_cast<const float4*>(src + (index_t)i * sld + c));
+      const int e = e0 + u * nt, i0 = e / c0, i1 = e / c1;
+      x0[u] = x1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < n0 && i0 < valid_rows)
+        x0[u] = __ldg(reinterpret_cast<const float4*>(t0.src + (index_t)i0 * t0.sld + (e - i0 * c0) * 4));
+      if (e < n1 && i1 < valid_rows)
+        x1[u] = __ldg(reinterpret_cast<const float4*>(t1.src + (index_t)i1 * t1.sld + (e - i1 * c1) * 4));
     }
 #pragma unroll
     for (int u = 0; u < FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
-      if (e < n) {
-        const uint32_t h0 = attn::pack_op(x[u].x, x[u].y), h1 = attn::pack_op(x[u].z, x[u].w);
-        *reinterpret_cast<uint2*>(dst + i * dld + c) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(dst + lo_off + i * dld + c) =
-            make_uint2(lo_part(x[u].x, x[u].y, h0), lo_part(x[u].z, x[u].w, h1));
-      }
+      const int e = e0 + u * nt, i0 = e / c0, i1 = e / c1;
+      if (e < n0) store_bf16x2(t0.dst + i0 * t0.dld + (e - i0 * c0) * 4, t0.lo_off, x0[u]);
+      if (e < n1) store_bf16x2(t1.dst + i1 * t1.dld + (e - i1 * c1) * 4, t1.lo_off, x1[u]);
     }
   }
 }
@@ -1130,12 +1144,14 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
     G[i] = i < L ? g[(c0 + i) * v_heads + h] : 0.f;  // loaded in parallel, summed below
   }
-  gdn::tile_f32_to_bf16x2(Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_f32_to_bf16x2(Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
+  gdn::tiles2_f32_to_bf16x2({Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk},
+                            {Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, dv}, C, L, tid, nt);
   __syncthreads();
   if (tid == 0) {
-    // Sequential, as cpu.rs accumulates it; the pad repeats G_L.
+    // Sequential, as cpu.rs accumulates it; the pad repeats G_L. Unrolled, so the C shared-memory
+    // loads issue together and only the adds are in a chain.
     float acc = 0.f;
+#pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < L) acc += G[i];
       G[i] = acc;
@@ -1220,9 +1236,12 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     }
     __syncthreads();
   }
-  // 4. W (warps 0-3) and U (warps 4-7), row block rb, columns in passes of 128.
+  // 4. W (warps 0-3, row block w) and U (warps 4-7, row block 7 - w): warps w and w + 4 share a
+  // scheduler, and the work grows with the row block (rb + 1 k-steps), so each scheduler gets the
+  // row blocks r and 3 - r.
   {
     const bool is_u = warp >= 4;
+    const int rb = is_u ? 7 - warp : warp;
     const int ncols = is_u ? dv : dk, ld = is_u ? lv : lk;
     const float* sc = is_u ? Bt : Sw;
     const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
@@ -1459,11 +1478,18 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   }
 }
 
-// One CTA per (chunk slot, value head, block of BO value columns); warp w owns the chunk's rows
-// [16 w, 16 w + 16). q and k are split into bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi,
-// Q S_c takes hi + lo (S_c is bf16). Shared memory (bf16): Q hi, then the output rows
-// [C][max(dk, BO)+P] | Q lo [C][max(dk, BO)+P] | K hi [C][dk+P] | K lo [C][dk+P] | S_c [dk][BO+P] |
-// V' [C][BO+P] | G [C] f32.
+// One CTA per (chunk slot, value head, block of BO = GDN_FAST_OUT_BV value columns), 8 warps:
+// warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
+// the block, hf = w >> 2, rb = w & 3 for hf = 0 and 3 - (w & 3) for hf = 1 (warps w and w + 4 share
+// a scheduler, so each scheduler gets the row blocks rb and 3 - rb: the causal Q K^T and A V'
+// work grows with rb, and this pairing gives every scheduler the same total). q and k are staged
+// once per (chunk, head) as bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi, Q S_c takes
+// hi + lo (S_c is bf16); each warp of a pair computes its rows' Q K^T (the two halves need the
+// same A in registers). Steps: S_c by cp.async while q, k load; Q K^T; barrier (K is dead); V'
+// by cp.async over K while Q S_c runs; barrier; A V'; the output rows through Q's space.
+// Shared memory (bf16): Q hi, Q lo [C][lq] (then each warp's output tile: half 0 in hi, half 1 in
+// lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | S_c [dk][BO+P] | G [C] f32;
+// lq = max(dk, BO/2) + P.
 extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
@@ -1471,15 +1497,17 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   using gdn::C;
   using gdn::FBO;
   using gdn::bf16;
+  constexpr int HB = FBO / 2;  // value columns per warp
   extern __shared__ __align__(128) float smem[];
   const int lk = dk + gdn::FP;
-  const int lq = (dk > FBO ? dk : FBO) + gdn::FP;
+  const int lq = (dk > HB ? dk : HB) + gdn::FP;
   constexpr int lb = FBO + gdn::FP;
+  const int kreg = 2 * C * lk > C * lb ? 2 * C * lk : C * lb;  // K hi + lo, then V'
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
   bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
-  bf16* sS = sK + 2 * C * lk;                // [dk][lb]
-  bf16* sV = sS + dk * lb;                   // [C][lb]
-  float* sG = reinterpret_cast<float*>(sV + C * lb);
+  bf16* sV = sK;                             // [C][lb] once K is dead
+  bf16* sS = sK + kreg;                      // [dk][lb]
+  float* sG = reinterpret_cast<float*>(sS + dk * lb);
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_OUT_THREADS || (dk % 16) != 0 || (dv % 16) != 0) __trap();
@@ -1492,46 +1520,45 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   int L;
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
   const int v0 = vb * FBO, bw = min(FBO, dv - v0);  // a multiple of 16
-  const int nb = bw / 8;
+  const int hf = warp >> 2, rb = hf ? 3 - (warp & 3) : (warp & 3);
+  const int nb = min(max(bw - hf * HB, 0), HB) / 8;  // this warp's n8 tiles (even)
+  const int i0 = rb * 16;
+  const bool live = i0 < L && nb > 0;  // warp-uniform
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
   const index_t sh = slot * v_heads + h;
   gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
-  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
   attn::cp_async_commit();
-  gdn::tile_f32_to_bf16x2(sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_f32_to_bf16x2(sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
   for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+  gdn::tiles2_f32_to_bf16x2({sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, dk},
+                            {sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk}, C, L, tid, nt);
   attn::cp_async_wait<0>();
   __syncthreads();
-  const int i0 = warp * 16;
-  if (i0 < L) {  // warp-uniform; no barrier below
-    const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
-    const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
-    // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 warp + 1).
-    float pa[C / 8][4];
+  const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
+  const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
+  // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 rb + 1), masked and decayed.
+  float pa[C / 8][4];
 #pragma unroll
-    for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
-    {
-      const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
-      const uint32_t k_lo = (uint32_t)(C * lk * 2);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4], al[4];
-        attn::ldsm_x4(a, q_base + kk * 32);
-        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+  for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
+  if (live) {
+    const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
+    const uint32_t k_lo = (uint32_t)(C * lk * 2);
+    for (int kk = 0; kk < dk / 16; ++kk) {
+      uint32_t a[4], al[4];
+      attn::ldsm_x4(a, q_base + kk * 32);
+      attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
-        for (int nn = 0; nn < C / 16; ++nn) {
-          if (nn > warp) continue;
-          uint32_t bq[4], bl[4];
-          attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
-          attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
-          attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
-          attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
-          attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
-          attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
-          attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int nn = 0; nn < C / 16; ++nn) {
+        if (nn > rb) continue;
+        uint32_t bq[4], bl[4];
+        attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+        attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+        attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
+        attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
+        attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
+        attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
+        attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
       }
     }
     const float gi[2] = {sG[i0 + gr], sG[i0 + gr + 8]};
@@ -1543,70 +1570,76 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
         pa[n][e] = (j <= i && i < L) ? pa[n][e] * expf(gi[e >> 1] - sG[j]) : 0.f;
       }
     }
-    // o = exp(G_i) (Q S_c) + A V'.
-    float po[FBO / 8][4];
+  }
+  __syncthreads();  // every warp is done with K: V' takes its place while Q S_c runs
+  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  attn::cp_async_commit();
+  // o = exp(G_i) (Q S_c) + A V'.
+  float po[HB / 8][4];
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
-    {
-      const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4], al[4];
-        attn::ldsm_x4(a, q_base + kk * 32);
-        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+  for (int n = 0; n < HB / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
+  if (live) {
+    const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+    for (int kk = 0; kk < dk / 16; ++kk) {
+      uint32_t a[4], al[4];
+      attn::ldsm_x4(a, q_base + kk * 32);
+      attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
-        for (int nn = 0; nn < FBO / 16; ++nn) {
-          if (2 * nn >= nb) continue;
-          uint32_t bq[4];
-          attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-          attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
-          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        if (2 * nn >= nb) continue;
+        uint32_t bq[4];
+        attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+        attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
+        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
       }
     }
-    const float eg[2] = {expf(gi[0]), expf(gi[1])};
+    const float eg[2] = {expf(sG[i0 + gr]), expf(sG[i0 + gr + 8])};
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) {
+    for (int n = 0; n < HB / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) po[n][e] *= eg[e >> 1];
     }
-    {
-      const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
+  }
+  attn::cp_async_wait<0>();
+  __syncthreads();  // V' has landed; every warp is done with Q
+  if (!live) return;  // no barrier below
+  {
+    const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
 #pragma unroll
-      for (int kk = 0; kk < C / 16; ++kk) {
-        if (kk > warp) continue;
-        uint32_t a[4];
-        a[0] = attn::pack_op(pa[2 * kk][0], pa[2 * kk][1]);
-        a[1] = attn::pack_op(pa[2 * kk][2], pa[2 * kk][3]);
-        a[2] = attn::pack_op(pa[2 * kk + 1][0], pa[2 * kk + 1][1]);
-        a[3] = attn::pack_op(pa[2 * kk + 1][2], pa[2 * kk + 1][3]);
+    for (int kk = 0; kk < C / 16; ++kk) {
+      if (kk > rb) continue;
+      uint32_t a[4];
+      a[0] = attn::pack_op(pa[2 * kk][0], pa[2 * kk][1]);
+      a[1] = attn::pack_op(pa[2 * kk][2], pa[2 * kk][3]);
+      a[2] = attn::pack_op(pa[2 * kk + 1][0], pa[2 * kk + 1][1]);
+      a[3] = attn::pack_op(pa[2 * kk + 1][2], pa[2 * kk + 1][3]);
 #pragma unroll
-        for (int nn = 0; nn < FBO / 16; ++nn) {
-          if (2 * nn >= nb) continue;
-          uint32_t bq[4];
-          attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        if (2 * nn >= nb) continue;
+        uint32_t bq[4];
+        attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
       }
     }
-    // The warp's output rows over its own Q rows (no other warp reads them), then 16-byte stores.
-    __syncwarp();
-    bf16* sO = sQ + i0 * lq;
+  }
+  // The warp's output tile [16][HB] in Q's space (hi for half 0, lo for half 1, its own rows: no
+  // other warp touches it), then 16-byte stores.
+  bf16* sO = sQ + hf * C * lq + i0 * lq;
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) {
-      if (n >= nb) continue;
-      bf16* p = sO + gr * lq + n * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
-      *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
-    }
-    __syncwarp();
-    __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0;
-    const int c8 = bw / 8, nrows = min(16, L - i0);
-    for (int e = lane; e < nrows * c8; e += 32) {
-      const int i = e / c8, c = (e - i * c8) * 8;
-      *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
-    }
+  for (int n = 0; n < HB / 8; ++n) {
+    if (n >= nb) continue;
+    bf16* p = sO + gr * lq + n * 8 + 2 * tq;
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
+    *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
+  }
+  __syncwarp();
+  __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
+  const int nrows = min(16, L - i0);
+  for (int e = lane; e < nrows * nb; e += 32) {
+    const int i = e / nb, c = (e - i * nb) * 8;
+    *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
   }
 }
