@@ -945,50 +945,67 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //                   the explicit inverse Ai = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
 //                   substitution, then the off-diagonal blocks from them, as flash-linear-
 //                   attention's solve_tril), W = (Ai diag(beta exp(G))) K and U = (Ai diag(beta))
-//                   V on tensor cores (hi + lo operands, ~f32), written rounded to bf16, and Ke = diag(exp(G_L - G_j)) K (bf16, rows
-//                   >= L zero) so the state pass needs neither k nor G per row.
+//                   V on tensor cores (hi + lo operands, ~f32), written rounded to bf16, and
+//                   Ke^T = (diag(exp(G_L - G_j)) K)^T (bf16, rows j >= L zero) so the state pass
+//                   needs neither k nor G per row. W and Ke^T are written in MMA A-fragment order
+//                   (gdn::frag_index), U row-major.
 //   gdn_fast_state  per (sequence, value head, block of GDN_FAST_BV value columns): the state
 //                   block S [dk][BV] lives in the warps' f32 MMA accumulators for the whole
 //                   sequence (warp w owns the 16-row tiles w, w + 4 of dk). Per chunk:
 //                   S_c = bf16(S) (stored, and the B operand of the next product);
 //                   V' = bf16(U - W S_c) (stored over U);  S = exp(G_L) S + Ke^T V'.
-//                   The next chunk's W, Ke, U arrive by cp.async (double-buffered) while the
-//                   current one computes. The last S (f32) is the state out.
-//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV value columns), warp w
-//                   owns rows 16w..16w+15 of the chunk: A = mask(Q K^T) exp(G_i - G_j) in
-//                   registers (f32, then rounded to bf16 as the A operand), o = exp(G_i) (Q S_c)
-//                   + A V'. q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in
-//                   three products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the
-//                   largest single error term, tests/reference/gdn_bf16_rounding.py).
-// Scratch: W, Ke [n_slots][v_heads][C][dk] bf16; U then V' [n_slots][v_heads][C][dv] bf16;
-//   G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv] bf16
-//   = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072: 777 MB,
-//   0.63x the split form's).
+//                   W and Ke^T go from global memory (L2) straight into registers as A
+//                   fragments, the next chunk's issued as soon as the current ones are consumed;
+//                   U arrives by cp.async a chunk ahead. The last S (f32) is the state out.
+//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
+//                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
+//                   K^T) exp(G_i - G_j) in registers (f32, then rounded to bf16 as the A
+//                   operand), o = exp(G_i) (Q S_c) + A V'. q and k are read as f32 and staged
+//                   as bf16 hi + lo pairs (Q K^T in three products, Q S_c in two: ~f32 q and k;
+//                   rounding them to bf16 was the largest single error term,
+//                   tests/reference/gdn_bf16_rounding.py), once per chunk and head at dv <= 128.
+// Scratch: W, Ke^T [n_slots][v_heads][C * dk] bf16 (fragment order); U then V'
+//   [n_slots][v_heads][C][dv] bf16; G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv]
+//   bf16 = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072:
+//   777 MB, 0.63x the split form's).
 // Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
 //   prep   grid n_slots * v_heads, GDN_THREADS;
-//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 3 C)                  (108,288)
+//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 3 C)        (108,288; 2 CTAs/SM)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
-//          2 (2 stages) x [2 C (dk+P) + C (BV+P)] x 2 + dk (BV+P) 2 + C (BV+P) 2     (95,232)
+//          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
-//          2 [2 C (max(dk, BO)+P) + 2 C (dk+P) + dk (BO+P) + C (BO+P)] + 4 C        (97,536)
-//   (2 CTAs per SM each.)
-// Expected time at the 27B shape, 4 x 3072 tokens (H200; estimates from bytes and the
-//   sequential chain, not measured): state ~0.5-0.7 ms (768 CTAs, 2 per SM, 48 chunks each;
-//   per chunk 2 x 64x128x32 bf16 MMAs per CTA and ~40 KB of bf16 loads, prefetched; 0.8 GB of
-//   HBM traffic in all); out ~0.35-0.5 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
-//   ~0.35-0.6 ms (measured 1.91 ms with the split prep's 3xTF32 wmma products and 16-row
-//   substitution): 9216 CTAs, 2 per SM, 35 waves; per CTA ~1.3 MFLOP of bf16 MMAs (K K^T and
-//   W, U, three products each, ~10 us of tensor-core time per SM-wave at most), ~0.1 MFLOP of
-//   f32 inverse with a 16-step chain and 8 barriers in all (the split prep: a 64-step chain
-//   across 4 blocks, 13 barriers), ~0.85 GB of HBM traffic in all (v f32, k mostly from L2 as 3
-//   value heads share it, W, U, Ke bf16). Whole call ~1.2-1.8 ms (the split form: 5.78 ms;
-//   fla: 1.33 ms). Registers (ptxas, sm_90a): prep 117, state 126, out 170; no spills.
+//          2 [2 C lq + max(2 C (dk+P), C (BO+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
+//                                                                          (104,704; 2 CTAs/SM)
+// Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, before this
+//   layout): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54 ms in all; fla 1.29). The
+//   useful work is ~106 GFLOP and ~1 GB of HBM traffic, so each kernel was bound by latency and
+//   serialisation, not by the tensor cores or HBM. What changed and the expected effect
+//   (estimates, not measured):
+//   out    was 18,816 CTAs of 4 warps (2 per SM: 8 warps/SM), each re-reading and re-splitting
+//          q, k (64 KB of f32, in 4 dependent load batches) and recomputing Q K^T for its 64
+//          columns, with the causal work all on one scheduler (warp 3: 352 MMAs, warp 0: 184).
+//          Now 9,408 CTAs of 8 warps (16 warps/SM), q and k in one load batch once per (chunk,
+//          head) (L2 -> SM traffic 1.7 -> 1.1 GB), V' loaded under Q S_c, every scheduler 536
+//          MMAs a CTA: ~0.5-0.7 ms.
+//   state  was 768 CTAs at 2 per SM (95 KB of staging for double-buffered W, Ke): 3 waves of
+//          48 dependent chunk steps, 3 barriers a step, W and Ke through shared memory. Now W
+//          and Ke^T (fragment order, 16-byte coalesced loads) go to registers, so shared memory
+//          is 26 KB and the 168 registers allow 3 CTAs per SM: 2 waves, 2 barriers a step,
+//          no ldmatrix for A operands: ~0.5-0.6 ms.
+//   prep   k and v now load in one batch (one global latency instead of two), G's 64-step sum
+//          is unrolled (its loads issue together), and the W/U row blocks pair r with 3 - r
+//          per scheduler (the worst scheduler did 384 of the CTA's 960 MMAs, now 240):
+//          ~0.75-0.85 ms.
+//   Whole call ~1.7-2.2 ms in the forward (fla: 1.29 ms in the bench). Registers (ptxas,
+//   sm_90a): prep 124, state 168, out 128; no spills.
 // Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
-//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16.
+//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16. The operations and
+//   their order are those of the previous layout (same MMAs in the same accumulation order), so
+//   the outputs are unchanged bit for bit and the rounding model stands.
 
 #include "mma.cuh"
 
@@ -1089,22 +1106,30 @@ __device__ __forceinline__ uint32_t off_b_cols(int lane, int ld) {
   return (uint32_t)((((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8) * 2);
 }
 
+// Fragment order of the fast form's W and Ke^T scratch (the state pass's A operands): a [16 mt..]
+// x [16 kt..] tile of an m x (nk * 16) matrix is 32 lanes x 8 bf16 (the lane's m16n8k16 A fragment
+// a0..a3, 16 bytes), tiles in (mt, kt) order. Element offset of lane's fragment:
+__device__ __forceinline__ int frag_index(int mt, int kt, int nk, int lane) { return ((mt * nk + kt) * 32 + lane) * 8; }
+
 }  // namespace gdn
 
 // One CTA (GDN_THREADS = 8 warps) per (chunk slot, value head): G, A, the explicit inverse
-// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke (see above).
+// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke^T (see above).
 // Steps (each ends at a barrier):
-//   1. k, v (f32) staged as bf16 hi + lo pairs; g, beta; thread 0 sums G (as cpu.rs).
+//   1. k, v (f32) staged as bf16 hi + lo pairs (one load batch for both); g, beta; thread 0
+//      sums G (as cpu.rs, unrolled).
 //   2. K K^T on tensor cores (3 bf16 MMAs per step: hi hi, hi lo, lo hi; ~f32), warp w the row
 //      block w & 3 and the column half w >> 2; masked, decayed and scaled by beta in registers
 //      into A (f32).
 //   3. Ai = (I + A)^-1 in f32 on CUDA cores: the four 16 x 16 diagonal blocks by substitution
 //      (one column a thread, 16 steps), then the off-diagonal blocks by distance d = 1, 2, 3:
 //      Ai[i][i-d] = -Ai[i][i] (sum_{m=i-d}^{i-1} A[i][m] Ai[m][i-d]) (two barriers each).
-//   4. W = (Ai diag(beta exp(G))) K, U = (Ai diag(beta)) V on tensor cores: warp w the row
-//      block w & 3 of W (w < 4) or U (w >= 4); Ai's scaled rows as bf16 hi + lo A fragments, K
-//      and V hi + lo (3 MMAs a step), only the k-steps on or below the diagonal; rounded to
-//      bf16 from the accumulators into global memory. Ke = bf16(exp(G_L - G_j) (k_hi + k_lo)).
+//   4. W = (Ai diag(beta exp(G))) K, U = (Ai diag(beta)) V on tensor cores: warp w < 4 the
+//      row block w of W, warp w >= 4 the row block 7 - w of U (a scheduler's two warps get row
+//      blocks r and 3 - r, equal work); Ai's scaled rows as bf16 hi + lo A fragments, K and V
+//      hi + lo (3 MMAs a step), only the k-steps on or below the diagonal; rounded to bf16 from
+//      the accumulators into global memory (W in fragment order: 16-byte stores).
+//      Ke^T = bf16(exp(G_L - G_j) (k_hi + k_lo))^T in fragment order.
 // Shared memory (bytes): bf16 Kh, Kl [C][dk+FP] | Vh, Vl [C][dv+FP] | f32 A, Ai [C][C+4] |
 //   T [3][16][16] | G, beta, beta exp(G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
 //   + 4 (2 C (C+4) + 768 + 3 C)  (128/128: 108,288; 2 CTAs per SM).
@@ -1246,6 +1271,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     const float* sc = is_u ? Bt : Sw;
     const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
     bf16* dst = (is_u ? u_out + (slot * v_heads + h) * C * dv : w_out + (slot * v_heads + h) * C * dk);
+    const int nk = dk / 16;  // W's k-steps (one pass: dk <= 128)
     const uint32_t b_off = gdn::off_b_rows(lane, ld);
     const int r0 = rb * 16 + gr, r1 = r0 + 8;
     for (int n0 = 0; n0 < ncols; n0 += 128) {
@@ -1280,37 +1306,62 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
           }
         }
       }
+      if (is_u) {
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        const int c = n0 + n * 8 + 2 * tq;
-        if (c < ncols) {
-          *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
-          *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+        for (int n = 0; n < 16; ++n) {
+          const int c = n0 + n * 8 + 2 * tq;
+          if (c < ncols) {
+            *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+            *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+          }
+        }
+      } else {
+        // W in the state pass's A-fragment order: a lane's accumulators of n8 tiles 2 kt and
+        // 2 kt + 1 are its A fragment of k-step kt (gdn::frag_index).
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          if (kt < nk) {
+            const uint4 f = make_uint4(pack_bf16x2_rne(acc[2 * kt][0], acc[2 * kt][1]),
+                                       pack_bf16x2_rne(acc[2 * kt][2], acc[2 * kt][3]),
+                                       pack_bf16x2_rne(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
+                                       pack_bf16x2_rne(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
+            *reinterpret_cast<uint4*>(dst + gdn::frag_index(rb, kt, nk, lane)) = f;
+          }
         }
       }
     }
   }
-  // Ke = exp(G_L - G_j) k_j from the staged hi + lo (rows >= L zero), and G.
+  // Ke^T = (diag(exp(G_L - G_j)) K)^T from the staged hi + lo (rows j >= L zero), in the state
+  // pass's A-fragment order (m: dk tiles, k: the chunk's 4 k-steps), and G. Fragment register r
+  // of a lane holds Ke^T rows 16 mt + gr + 8 (r & 1), columns (chunk rows) 16 kt + 2 tq + 8 (r >> 1)
+  // and + 1.
   const index_t sh = slot * v_heads + h;
   bf16* ko = ke_out + sh * C * dk;
   const float gl = G[L - 1];
   for (int e = tid; e < C * dk / 8; e += nt) {
-    const int i = e / (dk / 8), d = (e - i * (dk / 8)) * 8;
-    const float f = i < L ? expf(gl - G[i]) : 0.f;
-    float xh[8], xl[8];
-    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kh + i * lk + d), xh);
-    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kl + i * lk + d), xl);
+    const int t = e >> 5, ln = e & 31, mt = t / (C / 16), kt = t - mt * (C / 16);
+    const int fr = ln >> 2, fq = ln & 3;
+    uint32_t f[4];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) xh[u] = (xh[u] + xl[u]) * f;
-    *reinterpret_cast<uint4*>(ko + i * dk + d) = bf16x8_pack_rne(xh);
+    for (int r = 0; r < 4; ++r) {
+      const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
+      const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
+      const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
+      f[r] = pack_bf16x2_rne(x0 * (j < L ? expf(gl - G[j]) : 0.f), x1 * (j + 1 < L ? expf(gl - G[j + 1]) : 0.f));
+    }
+    *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
   }
   for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
 }
 
 // One CTA per (sequence, value head, block of BV value columns), the chunks in order, the state
-// block in the warps' accumulators. Shared memory (bf16): 2 stages of [W [C][dk+P] | Ke [C][dk+P]
-// | U [C][BV+P]] | S_c [dk][BV+P] | V' [C][BV+P].
-extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast_state(
+// block in the warps' accumulators. W and Ke^T come from global memory straight into registers as
+// A fragments (the prep writes them in fragment order, gdn::frag_index: one 16-byte load per lane
+// and fragment, 512 contiguous bytes per warp); the next chunk's are loaded as soon as the
+// current ones are used (W after V', Ke^T after the update), so their latency hides behind the
+// rest of the chunk. Only the shared operands go through shared memory. Two barriers per chunk.
+// Shared memory (bf16): 2 stages of U [C][BV+P] | S_c [dk][BV+P] | V' [C][BV+P].
+extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_STATE_CTAS) gdn_fast_state(
     const __nv_bfloat16* __restrict__ w_in, const __nv_bfloat16* __restrict__ ke_in, __nv_bfloat16* __restrict__ u_v,
     const float* __restrict__ g_in, __nv_bfloat16* __restrict__ s_out, float* __restrict__ state, int state_seqs,
     const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
@@ -1318,12 +1369,11 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   using gdn::FBV;
   using gdn::bf16;
   extern __shared__ __align__(128) float smem[];
-  const int lk = dk + gdn::FP;
   constexpr int lb = FBV + gdn::FP;
-  const int stage = 2 * C * lk + C * lb;  // bf16 elements per stage
-  bf16* base_s = reinterpret_cast<bf16*>(smem);
-  bf16* sS = base_s + 2 * stage;  // [dk][lb]
-  bf16* sV = sS + dk * lb;        // [C][lb]
+  constexpr int KT = C / 16;   // k-steps of the update (the chunk's rows)
+  bf16* sU = reinterpret_cast<bf16*>(smem);  // 2 stages of [C][lb]
+  bf16* sS = sU + 2 * C * lb;                 // [dk][lb]
+  bf16* sV = sS + dk * lb;                    // [C][lb]
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_STATE_THREADS || (dk % 16) != 0 || dk > 32 * gdn::FW_S || (dv % 16) != 0) __trap();
@@ -1336,6 +1386,7 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   if (r1 <= r0) return;
   const int v0 = vb * FBV, bw = min(FBV, dv - v0);  // a multiple of 16
   const int nb = bw / 8;                            // n8 tiles in use
+  const int nk = dk / 16;                           // k-steps of V' = U - W S_c (<= 8)
   (void)k_heads;
   float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
   // The state block: warp w owns dk rows [16 m, 16 m + 16) for m = w, w + FW_S (those < dk / 16).
@@ -1348,32 +1399,61 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int d = m * 16 + gr + 8 * (e >> 1), c = n * 8 + 2 * tq + (e & 1);
-        acc[u][n][e] = (st && m * 16 < dk && n < nb) ? st[(index_t)d * dv + v0 + c] : 0.f;
+        acc[u][n][e] = (st && m < nk && n < nb) ? st[(index_t)d * dv + v0 + c] : 0.f;
       }
     }
   }
   const index_t base = r0 / C + b;
   const index_t n_chunks = (r1 - r0 + C - 1) / C;
-  auto prefetch = [&](index_t j) {
-    bf16* sw = base_s + (int)(j & 1) * stage;
-    const index_t sh = (base + j) * v_heads + h;
-    gdn::tile_async_bf16(sw, lk, w_in + sh * C * dk, dk, C, dk, C, tid, nt);
-    gdn::tile_async_bf16(sw + C * lk, lk, ke_in + sh * C * dk, dk, C, dk, C, tid, nt);
-    gdn::tile_async_bf16(sw + 2 * C * lk, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  // A fragments: W rows [16 warp, 16 warp + 16) (k: dk), Ke^T rows of dk tiles warp, warp + FW_S
+  // (k: the chunk's rows).
+  uint4 wf[8], kf[2][KT];
+  auto load_w = [&](index_t j) {
+    const uint4* p = reinterpret_cast<const uint4*>(w_in + ((base + j) * v_heads + h) * C * dk);
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      if (kt < nk) wf[kt] = __ldg(p + gdn::frag_index(warp, kt, nk, lane) / 8);
+    }
   };
-  prefetch(0);
-  attn::cp_async_commit();
-  for (index_t j = 0; j < n_chunks; ++j) {
-    // The previous chunk ended with a barrier: the other stage, sS and sV are free.
-    if (j + 1 < n_chunks) prefetch(j + 1);
-    attn::cp_async_commit();
-    const index_t sh = (base + j) * v_heads + h;
-    const float gl = g_in[sh * C + C - 1];  // G's pad repeats G_L
-    // S_c = bf16(S) into sS (each warp its own rows).
+  auto load_k = [&](index_t j) {
+    const uint4* p = reinterpret_cast<const uint4*>(ke_in + ((base + j) * v_heads + h) * C * dk);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = warp + u * gdn::FW_S;
-      if (m * 16 >= dk) continue;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        if (m < nk) kf[u][kt] = __ldg(p + gdn::frag_index(m, kt, KT, lane) / 8);
+      }
+    }
+  };
+  auto load_u = [&](index_t j) {
+    const index_t sh = (base + j) * v_heads + h;
+    gdn::tile_async_bf16(sU + (int)(j & 1) * C * lb, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  };
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) wf[kt] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) kf[u][kt] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  load_w(0);
+  load_k(0);
+  load_u(0);
+  attn::cp_async_commit();
+  float gl = g_in[base * v_heads * C + h * C + C - 1];  // G's pad repeats G_L
+  for (index_t j = 0; j < n_chunks; ++j) {
+    // U's other stage was last read before the previous chunk's second barrier.
+    if (j + 1 < n_chunks) load_u(j + 1);
+    attn::cp_async_commit();
+    const index_t sh = (base + j) * v_heads + h;
+    const float gl_next = j + 1 < n_chunks ? g_in[(sh + v_heads) * C + C - 1] : 0.f;
+    // S_c = bf16(S) into sS (each warp its own rows; every read of the previous S_c was before
+    // the previous chunk's second barrier).
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int m = warp + u * gdn::FW_S;
+      if (m >= nk) continue;
 #pragma unroll
       for (int n = 0; n < FBV / 8; ++n) {
         if (n >= nb) continue;
@@ -1382,17 +1462,15 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(acc[u][n][2], acc[u][n][3]);
       }
     }
-    attn::cp_async_wait<1>();  // this chunk's W, Ke, U
-    __syncthreads();
-    const bf16* sW = base_s + (int)(j & 1) * stage;
-    const bf16* sK = sW + C * lk;
-    const bf16* sU = sK + C * lk;
+    attn::cp_async_wait<1>();  // this chunk's U
+    __syncthreads();           // S_c complete; every read of the previous V' is done
+    const bf16* cU = sU + (int)(j & 1) * C * lb;
     gdn::tile_store_bf16(s_out + sh * dk * dv + v0, dv, sS, lb, dk, bw, tid, nt);
     // V' = U - W S_c for rows [16 warp, 16 warp + 16): W's fragments negated (exact in bf16).
     float pv[FBV / 8][4];
 #pragma unroll
     for (int n = 0; n < FBV / 8; ++n) {
-      const bf16* p = sU + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
+      const bf16* p = cU + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
       const bool ok = n < nb;
       const uint32_t lo = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
       const uint32_t hi = ok ? *reinterpret_cast<const uint32_t*>(p + 8 * lb) : 0u;
@@ -1402,13 +1480,12 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
       pv[n][3] = bf16x2_hi_to_f32(hi);
     }
     {
-      const uint32_t a_base = attn::smem_u32(sW) + (uint32_t)(warp * 16 * lk * 2) + gdn::off_a_rows(lane, lk);
       const uint32_t b_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4];
-        attn::ldsm_x4(a, a_base + kk * 32);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) a[x] ^= 0x80008000u;
+      for (int kk = 0; kk < 8; ++kk) {
+        if (kk >= nk) continue;
+        const uint32_t a[4] = {wf[kk].x ^ 0x80008000u, wf[kk].y ^ 0x80008000u, wf[kk].z ^ 0x80008000u,
+                               wf[kk].w ^ 0x80008000u};
 #pragma unroll
         for (int nn = 0; nn < FBV / 16; ++nn) {
           if (2 * nn >= nb) continue;
@@ -1419,6 +1496,7 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         }
       }
     }
+    if (j + 1 < n_chunks) load_w(j + 1);
 #pragma unroll
     for (int n = 0; n < FBV / 8; ++n) {
       if (n >= nb) continue;
@@ -1426,26 +1504,24 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
       *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(pv[n][0], pv[n][1]);
       *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(pv[n][2], pv[n][3]);
     }
-    __syncthreads();  // V' complete; every warp is done with sS
+    __syncthreads();  // V' complete; every read of S_c and of this U stage is done
     gdn::tile_store_bf16(u_v + sh * C * dv + v0, dv, sV, lb, C, bw, tid, nt);
-    // S = exp(G_L) S + Ke^T V': A = Ke^T (Ke stored [C][dk]: transposed loads), B = V' [C][bw].
+    // S = exp(G_L) S + Ke^T V': B = V' [C][bw] (transposed loads).
     const float end_decay = expf(gl);
     {
-      const uint32_t a_base = attn::smem_u32(sK) + gdn::off_a_cols(lane, lk);
       const uint32_t b_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int m = warp + u * gdn::FW_S;
-        if (m * 16 >= dk) continue;
+        if (m >= nk) continue;
 #pragma unroll
         for (int n = 0; n < FBV / 8; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[u][n][e] *= end_decay;
         }
 #pragma unroll
-        for (int kk = 0; kk < C / 16; ++kk) {
-          uint32_t a[4];
-          attn::ldsm_x4_t(a, a_base + (uint32_t)(kk * 16 * lk * 2) + m * 32);
+        for (int kk = 0; kk < KT; ++kk) {
+          const uint32_t a[4] = {kf[u][kk].x, kf[u][kk].y, kf[u][kk].z, kf[u][kk].w};
 #pragma unroll
           for (int nn = 0; nn < FBV / 16; ++nn) {
             if (2 * nn >= nb) continue;
@@ -1457,14 +1533,15 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         }
       }
     }
-    __syncthreads();  // every warp is done with this stage, sS and sV
+    if (j + 1 < n_chunks) load_k(j + 1);
+    gl = gl_next;
   }
   attn::cp_async_wait<0>();
   if (st) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = warp + u * gdn::FW_S;
-      if (m * 16 >= dk) continue;
+      if (m >= nk) continue;
 #pragma unroll
       for (int n = 0; n < FBV / 8; ++n) {
         if (n >= nb) continue;

@@ -138,5 +138,8 @@ constexpr int GDN_SPLIT_OUT_BV = 64;
 constexpr int GDN_FAST_PAD = 8;
 constexpr int GDN_FAST_BV = 32;
 constexpr int GDN_FAST_STATE_THREADS = 128;
+// CTAs per SM the state pass is compiled for (its register cap: 65536 / (128 * 3) = 170): its W
+// and Ke^T operands live in registers and its shared memory is ~26 KB, so registers decide.
+constexpr int GDN_FAST_STATE_CTAS = 3;
 constexpr int GDN_FAST_OUT_BV = 128;
 constexpr int GDN_FAST_OUT_THREADS = 256;
