@@ -972,7 +972,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
 //   prep   grid n_slots * v_heads, GDN_THREADS;
-//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 3 C)        (108,288; 2 CTAs/SM)
+//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 4 C)        (108,544; 2 CTAs/SM)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
 //          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
@@ -1131,8 +1131,8 @@ __device__ __forceinline__ int frag_index(int mt, int kt, int nk, int lane) { re
 //      the accumulators into global memory (W in fragment order: 16-byte stores).
 //      Ke^T = bf16(exp(G_L - G_j) (k_hi + k_lo))^T in fragment order.
 // Shared memory (bytes): bf16 Kh, Kl [C][dk+FP] | Vh, Vl [C][dv+FP] | f32 A, Ai [C][C+4] |
-//   T [3][16][16] | G, beta, beta exp(G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
-//   + 4 (2 C (C+4) + 768 + 3 C)  (128/128: 108,288; 2 CTAs per SM).
+//   T [3][16][16] | G, beta, beta exp(G), exp(G_L - G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
+//   + 4 (2 C (C+4) + 768 + 4 C)  (128/128: 108,544; 2 CTAs per SM).
 extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out,
@@ -1154,6 +1154,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   float* G = Tm + 3 * 256;
   float* Bt = G + C;
   float* Sw = Bt + C;  // beta_j exp(G_j)
+  float* Ef = Sw + C;  // exp(G_L - G_j) (0 for j >= L)
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_THREADS || (dk % 16) != 0 || (dv % 16) != 0 || dk > 128) __trap();
@@ -1165,12 +1166,16 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
-  for (int i = tid; i < C; i += nt) {
-    Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
-    G[i] = i < L ? g[(c0 + i) * v_heads + h] : 0.f;  // loaded in parallel, summed below
-  }
+  // beta and g into registers first (nt >= C), stored after k and v: their loads are in flight
+  // with those of k and v (G is summed below).
+  const float bv = tid < L ? bf16_to_f32(beta[(c0 + tid) * v_heads + h]) : 0.f;
+  const float gv = tid < L ? g[(c0 + tid) * v_heads + h] : 0.f;
   gdn::tiles2_f32_to_bf16x2({Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk},
                             {Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, dv}, C, L, tid, nt);
+  if (tid < C) {
+    Bt[tid] = bv;
+    G[tid] = gv;
+  }
   __syncthreads();
   if (tid == 0) {
     // Sequential, as cpu.rs accumulates it; the pad repeats G_L. Unrolled, so the C shared-memory
@@ -1222,7 +1227,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
       }
     }
   }
-  for (int i = tid; i < C; i += nt) Sw[i] = Bt[i] * expf(G[i]);
+  for (int i = tid; i < C; i += nt) {
+    Sw[i] = Bt[i] * expf(G[i]);
+    Ef[i] = i < L ? expf(G[L - 1] - G[i]) : 0.f;
+  }
   __syncthreads();
   // 3. Diagonal blocks of Ai: thread t < C solves column t & 15 of block t >> 4.
   if (tid < C) {
@@ -1239,25 +1247,42 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     for (int i = 0; i < 16; ++i) Ai[(base + i) * LA + base + c] = x[i];
   }
   __syncthreads();
+  // Each thread takes 4 adjacent columns of one row (a float4 of the right operand, its left
+  // operand entry used 4 times): a quarter of the shared-memory loads of one entry a thread, the
+  // same sums in the same order.
   for (int d = 1; d < 4; ++d) {
     const int nb = 4 - d;
-    for (int e = tid; e < nb * 256; e += nt) {
-      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+    for (int e = tid; e < nb * 64; e += nt) {
+      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
       const float* a = A + (i * 16 + r) * LA + m * 16;
       const float* x = Ai + (m * 16) * LA + m * 16 + c;
-      float s = 0.f;
-      for (int t = 0; t < 16 * d; ++t) s += a[t] * x[t * LA];
-      Tm[e] = s;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int t = 0; t < 16 * d; ++t) {
+        const float av = a[t];
+        const float4 xv = *reinterpret_cast<const float4*>(x + t * LA);
+        s.x += av * xv.x;
+        s.y += av * xv.y;
+        s.z += av * xv.z;
+        s.w += av * xv.w;
+      }
+      *reinterpret_cast<float4*>(Tm + m * 256 + r * 16 + c) = s;
     }
     __syncthreads();
-    for (int e = tid; e < nb * 256; e += nt) {
-      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+    for (int e = tid; e < nb * 64; e += nt) {
+      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
       const float* a = Ai + (i * 16 + r) * LA + i * 16;
       const float* t = Tm + m * 256 + c;
-      float s = 0.f;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int u = 0; u < 16; ++u) s += a[u] * t[u * 16];
-      Ai[(i * 16 + r) * LA + m * 16 + c] = -s;
+      for (int u = 0; u < 16; ++u) {
+        const float av = a[u];
+        const float4 tv = *reinterpret_cast<const float4*>(t + u * 16);
+        s.x += av * tv.x;
+        s.y += av * tv.y;
+        s.z += av * tv.z;
+        s.w += av * tv.w;
+      }
+      *reinterpret_cast<float4*>(Ai + (i * 16 + r) * LA + m * 16 + c) = make_float4(-s.x, -s.y, -s.z, -s.w);
     }
     __syncthreads();
   }
@@ -1337,7 +1362,6 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   // and + 1.
   const index_t sh = slot * v_heads + h;
   bf16* ko = ke_out + sh * C * dk;
-  const float gl = G[L - 1];
   for (int e = tid; e < C * dk / 8; e += nt) {
     const int t = e >> 5, ln = e & 31, mt = t / (C / 16), kt = t - mt * (C / 16);
     const int fr = ln >> 2, fq = ln & 3;
@@ -1347,7 +1371,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
       const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
       const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
       const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
-      f[r] = pack_bf16x2_rne(x0 * (j < L ? expf(gl - G[j]) : 0.f), x1 * (j + 1 < L ? expf(gl - G[j + 1]) : 0.f));
+      f[r] = pack_bf16x2_rne(x0 * Ef[j], x1 * Ef[j + 1]);
     }
     *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
   }
@@ -1606,9 +1630,11 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   const index_t sh = slot * v_heads + h;
   gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
   attn::cp_async_commit();
-  for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+  // G into a register first (nt >= C), stored after q and k: its load is in flight with theirs.
+  const float gv = tid < C ? g_in[sh * C + tid] : 0.f;
   gdn::tiles2_f32_to_bf16x2({sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, dk},
                             {sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk}, C, L, tid, nt);
+  if (tid < C) sG[tid] = gv;
   attn::cp_async_wait<0>();
   __syncthreads();
   const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
