@@ -959,8 +959,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //                   U arrives by cp.async a chunk ahead. The last S (f32) is the state out.
 //   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
 //                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
-//                   K^T) exp(G_i - G_j) in registers (f32, then rounded to bf16 as the A
-//                   operand), o = exp(G_i) (Q S_c) + A V'. q and k are read as f32 and staged
+//                   K^T) exp(G_i - G_j) (f32 accumulators, half the 16-column tiles each, then
+//                   rounded to bf16 as the A operand and shared), o = exp(G_i) (Q S_c) + A V'. q and k are read as f32 and staged
 //                   as bf16 hi + lo pairs (Q K^T in three products, Q S_c in two: ~f32 q and k;
 //                   rounding them to bf16 was the largest single error term,
 //                   tests/reference/gdn_bf16_rounding.py), once per chunk and head at dv <= 128.
@@ -976,7 +976,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
 //          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
-//          2 [2 C lq + max(2 C (dk+P), C (BO+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
+//          2 [2 C lq + max(2 C (dk+P), C (BO+P+C+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
 //                                                                          (104,704; 2 CTAs/SM)
 // Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, before this
 //   layout): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54 ms in all; fla 1.29). The
@@ -987,19 +987,23 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //          q, k (64 KB of f32, in 4 dependent load batches) and recomputing Q K^T for its 64
 //          columns, with the causal work all on one scheduler (warp 3: 352 MMAs, warp 0: 184).
 //          Now 9,408 CTAs of 8 warps (16 warps/SM), q and k in one load batch once per (chunk,
-//          head) (L2 -> SM traffic 1.7 -> 1.1 GB), V' loaded under Q S_c, every scheduler 536
-//          MMAs a CTA: ~0.5-0.7 ms.
+//          head) (L2 -> SM traffic 1.7 -> 1.1 GB), Q K^T once per (chunk, head) (2 x 480 MMAs
+//          per 128 columns before, 480 now), V' loaded under Q S_c, the busiest scheduler 440
+//          MMAs per 128 columns (before: 2 x 352): ~0.45-0.65 ms.
 //   state  was 768 CTAs at 2 per SM (95 KB of staging for double-buffered W, Ke): 3 waves of
 //          48 dependent chunk steps, 3 barriers a step, W and Ke through shared memory. Now W
 //          and Ke^T (fragment order, 16-byte coalesced loads) go to registers, so shared memory
 //          is 26 KB and the 168 registers allow 3 CTAs per SM: 2 waves, 2 barriers a step,
 //          no ldmatrix for A operands: ~0.5-0.6 ms.
-//   prep   k and v now load in one batch (one global latency instead of two), G's 64-step sum
-//          is unrolled (its loads issue together), and the W/U row blocks pair r with 3 - r
-//          per scheduler (the worst scheduler did 384 of the CTA's 960 MMAs, now 240):
-//          ~0.75-0.85 ms.
-//   Whole call ~1.7-2.2 ms in the forward (fla: 1.29 ms in the bench). Registers (ptxas,
-//   sm_90a): prep 124, state 168, out 128; no spills.
+//   prep   k and v now load in one batch with beta and g in flight (one global latency
+//          instead of three), G's 64-step sum is unrolled (its loads issue together), the W/U
+//          row blocks pair r with 3 - r per scheduler (the worst scheduler did 384 of the CTA's
+//          960 MMAs, now 240), the off-diagonal inverse blocks take 4 columns a thread (~4,100
+//          -> ~1,000 shared-memory wavefronts a CTA, of ~8,000 in all: with 2 CTAs per SM the
+//          shared-memory pipe is a likely bound), Ke^T reads exp(G_L - G_j) per row from shared
+//          memory: ~0.6-0.8 ms.
+//   Whole call ~1.5-2.0 ms in the forward (fla: 1.29 ms in the bench). Registers (ptxas,
+//   sm_90a): prep 125, state 168, out 124; no spills.
 // Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
@@ -1583,14 +1587,16 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
 // warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
 // the block, hf = w >> 2, rb = w & 3 for hf = 0 and 3 - (w & 3) for hf = 1 (warps w and w + 4 share
 // a scheduler, so each scheduler gets the row blocks rb and 3 - rb: the causal Q K^T and A V'
-// work grows with rb, and this pairing gives every scheduler the same total). q and k are staged
-// once per (chunk, head) as bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi, Q S_c takes
-// hi + lo (S_c is bf16); each warp of a pair computes its rows' Q K^T (the two halves need the
-// same A in registers). Steps: S_c by cp.async while q, k load; Q K^T; barrier (K is dead); V'
-// by cp.async over K while Q S_c runs; barrier; A V'; the output rows through Q's space.
+// work grows with rb, and this pairing gives every scheduler about the same total). q and k are
+// staged once per (chunk, head) as bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi, Q S_c
+// takes hi + lo (S_c is bf16); the two warps of a row block take alternate 16-column tiles of its
+// Q K^T (this warp those with nn & 1 == hf) and exchange them, masked, decayed and rounded to
+// bf16, through shared memory. Steps: S_c by cp.async while q, k load; Q K^T; barrier (K is
+// dead); V' by cp.async over K, and A's tiles beside it, while Q S_c runs; barrier; A V'; the
+// output rows through Q's space.
 // Shared memory (bf16): Q hi, Q lo [C][lq] (then each warp's output tile: half 0 in hi, half 1 in
-// lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | S_c [dk][BO+P] | G [C] f32;
-// lq = max(dk, BO/2) + P.
+// lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | A [C][C+P] | S_c [dk][BO+P] |
+// G [C] f32; lq = max(dk, BO/2) + P.
 extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
@@ -1603,10 +1609,12 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   const int lk = dk + gdn::FP;
   const int lq = (dk > HB ? dk : HB) + gdn::FP;
   constexpr int lb = FBO + gdn::FP;
-  const int kreg = 2 * C * lk > C * lb ? 2 * C * lk : C * lb;  // K hi + lo, then V'
+  constexpr int la = C + gdn::FP;
+  const int kreg = 2 * C * lk > C * (lb + la) ? 2 * C * lk : C * (lb + la);  // K hi + lo, then V' | A
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
   bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
   bf16* sV = sK;                             // [C][lb] once K is dead
+  bf16* sA = sV + C * lb;                    // [C][la] once K is dead
   bf16* sS = sK + kreg;                      // [dk][lb]
   float* sG = reinterpret_cast<float*>(sS + dk * lb);
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
@@ -1624,7 +1632,8 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   const int hf = warp >> 2, rb = hf ? 3 - (warp & 3) : (warp & 3);
   const int nb = min(max(bw - hf * HB, 0), HB) / 8;  // this warp's n8 tiles (even)
   const int i0 = rb * 16;
-  const bool live = i0 < L && nb > 0;  // warp-uniform
+  const bool qk_rows = i0 < L;          // the pair's Q K^T share (warp-uniform)
+  const bool live = qk_rows && nb > 0;  // this warp's output columns (warp-uniform)
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
   const index_t sh = slot * v_heads + h;
@@ -1639,11 +1648,12 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   __syncthreads();
   const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
   const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
-  // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 rb + 1), masked and decayed.
+  // A = Q K^T for columns [0, i0 + 16), masked and decayed: the pair's warps take alternate
+  // 16-column tiles (this warp those with nn & 1 == hf) and exchange them through shared memory.
   float pa[C / 8][4];
 #pragma unroll
   for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
-  if (live) {
+  if (qk_rows) {
     const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
     const uint32_t k_lo = (uint32_t)(C * lk * 2);
     for (int kk = 0; kk < dk / 16; ++kk) {
@@ -1652,7 +1662,7 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
       attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
       for (int nn = 0; nn < C / 16; ++nn) {
-        if (nn > rb) continue;
+        if (nn > rb || (nn & 1) != hf) continue;
         uint32_t bq[4], bl[4];
         attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
         attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
@@ -1674,9 +1684,22 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
       }
     }
   }
-  __syncthreads();  // every warp is done with K: V' takes its place while Q S_c runs
+  __syncthreads();  // every warp is done with K: V' and A take its place while Q S_c runs
   gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
   attn::cp_async_commit();
+  if (qk_rows) {
+    // This warp's tiles of A as bf16 (the A operand of A V', rounded as pack_op rounds it).
+#pragma unroll
+    for (int nn = 0; nn < C / 16; ++nn) {
+      if (nn > rb || (nn & 1) != hf) continue;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        bf16* p = sA + (i0 + gr) * la + nn * 16 + t * 8 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(p) = attn::pack_op(pa[2 * nn + t][0], pa[2 * nn + t][1]);
+        *reinterpret_cast<uint32_t*>(p + 8 * la) = attn::pack_op(pa[2 * nn + t][2], pa[2 * nn + t][3]);
+      }
+    }
+  }
   // o = exp(G_i) (Q S_c) + A V'.
   float po[HB / 8][4];
 #pragma unroll
@@ -1706,18 +1729,16 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
     }
   }
   attn::cp_async_wait<0>();
-  __syncthreads();  // V' has landed; every warp is done with Q
+  __syncthreads();  // V' and A have landed; every warp is done with Q
   if (!live) return;  // no barrier below
   {
     const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+    const uint32_t a_base = attn::smem_u32(sA) + (uint32_t)(i0 * la * 2) + gdn::off_a_rows(lane, la);
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk) {
       if (kk > rb) continue;
       uint32_t a[4];
-      a[0] = attn::pack_op(pa[2 * kk][0], pa[2 * kk][1]);
-      a[1] = attn::pack_op(pa[2 * kk][2], pa[2 * kk][3]);
-      a[2] = attn::pack_op(pa[2 * kk + 1][0], pa[2 * kk + 1][1]);
-      a[3] = attn::pack_op(pa[2 * kk + 1][2], pa[2 * kk + 1][3]);
+      attn::ldsm_x4(a, a_base + kk * 32);
 #pragma unroll
       for (int nn = 0; nn < HB / 16; ++nn) {
         if (2 * nn >= nb) continue;

@@ -2147,8 +2147,8 @@ pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
         2 * (2 * c * lk + 2 * c * (dv + p)) + 4 * (2 * c * (c + 4) + 3 * 256 + 4 * c),
         // 2 stages of U | S_c | V' (W and Ke^T go straight to registers).
         2 * (2 * c * lb + dk * lb + c * lb),
-        // Q hi + lo | K hi + lo, then V' | S_c | G.
-        2 * (2 * c * lq + (2 * c * lk).max(c * lo) + dk * lo) + 4 * c,
+        // Q hi + lo | K hi + lo, then V' and A | S_c | G.
+        2 * (2 * c * lq + (2 * c * lk).max(c * (lo + c + p)) + dk * lo) + 4 * c,
     ]
 }
 
