@@ -956,7 +956,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //                   V' = bf16(U - W S_c) (stored over U);  S = exp(G_L) S + Ke^T V'.
 //                   W and Ke^T go from global memory (L2) straight into registers as A
 //                   fragments, the next chunk's issued as soon as the current ones are consumed;
-//                   U arrives by cp.async a chunk ahead. The last S (f32) is the state out.
+//                   U arrives by cp.async a chunk ahead; the chunk after that is prefetched
+//                   into L2 by the bulk copy engine. The last S (f32) is the state out.
 //   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
 //                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
 //                   K^T) exp(G_i - G_j) (f32 accumulators, half the 16-column tiles each, then
@@ -994,7 +995,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //          48 dependent chunk steps, 3 barriers a step, W and Ke through shared memory. Now W
 //          and Ke^T (fragment order, 16-byte coalesced loads) go to registers, so shared memory
 //          is 26 KB and the 168 registers allow 3 CTAs per SM: 2 waves, 2 barriers a step,
-//          no ldmatrix for A operands: ~0.5-0.6 ms.
+//          no ldmatrix for A operands. Each step's loads (W, Ke^T, U: 36 KB a CTA, issued by
+//          every resident CTA at about the same time) were an HBM round trip under load with
+//          one step of lead; now chunk j + 2 is prefetched into L2 (cp.async.bulk.prefetch,
+//          each of a head's value-block CTAs a quarter), so they hit L2: ~0.4-0.55 ms.
 //   prep   k and v now load in one batch with beta and g in flight (one global latency
 //          instead of three), G's 64-step sum is unrolled (its loads issue together), the W/U
 //          row blocks pair r with 3 - r per scheduler (the worst scheduler did 384 of the CTA's
@@ -1114,6 +1118,16 @@ __device__ __forceinline__ uint32_t off_b_cols(int lane, int ld) {
 // x [16 kt..] tile of an m x (nk * 16) matrix is 32 lanes x 8 bf16 (the lane's m16n8k16 A fragment
 // a0..a3, 16 bytes), tiles in (mt, kt) order. Element offset of lane's fragment:
 __device__ __forceinline__ int frag_index(int mt, int kt, int nk, int lane) { return ((mt * nk + kt) * 32 + lane) * 8; }
+
+// Part `part` of `parts` of a contiguous global range of `bytes` (a multiple of 16, 16-byte
+// aligned) prefetched into L2 by the bulk copy engine (one instruction, no registers or shared
+// memory; a hint, so nothing waits for it).
+__device__ __forceinline__ void prefetch_l2_part(const void* p, int bytes, int part, int parts) {
+  const int per = (bytes / parts) & ~15, off = part * per, len = part == parts - 1 ? bytes - off : per;
+  if (len > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<const char*>(p) + off), "r"(len)
+                 : "memory");
+}
 
 }  // namespace gdn
 
@@ -1471,6 +1485,15 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
   attn::cp_async_commit();
   float gl = g_in[base * v_heads * C + h * C + C - 1];  // G's pad repeats G_L
   for (index_t j = 0; j < n_chunks; ++j) {
+    // Chunk j + 2's W, Ke^T and U (the whole head's rows) into L2, this CTA its share of each
+    // (the value blocks of a head split every range), so the loads issued during chunk j + 1
+    // hit L2 rather than HBM.
+    if (tid == 0 && j + 2 < n_chunks) {
+      const index_t s2 = (base + j + 2) * v_heads + h;
+      gdn::prefetch_l2_part(w_in + s2 * C * dk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(ke_in + s2 * C * dk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(u_v + s2 * C * dv, 2 * C * dv, vb, nvb);
+    }
     // U's other stage was last read before the previous chunk's second barrier.
     if (j + 1 < n_chunks) load_u(j + 1);
     attn::cp_async_commit();
