@@ -961,10 +961,11 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
 //                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
 //                   K^T) exp(G_i - G_j) (f32 accumulators, half the 16-column tiles each, then
-//                   rounded to bf16 as the A operand and shared), o = exp(G_i) (Q S_c) + A V'. q and k are read as f32 and staged
-//                   as bf16 hi + lo pairs (Q K^T in three products, Q S_c in two: ~f32 q and k;
-//                   rounding them to bf16 was the largest single error term,
-//                   tests/reference/gdn_bf16_rounding.py), once per chunk and head at dv <= 128.
+//                   rounded to bf16 as the A operand and shared), o = exp(G_i) (Q S_c) + A V'.
+//                   q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in three
+//                   products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the largest
+//                   single error term, tests/reference/gdn_bf16_rounding.py), once per chunk
+//                   and head at dv <= 128.
 // Scratch: W, Ke^T [n_slots][v_heads][C * dk] bf16 (fragment order); U then V'
 //   [n_slots][v_heads][C][dv] bf16; G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv]
 //   bf16 = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072:
@@ -979,8 +980,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
 //          2 [2 C lq + max(2 C (dk+P), C (BO+P+C+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
 //                                                                          (104,704; 2 CTAs/SM)
-// Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, before this
-//   layout): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54 ms in all; fla 1.29). The
+// Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, measured with the
+//   previous version of these kernels): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54
+//   ms in all at 4 x 3072, 0.95 at 1 x 4096; fla 1.29 and 0.93). The
 //   useful work is ~106 GFLOP and ~1 GB of HBM traffic, so each kernel was bound by latency and
 //   serialisation, not by the tensor cores or HBM. What changed and the expected effect
 //   (estimates, not measured):
@@ -1006,9 +1008,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //          -> ~1,000 shared-memory wavefronts a CTA, of ~8,000 in all: with 2 CTAs per SM the
 //          shared-memory pipe is a likely bound), Ke^T reads exp(G_L - G_j) per row from shared
 //          memory: ~0.6-0.8 ms.
-//   Whole call ~1.5-2.0 ms in the forward (fla: 1.29 ms in the bench). Registers (ptxas,
+//   Whole call ~1.5-2.0 ms in the forward, ~1.3-1.7 ms in the kernel bench (fla: 1.29 ms);
+//   not yet measured. Registers (ptxas,
 //   sm_90a): prep 125, state 168, out 124; no spills.
-// Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
+// Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
 //   f32; flash-linear-attention rounds the same operands (and q, k) to bf16. The operations and
