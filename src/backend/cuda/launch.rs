@@ -310,9 +310,10 @@ mod tests {
         let causal = text.lines().filter(|l| l.starts_with("ATTN_CAUSAL_EXPORT(")).count();
         let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
         let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
+        let hnr = text.lines().filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(")).count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
-        // ATTN_CAUSAL_EXPORT and QKR_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr);
+        // ATTN_CAUSAL_EXPORT, QKR_EXPORT and HYB_NORM_ROPE_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + hnr);
     }
 
     #[test]
