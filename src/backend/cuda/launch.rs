@@ -313,9 +313,10 @@ mod tests {
         let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
         let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
         let wg = text.lines().filter(|l| l.starts_with("ATTN_WG_EXPORT(")).count();
+        let hnr = text.lines().filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(")).count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
-        // ATTN_CAUSAL_EXPORT, QKR_EXPORT and ATTN_WG_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg);
+        // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT and HYB_NORM_ROPE_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + hnr);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use rayon::prelude::*;
 
 use super::profile::{self, Phase, StepPhases, Work};
 use super::{
-    check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope, Result,
-    Rows, StartError,
+    check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm, QkNormRope,
+    Result, Rows, StartError,
 };
 use crate::kernels::launch::{
     ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
@@ -1962,6 +1962,216 @@ impl Backend for CudaBackend {
             heads,
         };
         self.launch(s, launch::GdnGatesBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
+    }
+
+    // ---- Fused hybrid ops (kernels/hybrid.cu); shapes a fused kernel does not take run the
+    // unfused ops (backend::fused).
+
+    fn add_rmsnorm1p_fwd(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        t: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "add_rmsnorm1p_fwd";
+        for (n, b) in [("x", &*x), ("t", t), ("y", &*y)] {
+            check_len(OP, n, b.len, 0, rows * dim)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "w", w.len, w_off, dim)?;
+        Self::need_bf16(OP, w)?;
+        if x.len != rows * dim {
+            // add_inplace adds over the whole of x.
+            return fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = launch::AddRmsnorm1pFwdBf16 {
+            x: x.at(OP, 0)?,
+            t: t.at(OP, 0)?,
+            w: w.at(OP, w_off)?,
+            y: y.at(OP, 0)?,
+            rows,
+            dim,
+            eps,
+        };
+        self.launch(s, launch::AddRmsnorm1pFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_conv_qkv(
+        &self,
+        s: &Stream,
+        sh: &fused::GdnConvQkv,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        seq_starts: &CudaIds,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &mut CudaBuf,
+    ) -> Result<()> {
+        const OP: &str = "gdn_conv_qkv";
+        let (rows, kd, vd, c) = (sh.rows, sh.key_dim(), sh.value_dim, sh.channels());
+        check_len(OP, "x", x.len, 0, rows * c)?;
+        check_len(OP, "w", w.len, sh.w_off, c * sh.kernel)?;
+        check_len(OP, "q", q.len, 0, rows * kd)?;
+        check_len(OP, "k", k.len, 0, rows * kd)?;
+        check_len(OP, "v", v.len, 0, rows * vd)?;
+        if seq_starts.len == 0 {
+            return Err(BackendError::Shape { op: OP, what: "seq_starts is empty (it starts with 0)".into() });
+        }
+        if sh.kernel == 0 || sh.kernel > HYB_CONV_MAX_K {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("kernel size {}: the CUDA kernel takes 1 to {HYB_CONV_MAX_K}", sh.kernel),
+            });
+        }
+        // The fused kernel moves four f32 channels a lane (16-byte accesses) and sums a key
+        // head's squares over k_dim / 4 lanes of one warp.
+        let lanes = sh.k_dim / 4;
+        let fits = sh.k_dim % 4 == 0
+            && lanes.is_power_of_two()
+            && lanes <= 32
+            && vd % 4 == 0
+            && [x, &*q, &*k, &*v].iter().all(|b| b.dtype == DType::F32);
+        if !fits {
+            return fused::gdn_conv_qkv(self, s, sh, x, w, seq_starts, q, k, v);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let padded = (c / 4).div_ceil(32) * 32;
+        let cfg = (self.hyb_grid(rows.div_ceil(HYB_CONV_ROWS) * padded), HYB_BLOCK, 0);
+        let args = launch::GdnConvQkvF32 {
+            x: x.at(OP, 0)?,
+            w: w.at(OP, sh.w_off)?,
+            q: q.at(OP, 0)?,
+            k: k.at(OP, 0)?,
+            v: v.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts: seq_starts.len,
+            rows,
+            key_dim: kd,
+            value_dim: vd,
+            head_lanes: lanes,
+            kernel_size: sh.kernel,
+            eps: sh.eps,
+            q_scale: sh.q_scale,
+        };
+        self.launch(s, launch::GdnConvQkvF32::KERNEL, cfg, args)
+    }
+
+    fn rmsnorm1p_rope_partial(
+        &self,
+        s: &Stream,
+        sh: &fused::NormRope,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        y: &mut CudaBuf,
+        pos: &CudaIds,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm1p_rope_partial";
+        let (n, hd, rot) = (sh.rows * sh.heads, sh.head_dim, sh.rot_dim);
+        if rot % 2 != 0 || rot == 0 || rot > hd {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("rot_dim {rot} must be even, positive and at most head_dim {hd}"),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        check_len(OP, "x", x.len, sh.x_off + (n - 1) * sh.x_stride, hd)?;
+        check_len(OP, "w", w.len, sh.w_off, hd)?;
+        check_len(OP, "y", y.len, 0, n * hd)?;
+        check_len(OP, "pos", pos.len, 0, sh.rows)?;
+        // A warp per head, head_dim / 32 elements a lane (one below 32): the rows, the weight
+        // and the rotation's halves start on such a boundary.
+        let v = (hd / 32).max(1);
+        let kernel = variant(&launch::Rmsnorm1pRopePartialBf16Hd::VARIANTS, &hd.to_string());
+        let aligned = [sh.x_off, sh.x_stride, sh.w_off, rot / 2].iter().all(|a| a % v == 0);
+        let bf16 = [x, w, &*y].iter().all(|b| b.dtype == DType::BF16);
+        let Some(kernel) = kernel.filter(|_| aligned && bf16 && sh.heads > 0) else {
+            return fused::rmsnorm1p_rope_partial(self, s, sh, x, w, y, pos);
+        };
+        // The table of a rot_dim-wide RoPE, as rope_partial's.
+        let inv = self.inv_freq(s, rot, sh.theta)?;
+        let args = launch::Rmsnorm1pRopePartialBf16Hd {
+            x: x.at(OP, sh.x_off)?,
+            x_stride: sh.x_stride,
+            w: w.at(OP, sh.w_off)?,
+            y: y.at(OP, 0)?,
+            pos: pos.at(OP, 0)?,
+            inv_freq: inv,
+            n,
+            heads: sh.heads,
+            rot_dim: rot,
+            eps: sh.eps,
+        };
+        self.launch(s, kernel, (hyb_row_grid(n), HYB_BLOCK, 0), args)
+    }
+
+    fn sigmoid_mul_strided(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        gate: &CudaBuf,
+        gate_off: usize,
+        gate_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "sigmoid_mul_strided";
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        check_len(OP, "x", x.len, 0, rows * width)?;
+        check_len(OP, "gate", gate.len, gate_off + (rows - 1) * gate_stride, width)?;
+        Self::need_bf16(OP, x)?;
+        Self::need_bf16(OP, gate)?;
+        let args =
+            launch::SigmoidMulStridedBf16 { x: x.at(OP, 0)?, gate: gate.at(OP, gate_off)?, gate_stride, rows, width };
+        self.launch(s, launch::SigmoidMulStridedBf16::KERNEL, (self.hyb_grid(rows * width / 8 + 1), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_gates_ba(
+        &self,
+        s: &Stream,
+        ba: &CudaBuf,
+        w: &CudaBuf,
+        a_log_off: usize,
+        dt_bias_off: usize,
+        beta: &mut CudaBuf,
+        g: &mut CudaBuf,
+        rows: usize,
+        heads: usize,
+    ) -> Result<()> {
+        const OP: &str = "gdn_gates_ba";
+        let n = rows * heads;
+        check_len(OP, "ba", ba.len, 0, 2 * n)?;
+        check_len(OP, "beta", beta.len, 0, n)?;
+        check_len(OP, "g", g.len, 0, n)?;
+        check_len(OP, "A_log", w.len, a_log_off, heads)?;
+        check_len(OP, "dt_bias", w.len, dt_bias_off, heads)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = launch::GdnGatesBaBf16 {
+            ba: ba.at(OP, 0)?,
+            a_log: w.at(OP, a_log_off)?,
+            dt_bias: w.at(OP, dt_bias_off)?,
+            beta: beta.at(OP, 0)?,
+            g: g.at(OP, 0)?,
+            rows,
+            heads,
+        };
+        self.launch(s, launch::GdnGatesBaBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
     }
 
     fn l2norm_fwd(
