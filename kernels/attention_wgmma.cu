@@ -268,9 +268,10 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
 // Keys: the two blocks' context ranges [cs + first, cs + a) (DFLASH.md section 3; first = 0 in a
 // full layer, slot 0's window start in a sliding one) are streamed once, as KEYS-row tiles of
 // absolute context rows over their union [Tlo, Thi): adjacent blocks of a sequence share almost
-// all of it, so the pair reads it from L2 once instead of twice. Each warpgroup masks by its own
-// block's range (per slot in a sliding layer); a tile outside it is computed fully masked (no
-// wgmma under a branch), which a pair that straddles two sequences pays for the gap between them.
+// all of it, so the pair reads it from L2 once instead of twice. Only rows one of the two blocks
+// sees are read (the rest of a tile is zero-filled). Each warpgroup masks by its own block's range
+// (per slot in a sliding layer); a tile outside it is computed fully masked (no wgmma under a
+// branch), which a pair that straddles two sequences pays for the gap between them.
 // The tiles run through the causal kernel's pipeline (S_t with P_{t-1} V_{t-1}); then each
 // warpgroup's own bs block keys (kb, vb rows j * bs ..) form one last 16-key tile, bidirectional
 // in a full layer and causal (slot i <= r) in a sliding one. A block with no context key (anchor 0)
@@ -290,6 +291,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
                                              index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
   using G = WgGeo<HD>;
   static_assert(HD == 128, "the wgmma drafter forward takes head_dim 128");
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
   constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = ATTN_WG_BLOCK_KEYS;
   constexpr uint32_t B_BYTES = BB * HD * 2;
   constexpr uint32_t SMEM = G::SMEM + 4 * B_BYTES;
@@ -353,21 +355,29 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
       vhi[hh] = 0;
     }
   }
-  // Unmasked context tiles: a full layer, a live block, and the tile inside [cs, cs + a).
-  const bool wg_full = window == 0 && a > 0;
-  const int wlo = wg_full ? (int)(cs - Tlo) : 0, whi = wg_full ? (int)(cs + a - Tlo) - 1 : -1;
+  // Unmasked context tiles: those inside the rows every slot of this block sees, [cs, cs + a) in
+  // a full layer and [cs + max(0, a + bs - W), cs + a) in a sliding one (the last slot's window).
+  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
+  const bool wg_any = a > 0 && all_first < a;
+  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+  // Rows either block sees, relative to Tlo: only those are read (the gap between two sequences,
+  // and rows beyond one block's range, are zero-filled, so no value outside a block's own
+  // context, finite or not, reaches its softmax).
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
 
   const bf16* kbase = kc + (index_t)g * HD;
   const bf16* vbase = vc + (index_t)g * HD;
   auto load_kv = [&](int it) {
-    const index_t t0 = Tlo + (index_t)it * BN;
+    auto seen = [&](int i) {
+      const int u = it * BN + i;
+      return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi);
+    };
     wg_load_rows<HD, BN>(sK(it % KS), kc, [&](int i) -> const bf16* {
-      const index_t t = t0 + i;
-      return t < Thi && t < ctx_rows ? kbase + t * kw : nullptr;
+      return seen(i) ? kbase + (Tlo + it * BN + i) * kw : nullptr;
     });
     wg_load_rows<HD, BN>(sV(it % VS), vc, [&](int i) -> const bf16* {
-      const index_t t = t0 + i;
-      return t < Thi && t < ctx_rows ? vbase + t * kw : nullptr;
+      return seen(i) ? vbase + (Tlo + it * BN + i) * kw : nullptr;
     });
   };
   // Q: row i of the CTA tile is row i % 64 of warpgroup i / 64's block.
@@ -405,22 +415,24 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
     fence_proxy_async();
     __syncthreads();
   };
+  // Descriptors: built once, then moved by constant byte offsets per k step and stage.
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const uint32_t off = (uint32_t)((kk & 3) * 32);
-      const uint64_t da = wg_desc(sQw + (uint32_t)((kk >> 2) * BM * 128) + off, 16, 1024);
-      const uint64_t db = wg_desc(sK(it % KS) + (uint32_t)((kk >> 2) * BN * 128) + off, 16, 1024);
-      wg_abt<BN>(s, da, db, kk > 0);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
     }
     wgmma_commit();
   };
   auto issue_pv = [&](int it) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = wg_desc(sV(it % VS) + (uint32_t)(kk * 16 * 128), BN * 128, 1024);
-      wg_pb<HD>(acc, pa[kk], db, 1);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
     wgmma_commit();
   };
   auto prefetch = [&](int it) {
@@ -477,12 +489,12 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
     float sb[BB / 8][4], alpha[2];
     wg_fence_regs(acc);
     wgmma_fence();
+    const uint64_t dkb = wg_desc(sB(wg, 0), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const uint32_t off = (uint32_t)((kk & 3) * 32);
-      const uint64_t da = wg_desc(sQw + (uint32_t)((kk >> 2) * BM * 128) + off, 16, 1024);
-      const uint64_t db = wg_desc(sB(wg, 0) + (uint32_t)((kk >> 2) * BB * 128) + off, 16, 1024);
-      wg_abt<BB>(sb, da, db, kk > 0);
+      wg_abt<BB>(sb, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
     }
     wgmma_commit();
     issue_pv(n_kt - 1);

@@ -200,20 +200,37 @@ fn gpu_drafter_attention_matches_cpu() {
 }
 
 /// Both drafter forward kernels (mma.sync and the Hopper warpgroup one, which takes two blocks
-/// per CTA and streams their shared context once) against the CPU, o and lse: anchors at 0 and
-/// at the end, padded blocks, a pair of blocks in two sequences, an odd block count (a pair with
-/// one block), padding rows (block_size * G < 64), full and sliding layers, and contexts of
-/// thousands of rows (many K/V stages). Each form must be bit-identical from run to run.
+/// per CTA and streams their shared context once) against the CPU, o and lse, into NaN-filled
+/// outputs: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in two
+/// sequences, an odd block count (a CTA with one block), padding rows (block_size * G < 64), full
+/// and sliding layers (windows shorter than a block too), and contexts of thousands of rows (many
+/// K/V stages). Each form must be bit-identical from run to run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_drafter_forward_forms_match_cpu() {
     use dflash_engine::backend::cuda::AttnForm;
     let (g, c) = (gpu(), CpuBackend::new());
-    let long_anchors: Vec<i32> = (0..24).map(|i| if i == 5 { -1 } else { (i % 12) * 230 + 7 }).collect();
-    let long_starts: Vec<i32> = (0..24).map(|i| if i < 12 { 0 } else { 2800 }).collect();
+    // Sequence 0 holds blocks 0..=10 (context rows 0..2800), sequence 1 blocks 11..=23 (rows
+    // 2800..5600): the CTA of blocks (10, 11) spans both. Block 5 is padded, block 23 anchored at
+    // the very end of its sequence.
+    let long_anchors: Vec<i32> = (0..24)
+        .map(|i| {
+            if i == 5 {
+                -1
+            } else if i == 23 {
+                2800
+            } else {
+                (i % 11) * 250 + 7
+            }
+        })
+        .collect();
+    let long_starts: Vec<i32> = (0..24).map(|i| if i < 11 { 0 } else { 2800 }).collect();
+    // Blocks (2, 3) span the two sequences (context rows 0..100 and 100..150); block 2 and block 5
+    // are anchored at their sequences' ends; block 6 (padded) is alone in its CTA.
+    let (anchors, starts) = (vec![0, 17, 100, 5, 3, 50, -1], vec![0, 0, 0, 100, 100, 100, 100]);
     let cases: Vec<(usize, usize, usize, usize, Vec<i32>, Vec<i32>, Vec<Option<usize>>)> = vec![
-        (16, 32, 8, 150, vec![0, 17, 99, -1, 3, 49, -1], vec![0, 0, 0, 0, 100, 100, 100], vec![None, Some(8)]),
-        (5, 6, 2, 150, vec![0, 17, 99, -1, 3, 49, -1], vec![0, 0, 0, 0, 100, 100, 100], vec![None, Some(40)]),
+        (16, 32, 8, 150, anchors.clone(), starts.clone(), vec![None, Some(8), Some(3)]),
+        (5, 6, 2, 150, anchors, starts, vec![None, Some(40)]),
         (16, 32, 8, 5600, long_anchors, long_starts, vec![None, Some(2048), Some(3)]),
     ];
     for (bs, heads, kvh, ctx_rows, anchors, starts, windows) in cases {
@@ -242,8 +259,10 @@ fn gpu_drafter_forward_forms_match_cpu() {
             ) -> (Vec<f32>, Vec<f32>) {
                 let s = be.compute_stream();
                 let b: Vec<B::Buf> = t.iter().map(|v| put(be, v, DType::BF16)).collect();
-                let mut o = be.alloc(&s, DType::BF16, sh.q_rows() * sh.heads * sh.head_dim).unwrap();
-                let mut lse = be.alloc(&s, DType::F32, sh.q_rows() * sh.heads).unwrap();
+                // NaN-filled outputs: an element the kernel fails to write shows up as NaN (and
+                // fails rel_err), even where the expected value is zero.
+                let mut o = put(be, &vec![f32::NAN; sh.q_rows() * sh.heads * sh.head_dim], DType::BF16);
+                let mut lse = put(be, &vec![f32::NAN; sh.q_rows() * sh.heads], DType::F32);
                 launch(be, &s, &b, &ids(be, anchors), &ids(be, starts), &mut o, &mut lse);
                 (get(be, &o), get(be, &lse))
             }

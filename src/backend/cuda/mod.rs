@@ -2416,9 +2416,11 @@ impl AttnForm {
         }
     }
 
-    /// The drafter forward's kernel: the warpgroup one where it takes the shape, else mma.sync.
+    /// The drafter forward's kernel: the warpgroup one where it takes the shape and there are
+    /// at least two blocks (it pairs them per CTA; a lone block, as in speculative decoding at
+    /// batch 1, would leave half of each CTA computing masked tiles), else mma.sync.
     pub fn pick_draft(sh: &DraftAttnShape) -> AttnForm {
-        if !Self::forced_mma() && AttnForm::Wgmma.takes_draft(sh) {
+        if !Self::forced_mma() && sh.num_blocks >= 2 && AttnForm::Wgmma.takes_draft(sh) {
             AttnForm::Wgmma
         } else {
             AttnForm::Mma
