@@ -2442,7 +2442,7 @@ impl AttnForm {
         match self {
             AttnForm::Mma => variant(&launch::AttnDraftFwdBf16Hd::VARIANTS, &sh.head_dim.to_string()).is_some(),
             AttnForm::Wgmma => {
-                let g = if sh.kv_heads > 0 { sh.heads / sh.kv_heads } else { 0 };
+                let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
                 sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
             }
         }
