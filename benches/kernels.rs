@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, CausalForm, CudaBackend, FcPath, GdnForm};
+use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
@@ -392,7 +392,7 @@ fn main() {
             normal_buf(DType::BF16, t_rows * kvh * hd, 45),
             normal_buf(DType::BF16, t_rows * kvh * hd, 46),
         );
-        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+        for form in [AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
             });
@@ -423,11 +423,38 @@ fn main() {
         let vb = buf(DType::BF16, nb * 16 * kvh * hd);
         let mut od = buf(DType::BF16, nb * 16 * heads * hd);
         let mut lse = buf(DType::F32, nb * 16 * heads);
-        flops(
-            "drafter attention fwd (2048 blocks x 16)",
-            time(&be, 5, || be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()),
-            4.0 * visible * heads as f64 * hd as f64,
-        );
+        // Both forward forms (the warpgroup kernel is the default).
+        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            let t = time(&be, 5, || {
+                be.attn_draft_fwd_with(form, &s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()
+            });
+            flops(
+                &format!("drafter attention fwd {form:?} (2048 blocks x 16)"),
+                t,
+                4.0 * visible * heads as f64 * hd as f64,
+            );
+        }
+        // The sliding-window layer (W 2048, causal inside the block), both forms: FLOPs for the
+        // keys each slot sees, min(a, W - 1 - r) context rows and r + 1 block rows.
+        let win = 2048usize;
+        let sh_sl = DraftAttnShape { window: Some(win), ..sh };
+        let anchors_host: Vec<usize> = (0..4).flat_map(|_| (0..512).map(|j| j * 6)).collect();
+        let visible_sl: f64 = anchors_host
+            .iter()
+            .map(|&a| (0..16usize).map(|r| (a.min((win - 1).saturating_sub(r)) + r + 1) as f64).sum::<f64>())
+            .sum();
+        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            let t = time(&be, 5, || {
+                be.attn_draft_fwd_with(form, &s, &sh_sl, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()
+            });
+            flops(
+                &format!("drafter attention fwd sliding {form:?} (2048 blocks x 16)"),
+                t,
+                4.0 * visible_sl * heads as f64 * hd as f64,
+            );
+        }
+        // The full layer's forward again (the backward below reads its o and lse).
+        be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap();
         let mut grads: Vec<_> =
             [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
                 .iter()
@@ -500,7 +527,7 @@ fn main() {
         let mut o = buf(DType::BF16, n * heads * hd);
         let starts = ids(vec![0, n as i32]);
         let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
-        for form in [CausalForm::Wgmma, CausalForm::Mma] {
+        for form in [AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
             });

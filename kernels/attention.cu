@@ -21,8 +21,8 @@
 //           [rows, kv_heads*hd]; kb, vb, dkb, dvb: [num_blocks*bs, kv_heads*hd] (block j = rows
 //           j*bs..(j+1)*bs). lse, dsum: f32 [q_rows, heads] (index row*heads + h). anchors,
 //           ctx_start, seq_starts, ctx_block_begin/end: i32. Head h reads kv head h / G.
-// Numerics: scores, softmax statistics and all accumulators in f32; exp via exp2f of scores
-//           pre-scaled by scale*log2(e). P (and dS) are rounded to bf16 once as the A operand of
+// Numerics: scores, softmax statistics and all accumulators in f32; exp via exp2 (mma.cuh
+//           exp2_ftz) of scores pre-scaled by scale*log2(e). P (and dS) are rounded to bf16 once as the A operand of
 //           the second MMA (the flash-attention convention; ~2^-9 relative per term, averaging
 //           out over keys); the block-key gradients dkb/dvb use f32 P/dS with CUDA-core FMAs.
 //           Every output element is rounded to bf16 exactly once (RNE, common.cuh).
@@ -299,12 +299,6 @@ __device__ __forceinline__ void draft_checks(int block_size, int heads, int kv_h
   if (block_size < 1 || kv_heads < 1 || heads % kv_heads != 0 || block_size * (heads / kv_heads) > DRAFT_MAX_ROWS) {
     __trap();
   }
-}
-
-// The first key (in the virtual sequence of DraftCta) that any slot of a block anchored at a sees:
-// 0 in a full layer (window == 0), slot 0's window start max(0, a - (W - 1)) in a sliding one.
-__device__ __forceinline__ index_t draft_first_key(index_t a, int window) {
-  return window > 0 ? max((index_t)0, a - (index_t)(window - 1)) : (index_t)0;
 }
 
 // Whether slot r sees key u of the virtual sequence: u < nk, and in a sliding layer
@@ -587,7 +581,7 @@ __device__ __forceinline__ void draft_bwd_q(const bf16* __restrict__ q, const bf
           const int mr = warp * WARP_ROWS + gr + 8 * hh;
           // Full layers skip the slot's modulo: it sat in the inner loop of every layer.
           const bool vis = window > 0 ? draft_visible(u, a, nk, mr % d.bs, window) : u < nk;
-          const float p = vis ? exp2f(fmaf(s[0][n][e], sl2, -lse2[hh])) : 0.f;
+          const float p = vis ? exp2_ftz(fmaf(s[0][n][e], sl2, -lse2[hh])) : 0.f;
           const float ds = p * (dp[0][n][e] - dsm[hh]) * scale;
           if (u >= a && u < nk) {
             sP[mr * MAX_BLOCK_KEYS + (int)(u - a)] = p;
@@ -831,7 +825,7 @@ __device__ __forceinline__ void draft_bwd_kv(const bf16* __restrict__ q, const b
               const float dv_ = (e & 1) ? d2.y : d2.x;
               const bool seen =
                   vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
-              const float p = seen ? exp2f(fmaf(s[0][nn][e], sl2, -lv * LOG2E)) : 0.f;
+              const float p = seen ? exp2_ftz(fmaf(s[0][nn][e], sl2, -lv * LOG2E)) : 0.f;
               s[0][nn][e] = p;
               dp[0][nn][e] = p * (dp[0][nn][e] - dv_) * scale;
             }

@@ -155,22 +155,24 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
     fence_proxy_async();
     __syncthreads();
   };
+  // Descriptors: built once, then moved by constant byte offsets per k step and stage.
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const uint32_t off = (uint32_t)((kk & 3) * 32);
-      const uint64_t da = wg_desc(sQw + (uint32_t)((kk >> 2) * BM * 128) + off, 16, 1024);
-      const uint64_t db = wg_desc(sK(it % KS) + (uint32_t)((kk >> 2) * BN * 128) + off, 16, 1024);
-      wg_abt<BN>(s, da, db, kk > 0);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
     }
     wgmma_commit();
   };
   auto issue_pv = [&](int it) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = wg_desc(sV(it % VS) + (uint32_t)(kk * 16 * 128), BN * 128, 1024);
-      wg_pb<HD>(acc, pa[kk], db, 1);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
     wgmma_commit();
   };
   // Tile it + 1's copies go out while the tensor cores work on tile it.
@@ -257,6 +259,299 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// 2. Drafter forward: attention.cu's draft_fwd (same math, outputs o and lse, padded blocks, full
+// and sliding layers), head_dim 128 and M = block_size * G <= 64. CTA = two consecutive blocks
+// (2c, 2c + 1) of one kv head g, one warpgroup each: tile row m = hh * bs + r is slot r of q head
+// g * G + hh, rows M..63 are padding (zero q, never stored). Pairs are launched heaviest first
+// (later blocks have later anchors).
+// Keys: the two blocks' context ranges [cs + first, cs + a) (DFLASH.md section 3; first = 0 in a
+// full layer, slot 0's window start in a sliding one) are streamed once, as KEYS-row tiles of
+// absolute context rows over their union [Tlo, Thi): adjacent blocks of a sequence share almost
+// all of it, so the pair reads it from L2 once instead of twice. Only rows one of the two blocks
+// sees are read (the rest of a tile is zero-filled). Each warpgroup masks by its own block's range
+// (per slot in a sliding layer); a tile outside it is computed fully masked (no wgmma under a
+// branch), which a pair that straddles two sequences pays for the gap between them.
+// The tiles run through the causal kernel's pipeline (S_t with P_{t-1} V_{t-1}); then each
+// warpgroup's own bs block keys (kb, vb rows j * bs ..) form one last 16-key tile, bidirectional
+// in a full layer and causal (slot i <= r) in a sliding one. A block with no context key (anchor 0)
+// still runs one fully masked context tile.
+//
+// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WG_THREADS, dynamic smem
+//   (ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * ATTN_WG_KEYS_HD128 +
+//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + ATTN_WG_ALIGN = 214,016 bytes. Preconditions as
+//   attention.cu's draft_fwd, plus block_size <= 16 and M <= 64 (the Rust launcher checks both
+//   and otherwise runs the mma.sync kernel); violations trap.
+template <int HD>
+__device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                             const bf16* __restrict__ vc, const bf16* __restrict__ kb,
+                                             const bf16* __restrict__ vb, bf16* __restrict__ o,
+                                             float* __restrict__ lse, const int* __restrict__ anchors,
+                                             const int* __restrict__ ctx_start, int num_blocks, int block_size,
+                                             index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
+  using G = WgGeo<HD>;
+  static_assert(HD == 128, "the wgmma drafter forward takes head_dim 128");
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
+  constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = ATTN_WG_BLOCK_KEYS;
+  constexpr uint32_t B_BYTES = BB * HD * 2;
+  constexpr uint32_t SMEM = G::SMEM + 4 * B_BYTES;
+  require_launch(ATTN_WG_THREADS, SMEM);
+  if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > 64) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base;
+  auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
+  auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
+  // Block keys of warpgroup w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  auto sB = [&](int w, int kv) { return base + G::SMEM - ATTN_WG_ALIGN + (uint32_t)(2 * w + kv) * B_BYTES; };
+
+  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t npairs = ((index_t)num_blocks + 1) / 2;
+  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  if (pair < 0) return;
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Both blocks' context ranges [lo, hi) in absolute context rows (empty: lo >= hi), read by every
+  // thread so the tile loop is uniform over the CTA.
+  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  // At least one tile (fully masked when neither block has context keys): no branch around it.
+  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+
+  // This warpgroup's block and this thread's two rows: slot, head, and context range relative to
+  // Tlo (empty: vlo > vhi).
+  const index_t j = 2 * pair + wg;
+  // (Selected, not indexed: an index by the warpgroup would put the arrays on the stack.)
+  const index_t a = wg ? a_w[1] : a_w[0], cs = wg ? cs_w[1] : cs_w[0];
+  int mrow[2], vlo[2], vhi[2];
+  bool rvalid[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mrow[hh] = wi * 16 + gr + 8 * hh;
+    rvalid[hh] = a >= 0 && mrow[hh] < M;
+    const int r = mrow[hh] % bs;
+    if (rvalid[hh] && a > 0) {
+      const index_t first = window > 0 ? max((index_t)0, a + r - (index_t)(window - 1)) : (index_t)0;
+      vlo[hh] = (int)(cs + first - Tlo);
+      vhi[hh] = (int)(cs + a - Tlo) - 1;
+    } else {
+      vlo[hh] = 1;
+      vhi[hh] = 0;
+    }
+  }
+  // Unmasked context tiles: those inside the rows every slot of this block sees, [cs, cs + a) in
+  // a full layer and [cs + max(0, a + bs - W), cs + a) in a sliding one (the last slot's window).
+  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
+  const bool wg_any = a > 0 && all_first < a;
+  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+  // Rows either block sees, relative to Tlo: only those are read (the gap between two sequences,
+  // and rows beyond one block's range, are zero-filled, so no value outside a block's own
+  // context, finite or not, reaches its softmax).
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+
+  const bf16* kbase = kc + (index_t)g * HD;
+  const bf16* vbase = vc + (index_t)g * HD;
+  auto load_kv = [&](int it) {
+    auto seen = [&](int i) {
+      const int u = it * BN + i;
+      return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi);
+    };
+    wg_load_rows<HD, BN>(sK(it % KS), kc, [&](int i) -> const bf16* {
+      return seen(i) ? kbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+    wg_load_rows<HD, BN>(sV(it % VS), vc, [&](int i) -> const bf16* {
+      return seen(i) ? vbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+  };
+  // Q: row i of the CTA tile is row i % 64 of warpgroup i / 64's block.
+  wg_load_rows<HD, BM>(sQ, q, [&](int i) -> const bf16* {
+    const index_t jj = 2 * pair + i / 64;
+    const int mm = i % 64;
+    return jj < num_blocks && mm < M ? q + (jj * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD : nullptr;
+  });
+  // Both warpgroups' block keys (rows bs..15 zero).
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    const bool live = jj < num_blocks && a_w[w] >= 0;
+    wg_load_rows<HD, BB>(sB(w, 0), kb, [&](int i) -> const bf16* {
+      return live && i < bs ? kb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+    wg_load_rows<HD, BB>(sB(w, 1), vb, [&](int i) -> const bf16* {
+      return live && i < bs ? vb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+  }
+  load_kv(0);
+  cp_async_commit();
+
+  float acc[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sl2 = scale * LOG2E;
+  const uint32_t sQw = sQ + (uint32_t)(wg * 64 * 128);
+
+  float s[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  // Descriptors: built once, then moved by constant byte offsets per k step and stage.
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
+  auto issue_s = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int it) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  auto prefetch = [&](int it) {
+    if (it + 1 < n_kt) load_kv(it + 1);
+    cp_async_commit();
+  };
+  auto softmax = [&](int it, float (&alpha)[2]) {
+    const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
+    const bool masked = !(k0 >= wlo && k1 <= whi);
+    softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
+      const int t = k0 + col;
+      return t >= vlo[hh] && t <= vhi[hh];
+    });
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
+  {  // context tile 0 (with the block keys and Q)
+    float alpha[2];
+    tile_ready();
+    wgmma_fence();
+    issue_s(0);
+    prefetch(0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    softmax(0, alpha);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    float alpha[2];
+    tile_ready();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_s(it);
+    issue_pv(it - 1);
+    prefetch(it);
+    wgmma_wait<1>();
+    wg_fence_regs(s);
+    softmax(it, alpha);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  {  // the block's own keys, issued with the last context tile's P V
+    float sb[BB / 8][4], alpha[2];
+    wg_fence_regs(acc);
+    wgmma_fence();
+    const uint64_t dkb = wg_desc(sB(wg, 0), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(sb, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+    issue_pv(n_kt - 1);
+    wgmma_wait<1>();
+    wg_fence_regs(sb);
+    softmax_p<BB / 8>(sb, m, l, alpha, sl2, true, lane, [&](int hh, int col) {
+      return rvalid[hh] && col < bs && (window == 0 || col <= mrow[hh] % bs);
+    });
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    softmax_rescale<HD>(acc, alpha);
+    uint32_t pb[4];
+    pb[0] = pack_op(sb[0][0], sb[0][1]);
+    pb[1] = pack_op(sb[0][2], sb[0][3]);
+    pb[2] = pack_op(sb[1][0], sb[1][1]);
+    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    wgmma_fence();
+    wg_pb<HD>(acc, pb, wg_desc(sB(wg, 1), BB * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+  }
+  cp_async_wait<0>();
+  if (j >= num_blocks) return;
+
+  softmax_finish<HD>(acc, l);
+  const bool padded = a < 0;  // exact zeros, never NaN
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int mm = mrow[hh];
+      if (mm < M) {
+        lse[(j * bs + mm % bs) * heads + g * Gq + mm / bs] = padded ? 0.f : m[hh] * LN2 + logf(l[hh]);
+      }
+    }
+  }
+  const int wr = wg * 64 + wi * 16;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  constexpr int C = HD / 8;
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const int mm = wi * 16 + i;
+    if (mm < M) {
+      *reinterpret_cast<uint4*>(o + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -268,3 +563,12 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
 
 ATTN_WG_EXPORT(128)
 ATTN_WG_EXPORT(256)
+
+// The drafter forward at head_dim 128 (both drafter recipes); launch above draft_fwd_wg.
+extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_wg_bf16_hd128(
+    const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb,
+    const __nv_bfloat16* vb, __nv_bfloat16* o, float* lse, const int* anchors, const int* ctx_start, int num_blocks,
+    int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {
+  attn::draft_fwd_wg<128>(q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size, ctx_rows, heads,
+                          kv_heads, scale, window);
+}

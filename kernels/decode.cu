@@ -21,7 +21,8 @@
 //           split) through its own two-stage cp.async buffers: no barrier until the warps merge.
 // Numerics: q.k in f32 on tensor cores from bf16 inputs, P rounded to bf16 as the A operand of
 //           the second MMA (attention.cu's convention), softmax statistics and accumulators f32,
-//           exp via exp2f of scores pre-scaled by scale*log2(e). Warps merge in warp order,
+//           exp via exp2 of scores pre-scaled by scale*log2(e) (mma.cuh exp2_ftz; exp2f where the
+//           warps' and splits' maxima merge). Warps merge in warp order,
 //           splits in split order: bit-identical run to run. o is rounded to bf16 once (RNE).
 // Symbols:  attn_decode_mma_bf16_hd<D>, attn_decode_combine_hd<D> for D in {16, 32, 64, 128, 256}
 //           (every head dim a preset uses).

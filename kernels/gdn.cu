@@ -945,50 +945,78 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //                   the explicit inverse Ai = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
 //                   substitution, then the off-diagonal blocks from them, as flash-linear-
 //                   attention's solve_tril), W = (Ai diag(beta exp(G))) K and U = (Ai diag(beta))
-//                   V on tensor cores (hi + lo operands, ~f32), written rounded to bf16, and Ke = diag(exp(G_L - G_j)) K (bf16, rows
-//                   >= L zero) so the state pass needs neither k nor G per row.
+//                   V on tensor cores (hi + lo operands, ~f32), written rounded to bf16, and
+//                   Ke^T = (diag(exp(G_L - G_j)) K)^T (bf16, rows j >= L zero) so the state pass
+//                   needs neither k nor G per row. W and Ke^T are written in MMA A-fragment order
+//                   (gdn::frag_index), U row-major.
 //   gdn_fast_state  per (sequence, value head, block of GDN_FAST_BV value columns): the state
 //                   block S [dk][BV] lives in the warps' f32 MMA accumulators for the whole
 //                   sequence (warp w owns the 16-row tiles w, w + 4 of dk). Per chunk:
 //                   S_c = bf16(S) (stored, and the B operand of the next product);
 //                   V' = bf16(U - W S_c) (stored over U);  S = exp(G_L) S + Ke^T V'.
-//                   The next chunk's W, Ke, U arrive by cp.async (double-buffered) while the
-//                   current one computes. The last S (f32) is the state out.
-//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV value columns), warp w
-//                   owns rows 16w..16w+15 of the chunk: A = mask(Q K^T) exp(G_i - G_j) in
-//                   registers (f32, then rounded to bf16 as the A operand), o = exp(G_i) (Q S_c)
-//                   + A V'. q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in
-//                   three products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the
-//                   largest single error term, tests/reference/gdn_bf16_rounding.py).
-// Scratch: W, Ke [n_slots][v_heads][C][dk] bf16; U then V' [n_slots][v_heads][C][dv] bf16;
-//   G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv] bf16
-//   = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072: 777 MB,
-//   0.63x the split form's).
+//                   W and Ke^T go from global memory (L2) straight into registers as A
+//                   fragments, the next chunk's issued as soon as the current ones are consumed;
+//                   U arrives by cp.async a chunk ahead; the chunk after that is prefetched
+//                   into L2 by the bulk copy engine. The last S (f32) is the state out.
+//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
+//                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
+//                   K^T) exp(G_i - G_j) (f32 accumulators, half the 16-column tiles each, then
+//                   rounded to bf16 as the A operand and shared), o = exp(G_i) (Q S_c) + A V'.
+//                   q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in three
+//                   products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the largest
+//                   single error term, tests/reference/gdn_bf16_rounding.py), once per chunk
+//                   and head at dv <= 128.
+// Scratch: W, Ke^T [n_slots][v_heads][C * dk] bf16 (fragment order); U then V'
+//   [n_slots][v_heads][C][dv] bf16; G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv]
+//   bf16 = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072:
+//   777 MB, 0.63x the split form's).
 // Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
 //   prep   grid n_slots * v_heads, GDN_THREADS;
-//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 3 C)                  (108,288)
+//          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 4 C)        (108,544; 2 CTAs/SM)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
-//          2 (2 stages) x [2 C (dk+P) + C (BV+P)] x 2 + dk (BV+P) 2 + C (BV+P) 2     (95,232)
+//          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
-//          2 [2 C (max(dk, BO)+P) + 2 C (dk+P) + dk (BO+P) + C (BO+P)] + 4 C        (97,536)
-//   (2 CTAs per SM each.)
-// Expected time at the 27B shape, 4 x 3072 tokens (H200; estimates from bytes and the
-//   sequential chain, not measured): state ~0.5-0.7 ms (768 CTAs, 2 per SM, 48 chunks each;
-//   per chunk 2 x 64x128x32 bf16 MMAs per CTA and ~40 KB of bf16 loads, prefetched; 0.8 GB of
-//   HBM traffic in all); out ~0.35-0.5 ms (~0.8 GB of HBM traffic: q, k f32, S_c, V', o); prep
-//   ~0.35-0.6 ms (measured 1.91 ms with the split prep's 3xTF32 wmma products and 16-row
-//   substitution): 9216 CTAs, 2 per SM, 35 waves; per CTA ~1.3 MFLOP of bf16 MMAs (K K^T and
-//   W, U, three products each, ~10 us of tensor-core time per SM-wave at most), ~0.1 MFLOP of
-//   f32 inverse with a 16-step chain and 8 barriers in all (the split prep: a 64-step chain
-//   across 4 blocks, 13 barriers), ~0.85 GB of HBM traffic in all (v f32, k mostly from L2 as 3
-//   value heads share it, W, U, Ke bf16). Whole call ~1.2-1.8 ms (the split form: 5.78 ms;
-//   fla: 1.33 ms). Registers (ptxas, sm_90a): prep 117, state 126, out 170; no spills.
-// Precision: S_c, V', W, U, Ke and A are rounded to bf16 as MMA operands (8 mantissa bits,
+//          2 [2 C lq + max(2 C (dk+P), C (BO+P+C+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
+//                                                                          (104,704; 2 CTAs/SM)
+// Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, measured with the
+//   previous version of these kernels): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54
+//   ms in all at 4 x 3072, 0.95 at 1 x 4096; fla 1.29 and 0.93). The
+//   useful work is ~106 GFLOP and ~1 GB of HBM traffic, so each kernel was bound by latency and
+//   serialisation, not by the tensor cores or HBM. What changed and the expected effect
+//   (estimates, not measured):
+//   out    was 18,816 CTAs of 4 warps (2 per SM: 8 warps/SM), each re-reading and re-splitting
+//          q, k (64 KB of f32, in 4 dependent load batches) and recomputing Q K^T for its 64
+//          columns, with the causal work all on one scheduler (warp 3: 352 MMAs, warp 0: 184).
+//          Now 9,408 CTAs of 8 warps (16 warps/SM), q and k in one load batch once per (chunk,
+//          head) (L2 -> SM traffic 1.7 -> 1.1 GB), Q K^T once per (chunk, head) (2 x 480 MMAs
+//          per 128 columns before, 480 now), V' loaded under Q S_c, the busiest scheduler 440
+//          MMAs per 128 columns (before: 2 x 352): ~0.45-0.65 ms.
+//   state  was 768 CTAs at 2 per SM (95 KB of staging for double-buffered W, Ke): 3 waves of
+//          48 dependent chunk steps, 3 barriers a step, W and Ke through shared memory. Now W
+//          and Ke^T (fragment order, 16-byte coalesced loads) go to registers, so shared memory
+//          is 26 KB and the 168 registers allow 3 CTAs per SM: 2 waves, 2 barriers a step,
+//          no ldmatrix for A operands. Each step's loads (W, Ke^T, U: 36 KB a CTA, issued by
+//          every resident CTA at about the same time) were an HBM round trip under load with
+//          one step of lead; now chunk j + 2 is prefetched into L2 (cp.async.bulk.prefetch,
+//          each of a head's value-block CTAs a quarter), so they hit L2: ~0.4-0.55 ms.
+//   prep   k and v now load in one batch with beta and g in flight (one global latency
+//          instead of three), G's 64-step sum is unrolled (its loads issue together), the W/U
+//          row blocks pair r with 3 - r per scheduler (the worst scheduler did 384 of the CTA's
+//          960 MMAs, now 240), the off-diagonal inverse blocks take 4 columns a thread (~4,100
+//          -> ~1,000 shared-memory wavefronts a CTA, of ~8,000 in all: with 2 CTAs per SM the
+//          shared-memory pipe is a likely bound), Ke^T reads exp(G_L - G_j) per row from shared
+//          memory: ~0.6-0.8 ms.
+//   Whole call ~1.5-2.0 ms in the forward, ~1.3-1.7 ms in the kernel bench (fla: 1.29 ms);
+//   not yet measured. Registers (ptxas,
+//   sm_90a): prep 125, state 168, out 124; no spills.
+// Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
-//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16.
+//   f32; flash-linear-attention rounds the same operands (and q, k) to bf16. The operations and
+//   their order are those of the previous layout (same MMAs in the same accumulation order), so
+//   the outputs are unchanged bit for bit and the rounding model stands.
 
 #include "mma.cuh"
 
@@ -1000,7 +1028,8 @@ constexpr int FBV = GDN_FAST_BV;               // state pass: value columns per 
 constexpr int FBO = GDN_FAST_OUT_BV;           // output: value columns per CTA
 constexpr int FW_S = GDN_FAST_STATE_THREADS / 32;
 constexpr int FW_O = GDN_FAST_OUT_THREADS / 32;
-static_assert(FW_S * 16 == C && FW_O * 16 == C, "one warp per 16 rows of a chunk");
+static_assert(FW_S * 16 == C, "state pass: one warp per 16 rows of a chunk");
+static_assert(FW_O * 16 == 2 * C && FBO % 32 == 0, "output: two warps (column halves) per 16 rows");
 static_assert(FBV % 16 == 0 && FBO % 16 == 0, "value blocks of whole 16-column tiles");
 
 // rows x cols bf16 (cols % 8 == 0) from global src (row pitch sld elements, 16-byte aligned
@@ -1015,34 +1044,47 @@ __device__ __forceinline__ void tile_async_bf16(bf16* dst, int dld, const bf16* 
   }
 }
 
-// rows x cols f32 (cols % 4 == 0) from global as two bf16 tiles in shared memory (pitch dld):
-// hi = bf16(x) at dst and lo = bf16(x - hi) at dst + lo_off (hi + lo keeps ~16 mantissa bits);
-// rows >= valid_rows zero. Loads go out in batches of FB per thread before their stores, so a
-// thread waits for one global latency per batch, not per element.
+// Two f32 tiles of the same rows (a chunk's q and k, or k and v; cols % 4 == 0) from global as
+// bf16 pairs in shared memory (pitch dld): hi = bf16(x) at dst and lo = bf16(x - hi) at dst +
+// lo_off (hi + lo keeps ~16 mantissa bits); rows >= valid_rows zero. Loads of both tiles go out in
+// batches of FB per thread and tile before their stores, so a thread waits for one global latency
+// per batch, not per element or per tile.
 constexpr int FB = 8;
 __device__ __forceinline__ uint32_t lo_part(float a, float b, uint32_t hi) {
   return attn::pack_op(a - bf16x2_lo_to_f32(hi), b - bf16x2_hi_to_f32(hi));
 }
-__device__ __forceinline__ void tile_f32_to_bf16x2(bf16* dst, int lo_off, int dld, const float* __restrict__ src,
-                                                   index_t sld, int rows, int cols, int valid_rows, int tid, int nt) {
-  const int c4 = cols / 4, n = rows * c4;
+__device__ __forceinline__ void store_bf16x2(bf16* dst, int lo_off, const float4 x) {
+  const uint32_t h0 = attn::pack_op(x.x, x.y), h1 = attn::pack_op(x.z, x.w);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(dst + lo_off) = make_uint2(lo_part(x.x, x.y, h0), lo_part(x.z, x.w, h1));
+}
+struct TileF32 {
+  bf16* dst;  // hi part; lo part lo_off further
+  int lo_off, dld;
+  const float* src;
+  index_t sld;
+  int cols;  // % 4 == 0
+};
+__device__ __forceinline__ void tiles2_f32_to_bf16x2(const TileF32 t0, const TileF32 t1, int rows, int valid_rows,
+                                                     int tid, int nt) {
+  const int c0 = t0.cols / 4, c1 = t1.cols / 4, n0 = rows * c0, n1 = rows * c1;
+  const int n = n0 > n1 ? n0 : n1;
   for (int e0 = tid; e0 < n; e0 += FB * nt) {
-    float4 x[FB];
+    float4 x0[FB], x1[FB];
 #pragma unroll
     for (int u = 0; u < FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
-      x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (e < n && i < valid_rows) x[u] = __ldg(reinterpret_cast<const float4*>(src + (index_t)i * sld + c));
+      const int e = e0 + u * nt, i0 = e / c0, i1 = e / c1;
+      x0[u] = x1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < n0 && i0 < valid_rows)
+        x0[u] = __ldg(reinterpret_cast<const float4*>(t0.src + (index_t)i0 * t0.sld + (e - i0 * c0) * 4));
+      if (e < n1 && i1 < valid_rows)
+        x1[u] = __ldg(reinterpret_cast<const float4*>(t1.src + (index_t)i1 * t1.sld + (e - i1 * c1) * 4));
     }
 #pragma unroll
     for (int u = 0; u < FB; ++u) {
-      const int e = e0 + u * nt, i = e / c4, c = (e - i * c4) * 4;
-      if (e < n) {
-        const uint32_t h0 = attn::pack_op(x[u].x, x[u].y), h1 = attn::pack_op(x[u].z, x[u].w);
-        *reinterpret_cast<uint2*>(dst + i * dld + c) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(dst + lo_off + i * dld + c) =
-            make_uint2(lo_part(x[u].x, x[u].y, h0), lo_part(x[u].z, x[u].w, h1));
-      }
+      const int e = e0 + u * nt, i0 = e / c0, i1 = e / c1;
+      if (e < n0) store_bf16x2(t0.dst + i0 * t0.dld + (e - i0 * c0) * 4, t0.lo_off, x0[u]);
+      if (e < n1) store_bf16x2(t1.dst + i1 * t1.dld + (e - i1 * c1) * 4, t1.lo_off, x1[u]);
     }
   }
 }
@@ -1075,25 +1117,43 @@ __device__ __forceinline__ uint32_t off_b_cols(int lane, int ld) {
   return (uint32_t)((((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8) * 2);
 }
 
+// Fragment order of the fast form's W and Ke^T scratch (the state pass's A operands): a [16 mt..]
+// x [16 kt..] tile of an m x (nk * 16) matrix is 32 lanes x 8 bf16 (the lane's m16n8k16 A fragment
+// a0..a3, 16 bytes), tiles in (mt, kt) order. Element offset of lane's fragment:
+__device__ __forceinline__ int frag_index(int mt, int kt, int nk, int lane) { return ((mt * nk + kt) * 32 + lane) * 8; }
+
+// Part `part` of `parts` of a contiguous global range of `bytes` (a multiple of 16, 16-byte
+// aligned) prefetched into L2 by the bulk copy engine (one instruction, no registers or shared
+// memory; a hint, so nothing waits for it).
+__device__ __forceinline__ void prefetch_l2_part(const void* p, int bytes, int part, int parts) {
+  const int per = (bytes / parts) & ~15, off = part * per, len = part == parts - 1 ? bytes - off : per;
+  if (len > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<const char*>(p) + off), "r"(len)
+                 : "memory");
+}
+
 }  // namespace gdn
 
 // One CTA (GDN_THREADS = 8 warps) per (chunk slot, value head): G, A, the explicit inverse
-// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke (see above).
+// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke^T (see above).
 // Steps (each ends at a barrier):
-//   1. k, v (f32) staged as bf16 hi + lo pairs; g, beta; thread 0 sums G (as cpu.rs).
+//   1. k, v (f32) staged as bf16 hi + lo pairs (one load batch for both); g, beta; thread 0
+//      sums G (as cpu.rs, unrolled).
 //   2. K K^T on tensor cores (3 bf16 MMAs per step: hi hi, hi lo, lo hi; ~f32), warp w the row
 //      block w & 3 and the column half w >> 2; masked, decayed and scaled by beta in registers
 //      into A (f32).
 //   3. Ai = (I + A)^-1 in f32 on CUDA cores: the four 16 x 16 diagonal blocks by substitution
 //      (one column a thread, 16 steps), then the off-diagonal blocks by distance d = 1, 2, 3:
 //      Ai[i][i-d] = -Ai[i][i] (sum_{m=i-d}^{i-1} A[i][m] Ai[m][i-d]) (two barriers each).
-//   4. W = (Ai diag(beta exp(G))) K, U = (Ai diag(beta)) V on tensor cores: warp w the row
-//      block w & 3 of W (w < 4) or U (w >= 4); Ai's scaled rows as bf16 hi + lo A fragments, K
-//      and V hi + lo (3 MMAs a step), only the k-steps on or below the diagonal; rounded to
-//      bf16 from the accumulators into global memory. Ke = bf16(exp(G_L - G_j) (k_hi + k_lo)).
+//   4. W = (Ai diag(beta exp(G))) K, U = (Ai diag(beta)) V on tensor cores: warp w < 4 the
+//      row block w of W, warp w >= 4 the row block 7 - w of U (a scheduler's two warps get row
+//      blocks r and 3 - r, equal work); Ai's scaled rows as bf16 hi + lo A fragments, K and V
+//      hi + lo (3 MMAs a step), only the k-steps on or below the diagonal; rounded to bf16 from
+//      the accumulators into global memory (W in fragment order: 16-byte stores).
+//      Ke^T = bf16(exp(G_L - G_j) (k_hi + k_lo))^T in fragment order.
 // Shared memory (bytes): bf16 Kh, Kl [C][dk+FP] | Vh, Vl [C][dv+FP] | f32 A, Ai [C][C+4] |
-//   T [3][16][16] | G, beta, beta exp(G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
-//   + 4 (2 C (C+4) + 768 + 3 C)  (128/128: 108,288; 2 CTAs per SM).
+//   T [3][16][16] | G, beta, beta exp(G), exp(G_L - G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
+//   + 4 (2 C (C+4) + 768 + 4 C)  (128/128: 108,544; 2 CTAs per SM).
 extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out,
@@ -1115,6 +1175,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   float* G = Tm + 3 * 256;
   float* Bt = G + C;
   float* Sw = Bt + C;  // beta_j exp(G_j)
+  float* Ef = Sw + C;  // exp(G_L - G_j) (0 for j >= L)
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_THREADS || (dk % 16) != 0 || (dv % 16) != 0 || dk > 128) __trap();
@@ -1126,16 +1187,22 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
-  for (int i = tid; i < C; i += nt) {
-    Bt[i] = i < L ? bf16_to_f32(beta[(c0 + i) * v_heads + h]) : 0.f;
-    G[i] = i < L ? g[(c0 + i) * v_heads + h] : 0.f;  // loaded in parallel, summed below
+  // beta and g into registers first (nt >= C), stored after k and v: their loads are in flight
+  // with those of k and v (G is summed below).
+  const float bv = tid < L ? bf16_to_f32(beta[(c0 + tid) * v_heads + h]) : 0.f;
+  const float gv = tid < L ? g[(c0 + tid) * v_heads + h] : 0.f;
+  gdn::tiles2_f32_to_bf16x2({Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk},
+                            {Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, dv}, C, L, tid, nt);
+  if (tid < C) {
+    Bt[tid] = bv;
+    G[tid] = gv;
   }
-  gdn::tile_f32_to_bf16x2(Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_f32_to_bf16x2(Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, C, dv, L, tid, nt);
   __syncthreads();
   if (tid == 0) {
-    // Sequential, as cpu.rs accumulates it; the pad repeats G_L.
+    // Sequential, as cpu.rs accumulates it; the pad repeats G_L. Unrolled, so the C shared-memory
+    // loads issue together and only the adds are in a chain.
     float acc = 0.f;
+#pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < L) acc += G[i];
       G[i] = acc;
@@ -1181,7 +1248,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
       }
     }
   }
-  for (int i = tid; i < C; i += nt) Sw[i] = Bt[i] * expf(G[i]);
+  for (int i = tid; i < C; i += nt) {
+    Sw[i] = Bt[i] * expf(G[i]);
+    Ef[i] = i < L ? expf(G[L - 1] - G[i]) : 0.f;
+  }
   __syncthreads();
   // 3. Diagonal blocks of Ai: thread t < C solves column t & 15 of block t >> 4.
   if (tid < C) {
@@ -1198,35 +1268,56 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
     for (int i = 0; i < 16; ++i) Ai[(base + i) * LA + base + c] = x[i];
   }
   __syncthreads();
+  // Each thread takes 4 adjacent columns of one row (a float4 of the right operand, its left
+  // operand entry used 4 times): a quarter of the shared-memory loads of one entry a thread, the
+  // same sums in the same order.
   for (int d = 1; d < 4; ++d) {
     const int nb = 4 - d;
-    for (int e = tid; e < nb * 256; e += nt) {
-      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+    for (int e = tid; e < nb * 64; e += nt) {
+      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
       const float* a = A + (i * 16 + r) * LA + m * 16;
       const float* x = Ai + (m * 16) * LA + m * 16 + c;
-      float s = 0.f;
-      for (int t = 0; t < 16 * d; ++t) s += a[t] * x[t * LA];
-      Tm[e] = s;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int t = 0; t < 16 * d; ++t) {
+        const float av = a[t];
+        const float4 xv = *reinterpret_cast<const float4*>(x + t * LA);
+        s.x += av * xv.x;
+        s.y += av * xv.y;
+        s.z += av * xv.z;
+        s.w += av * xv.w;
+      }
+      *reinterpret_cast<float4*>(Tm + m * 256 + r * 16 + c) = s;
     }
     __syncthreads();
-    for (int e = tid; e < nb * 256; e += nt) {
-      const int m = e >> 8, r = (e >> 4) & 15, c = e & 15, i = m + d;
+    for (int e = tid; e < nb * 64; e += nt) {
+      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
       const float* a = Ai + (i * 16 + r) * LA + i * 16;
       const float* t = Tm + m * 256 + c;
-      float s = 0.f;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int u = 0; u < 16; ++u) s += a[u] * t[u * 16];
-      Ai[(i * 16 + r) * LA + m * 16 + c] = -s;
+      for (int u = 0; u < 16; ++u) {
+        const float av = a[u];
+        const float4 tv = *reinterpret_cast<const float4*>(t + u * 16);
+        s.x += av * tv.x;
+        s.y += av * tv.y;
+        s.z += av * tv.z;
+        s.w += av * tv.w;
+      }
+      *reinterpret_cast<float4*>(Ai + (i * 16 + r) * LA + m * 16 + c) = make_float4(-s.x, -s.y, -s.z, -s.w);
     }
     __syncthreads();
   }
-  // 4. W (warps 0-3) and U (warps 4-7), row block rb, columns in passes of 128.
+  // 4. W (warps 0-3, row block w) and U (warps 4-7, row block 7 - w): warps w and w + 4 share a
+  // scheduler, and the work grows with the row block (rb + 1 k-steps), so each scheduler gets the
+  // row blocks r and 3 - r.
   {
     const bool is_u = warp >= 4;
+    const int rb = is_u ? 7 - warp : warp;
     const int ncols = is_u ? dv : dk, ld = is_u ? lv : lk;
     const float* sc = is_u ? Bt : Sw;
     const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
     bf16* dst = (is_u ? u_out + (slot * v_heads + h) * C * dv : w_out + (slot * v_heads + h) * C * dk);
+    const int nk = dk / 16;  // W's k-steps (one pass: dk <= 128)
     const uint32_t b_off = gdn::off_b_rows(lane, ld);
     const int r0 = rb * 16 + gr, r1 = r0 + 8;
     for (int n0 = 0; n0 < ncols; n0 += 128) {
@@ -1261,37 +1352,61 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
           }
         }
       }
+      if (is_u) {
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        const int c = n0 + n * 8 + 2 * tq;
-        if (c < ncols) {
-          *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
-          *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+        for (int n = 0; n < 16; ++n) {
+          const int c = n0 + n * 8 + 2 * tq;
+          if (c < ncols) {
+            *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+            *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+          }
+        }
+      } else {
+        // W in the state pass's A-fragment order: a lane's accumulators of n8 tiles 2 kt and
+        // 2 kt + 1 are its A fragment of k-step kt (gdn::frag_index).
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          if (kt < nk) {
+            const uint4 f = make_uint4(pack_bf16x2_rne(acc[2 * kt][0], acc[2 * kt][1]),
+                                       pack_bf16x2_rne(acc[2 * kt][2], acc[2 * kt][3]),
+                                       pack_bf16x2_rne(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
+                                       pack_bf16x2_rne(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
+            *reinterpret_cast<uint4*>(dst + gdn::frag_index(rb, kt, nk, lane)) = f;
+          }
         }
       }
     }
   }
-  // Ke = exp(G_L - G_j) k_j from the staged hi + lo (rows >= L zero), and G.
+  // Ke^T = (diag(exp(G_L - G_j)) K)^T from the staged hi + lo (rows j >= L zero), in the state
+  // pass's A-fragment order (m: dk tiles, k: the chunk's 4 k-steps), and G. Fragment register r
+  // of a lane holds Ke^T rows 16 mt + gr + 8 (r & 1), columns (chunk rows) 16 kt + 2 tq + 8 (r >> 1)
+  // and + 1.
   const index_t sh = slot * v_heads + h;
   bf16* ko = ke_out + sh * C * dk;
-  const float gl = G[L - 1];
   for (int e = tid; e < C * dk / 8; e += nt) {
-    const int i = e / (dk / 8), d = (e - i * (dk / 8)) * 8;
-    const float f = i < L ? expf(gl - G[i]) : 0.f;
-    float xh[8], xl[8];
-    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kh + i * lk + d), xh);
-    bf16x8_unpack(*reinterpret_cast<const uint4*>(Kl + i * lk + d), xl);
+    const int t = e >> 5, ln = e & 31, mt = t / (C / 16), kt = t - mt * (C / 16);
+    const int fr = ln >> 2, fq = ln & 3;
+    uint32_t f[4];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) xh[u] = (xh[u] + xl[u]) * f;
-    *reinterpret_cast<uint4*>(ko + i * dk + d) = bf16x8_pack_rne(xh);
+    for (int r = 0; r < 4; ++r) {
+      const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
+      const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
+      const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
+      f[r] = pack_bf16x2_rne(x0 * Ef[j], x1 * Ef[j + 1]);
+    }
+    *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
   }
   for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
 }
 
 // One CTA per (sequence, value head, block of BV value columns), the chunks in order, the state
-// block in the warps' accumulators. Shared memory (bf16): 2 stages of [W [C][dk+P] | Ke [C][dk+P]
-// | U [C][BV+P]] | S_c [dk][BV+P] | V' [C][BV+P].
-extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast_state(
+// block in the warps' accumulators. W and Ke^T come from global memory straight into registers as
+// A fragments (the prep writes them in fragment order, gdn::frag_index: one 16-byte load per lane
+// and fragment, 512 contiguous bytes per warp); the next chunk's are loaded as soon as the
+// current ones are used (W after V', Ke^T after the update), so their latency hides behind the
+// rest of the chunk. Only the shared operands go through shared memory. Two barriers per chunk.
+// Shared memory (bf16): 2 stages of U [C][BV+P] | S_c [dk][BV+P] | V' [C][BV+P].
+extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_STATE_CTAS) gdn_fast_state(
     const __nv_bfloat16* __restrict__ w_in, const __nv_bfloat16* __restrict__ ke_in, __nv_bfloat16* __restrict__ u_v,
     const float* __restrict__ g_in, __nv_bfloat16* __restrict__ s_out, float* __restrict__ state, int state_seqs,
     const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
@@ -1299,12 +1414,11 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   using gdn::FBV;
   using gdn::bf16;
   extern __shared__ __align__(128) float smem[];
-  const int lk = dk + gdn::FP;
   constexpr int lb = FBV + gdn::FP;
-  const int stage = 2 * C * lk + C * lb;  // bf16 elements per stage
-  bf16* base_s = reinterpret_cast<bf16*>(smem);
-  bf16* sS = base_s + 2 * stage;  // [dk][lb]
-  bf16* sV = sS + dk * lb;        // [C][lb]
+  constexpr int KT = C / 16;   // k-steps of the update (the chunk's rows)
+  bf16* sU = reinterpret_cast<bf16*>(smem);  // 2 stages of [C][lb]
+  bf16* sS = sU + 2 * C * lb;                 // [dk][lb]
+  bf16* sV = sS + dk * lb;                    // [C][lb]
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_STATE_THREADS || (dk % 16) != 0 || dk > 32 * gdn::FW_S || (dv % 16) != 0) __trap();
@@ -1317,6 +1431,7 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   if (r1 <= r0) return;
   const int v0 = vb * FBV, bw = min(FBV, dv - v0);  // a multiple of 16
   const int nb = bw / 8;                            // n8 tiles in use
+  const int nk = dk / 16;                           // k-steps of V' = U - W S_c (<= 8)
   (void)k_heads;
   float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
   // The state block: warp w owns dk rows [16 m, 16 m + 16) for m = w, w + FW_S (those < dk / 16).
@@ -1329,32 +1444,70 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int d = m * 16 + gr + 8 * (e >> 1), c = n * 8 + 2 * tq + (e & 1);
-        acc[u][n][e] = (st && m * 16 < dk && n < nb) ? st[(index_t)d * dv + v0 + c] : 0.f;
+        acc[u][n][e] = (st && m < nk && n < nb) ? st[(index_t)d * dv + v0 + c] : 0.f;
       }
     }
   }
   const index_t base = r0 / C + b;
   const index_t n_chunks = (r1 - r0 + C - 1) / C;
-  auto prefetch = [&](index_t j) {
-    bf16* sw = base_s + (int)(j & 1) * stage;
-    const index_t sh = (base + j) * v_heads + h;
-    gdn::tile_async_bf16(sw, lk, w_in + sh * C * dk, dk, C, dk, C, tid, nt);
-    gdn::tile_async_bf16(sw + C * lk, lk, ke_in + sh * C * dk, dk, C, dk, C, tid, nt);
-    gdn::tile_async_bf16(sw + 2 * C * lk, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  // A fragments: W rows [16 warp, 16 warp + 16) (k: dk), Ke^T rows of dk tiles warp, warp + FW_S
+  // (k: the chunk's rows).
+  uint4 wf[8], kf[2][KT];
+  auto load_w = [&](index_t j) {
+    const uint4* p = reinterpret_cast<const uint4*>(w_in + ((base + j) * v_heads + h) * C * dk);
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      if (kt < nk) wf[kt] = __ldg(p + gdn::frag_index(warp, kt, nk, lane) / 8);
+    }
   };
-  prefetch(0);
-  attn::cp_async_commit();
-  for (index_t j = 0; j < n_chunks; ++j) {
-    // The previous chunk ended with a barrier: the other stage, sS and sV are free.
-    if (j + 1 < n_chunks) prefetch(j + 1);
-    attn::cp_async_commit();
-    const index_t sh = (base + j) * v_heads + h;
-    const float gl = g_in[sh * C + C - 1];  // G's pad repeats G_L
-    // S_c = bf16(S) into sS (each warp its own rows).
+  auto load_k = [&](index_t j) {
+    const uint4* p = reinterpret_cast<const uint4*>(ke_in + ((base + j) * v_heads + h) * C * dk);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = warp + u * gdn::FW_S;
-      if (m * 16 >= dk) continue;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        if (m < nk) kf[u][kt] = __ldg(p + gdn::frag_index(m, kt, KT, lane) / 8);
+      }
+    }
+  };
+  auto load_u = [&](index_t j) {
+    const index_t sh = (base + j) * v_heads + h;
+    gdn::tile_async_bf16(sU + (int)(j & 1) * C * lb, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  };
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) wf[kt] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) kf[u][kt] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  load_w(0);
+  load_k(0);
+  load_u(0);
+  attn::cp_async_commit();
+  float gl = g_in[base * v_heads * C + h * C + C - 1];  // G's pad repeats G_L
+  for (index_t j = 0; j < n_chunks; ++j) {
+    // Chunk j + 2's W, Ke^T and U (the whole head's rows) into L2, this CTA its share of each
+    // (the value blocks of a head split every range), so the loads issued during chunk j + 1
+    // hit L2 rather than HBM.
+    if (tid == 0 && j + 2 < n_chunks) {
+      const index_t s2 = (base + j + 2) * v_heads + h;
+      gdn::prefetch_l2_part(w_in + s2 * C * dk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(ke_in + s2 * C * dk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(u_v + s2 * C * dv, 2 * C * dv, vb, nvb);
+    }
+    // U's other stage was last read before the previous chunk's second barrier.
+    if (j + 1 < n_chunks) load_u(j + 1);
+    attn::cp_async_commit();
+    const index_t sh = (base + j) * v_heads + h;
+    const float gl_next = j + 1 < n_chunks ? g_in[(sh + v_heads) * C + C - 1] : 0.f;
+    // S_c = bf16(S) into sS (each warp its own rows; every read of the previous S_c was before
+    // the previous chunk's second barrier).
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int m = warp + u * gdn::FW_S;
+      if (m >= nk) continue;
 #pragma unroll
       for (int n = 0; n < FBV / 8; ++n) {
         if (n >= nb) continue;
@@ -1363,17 +1516,15 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(acc[u][n][2], acc[u][n][3]);
       }
     }
-    attn::cp_async_wait<1>();  // this chunk's W, Ke, U
-    __syncthreads();
-    const bf16* sW = base_s + (int)(j & 1) * stage;
-    const bf16* sK = sW + C * lk;
-    const bf16* sU = sK + C * lk;
+    attn::cp_async_wait<1>();  // this chunk's U
+    __syncthreads();           // S_c complete; every read of the previous V' is done
+    const bf16* cU = sU + (int)(j & 1) * C * lb;
     gdn::tile_store_bf16(s_out + sh * dk * dv + v0, dv, sS, lb, dk, bw, tid, nt);
     // V' = U - W S_c for rows [16 warp, 16 warp + 16): W's fragments negated (exact in bf16).
     float pv[FBV / 8][4];
 #pragma unroll
     for (int n = 0; n < FBV / 8; ++n) {
-      const bf16* p = sU + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
+      const bf16* p = cU + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
       const bool ok = n < nb;
       const uint32_t lo = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
       const uint32_t hi = ok ? *reinterpret_cast<const uint32_t*>(p + 8 * lb) : 0u;
@@ -1383,13 +1534,12 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
       pv[n][3] = bf16x2_hi_to_f32(hi);
     }
     {
-      const uint32_t a_base = attn::smem_u32(sW) + (uint32_t)(warp * 16 * lk * 2) + gdn::off_a_rows(lane, lk);
       const uint32_t b_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4];
-        attn::ldsm_x4(a, a_base + kk * 32);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) a[x] ^= 0x80008000u;
+      for (int kk = 0; kk < 8; ++kk) {
+        if (kk >= nk) continue;
+        const uint32_t a[4] = {wf[kk].x ^ 0x80008000u, wf[kk].y ^ 0x80008000u, wf[kk].z ^ 0x80008000u,
+                               wf[kk].w ^ 0x80008000u};
 #pragma unroll
         for (int nn = 0; nn < FBV / 16; ++nn) {
           if (2 * nn >= nb) continue;
@@ -1400,6 +1550,7 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         }
       }
     }
+    if (j + 1 < n_chunks) load_w(j + 1);
 #pragma unroll
     for (int n = 0; n < FBV / 8; ++n) {
       if (n >= nb) continue;
@@ -1407,26 +1558,24 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
       *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(pv[n][0], pv[n][1]);
       *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(pv[n][2], pv[n][3]);
     }
-    __syncthreads();  // V' complete; every warp is done with sS
+    __syncthreads();  // V' complete; every read of S_c and of this U stage is done
     gdn::tile_store_bf16(u_v + sh * C * dv + v0, dv, sV, lb, C, bw, tid, nt);
-    // S = exp(G_L) S + Ke^T V': A = Ke^T (Ke stored [C][dk]: transposed loads), B = V' [C][bw].
+    // S = exp(G_L) S + Ke^T V': B = V' [C][bw] (transposed loads).
     const float end_decay = expf(gl);
     {
-      const uint32_t a_base = attn::smem_u32(sK) + gdn::off_a_cols(lane, lk);
       const uint32_t b_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int m = warp + u * gdn::FW_S;
-        if (m * 16 >= dk) continue;
+        if (m >= nk) continue;
 #pragma unroll
         for (int n = 0; n < FBV / 8; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[u][n][e] *= end_decay;
         }
 #pragma unroll
-        for (int kk = 0; kk < C / 16; ++kk) {
-          uint32_t a[4];
-          attn::ldsm_x4_t(a, a_base + (uint32_t)(kk * 16 * lk * 2) + m * 32);
+        for (int kk = 0; kk < KT; ++kk) {
+          const uint32_t a[4] = {kf[u][kk].x, kf[u][kk].y, kf[u][kk].z, kf[u][kk].w};
 #pragma unroll
           for (int nn = 0; nn < FBV / 16; ++nn) {
             if (2 * nn >= nb) continue;
@@ -1438,14 +1587,15 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
         }
       }
     }
-    __syncthreads();  // every warp is done with this stage, sS and sV
+    if (j + 1 < n_chunks) load_k(j + 1);
+    gl = gl_next;
   }
   attn::cp_async_wait<0>();
   if (st) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = warp + u * gdn::FW_S;
-      if (m * 16 >= dk) continue;
+      if (m >= nk) continue;
 #pragma unroll
       for (int n = 0; n < FBV / 8; ++n) {
         if (n >= nb) continue;
@@ -1459,11 +1609,20 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, 2) gdn_fast
   }
 }
 
-// One CTA per (chunk slot, value head, block of BO value columns); warp w owns the chunk's rows
-// [16 w, 16 w + 16). q and k are split into bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi,
-// Q S_c takes hi + lo (S_c is bf16). Shared memory (bf16): Q hi, then the output rows
-// [C][max(dk, BO)+P] | Q lo [C][max(dk, BO)+P] | K hi [C][dk+P] | K lo [C][dk+P] | S_c [dk][BO+P] |
-// V' [C][BO+P] | G [C] f32.
+// One CTA per (chunk slot, value head, block of BO = GDN_FAST_OUT_BV value columns), 8 warps:
+// warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
+// the block, hf = w >> 2, rb = w & 3 for hf = 0 and 3 - (w & 3) for hf = 1 (warps w and w + 4 share
+// a scheduler, so each scheduler gets the row blocks rb and 3 - rb: the causal Q K^T and A V'
+// work grows with rb, and this pairing gives every scheduler about the same total). q and k are
+// staged once per (chunk, head) as bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi, Q S_c
+// takes hi + lo (S_c is bf16); the two warps of a row block take alternate 16-column tiles of its
+// Q K^T (this warp those with nn & 1 == hf) and exchange them, masked, decayed and rounded to
+// bf16, through shared memory. Steps: S_c by cp.async while q, k load; Q K^T; barrier (K is
+// dead); V' by cp.async over K, and A's tiles beside it, while Q S_c runs; barrier; A V'; the
+// output rows through Q's space.
+// Shared memory (bf16): Q hi, Q lo [C][lq] (then each warp's output tile: half 0 in hi, half 1 in
+// lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | A [C][C+P] | S_c [dk][BO+P] |
+// G [C] f32; lq = max(dk, BO/2) + P.
 extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
@@ -1471,15 +1630,19 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   using gdn::C;
   using gdn::FBO;
   using gdn::bf16;
+  constexpr int HB = FBO / 2;  // value columns per warp
   extern __shared__ __align__(128) float smem[];
   const int lk = dk + gdn::FP;
-  const int lq = (dk > FBO ? dk : FBO) + gdn::FP;
+  const int lq = (dk > HB ? dk : HB) + gdn::FP;
   constexpr int lb = FBO + gdn::FP;
+  constexpr int la = C + gdn::FP;
+  const int kreg = 2 * C * lk > C * (lb + la) ? 2 * C * lk : C * (lb + la);  // K hi + lo, then V' | A
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
   bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
-  bf16* sS = sK + 2 * C * lk;                // [dk][lb]
-  bf16* sV = sS + dk * lb;                   // [C][lb]
-  float* sG = reinterpret_cast<float*>(sV + C * lb);
+  bf16* sV = sK;                             // [C][lb] once K is dead
+  bf16* sA = sV + C * lb;                    // [C][la] once K is dead
+  bf16* sS = sK + kreg;                      // [dk][lb]
+  float* sG = reinterpret_cast<float*>(sS + dk * lb);
   const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_OUT_THREADS || (dk % 16) != 0 || (dv % 16) != 0) __trap();
@@ -1492,46 +1655,49 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   int L;
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
   const int v0 = vb * FBO, bw = min(FBO, dv - v0);  // a multiple of 16
-  const int nb = bw / 8;
+  const int hf = warp >> 2, rb = hf ? 3 - (warp & 3) : (warp & 3);
+  const int nb = min(max(bw - hf * HB, 0), HB) / 8;  // this warp's n8 tiles (even)
+  const int i0 = rb * 16;
+  const bool qk_rows = i0 < L;          // the pair's Q K^T share (warp-uniform)
+  const bool live = qk_rows && nb > 0;  // this warp's output columns (warp-uniform)
   const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
   const index_t sh = slot * v_heads + h;
   gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
-  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
   attn::cp_async_commit();
-  gdn::tile_f32_to_bf16x2(sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  gdn::tile_f32_to_bf16x2(sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, C, dk, L, tid, nt);
-  for (int i = tid; i < C; i += nt) sG[i] = g_in[sh * C + i];
+  // G into a register first (nt >= C), stored after q and k: its load is in flight with theirs.
+  const float gv = tid < C ? g_in[sh * C + tid] : 0.f;
+  gdn::tiles2_f32_to_bf16x2({sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, dk},
+                            {sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk}, C, L, tid, nt);
+  if (tid < C) sG[tid] = gv;
   attn::cp_async_wait<0>();
   __syncthreads();
-  const int i0 = warp * 16;
-  if (i0 < L) {  // warp-uniform; no barrier below
-    const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
-    const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
-    // A = Q K^T for columns [0, i0 + 16) (n8 tiles 0 .. 2 warp + 1).
-    float pa[C / 8][4];
+  const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
+  const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
+  // A = Q K^T for columns [0, i0 + 16), masked and decayed: the pair's warps take alternate
+  // 16-column tiles (this warp those with nn & 1 == hf) and exchange them through shared memory.
+  float pa[C / 8][4];
 #pragma unroll
-    for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
-    {
-      const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
-      const uint32_t k_lo = (uint32_t)(C * lk * 2);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4], al[4];
-        attn::ldsm_x4(a, q_base + kk * 32);
-        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+  for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
+  if (qk_rows) {
+    const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
+    const uint32_t k_lo = (uint32_t)(C * lk * 2);
+    for (int kk = 0; kk < dk / 16; ++kk) {
+      uint32_t a[4], al[4];
+      attn::ldsm_x4(a, q_base + kk * 32);
+      attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
-        for (int nn = 0; nn < C / 16; ++nn) {
-          if (nn > warp) continue;
-          uint32_t bq[4], bl[4];
-          attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
-          attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
-          attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
-          attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
-          attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
-          attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
-          attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int nn = 0; nn < C / 16; ++nn) {
+        if (nn > rb || (nn & 1) != hf) continue;
+        uint32_t bq[4], bl[4];
+        attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+        attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
+        attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
+        attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
+        attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
+        attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
+        attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
       }
     }
     const float gi[2] = {sG[i0 + gr], sG[i0 + gr + 8]};
@@ -1543,70 +1709,87 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
         pa[n][e] = (j <= i && i < L) ? pa[n][e] * expf(gi[e >> 1] - sG[j]) : 0.f;
       }
     }
-    // o = exp(G_i) (Q S_c) + A V'.
-    float po[FBO / 8][4];
+  }
+  __syncthreads();  // every warp is done with K: V' and A take its place while Q S_c runs
+  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  attn::cp_async_commit();
+  if (qk_rows) {
+    // This warp's tiles of A as bf16 (the A operand of A V', rounded as pack_op rounds it).
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
-    {
-      const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb);
-      for (int kk = 0; kk < dk / 16; ++kk) {
-        uint32_t a[4], al[4];
-        attn::ldsm_x4(a, q_base + kk * 32);
-        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+    for (int nn = 0; nn < C / 16; ++nn) {
+      if (nn > rb || (nn & 1) != hf) continue;
 #pragma unroll
-        for (int nn = 0; nn < FBO / 16; ++nn) {
-          if (2 * nn >= nb) continue;
-          uint32_t bq[4];
-          attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-          attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
-          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int t = 0; t < 2; ++t) {
+        bf16* p = sA + (i0 + gr) * la + nn * 16 + t * 8 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(p) = attn::pack_op(pa[2 * nn + t][0], pa[2 * nn + t][1]);
+        *reinterpret_cast<uint32_t*>(p + 8 * la) = attn::pack_op(pa[2 * nn + t][2], pa[2 * nn + t][3]);
       }
     }
-    const float eg[2] = {expf(gi[0]), expf(gi[1])};
+  }
+  // o = exp(G_i) (Q S_c) + A V'.
+  float po[HB / 8][4];
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) {
+  for (int n = 0; n < HB / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
+  if (live) {
+    const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+    for (int kk = 0; kk < dk / 16; ++kk) {
+      uint32_t a[4], al[4];
+      attn::ldsm_x4(a, q_base + kk * 32);
+      attn::ldsm_x4(al, q_base + q_lo + kk * 32);
+#pragma unroll
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        if (2 * nn >= nb) continue;
+        uint32_t bq[4];
+        attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+        attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
+        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+      }
+    }
+    const float eg[2] = {expf(sG[i0 + gr]), expf(sG[i0 + gr + 8])};
+#pragma unroll
+    for (int n = 0; n < HB / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) po[n][e] *= eg[e >> 1];
     }
-    {
-      const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb);
+  }
+  attn::cp_async_wait<0>();
+  __syncthreads();  // V' and A have landed; every warp is done with Q
+  if (!live) return;  // no barrier below
+  {
+    const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+    const uint32_t a_base = attn::smem_u32(sA) + (uint32_t)(i0 * la * 2) + gdn::off_a_rows(lane, la);
 #pragma unroll
-      for (int kk = 0; kk < C / 16; ++kk) {
-        if (kk > warp) continue;
-        uint32_t a[4];
-        a[0] = attn::pack_op(pa[2 * kk][0], pa[2 * kk][1]);
-        a[1] = attn::pack_op(pa[2 * kk][2], pa[2 * kk][3]);
-        a[2] = attn::pack_op(pa[2 * kk + 1][0], pa[2 * kk + 1][1]);
-        a[3] = attn::pack_op(pa[2 * kk + 1][2], pa[2 * kk + 1][3]);
+    for (int kk = 0; kk < C / 16; ++kk) {
+      if (kk > rb) continue;
+      uint32_t a[4];
+      attn::ldsm_x4(a, a_base + kk * 32);
 #pragma unroll
-        for (int nn = 0; nn < FBO / 16; ++nn) {
-          if (2 * nn >= nb) continue;
-          uint32_t bq[4];
-          attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
-        }
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        if (2 * nn >= nb) continue;
+        uint32_t bq[4];
+        attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
       }
     }
-    // The warp's output rows over its own Q rows (no other warp reads them), then 16-byte stores.
-    __syncwarp();
-    bf16* sO = sQ + i0 * lq;
+  }
+  // The warp's output tile [16][HB] in Q's space (hi for half 0, lo for half 1, its own rows: no
+  // other warp touches it), then 16-byte stores.
+  bf16* sO = sQ + hf * C * lq + i0 * lq;
 #pragma unroll
-    for (int n = 0; n < FBO / 8; ++n) {
-      if (n >= nb) continue;
-      bf16* p = sO + gr * lq + n * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
-      *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
-    }
-    __syncwarp();
-    __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0;
-    const int c8 = bw / 8, nrows = min(16, L - i0);
-    for (int e = lane; e < nrows * c8; e += 32) {
-      const int i = e / c8, c = (e - i * c8) * 8;
-      *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
-    }
+  for (int n = 0; n < HB / 8; ++n) {
+    if (n >= nb) continue;
+    bf16* p = sO + gr * lq + n * 8 + 2 * tq;
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
+    *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
+  }
+  __syncwarp();
+  __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
+  const int nrows = min(16, L - i0);
+  for (int e = lane; e < nrows * nb; e += 32) {
+    const int i = e / nb, c = (e - i * nb) * 8;
+    *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
   }
 }

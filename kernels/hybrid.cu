@@ -1,7 +1,8 @@
 // hybrid.cu: the small ops of the Qwen3.5/3.6 hybrid target's forward (QWEN35.md sections 2-4),
 // everything but the delta rule itself (gdn.cu) and the attention (attention.cu).
 // CPU reference: src/backend/cpu.rs (rmsnorm1p_fwd, gated_rmsnorm_fwd, rope_partial,
-// copy_strided, sigmoid_mul, causal_conv1d_silu, gdn_gates, l2norm_fwd).
+// copy_strided, sigmoid_mul, causal_conv1d_silu, gdn_gates, l2norm_fwd); the fused passes at the
+// end: src/backend/fused.rs (compositions of those).
 //
 // Math (f32 inside, every output rounded once, RNE as common.cuh):
 //   rmsnorm1p      y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w)              per row of dim
@@ -475,6 +476,289 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
     const int h = (int)(e % heads);
     beta[e] = f32_to_bf16_rne(1.f / (1.f + expf(-bf16_to_f32(b[e]))));
     const float u = bf16_to_f32(a[e]) + bf16_to_f32(dt_bias[h]);
+    const float sp = u > 20.f ? u : logf(1.f + expf(u));
+    g[e] = -expf(bf16_to_f32(a_log[h])) * sp;
+  }
+}
+
+// ---- Fused passes of the target's forward (each the composition of the kernels above that its
+// CPU reference runs, with the same roundings; only the order of a row's sum of squares differs).
+//   add_rmsnorm1p    x = bf16(x + t) (add_inplace), then y = rmsnorm1p(x): one read of x and t,
+//                    one write of x and y (the unfused pair reads x twice and writes it once more).
+//                    A warp per row as rmsnorm1p_fwd; the second pass rereads the lane's own
+//                    just-written x (L1/L2). Bytes: 8 * rows * dim.
+//   gdn_conv_qkv     conv1d_silu of the f32 q|k|v projection, then the per-head L2 norms of q
+//                    (times q_scale) and k, written to q, k, v [rows, key_dim|key_dim|value_dim]
+//                    (f32): the conv's output, the split copies and the norms' reads are gone.
+//                    Items as conv1d_silu's (a run of HYB_CONV_ROWS rows of four channels) with
+//                    each run's channel groups padded to whole warps, so a warp's lanes share one
+//                    run: a key head (head_lanes = k_dim / 4 lanes, a power of two <= 32) sums its
+//                    squares over its lanes with shuffles, row by row. Bytes: 8 * rows * channels.
+//   rmsnorm1p_rope_partial_bf16_hd<D>
+//                    per head: y = bf16(rmsnorm1p(x)), then rope_partial on y (same products and
+//                    roundings), heads read at x + i * x_stride (the query half of q | gate), written
+//                    contiguously. A warp per head, V = bf16_lane_dims(D) elements a lane; the
+//                    partner of element c (c +- rot/2) sits rot / 2 / V lanes away (the launcher
+//                    checks rot / 2 % V == 0 and that x's offset and stride are multiples of V).
+//   sigmoid_mul_strided  x[r, c] /= 1 + exp(-gate[r * gate_stride + c]) (the gate in place in the
+//                    q | gate projection); 8-element (16-byte) accesses where widths, strides and
+//                    addresses allow.
+//   gdn_gates_ba     gdn_gates with b and a read from one [rows, 2 * heads] b | a projection (one
+//                    GEMM instead of two, each of which read the whole normed input).
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16(
+    __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t, const __nv_bfloat16* __restrict__ w,
+    __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {
+  using namespace hyb;
+  const bool vec = dim % 4 == 0 && aligned8(x) && aligned8(t) && aligned8(w) && aligned8(y);
+  const int lane = threadIdx.x & 31;
+  for (index_t r = (index_t)blockIdx.x * WARPS + (threadIdx.x >> 5); r < rows; r += (index_t)gridDim.x * WARPS) {
+    bf16* xr = x + r * dim;
+    const bf16* tr = t + r * dim;
+    bf16* yr = y + r * dim;
+    float ss = 0.f;
+    if (vec) {
+      for (int c = lane * 4; c < dim; c += 128) {
+        float a[4], b[4];
+        load4(xr + c, a);
+        load4(tr + c, b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(a[i], b[i])));
+        store4_rne(xr + c, a);  // a holds bf16 values: the rounding is exact
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ss = fmaf(a[i], a[i], ss);
+      }
+      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)dim + eps);
+      for (int c = lane * 4; c < dim; c += 128) {
+        float v[4], wv[4];
+        load4(xr + c, v);  // this lane's own write above
+        load4(w + c, wv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = v[i] * inv * (1.f + wv[i]);
+        store4_rne(yr + c, v);
+      }
+    } else {
+      for (int c = lane; c < dim; c += 32) {
+        const bf16 s = f32_to_bf16_rne(__fadd_rn(bf16_to_f32(xr[c]), bf16_to_f32(tr[c])));
+        xr[c] = s;
+        const float v = bf16_to_f32(s);
+        ss = fmaf(v, v, ss);
+      }
+      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)dim + eps);
+      for (int c = lane; c < dim; c += 32) {
+        yr[c] = f32_to_bf16_rne(bf16_to_f32(xr[c]) * inv * (1.f + bf16_to_f32(w[c])));
+      }
+    }
+  }
+}
+
+template <int K>
+__device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                           float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
+                                           const int* __restrict__ seq_starts, int n_starts, long long rows,
+                                           int key_dim, int value_dim, int head_lanes, float eps, float q_scale) {
+  constexpr int R = HYB_CONV_ROWS, V = 4;
+  const int channels = 2 * key_dim + value_dim;
+  const int groups = channels / V;            // the launcher checks key_dim % 4 == value_dim % 4 == 0
+  const int padded = (groups + 31) & ~31;     // whole warps per run
+  const index_t runs = (rows + R - 1) / R;
+  const index_t total = runs * padded;
+  // total, the grid stride and every warp's first index are multiples of 32: a warp's lanes
+  // share e / padded (the run), so the row loop and its shuffles run converged.
+  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+    const index_t run = e / padded;
+    const int gi = (int)(e - run * padded);
+    const bool active = gi < groups;
+    const int c0 = active ? gi * V : 0;
+    const index_t t0 = run * R, t1 = min((index_t)rows, t0 + R);
+    float wk[K][V], win[K][V];
+    const index_t ss0 = hyb::seq_start_of(seq_starts, n_starts, t0);
+    index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const index_t src = t0 - (K - 1) + j;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        wk[j][i] = bf16_to_f32(w[(index_t)(c0 + i) * K + j]);
+        win[j][i] = 0.f;
+      }
+      if (j < K - 1 && src >= ss0) load_vec<V>(x + src * channels + c0, win[j]);
+    }
+    // Where this lane's four channels go: q (scaled), k, or v, and the row stride there.
+    const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
+    float* out_base = is_q ? q + c0 : is_k ? k + (c0 - key_dim) : v + (c0 - 2 * key_dim);
+    const int out_stride = (is_q || is_k) ? key_dim : value_dim;
+    const float scale = is_q ? q_scale : 1.f;
+    for (index_t t = t0; t < t1; ++t) {
+      if (t == next) {  // a sequence starts here: nothing before it is visible
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) win[j][i] = 0.f;
+        }
+        next = hyb::next_start_after(seq_starts, n_starts, t);
+      }
+      float xt[V], out[V];
+      load_vec<V>(x + t * channels + c0, xt);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) acc += wk[j][i] * win[j][i];
+        acc += wk[K - 1][i] * xt[i];
+        out[i] = hyb::silu(acc);
+      }
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) win[j][i] = win[j + 1][i];
+      }
+      if (K > 1) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) win[K > 1 ? K - 2 : 0][i] = xt[i];
+      }
+      // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes
+      // and padding lanes form groups of their own and ignore the result).
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) ss = fmaf(out[i], out[i], ss);
+      for (int o = head_lanes >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (!active) continue;
+      if (is_q || is_k) {
+        const float inv = scale / sqrtf(ss + eps);
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
+      }
+      store_vec<V>(out_base + t * out_stride, out);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_conv_qkv_f32(
+    const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, float* __restrict__ q, float* __restrict__ k,
+    float* __restrict__ v, const int* __restrict__ seq_starts, int n_starts, long long rows, int key_dim,
+    int value_dim, int head_lanes, int kernel_size, float eps, float q_scale) {
+  static_assert(HYB_CONV_MAX_K == 8, "one case per kernel size below");
+#define HYB_CONV_QKV_CASE(KS)                                                                                   \
+  case KS:                                                                                                      \
+    conv_qkv_k<KS>(x, w, q, k, v, seq_starts, n_starts, rows, key_dim, value_dim, head_lanes, eps, q_scale); \
+    break;
+  switch (kernel_size) {
+    HYB_CONV_QKV_CASE(1)
+    HYB_CONV_QKV_CASE(2)
+    HYB_CONV_QKV_CASE(3)
+    HYB_CONV_QKV_CASE(4)
+    HYB_CONV_QKV_CASE(5)
+    HYB_CONV_QKV_CASE(6)
+    HYB_CONV_QKV_CASE(7)
+    HYB_CONV_QKV_CASE(8)
+    default: __trap();
+  }
+#undef HYB_CONV_QKV_CASE
+}
+
+template <int D>
+__device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restrict__ x, long long x_stride,
+                                                    const __nv_bfloat16* __restrict__ w,
+                                                    __nv_bfloat16* __restrict__ y, const int* __restrict__ pos,
+                                                    const float* __restrict__ inv_freq, long long n, int heads,
+                                                    int rot_dim, float eps) {
+  constexpr int V = bf16_lane_dims(D);
+  const int lane = threadIdx.x & 31;
+  const bool active = lane * V < D;
+  const int c0 = active ? lane * V : 0;
+  const int half = rot_dim / 2, partner = half / V;  // lanes between c and c + half
+  // Lanes holding rotated dims exchange with their partner, the rest read their own value.
+  const int src = lane * V < half ? lane + partner : lane * V < rot_dim ? lane - partner : lane;
+  float wf[V];
+  bf16_lane_load<V>(w + c0, wf);
+  for (index_t i = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); i < n; i += (index_t)gridDim.x * hyb::WARPS) {
+    float xv[V];
+    bf16_lane_load<V>(x + i * x_stride + c0, xv);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[j], xv[j], ss) : ss;
+    const float inv = 1.f / sqrtf(hyb::warp_sum(ss) / (float)D + eps);
+    float yv[V], other[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) yv[j] = bf16_to_f32(f32_to_bf16_rne(xv[j] * inv * (1.f + wf[j])));
+#pragma unroll
+    for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, yv[j], src);
+    if (!active) continue;
+    const float p = (float)pos[i / heads];
+    __nv_bfloat16* out = y + i * D + c0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = c0 + j;
+      float o = yv[j];
+      if (c < rot_dim) {
+        float sn, cs;
+        sincosf(__fmul_rn(p, inv_freq[c < half ? c : c - half]), &sn, &cs);
+        // rope_partial: first half a*c - b*s (a = y, b = partner), second half b*c + a*s (b = y).
+        o = c < half ? __fsub_rn(__fmul_rn(yv[j], cs), __fmul_rn(other[j], sn))
+                     : __fadd_rn(__fmul_rn(yv[j], cs), __fmul_rn(other[j], sn));
+      }
+      out[j] = f32_to_bf16_rne(o);
+    }
+  }
+}
+
+#define HYB_NORM_ROPE_EXPORT(D)                                                                             \
+  extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_rope_partial_bf16_hd##D(                \
+      const __nv_bfloat16* x, long long x_stride, const __nv_bfloat16* w, __nv_bfloat16* y, const int* pos, \
+      const float* inv_freq, long long n, int heads, int rot_dim, float eps) {                             \
+    norm1p_rope_partial<D>(x, x_stride, w, y, pos, inv_freq, n, heads, rot_dim, eps);                      \
+  }
+
+HYB_NORM_ROPE_EXPORT(16)
+HYB_NORM_ROPE_EXPORT(32)
+HYB_NORM_ROPE_EXPORT(64)
+HYB_NORM_ROPE_EXPORT(128)
+HYB_NORM_ROPE_EXPORT(256)
+
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) sigmoid_mul_strided_bf16(
+    __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate, long long gate_stride, long long rows,
+    long long width) {
+  const bool vec = width % 8 == 0 && gate_stride % 8 == 0 && ((uintptr_t)x % 16) == 0 && ((uintptr_t)gate % 16) == 0;
+  if (vec) {
+    const index_t per_row = width / 8, total = rows * per_row;
+    for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+      const index_t r = e / per_row, c = (e - r * per_row) * 8;
+      uint4* xp = reinterpret_cast<uint4*>(x + r * width + c);
+      float xv[8], gv[8];
+      bf16x8_unpack(*xp, xv);
+      bf16x8_unpack(*reinterpret_cast<const uint4*>(gate + r * gate_stride + c), gv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xv[i] = xv[i] / (1.f + expf(-gv[i]));
+      uint4 o;
+      o.x = pack_bf16x2_rne(xv[0], xv[1]);
+      o.y = pack_bf16x2_rne(xv[2], xv[3]);
+      o.z = pack_bf16x2_rne(xv[4], xv[5]);
+      o.w = pack_bf16x2_rne(xv[6], xv[7]);
+      *xp = o;
+    }
+  } else {
+    const index_t total = rows * width;
+    for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+      const index_t r = e / width, c = e - r * width;
+      const float g = bf16_to_f32(gate[r * gate_stride + c]);
+      x[e] = f32_to_bf16_rne(bf16_to_f32(x[e]) / (1.f + expf(-g)));
+    }
+  }
+}
+
+// gdn_gates with b and a read from one [rows, 2 * heads] projection (b | a per row).
+extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_ba_bf16(
+    const __nv_bfloat16* __restrict__ ba, const __nv_bfloat16* __restrict__ a_log,
+    const __nv_bfloat16* __restrict__ dt_bias, __nv_bfloat16* __restrict__ beta, float* __restrict__ g,
+    long long rows, int heads) {
+  const index_t total = rows * heads;
+  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
+    const index_t r = e / heads;
+    const int h = (int)(e - r * heads);
+    const bf16* row = ba + r * 2 * heads;
+    beta[e] = f32_to_bf16_rne(1.f / (1.f + expf(-bf16_to_f32(row[h]))));
+    const float u = bf16_to_f32(row[heads + h]) + bf16_to_f32(dt_bias[h]);
     const float sp = u > 20.f ? u : logf(1.f + expf(u));
     g[e] = -expf(bf16_to_f32(a_log[h])) * sp;
   }

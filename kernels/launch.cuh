@@ -55,6 +55,9 @@ constexpr int ATTN_WG_KEYS_HD256 = 64;
 constexpr int ATTN_WG_K_STAGES = 2;
 constexpr int ATTN_WG_V_STAGES = 3;
 constexpr int ATTN_WG_ALIGN = 1024;
+// The drafter forward's own block keys (block_size <= 16): one 16-row K and V tile per warpgroup
+// on top of the causal layout (4 * 16 * hd * 2 bytes more: 214,016 at hd 128).
+constexpr int ATTN_WG_BLOCK_KEYS = 16;
 
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.
@@ -152,9 +155,13 @@ constexpr int GDN_SPLIT_OUT_BV = 64;
 // Fast split form (gdn_fast_prep / gdn_fast_state / gdn_fast_out, bf16 scratch and operands):
 // bf16 padding per shared-memory row (16 bytes: ldmatrix rows 4 banks apart), value columns per
 // CTA of the state pass and its threads (one warp per 16 rows of a chunk), value columns per CTA
-// of the output kernel and its threads.
+// of the output kernel and its threads (two warps per 16 rows of a chunk, half the columns each:
+// at dv = 128 one CTA per (chunk, head), so q and k are staged once and Q K^T taken once per pair).
 constexpr int GDN_FAST_PAD = 8;
 constexpr int GDN_FAST_BV = 32;
 constexpr int GDN_FAST_STATE_THREADS = 128;
-constexpr int GDN_FAST_OUT_BV = 64;
-constexpr int GDN_FAST_OUT_THREADS = 128;
+// CTAs per SM the state pass is compiled for (its register cap: 65536 / (128 * 3) = 170): its W
+// and Ke^T operands live in registers and its shared memory is ~26 KB, so registers decide.
+constexpr int GDN_FAST_STATE_CTAS = 3;
+constexpr int GDN_FAST_OUT_BV = 128;
+constexpr int GDN_FAST_OUT_THREADS = 256;

@@ -39,6 +39,12 @@ __device__ __forceinline__ index_t seq_start_of(const int* seq_starts, int num_s
   return seq_starts[a];
 }
 
+// The first key (in the virtual sequence of a drafter block, attention.cu DraftCta) that any slot of a block anchored at a sees:
+// 0 in a full layer (window == 0), slot 0's window start max(0, a - (W - 1)) in a sliding one.
+__device__ __forceinline__ index_t draft_first_key(index_t a, int window) {
+  return window > 0 ? max((index_t)0, a - (index_t)(window - 1)) : (index_t)0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.
 
@@ -84,6 +90,16 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the special-function unit, denormal results flushed to +0 (ex2.approx.ftz: one MUFU
+// instruction; exp2f adds a range test and two multiplies per call to keep results below 2^-126,
+// which no attention weight needs: p is a softmax term rounded to bf16 next to terms near 1).
+// -inf gives +0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
 }
 
 // Two f32 -> bf16x2 (RNE, hardware cvt) for MMA operands; element 0 in the low half.
@@ -211,16 +227,16 @@ __device__ __forceinline__ void store_warp_rows(const float (&acc)[HD / 8][4], b
 // partial row sums) for rows gr and gr+8. vis(half, col) says whether key column col is visible
 // to row gr + 8*half; called only when masked. On return s holds p = exp2(scale*log2(e)*q.k - m)
 // and alpha the factor O must be rescaled by (softmax_rescale) before p V is added.
-template <int NN, class Vis>
-__device__ __forceinline__ void softmax_p(float (&s)[NN][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                          float sl2, bool masked, int lane, Vis vis) {
+template <int NN, bool MASKED, class Vis>
+__device__ __forceinline__ void softmax_p_impl(float (&s)[NN][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                               float sl2, int lane, Vis vis) {
   const int tq = lane & 3;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int n = 0; n < NN; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (masked && !vis(e >> 1, n * 8 + 2 * tq + (e & 1))) s[n][e] = -INFINITY;
+      if (MASKED && !vis(e >> 1, n * 8 + 2 * tq + (e & 1))) s[n][e] = -INFINITY;
       mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
     }
   }
@@ -234,20 +250,29 @@ __device__ __forceinline__ void softmax_p(float (&s)[NN][4], float (&m)[2], floa
     // A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     // exp2(-inf - -inf) never makes a NaN.
     mu[h] = mnew == -INFINITY ? 0.f : mnew;
-    alpha[h] = exp2f(m[h] - mu[h]);
+    alpha[h] = exp2_ftz(m[h] - mu[h]);
     m[h] = mnew;
   }
 #pragma unroll
   for (int n = 0; n < NN; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(fmaf(s[n][e], sl2, -mu[e >> 1]));
+      const float p = exp2_ftz(fmaf(s[n][e], sl2, -mu[e >> 1]));
       s[n][e] = p;
       rs[e >> 1] += p;
     }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
+}
+
+template <int NN, class Vis>
+__device__ __forceinline__ void softmax_p(float (&s)[NN][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                          float sl2, bool masked, int lane, Vis vis) {
+  // Two copies of the loop, so that the tiles with no mask (most of them) test nothing per
+  // element.
+  if (masked) softmax_p_impl<NN, true>(s, m, l, alpha, sl2, lane, vis);
+  else softmax_p_impl<NN, false>(s, m, l, alpha, sl2, lane, vis);
 }
 
 // O *= alpha per row half. Once a row's max has settled (most tiles of a long row) alpha is

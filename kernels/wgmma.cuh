@@ -41,6 +41,10 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_
          ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the matrix `bytes` further on (same strides and swizzle): the start address
+// field is the low 14 bits, in 16-byte units, and shared-memory addresses stay below 256 KB.
+__device__ __forceinline__ uint64_t wg_desc_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -62,9 +66,10 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[NT][4]) {
 // S[64 x BN] (+)= A B^T for one k16 step, A and B K-major tiles.
 template <int BN>
 __device__ __forceinline__ void wg_abt(float (&d)[BN / 8][4], uint64_t da, uint64_t db, int accumulate) {
-  if constexpr (BN == 64) wgmma_ss_m64n64k16(d, da, db, accumulate);
+  if constexpr (BN == 16) wgmma_ss_m64n16k16(d, da, db, accumulate);
+  else if constexpr (BN == 64) wgmma_ss_m64n64k16(d, da, db, accumulate);
   else if constexpr (BN == 128) wgmma_ss_m64n128k16(d, da, db, accumulate);
-  else static_assert(BN == 64 || BN == 128, "no wgmma wrapper for this key tile");
+  else static_assert(BN == 16 || BN == 64 || BN == 128, "no wgmma wrapper for this key tile");
 }
 
 // O[64 x HD] (+)= P B for one k16 step, P in registers, B an N-major tile.

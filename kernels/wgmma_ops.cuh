@@ -9,6 +9,16 @@
 
 namespace attn {
 
+// D[64 x 16] (+)= A[64 x 16] B[16 x 16], A and B K-major in shared memory (descriptors);
+// accumulate == 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_m64n16k16(float (&d)[2][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory (descriptors);
 // accumulate == 0 overwrites D.
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {

@@ -11,7 +11,7 @@ import pathlib
 
 # (N, kind): "ss" = A and B from shared-memory descriptors, both K-major (S = Q K^T);
 # "rs_tb" = A from registers, B from a descriptor in N-major (transposed) layout (O += P V).
-SHAPES = [(64, "ss"), (128, "ss"), (128, "rs_tb"), (256, "rs_tb")]
+SHAPES = [(16, "ss"), (64, "ss"), (128, "ss"), (128, "rs_tb"), (256, "rs_tb")]
 
 
 def wrapper(n: int, kind: str) -> str:

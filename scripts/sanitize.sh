@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export DFLASH_NAN_SUITE=quick DFLASH_SANITIZE=1
 export DFLASH_REPO_ROOT=${DFLASH_REPO_ROOT:-$PWD} DFLASH_BIN=${DFLASH_BIN:-$PWD/$B/dflash-engine}
 # Every kernel family's module under tests/gpu/ (not the whole-model training and oracle tests).
-KERNEL_TESTS=${KERNEL_TESTS:-"gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid:: gpu::cross_entropy:: gpu::optimizer::"}
+KERNEL_TESTS=${KERNEL_TESTS:-"gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::"}
 PIPE_TESTS=${SAN_TESTS:-nan_suite::gpu_async_matches_sync_on_one_gpu}
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }

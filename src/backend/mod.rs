@@ -12,6 +12,7 @@
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod error;
+pub mod fused;
 pub mod profile;
 pub mod slots;
 
@@ -791,6 +792,93 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         Err(no_kernel("gdn_gates"))
     }
+
+    // ---- Fused hybrid ops: each is the composition of the ops above in `fused` (the default
+    // here, and so the CPU reference), in one pass over memory where a backend fuses it, with the
+    // same roundings.
+    /// `x += t` (`add_inplace`, x rounded to bf16), then `rmsnorm1p_fwd` of the new `x` into `y`:
+    /// a decoder layer's residual add and the norm after it.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm1p_fwd(
+        &self,
+        s: &Self::Stream,
+        x: &mut Self::Buf,
+        t: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        y: &mut Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps)
+    }
+    /// The Gated DeltaNet's convolution, split and L2 norms ([`fused::GdnConvQkv`]):
+    /// `causal_conv1d_silu` of `x [rows, 2 * key_dim + value_dim]` (f32), then the columns
+    /// `[0, key_dim)` L2-normalised per key head and scaled by `q_scale` into `q`,
+    /// `[key_dim, 2 * key_dim)` L2-normalised into `k`, the rest into `v` (all f32).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_conv_qkv(
+        &self,
+        s: &Self::Stream,
+        sh: &fused::GdnConvQkv,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        seq_starts: &Self::Ids,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &mut Self::Buf,
+    ) -> Result<()> {
+        fused::gdn_conv_qkv(self, s, sh, x, w, seq_starts, q, k, v)
+    }
+    /// Per head: `rmsnorm1p_fwd` (bf16 result) then `rope_partial` ([`fused::NormRope`]), head
+    /// `i` of `rows * heads` read at `x[x_off + i * x_stride..]` (the query half of the gated
+    /// attention's head-major `q | gate` projection: `x_stride = 2 * head_dim`), written
+    /// contiguously to `y [rows, heads * head_dim]`.
+    fn rmsnorm1p_rope_partial(
+        &self,
+        s: &Self::Stream,
+        sh: &fused::NormRope,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        y: &mut Self::Buf,
+        pos: &Self::Ids,
+    ) -> Result<()> {
+        fused::rmsnorm1p_rope_partial(self, s, sh, x, w, y, pos)
+    }
+    /// `x[r, c] *= sigmoid(gate[gate_off + r * gate_stride + c])` over `x [rows, width]`
+    /// (`sigmoid_mul` with the gate read in place from the head-major `q | gate` projection).
+    #[allow(clippy::too_many_arguments)]
+    fn sigmoid_mul_strided(
+        &self,
+        s: &Self::Stream,
+        x: &mut Self::Buf,
+        gate: &Self::Buf,
+        gate_off: usize,
+        gate_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        fused::sigmoid_mul_strided(self, s, x, gate, gate_off, gate_stride, rows, width)
+    }
+    /// `gdn_gates` from one `[rows, 2 * heads]` projection holding `b | a` per row (the
+    /// `in_proj_b` and `in_proj_a` weights adjacent: one GEMM).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_gates_ba(
+        &self,
+        s: &Self::Stream,
+        ba: &Self::Buf,
+        w: &Self::Buf,
+        a_log_off: usize,
+        dt_bias_off: usize,
+        beta: &mut Self::Buf,
+        g: &mut Self::Buf,
+        rows: usize,
+        heads: usize,
+    ) -> Result<()> {
+        fused::gdn_gates_ba(self, s, ba, w, a_log_off, dt_bias_off, beta, g, rows, heads)
+    }
+
     /// `y = scale * x * rsqrt(sum(x^2) + eps)` per row of `dim` (per-head L2 norm of the Gated
     /// DeltaNet's q and k; `scale = k_dim^-0.5` for q).
     #[allow(clippy::too_many_arguments)]

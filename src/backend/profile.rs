@@ -122,7 +122,9 @@ impl Phase {
 
     /// The phase of `work` enqueued in `region`.
     pub fn of(region: Region, work: Work) -> Phase {
-        let attention = |family: &str| family == "attention" || family == "gdn" || family == "hybrid_attention";
+        // `attention.cu` (mma.sync) and `attention_wgmma.cu` (warpgroup MMAs) hold the same ops in
+        // two forms; the Gated DeltaNet (`gdn.cu`) is the hybrid target's other token mixer.
+        let attention = |family: &str| family.starts_with("attention") || family == "gdn";
         match (region, work) {
             (_, Work::Copy) => Phase::Copies,
             (_, Work::Kernel { family: "pack", .. }) => Phase::PackNoise,
@@ -133,7 +135,7 @@ impl Phase {
             (Region::Target, Work::Kernel { family, .. }) if attention(family) => Phase::TargetAttention,
             (Region::Target, Work::Kernel { .. }) => Phase::TargetElementwise,
             (Region::Drafter, Work::Gemm) => Phase::DrafterGemm,
-            (Region::Drafter, Work::Kernel { family: "attention", symbol }) => {
+            (Region::Drafter, Work::Kernel { family, symbol }) if family.starts_with("attention") => {
                 if symbol.contains("bwd") {
                     Phase::DrafterAttentionBwd
                 } else {

@@ -121,7 +121,7 @@ fn gpu_causal_attention_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_causal_attention_forms_match_cpu() {
-    use dflash_engine::backend::cuda::CausalForm;
+    use dflash_engine::backend::cuda::AttnForm;
     let (g, c) = (gpu(), CpuBackend::new());
     let s = g.compute_stream();
     for (hd, heads, kvh, lens) in
@@ -138,8 +138,8 @@ fn gpu_causal_attention_forms_match_cpu() {
         let want = c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd);
         let (qb, kb, vb) = (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16));
         let st = ids(&g, &starts);
-        for form in [CausalForm::Mma, CausalForm::Wgmma] {
-            assert!(form.takes(hd), "{form:?} has no kernel for head_dim {hd}");
+        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            assert!(form.takes_causal(hd), "{form:?} has no kernel for head_dim {hd}");
             let run = || {
                 let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
                 g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
@@ -196,6 +196,106 @@ fn gpu_drafter_attention_matches_cpu() {
         // Padded blocks: exact zeros out.
         let w = heads * hd;
         assert!(a[0][3 * bs * w..4 * bs * w].iter().all(|&x| x == 0.0));
+    }
+}
+
+/// Both drafter forward kernels (mma.sync and the Hopper warpgroup one, which takes two blocks
+/// per CTA and streams their shared context once) against the CPU, o and lse, into NaN-filled
+/// outputs: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in two
+/// sequences, an odd block count (a CTA with one block), padding rows (block_size * G < 64), full
+/// and sliding layers (windows shorter than a block too), and contexts of thousands of rows (many
+/// K/V stages). Each form must be bit-identical from run to run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_drafter_forward_forms_match_cpu() {
+    use dflash_engine::backend::cuda::AttnForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    // Sequence 0 holds blocks 0..=10 (context rows 0..2800), sequence 1 blocks 11..=23 (rows
+    // 2800..5600): the CTA of blocks (10, 11) spans both. Block 5 is padded, block 23 anchored at
+    // the very end of its sequence.
+    let long_anchors: Vec<i32> = (0..24)
+        .map(|i| {
+            if i == 5 {
+                -1
+            } else if i == 23 {
+                2800
+            } else {
+                (i % 11) * 250 + 7
+            }
+        })
+        .collect();
+    let long_starts: Vec<i32> = (0..24).map(|i| if i < 11 { 0 } else { 2800 }).collect();
+    // Blocks (2, 3) span the two sequences (context rows 0..100 and 100..150); block 2 and block 5
+    // are anchored at their sequences' ends; block 6 (padded) is alone in its CTA.
+    let (anchors, starts) = (vec![0, 17, 100, 5, 3, 50, -1], vec![0, 0, 0, 100, 100, 100, 100]);
+    let cases: Vec<(usize, usize, usize, usize, Vec<i32>, Vec<i32>, Vec<Option<usize>>)> = vec![
+        (16, 32, 8, 150, anchors.clone(), starts.clone(), vec![None, Some(8), Some(3)]),
+        (5, 6, 2, 150, anchors, starts, vec![None, Some(40)]),
+        (16, 32, 8, 5600, long_anchors, long_starts, vec![None, Some(2048), Some(3)]),
+    ];
+    for (bs, heads, kvh, ctx_rows, anchors, starts, windows) in cases {
+        let hd = 128;
+        for window in windows {
+            let sh = DraftAttnShape {
+                num_blocks: anchors.len(),
+                block_size: bs,
+                ctx_rows,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                window,
+            };
+            let (qn, kn, kbn) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
+            let t =
+                [rand(qn, 180, 1.0), rand(kn, 181, 1.0), rand(kn, 182, 1.0), rand(kbn, 183, 1.0), rand(kbn, 184, 1.0)];
+            // o and lse of one forward on backend `be` (the form picked by `launch`).
+            fn fwd<B: Backend>(
+                be: &B,
+                sh: &DraftAttnShape,
+                t: &[Vec<f32>; 5],
+                anchors: &[i32],
+                starts: &[i32],
+                launch: impl Fn(&B, &B::Stream, &[B::Buf], &B::Ids, &B::Ids, &mut B::Buf, &mut B::Buf),
+            ) -> (Vec<f32>, Vec<f32>) {
+                let s = be.compute_stream();
+                let b: Vec<B::Buf> = t.iter().map(|v| put(be, v, DType::BF16)).collect();
+                // NaN-filled outputs: an element the kernel fails to write shows up as NaN (and
+                // fails rel_err), even where the expected value is zero.
+                let mut o = put(be, &vec![f32::NAN; sh.q_rows() * sh.heads * sh.head_dim], DType::BF16);
+                let mut lse = put(be, &vec![f32::NAN; sh.q_rows() * sh.heads], DType::F32);
+                launch(be, &s, &b, &ids(be, anchors), &ids(be, starts), &mut o, &mut lse);
+                (get(be, &o), get(be, &lse))
+            }
+            let want = fwd(&c, &sh, &t, &anchors, &starts, |be, s, b, a, st, o, lse| {
+                be.attn_draft_fwd(s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse).unwrap()
+            });
+            let gpu_fwd = |form: AttnForm| {
+                fwd(&g, &sh, &t, &anchors, &starts, |be, s, b, a, st, o, lse| {
+                    be.attn_draft_fwd_with(form, s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse).unwrap()
+                })
+            };
+            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+                assert!(form.takes_draft(&sh), "{form:?} takes bs {bs}, {heads}/{kvh} heads");
+                let what = format!("{form:?} drafter fwd bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
+                let got = gpu_fwd(form);
+                rel_err(&format!("{what} o"), &got.0, &want.0, ATTN_TOL);
+                rel_err(&format!("{what} lse"), &got.1, &want.1, 1e-5);
+                let again = gpu_fwd(form);
+                bits_equal(&format!("{what} rerun o"), &again.0, &got.0);
+                bits_equal(&format!("{what} rerun lse"), &again.1, &got.1);
+                // Padded blocks: exact zeros out, lse 0.
+                let w = heads * hd;
+                for (j, &a) in anchors.iter().enumerate() {
+                    if a < 0 {
+                        assert!(got.0[j * bs * w..(j + 1) * bs * w].iter().all(|&x| x == 0.0), "{what}: block {j}");
+                        assert!(
+                            got.1[j * bs * heads..(j + 1) * bs * heads].iter().all(|&x| x == 0.0),
+                            "{what}: lse {j}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -377,6 +377,9 @@ fn gpu_gdn_chunked_and_recurrent_match_cpu_on_ragged_batches() {
     // output 64 + 16) and a key dim below the output block.
     gdn_check("1/2 heads 48x80 packed", &gdn_inputs(rows, 1, 2, 48, 80, 5), &starts_of(&LENS));
     gdn_check("1/1 heads 16x48 packed", &gdn_inputs(rows, 1, 1, 16, 48, 6), &starts_of(&LENS));
+    // A value dim past one output block of the fast form (128 + 32: the second block's upper
+    // half of warps has no columns but still takes its share of Q K^T) and five state blocks.
+    gdn_check("1/2 heads 32x160 packed", &gdn_inputs(rows, 1, 2, 32, 160, 7), &starts_of(&LENS));
     // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
     gdn_check("1/2 heads 24x40 packed", &gdn_inputs(rows, 1, 2, 24, 40, 4), &starts_of(&LENS));
     // Each length alone.

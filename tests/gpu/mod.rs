@@ -13,6 +13,7 @@
 //! - `attention`: target causal attention and drafter attention forward/backward (attention.cu)
 //! - `hybrid`: the Qwen3.5/3.6 ops (hybrid.cu), the gated delta rule (gdn.cu), causal attention
 //!   at head_dim 256, and the qwen3.5-tiny target's taps on CUDA against the CPU
+//! - `hybrid_fused`: the hybrid forward's fused passes (hybrid.cu) against the unfused CPU ops
 //! - `cross_entropy`: fused lm_head loss, dlogits and argmax (cross_entropy.cu)
 //! - `optimizer`: AdamW (adamw.cu), sum of squares (reduce.cu), the non-finite count (elementwise.cu)
 //! - `training`: 50 steps on CUDA against the CPU backend, and run-to-run bit-identity (also with
@@ -28,6 +29,7 @@ mod elementwise;
 mod eval;
 mod gemm;
 mod hybrid;
+mod hybrid_fused;
 mod norm;
 mod optimizer;
 mod oracles;

@@ -291,6 +291,32 @@ mod tests {
     }
 
     #[test]
+    fn every_attention_kernel_lands_in_an_attention_phase() {
+        use crate::backend::profile::{Phase, Region, Work};
+        // Both forms (attention.cu, attention_wgmma.cu) of each op count as attention in the
+        // phase table; a new family file must not drop its kernels into "norms, other".
+        let mut seen = 0;
+        for k in Kernel::ALL {
+            let (family, symbol) = (k.family(), k.symbol());
+            let work = Work::Kernel { family, symbol };
+            if symbol.starts_with("attn_causal_fwd") {
+                assert_eq!(Phase::of(Region::Target, work), Phase::TargetAttention, "{symbol} in {family}");
+                seen += 1;
+            } else if symbol.starts_with("attn_draft_fwd") {
+                assert_eq!(Phase::of(Region::Drafter, work), Phase::DrafterAttentionFwd, "{symbol} in {family}");
+                seen += 1;
+            } else if symbol.starts_with("attn_draft_bwd") {
+                assert_eq!(Phase::of(Region::Drafter, work), Phase::DrafterAttentionBwd, "{symbol} in {family}");
+                seen += 1;
+            } else if symbol.starts_with("gdn_fast") || symbol.starts_with("gdn_chunk") {
+                assert_eq!(Phase::of(Region::Target, work), Phase::TargetAttention, "{symbol} in {family}");
+                seen += 1;
+            }
+        }
+        assert!(seen >= 10, "only {seen} attention kernels found");
+    }
+
+    #[test]
     fn every_source_kernel_is_in_the_table() {
         // An independent count: `extern "C"` declarations and macro invocations in the sources.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
@@ -313,9 +339,10 @@ mod tests {
         let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
         let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
         let wg = text.lines().filter(|l| l.starts_with("ATTN_WG_EXPORT(")).count();
+        let hnr = text.lines().filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(")).count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
-        // ATTN_CAUSAL_EXPORT, QKR_EXPORT and ATTN_WG_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg);
+        // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT and HYB_NORM_ROPE_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + hnr);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use rayon::prelude::*;
 
 use super::profile::{self, Phase, StepPhases, Work};
 use super::{
-    check_causal_attn, check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm,
-    QkNormRope, Result, Rows, StartError,
+    check_causal_attn, check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape,
+    Gemm, QkNormRope, Result, Rows, StartError,
 };
 use crate::kernels::launch::{
     ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
@@ -34,8 +34,8 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    ATTN_WG_ALIGN, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
-    ATTN_WG_V_STAGES,
+    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS,
+    ATTN_WG_THREADS, ATTN_WG_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -431,11 +431,11 @@ impl CudaBackend {
     }
 
     /// The causal forward with an explicit kernel form (the trait method takes
-    /// `CausalForm::pick`); benches and tests compare the forms with it.
+    /// `AttnForm::pick`); benches and tests compare the forms with it.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_causal_fwd_with(
         &self,
-        form: CausalForm,
+        form: AttnForm,
         s: &Stream,
         q: &CudaBuf,
         k: &CudaBuf,
@@ -449,7 +449,7 @@ impl CudaBackend {
     ) -> Result<()> {
         check_causal_attn(q.len, k.len, v.len, o.len, rows, heads, kv_heads, head_dim)?;
         let (kernel, cta_rows, threads, smem) = match form {
-            CausalForm::Mma => {
+            AttnForm::Mma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
                 // A CTA owns ATTN_CAUSAL_ROWS query rows of one head (ATTN_CAUSAL_ROWS_HD256 at
                 // head_dim 256); shared memory holds them and ATTN_KV_TILES K/V tiles of
@@ -458,7 +458,7 @@ impl CudaBackend {
                 let ld = head_dim + ATTN_LD_PAD;
                 (kernel, cta_rows, ATTN_CAUSAL_WARPS * 32, (cta_rows + ATTN_KV_TILES * ATTN_CAUSAL_KEYS) * ld * 2)
             }
-            CausalForm::Wgmma => {
+            AttnForm::Wgmma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdWgBf16Hd::VARIANTS, head_dim)?;
                 // kernels/attention_wgmma.cu: ATTN_WG_ROWS query rows of one head per CTA, and
                 // ATTN_WG_K_STAGES K and ATTN_WG_V_STAGES V tiles of the head dim's key count,
@@ -493,8 +493,85 @@ impl CudaBackend {
             };
         }
         match form {
-            CausalForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
-            CausalForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+            AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
+            AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+        }
+    }
+
+    /// The drafter forward with an explicit kernel form (the trait method takes
+    /// `AttnForm::pick_draft`); tests and benches compare the forms with it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_draft_fwd_with(
+        &self,
+        form: AttnForm,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        kb: &CudaBuf,
+        vb: &CudaBuf,
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        o: &mut CudaBuf,
+        lse: &mut CudaBuf,
+    ) -> Result<()> {
+        let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
+        check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
+        const OP: &str = "attn_draft_fwd";
+        macro_rules! args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    kb: kb.at(OP, 0)?,
+                    vb: vb.at(OP, 0)?,
+                    o: o.at(OP, 0)?,
+                    lse: lse.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    window: sh.window.unwrap_or(0),
+                }
+            };
+        }
+        match form {
+            AttnForm::Mma => {
+                let kernel = Self::attn_kernel(OP, &launch::AttnDraftFwdBf16Hd::VARIANTS, sh.head_dim)?;
+                // Shared memory: the query tile (w warps of ATTN_WARP_ROWS rows) and ATTN_KV_TILES
+                // K/V tiles of ATTN_KEYS keys.
+                let smem = (ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2;
+                let grid = sh.num_blocks * sh.kv_heads;
+                self.launch(s, kernel, (grid, 32 * g.w, smem), args!(AttnDraftFwdBf16Hd))
+            }
+            AttnForm::Wgmma => {
+                if !form.takes_draft(sh) {
+                    return Err(BackendError::Shape {
+                        op: OP,
+                        what: format!(
+                            "the warpgroup kernel takes head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
+                             block_size * heads / kv_heads <= 64, not head_dim {}, block_size {}, {}/{} heads",
+                            sh.head_dim, sh.block_size, sh.heads, sh.kv_heads
+                        ),
+                    });
+                }
+                // kernels/attention_wgmma.cu draft_fwd_wg: two blocks per CTA, the causal layout
+                // (128 query rows, K/V stages of ATTN_WG_KEYS_HD128 keys) plus a 16-row K and V
+                // tile of block keys per warpgroup.
+                let keys = ATTN_WG_KEYS_HD128;
+                let tiles = ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
+                let smem = tiles * sh.head_dim * 2 + ATTN_WG_ALIGN;
+                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
+                let kernel = launch::Kernel::AttnDraftFwdWgBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), args!(AttnDraftFwdWgBf16Hd128))
+            }
         }
     }
 
@@ -1285,7 +1362,7 @@ impl Backend for CudaBackend {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        let form = CausalForm::pick(head_dim);
+        let form = AttnForm::pick_causal(head_dim);
         self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)
     }
 
@@ -1303,33 +1380,8 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         lse: &mut CudaBuf,
     ) -> Result<()> {
-        let g = draft_geom("attn_draft_fwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
-        check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
-        check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
-        const OP: &str = "attn_draft_fwd";
-        let kernel = Self::attn_kernel(OP, &launch::AttnDraftFwdBf16Hd::VARIANTS, sh.head_dim)?;
-        // Shared memory: the query tile (w warps of ATTN_WARP_ROWS rows) and ATTN_KV_TILES K/V
-        // tiles of ATTN_KEYS keys.
-        let smem = (ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2;
-        let args = launch::AttnDraftFwdBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            kb: kb.at(OP, 0)?,
-            vb: vb.at(OP, 0)?,
-            o: o.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            anchors: anchors.at(OP, 0)?,
-            ctx_start: ctx_start.at(OP, 0)?,
-            num_blocks: sh.num_blocks,
-            block_size: sh.block_size,
-            ctx_rows: sh.ctx_rows,
-            heads: sh.heads,
-            kv_heads: sh.kv_heads,
-            scale: sh.scale(),
-            window: sh.window.unwrap_or(0),
-        };
-        self.launch(s, kernel, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)
+        let form = AttnForm::pick_draft(sh);
+        self.attn_draft_fwd_with(form, s, sh, q, kc, vc, kb, vb, anchors, ctx_start, o, lse)
     }
 
     fn qk_norm_rope(
@@ -1902,6 +1954,216 @@ impl Backend for CudaBackend {
         self.launch(s, launch::GdnGatesBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
     }
 
+    // ---- Fused hybrid ops (kernels/hybrid.cu); shapes a fused kernel does not take run the
+    // unfused ops (backend::fused).
+
+    fn add_rmsnorm1p_fwd(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        t: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &mut CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "add_rmsnorm1p_fwd";
+        for (n, b) in [("x", &*x), ("t", t), ("y", &*y)] {
+            check_len(OP, n, b.len, 0, rows * dim)?;
+            Self::need_bf16(OP, b)?;
+        }
+        check_len(OP, "w", w.len, w_off, dim)?;
+        Self::need_bf16(OP, w)?;
+        if x.len != rows * dim {
+            // add_inplace adds over the whole of x.
+            return fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = launch::AddRmsnorm1pFwdBf16 {
+            x: x.at(OP, 0)?,
+            t: t.at(OP, 0)?,
+            w: w.at(OP, w_off)?,
+            y: y.at(OP, 0)?,
+            rows,
+            dim,
+            eps,
+        };
+        self.launch(s, launch::AddRmsnorm1pFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_conv_qkv(
+        &self,
+        s: &Stream,
+        sh: &fused::GdnConvQkv,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        seq_starts: &CudaIds,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &mut CudaBuf,
+    ) -> Result<()> {
+        const OP: &str = "gdn_conv_qkv";
+        let (rows, kd, vd, c) = (sh.rows, sh.key_dim(), sh.value_dim, sh.channels());
+        check_len(OP, "x", x.len, 0, rows * c)?;
+        check_len(OP, "w", w.len, sh.w_off, c * sh.kernel)?;
+        check_len(OP, "q", q.len, 0, rows * kd)?;
+        check_len(OP, "k", k.len, 0, rows * kd)?;
+        check_len(OP, "v", v.len, 0, rows * vd)?;
+        if seq_starts.len == 0 {
+            return Err(BackendError::Shape { op: OP, what: "seq_starts is empty (it starts with 0)".into() });
+        }
+        if sh.kernel == 0 || sh.kernel > HYB_CONV_MAX_K {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("kernel size {}: the CUDA kernel takes 1 to {HYB_CONV_MAX_K}", sh.kernel),
+            });
+        }
+        // The fused kernel moves four f32 channels a lane (16-byte accesses) and sums a key
+        // head's squares over k_dim / 4 lanes of one warp.
+        let lanes = sh.k_dim / 4;
+        let fits = sh.k_dim % 4 == 0
+            && lanes.is_power_of_two()
+            && lanes <= 32
+            && vd % 4 == 0
+            && [x, &*q, &*k, &*v].iter().all(|b| b.dtype == DType::F32);
+        if !fits {
+            return fused::gdn_conv_qkv(self, s, sh, x, w, seq_starts, q, k, v);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let padded = (c / 4).div_ceil(32) * 32;
+        let cfg = (self.hyb_grid(rows.div_ceil(HYB_CONV_ROWS) * padded), HYB_BLOCK, 0);
+        let args = launch::GdnConvQkvF32 {
+            x: x.at(OP, 0)?,
+            w: w.at(OP, sh.w_off)?,
+            q: q.at(OP, 0)?,
+            k: k.at(OP, 0)?,
+            v: v.at(OP, 0)?,
+            seq_starts: seq_starts.at(OP, 0)?,
+            n_starts: seq_starts.len,
+            rows,
+            key_dim: kd,
+            value_dim: vd,
+            head_lanes: lanes,
+            kernel_size: sh.kernel,
+            eps: sh.eps,
+            q_scale: sh.q_scale,
+        };
+        self.launch(s, launch::GdnConvQkvF32::KERNEL, cfg, args)
+    }
+
+    fn rmsnorm1p_rope_partial(
+        &self,
+        s: &Stream,
+        sh: &fused::NormRope,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        y: &mut CudaBuf,
+        pos: &CudaIds,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm1p_rope_partial";
+        let (n, hd, rot) = (sh.rows * sh.heads, sh.head_dim, sh.rot_dim);
+        if rot % 2 != 0 || rot == 0 || rot > hd {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("rot_dim {rot} must be even, positive and at most head_dim {hd}"),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        check_len(OP, "x", x.len, sh.x_off + (n - 1) * sh.x_stride, hd)?;
+        check_len(OP, "w", w.len, sh.w_off, hd)?;
+        check_len(OP, "y", y.len, 0, n * hd)?;
+        check_len(OP, "pos", pos.len, 0, sh.rows)?;
+        // A warp per head, head_dim / 32 elements a lane (one below 32): the rows, the weight
+        // and the rotation's halves start on such a boundary.
+        let v = (hd / 32).max(1);
+        let kernel = variant(&launch::Rmsnorm1pRopePartialBf16Hd::VARIANTS, &hd.to_string());
+        let aligned = [sh.x_off, sh.x_stride, sh.w_off, rot / 2].iter().all(|a| a % v == 0);
+        let bf16 = [x, w, &*y].iter().all(|b| b.dtype == DType::BF16);
+        let Some(kernel) = kernel.filter(|_| aligned && bf16 && sh.heads > 0) else {
+            return fused::rmsnorm1p_rope_partial(self, s, sh, x, w, y, pos);
+        };
+        // The table of a rot_dim-wide RoPE, as rope_partial's.
+        let inv = self.inv_freq(s, rot, sh.theta)?;
+        let args = launch::Rmsnorm1pRopePartialBf16Hd {
+            x: x.at(OP, sh.x_off)?,
+            x_stride: sh.x_stride,
+            w: w.at(OP, sh.w_off)?,
+            y: y.at(OP, 0)?,
+            pos: pos.at(OP, 0)?,
+            inv_freq: inv,
+            n,
+            heads: sh.heads,
+            rot_dim: rot,
+            eps: sh.eps,
+        };
+        self.launch(s, kernel, (hyb_row_grid(n), HYB_BLOCK, 0), args)
+    }
+
+    fn sigmoid_mul_strided(
+        &self,
+        s: &Stream,
+        x: &mut CudaBuf,
+        gate: &CudaBuf,
+        gate_off: usize,
+        gate_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "sigmoid_mul_strided";
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        check_len(OP, "x", x.len, 0, rows * width)?;
+        check_len(OP, "gate", gate.len, gate_off + (rows - 1) * gate_stride, width)?;
+        Self::need_bf16(OP, x)?;
+        Self::need_bf16(OP, gate)?;
+        let args =
+            launch::SigmoidMulStridedBf16 { x: x.at(OP, 0)?, gate: gate.at(OP, gate_off)?, gate_stride, rows, width };
+        self.launch(s, launch::SigmoidMulStridedBf16::KERNEL, (self.hyb_grid(rows * width / 8 + 1), HYB_BLOCK, 0), args)
+    }
+
+    fn gdn_gates_ba(
+        &self,
+        s: &Stream,
+        ba: &CudaBuf,
+        w: &CudaBuf,
+        a_log_off: usize,
+        dt_bias_off: usize,
+        beta: &mut CudaBuf,
+        g: &mut CudaBuf,
+        rows: usize,
+        heads: usize,
+    ) -> Result<()> {
+        const OP: &str = "gdn_gates_ba";
+        let n = rows * heads;
+        check_len(OP, "ba", ba.len, 0, 2 * n)?;
+        check_len(OP, "beta", beta.len, 0, n)?;
+        check_len(OP, "g", g.len, 0, n)?;
+        check_len(OP, "A_log", w.len, a_log_off, heads)?;
+        check_len(OP, "dt_bias", w.len, dt_bias_off, heads)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = launch::GdnGatesBaBf16 {
+            ba: ba.at(OP, 0)?,
+            a_log: w.at(OP, a_log_off)?,
+            dt_bias: w.at(OP, dt_bias_off)?,
+            beta: beta.at(OP, 0)?,
+            g: g.at(OP, 0)?,
+            rows,
+            heads,
+        };
+        self.launch(s, launch::GdnGatesBaBf16::KERNEL, (self.hyb_grid(n), HYB_BLOCK, 0), args)
+    }
+
     fn l2norm_fwd(
         &self,
         s: &Stream,
@@ -2109,43 +2371,71 @@ impl CudaBackend {
     }
 }
 
-/// Which kernel runs the target's causal attention forward.
+/// Which kernel runs an attention forward: the target's causal one, the drafter's block one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CausalForm {
-    /// `attn_causal_fwd_bf16_hd*` (kernels/attention.cu): mma.sync, head dims 16..=256.
+pub enum AttnForm {
+    /// kernels/attention.cu (`attn_causal_fwd_bf16_hd*`, `attn_draft_fwd_bf16_hd*`): mma.sync,
+    /// every compiled head dim and block shape.
     Mma,
-    /// `attn_causal_fwd_wg_bf16_hd*` (kernels/attention_wgmma.cu): Hopper warpgroup MMAs, head
-    /// dims 128 and 256.
+    /// kernels/attention_wgmma.cu (`attn_causal_fwd_wg_bf16_hd*` at head_dim 128 and 256,
+    /// `attn_draft_fwd_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
+    /// warpgroup MMAs.
     Wgmma,
 }
 
-impl CausalForm {
-    /// The warpgroup kernel where it is compiled (head_dim 128, 256), else mma.sync.
+impl AttnForm {
     /// DFLASH_ATTN_FORM=mma picks mma.sync everywhere, for comparisons inside a whole run.
-    pub fn pick(head_dim: usize) -> CausalForm {
+    fn forced_mma() -> bool {
         static FORCED_MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let forced = *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
+        *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
             None | Some("wgmma") => false,
             Some("mma") => true,
             Some(v) => {
                 eprintln!("note: DFLASH_ATTN_FORM={v} is not mma or wgmma; using the default");
                 false
             }
-        });
-        if !forced && CausalForm::Wgmma.takes(head_dim) {
-            CausalForm::Wgmma
+        })
+    }
+
+    /// The causal forward's kernel: the warpgroup one where it is compiled, else mma.sync.
+    pub fn pick_causal(head_dim: usize) -> AttnForm {
+        if !Self::forced_mma() && AttnForm::Wgmma.takes_causal(head_dim) {
+            AttnForm::Wgmma
         } else {
-            CausalForm::Mma
+            AttnForm::Mma
         }
     }
 
-    /// Whether this form has a kernel for `head_dim`.
-    pub fn takes(self, head_dim: usize) -> bool {
+    /// The drafter forward's kernel: the warpgroup one where it takes the shape and there are
+    /// at least two blocks (it pairs them per CTA; a lone block, as in speculative decoding at
+    /// batch 1, would leave half of each CTA computing masked tiles), else mma.sync.
+    pub fn pick_draft(sh: &DraftAttnShape) -> AttnForm {
+        if !Self::forced_mma() && sh.num_blocks >= 2 && AttnForm::Wgmma.takes_draft(sh) {
+            AttnForm::Wgmma
+        } else {
+            AttnForm::Mma
+        }
+    }
+
+    /// Whether this form has a causal kernel for `head_dim`.
+    pub fn takes_causal(self, head_dim: usize) -> bool {
         let variants: &[(&str, launch::Kernel)] = match self {
-            CausalForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
-            CausalForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
+            AttnForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
+            AttnForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
         };
         variant(variants, &head_dim.to_string()).is_some()
+    }
+
+    /// Whether this form has a drafter forward for the shape (the mma.sync kernel: every compiled
+    /// head dim; its own limits are checked by the launcher).
+    pub fn takes_draft(self, sh: &DraftAttnShape) -> bool {
+        match self {
+            AttnForm::Mma => variant(&launch::AttnDraftFwdBf16Hd::VARIANTS, &sh.head_dim.to_string()).is_some(),
+            AttnForm::Wgmma => {
+                let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
+                sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
+            }
+        }
     }
 }
 
@@ -2220,11 +2510,13 @@ pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
 pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
     let (c, p) = (GDN_CHUNK, GDN_FAST_PAD);
     let (lk, lb, lo) = (dk + p, GDN_FAST_BV + p, GDN_FAST_OUT_BV + p);
-    let lq = dk.max(GDN_FAST_OUT_BV) + p;
+    let lq = dk.max(GDN_FAST_OUT_BV / 2) + p;
     [
-        2 * (2 * c * lk + 2 * c * (dv + p)) + 4 * (2 * c * (c + 4) + 3 * 256 + 3 * c),
-        2 * (2 * (2 * c * lk + c * lb) + dk * lb + c * lb),
-        2 * (2 * c * lq + 2 * c * lk + dk * lo + c * lo) + 4 * c,
+        2 * (2 * c * lk + 2 * c * (dv + p)) + 4 * (2 * c * (c + 4) + 3 * 256 + 4 * c),
+        // 2 stages of U | S_c | V' (W and Ke^T go straight to registers).
+        2 * (2 * c * lb + dk * lb + c * lb),
+        // Q hi + lo | K hi + lo, then V' and A | S_c | G.
+        2 * (2 * c * lq + (2 * c * lk).max(c * (lo + c + p)) + dk * lo) + 4 * c,
     ]
 }
 
@@ -2587,18 +2879,33 @@ mod tests {
 
     /// The warpgroup kernel takes head_dim 128 and 256 (Qwen3, Qwen3.5/3.6), mma.sync the rest.
     #[test]
-    fn causal_attention_picks_the_warpgroup_kernel_where_it_is_compiled() {
-        assert!(CausalForm::Wgmma.takes(128) && CausalForm::Wgmma.takes(256));
-        assert!(!CausalForm::Wgmma.takes(64) && !CausalForm::Wgmma.takes(16));
+    fn attention_picks_the_warpgroup_kernels_where_they_take_the_shape() {
+        assert!(AttnForm::Wgmma.takes_causal(128) && AttnForm::Wgmma.takes_causal(256));
+        assert!(!AttnForm::Wgmma.takes_causal(64) && !AttnForm::Wgmma.takes_causal(16));
         for hd in [16, 32, 64, 128, 256] {
-            assert!(CausalForm::Mma.takes(hd), "mma.sync has every head dim ({hd})");
+            assert!(AttnForm::Mma.takes_causal(hd), "mma.sync has every head dim ({hd})");
         }
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
-            assert_eq!(CausalForm::pick(128), CausalForm::Wgmma);
-            assert_eq!(CausalForm::pick(256), CausalForm::Wgmma);
-            assert_eq!(CausalForm::pick(64), CausalForm::Mma);
+            assert_eq!(AttnForm::pick_causal(128), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_causal(256), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
-        assert!(!CausalForm::Mma.takes(96) && !CausalForm::Wgmma.takes(96));
+        assert!(!AttnForm::Mma.takes_causal(96) && !AttnForm::Wgmma.takes_causal(96));
+        // The drafter's warpgroup kernel: head_dim 128, block_size <= 16, block_size * G <= 64.
+        let sh = |hd, bs, heads, kv_heads| DraftAttnShape {
+            num_blocks: 4,
+            block_size: bs,
+            ctx_rows: 64,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            window: None,
+        };
+        assert!(AttnForm::Wgmma.takes_draft(&sh(128, 16, 32, 8)));
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 16, 32, 4)), "M = 128");
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
+        assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
+        assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
     }
 
     #[test]
@@ -2654,10 +2961,11 @@ mod tests {
         assert_eq!(split_slots(4 * 3072, 5), 197);
         assert_eq!(split_scratch_bytes(4 * 3072, 5, 48, 128, 128), 1_241_837_568);
         assert_eq!(split_scratch_bytes(4096, 2, 48, 128, 128), 416_047_104);
-        // The fast form (bf16 scratch and operands), as its header says: each kernel two CTAs
-        // per SM; dk up to 128.
-        assert_eq!(fast_smem(128, 128), [108_288, 95_232, 97_536]);
-        assert_eq!(GdnForm::ChunkedFast.smem_bytes(128, 128), 108_288);
+        // The fast form (bf16 scratch and operands), as its header says: each kernel at least
+        // two CTAs per SM, the state pass three (its registers decide); dk up to 128.
+        assert_eq!(fast_smem(128, 128), [108_544, 25_600, 104_704]);
+        assert!(3 * (fast_smem(128, 128)[1] + 1024) <= 228 * 1024);
+        assert_eq!(GdnForm::ChunkedFast.smem_bytes(128, 128), 108_544);
         assert!(fast_smem(128, 128).iter().all(|&b| 2 * (b + 1024) <= 228 * 1024));
         assert!(GdnForm::ChunkedFast.takes(128, 128) && GdnForm::ChunkedFast.takes(16, 48));
         assert!(!GdnForm::ChunkedFast.takes(144, 128) && !GdnForm::ChunkedFast.takes(24, 128));

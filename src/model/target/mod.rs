@@ -173,6 +173,8 @@ impl<B: Backend> Target<B> {
         inp: &TargetInputs<'_, B>,
         taps_out: &mut [B::Buf],
     ) -> Result<()> {
+        // Every caller (training, bench-target, eval) profiles it as the target's phase.
+        let _region = crate::backend::profile::enter(crate::backend::profile::Region::Target);
         family::<B>(&self.shape.arch).forward_taps(self, be, s, inp, taps_out)
     }
 

@@ -14,6 +14,7 @@ use super::{
     attend, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
     Target, TargetInputs, TargetShape,
 };
+use crate::backend::fused::{GdnConvQkv, NormRope};
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
 use crate::model::ParamTable;
@@ -39,8 +40,12 @@ impl<B: Backend> Family<B> for Qwen35 {
         t.push(names::EMBED, &[shape.vocab, shape.hidden]);
         for l in 0..=last {
             for spec in hybrid_layer_specs(l, &dims, hy) {
-                // Up right after gate: the MLP's first projection is one [2 * inter, hidden] GEMM.
-                if spec.name.ends_with(HybridTensor::UpProj.suffix()) {
+                // Up right after gate: the MLP's first projection is one [2 * inter, hidden] GEMM;
+                // likewise a right after b, the Gated DeltaNet's gate inputs as one [2 * heads,
+                // hidden] GEMM.
+                if spec.name.ends_with(HybridTensor::UpProj.suffix())
+                    || spec.name.ends_with(HybridTensor::InProjA.suffix())
+                {
                     t.push_adjacent(spec.name, &spec.shape);
                 } else {
                     t.push(spec.name, &spec.shape);
@@ -60,12 +65,14 @@ impl<B: Backend> Family<B> for Qwen35 {
         inp: &TargetInputs<'_, B>,
         taps_out: &mut [B::Buf],
     ) -> Result<()> {
-        let (rows, h) = (inp.rows, t.shape.hidden);
-        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let (rows, h, last) = (inp.rows, t.shape.hidden, t.last_layer());
+        let mut sc = Scratch::new(be, s, &t.shape, rows, false)?;
         let mut x = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
-        for l in 0..=t.last_layer() {
-            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Run::Packed { seq_starts: inp.seq_starts })?;
+        be.rmsnorm1p_fwd(s, &x, &t.weights, input_norm(t, 0), &mut sc.xn, rows, h, t.shape.eps)?;
+        for l in 0..=last {
+            let next = (l < last).then(|| input_norm(t, l + 1));
+            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Run::Packed { seq_starts: inp.seq_starts }, next)?;
             t.copy_taps(be, s, l, &x, rows, taps_out)?;
         }
         Ok(())
@@ -120,9 +127,11 @@ impl<B: Backend> Family<B> for Qwen35 {
         be.upload_ids(s, &(0..=n).map(to_i32).collect::<Result<Vec<_>>>()?, &mut one_starts)?;
         let mut win = be.alloc(s, DType::F32, n * k * hy.conv_dim())?;
         let mut win_out = be.alloc(s, DType::F32, n * k * hy.conv_dim())?;
-        let mut sc = Scratch::new(be, s, sh, n)?;
+        let mut sc = Scratch::new(be, s, sh, n, true)?;
         let mut x = be.alloc(s, DType::BF16, n * h)?;
         be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
+        be.rmsnorm1p_fwd(s, &x, w, input_norm(t, 0), &mut sc.xn, n, h, sh.eps)?;
+        let layers = cache.layers.len();
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let run = Run::Decode {
                 cache: lc,
@@ -133,9 +142,10 @@ impl<B: Backend> Family<B> for Qwen35 {
                 win_starts: &win_starts,
                 one_starts: &one_starts,
             };
-            layer(t, be, s, l, &mut x, &mut sc, &pos, run)?;
+            // The last layer's residual add comes with the final norm.
+            let next = if l + 1 < layers { input_norm(t, l + 1) } else { t.table.off(names::FINAL_NORM) };
+            layer(t, be, s, l, &mut x, &mut sc, &pos, run, Some(next))?;
         }
-        be.rmsnorm1p_fwd(s, &x, w, t.table.off(names::FINAL_NORM), &mut sc.xn, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
     }
 
@@ -157,14 +167,17 @@ impl<B: Backend> Family<B> for Qwen35 {
         be.upload_ids(s, &[0, to_i32("extend", rows)?], &mut one_seq)?;
         let mut win_seq = be.alloc_ids(s, 2)?;
         be.upload_ids(s, &[0, to_i32("extend", pad + rows)?], &mut win_seq)?;
-        let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let mut sc = Scratch::new(be, s, &t.shape, rows, true)?;
         let mut hs = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
-        let mut undo = ExtendUndo { rows, layers: Vec::with_capacity(cache.layers.len()) };
+        be.rmsnorm1p_fwd(s, &hs, &t.weights, input_norm(t, 0), &mut sc.xn, rows, h, t.shape.eps)?;
+        let layers = cache.layers.len();
+        let mut undo = ExtendUndo { rows, layers: Vec::with_capacity(layers) };
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let mut u = None;
             let run = Run::Extend { cache: lc, start: x.start, one_seq: &one_seq, win_seq: &win_seq, undo: &mut u };
-            layer(t, be, s, l, &mut hs, &mut sc, &pos, run)?;
+            let next = (l + 1 < layers).then(|| input_norm(t, l + 1));
+            layer(t, be, s, l, &mut hs, &mut sc, &pos, run, next)?;
             undo.layers.push(u);
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
@@ -203,7 +216,15 @@ enum Run<'a, B: Backend> {
     },
 }
 
-/// One decoder layer on `x [rows, hidden]` in place (QWEN35.md section 5).
+/// The offset of layer `l`'s input norm weight.
+fn input_norm<B: Backend>(t: &Target<B>, l: usize) -> usize {
+    t.table.off(&names::layer(l, "input_layernorm.weight"))
+}
+
+/// One decoder layer on `x [rows, hidden]` in place (QWEN35.md section 5), from `sc.xn` holding
+/// its input norm of `x`. Each residual add runs fused with the norm after it: the
+/// post-attention norm, then `next_norm` (the next layer's input norm, or the final norm) into
+/// `sc.xn`; with no `next_norm` the last add runs alone.
 #[allow(clippy::too_many_arguments)]
 fn layer<B: Backend>(
     t: &Target<B>,
@@ -214,22 +235,25 @@ fn layer<B: Backend>(
     sc: &mut Scratch<B>,
     pos: &B::Ids,
     run: Run<'_, B>,
+    next_norm: Option<usize>,
 ) -> Result<()> {
     let sh = &t.shape;
     let (rows, h) = (sc.rows, sh.hidden);
     let w = &t.weights;
     let off = |part: &str| t.table.off(&names::layer(l, part));
-    be.rmsnorm1p_fwd(s, x, w, off("input_layernorm.weight"), &mut sc.xn, rows, h, sh.eps)?;
     match hybrid(sh).layer_types[l] {
         LayerType::Full => gated_attention(t, be, s, l, sc, pos, run)?,
         LayerType::Linear => gated_delta_net(t, be, s, l, sc, run)?,
     }
-    be.add_inplace(s, x, &sc.tmp)?;
-    be.rmsnorm1p_fwd(s, x, w, off("post_attention_layernorm.weight"), &mut sc.xn, rows, h, sh.eps)?;
+    let post = off("post_attention_layernorm.weight");
+    be.add_rmsnorm1p_fwd(s, x, &sc.tmp, w, post, &mut sc.xn, rows, h, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
     be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
-    be.add_inplace(s, x, &sc.tmp)
+    match next_norm {
+        Some(norm) => be.add_rmsnorm1p_fwd(s, x, &sc.tmp, w, norm, &mut sc.xn, rows, h, sh.eps),
+        None => be.add_inplace(s, x, &sc.tmp),
+    }
 }
 
 /// Gated full attention (QWEN35.md section 3) on `sc.xn`, into `sc.tmp`.
@@ -248,16 +272,26 @@ fn gated_attention<B: Backend>(
     let rot = hybrid(sh).rotary_dim(hd);
     let w = &t.weights;
     let off = |part: &str| t.table.off(&names::layer(l, part));
-    // q_proj rows are head-major [q_0 | gate_0 | q_1 | gate_1 | ...].
+    // q_proj rows are head-major [q_0 | gate_0 | q_1 | gate_1 | ...]: the query halves are
+    // normalised and rotated where they lie, the gate halves read in place by the output gate.
     be.gemm(s, &Gemm::linear(rows, 2 * qw, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.qg, 0)?;
-    be.copy_strided(s, &sc.qg, 0, 2 * hd, &mut sc.q_pre, 0, hd, rows * heads, hd)?;
-    be.copy_strided(s, &sc.qg, hd, 2 * hd, &mut sc.gate, 0, hd, rows * heads, hd)?;
     be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.k_proj.weight"), &mut sc.k_pre, 0)?;
     be.gemm(s, &Gemm::linear(rows, kw, h), &sc.xn, 0, w, off("self_attn.v_proj.weight"), &mut sc.v, 0)?;
-    be.rmsnorm1p_fwd(s, &sc.q_pre, w, off("self_attn.q_norm.weight"), &mut sc.q, rows * heads, hd, sh.eps)?;
-    be.rmsnorm1p_fwd(s, &sc.k_pre, w, off("self_attn.k_norm.weight"), &mut sc.k, rows * kv_heads, hd, sh.eps)?;
-    be.rope_partial(s, &mut sc.q, pos, rows, heads, hd, rot, sh.rope_theta)?;
-    be.rope_partial(s, &mut sc.k, pos, rows, kv_heads, hd, rot, sh.rope_theta)?;
+    let norm_rope = |heads: usize, x_stride: usize, w_off: usize| NormRope {
+        rows,
+        heads,
+        head_dim: hd,
+        rot_dim: rot,
+        theta: sh.rope_theta,
+        eps: sh.eps,
+        x_off: 0,
+        x_stride,
+        w_off,
+    };
+    let q_nr = norm_rope(heads, 2 * hd, off("self_attn.q_norm.weight"));
+    be.rmsnorm1p_rope_partial(s, &q_nr, &sc.qg, w, &mut sc.q, pos)?;
+    let k_nr = norm_rope(kv_heads, hd, off("self_attn.k_norm.weight"));
+    be.rmsnorm1p_rope_partial(s, &k_nr, &sc.k_pre, w, &mut sc.k, pos)?;
     let mut how = match run {
         Run::Packed { seq_starts } => Attend::Causal(seq_starts),
         Run::Decode { cache: LayerCache::Attention { k, v }, step, max_len, .. } => {
@@ -268,7 +302,7 @@ fn gated_attention<B: Backend>(
     };
     place_kv(be, s, &mut how, sh, rows, &sc.k, &sc.v)?;
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
-    be.sigmoid_mul(s, &mut sc.o, &sc.gate)?;
+    be.sigmoid_mul_strided(s, &mut sc.o, &sc.qg, hd, 2 * hd, rows * heads, hd)?;
     be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)
 }
 
@@ -291,14 +325,25 @@ fn gated_delta_net<B: Backend>(
     let off = |part: &str| t.table.off(&names::layer(l, part));
     be.gemm(s, &Gemm::linear(rows, c, h), &sc.xn, 0, w, off("linear_attn.in_proj_qkv.weight"), &mut sc.qkv, 0)?;
     be.gemm(s, &Gemm::linear(rows, vd, h), &sc.xn, 0, w, off("linear_attn.in_proj_z.weight"), &mut sc.z, 0)?;
-    be.gemm(s, &Gemm::linear(rows, hv, h), &sc.xn, 0, w, off("linear_attn.in_proj_b.weight"), &mut sc.b, 0)?;
-    be.gemm(s, &Gemm::linear(rows, hv, h), &sc.xn, 0, w, off("linear_attn.in_proj_a.weight"), &mut sc.a, 0)?;
+    // b | a per row: in_proj_a's weights follow in_proj_b's (param_table).
+    be.gemm(s, &Gemm::linear(rows, 2 * hv, h), &sc.xn, 0, w, off("linear_attn.in_proj_b.weight"), &mut sc.ba, 0)?;
     let conv_w = off("linear_attn.conv1d.weight");
     let gsh = GdnShape { rows, k_heads: hk, v_heads: hv, k_dim: dk, v_dim: dv };
-    // The convolution; then the split, the norms and the gates; then the delta rule.
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    // The convolution, the split and the norms; then the gates; then the delta rule.
     let core = match run {
         Run::Packed { seq_starts } => {
-            be.causal_conv1d_silu(s, &sc.qkv, w, conv_w, &mut sc.conv, seq_starts, rows, c, kernel)?;
+            let cq = GdnConvQkv {
+                rows,
+                k_heads: hk,
+                k_dim: dk,
+                value_dim: vd,
+                kernel,
+                w_off: conv_w,
+                eps: L2NORM_EPS,
+                q_scale,
+            };
+            be.gdn_conv_qkv(s, &cq, &sc.qkv, w, seq_starts, &mut sc.qn, &mut sc.kn, &mut sc.lv)?;
             Core::<B>::Chunked(seq_starts)
         }
         Run::Decode {
@@ -323,7 +368,8 @@ fn gated_delta_net<B: Backend>(
                 }
             }
             be.causal_conv1d_silu(s, win, w, conv_w, win_out, win_starts, rows * kernel, c, kernel)?;
-            be.copy_strided(s, win_out, (kernel - 1) * c, kernel * c, &mut sc.conv, 0, c, rows, c)?;
+            let conv = sc.conv.as_mut().expect("a cached run's scratch has the convolution's rows");
+            be.copy_strided(s, win_out, (kernel - 1) * c, kernel * c, conv, 0, c, rows, c)?;
             Core::Recurrent(state, one_starts)
         }
         Run::Extend { cache: LayerCache::Linear { qkv, state }, start, one_seq, win_seq, undo, .. } => {
@@ -336,19 +382,23 @@ fn gated_delta_net<B: Backend>(
             be.copy(s, qkv, first * c, &mut win, (pad - (start - first)) * c, (start + rows - first) * c)?;
             let mut win_out = be.alloc(s, DType::F32, (pad + rows) * c)?;
             be.causal_conv1d_silu(s, &win, w, conv_w, &mut win_out, win_seq, pad + rows, c, kernel)?;
-            be.copy(s, &win_out, pad * c, &mut sc.conv, 0, rows * c)?;
+            let conv = sc.conv.as_mut().expect("a cached run's scratch has the convolution's rows");
+            be.copy(s, &win_out, pad * c, conv, 0, rows * c)?;
             Core::Carried { state, seq: one_seq, undo }
         }
         Run::Decode { .. } | Run::Extend { .. } => unreachable!("a linear-attention layer has a recurrent cache"),
     };
-    be.copy_strided(s, &sc.conv, 0, c, &mut sc.q_raw, 0, kd, rows, kd)?;
-    be.copy_strided(s, &sc.conv, kd, c, &mut sc.k_raw, 0, kd, rows, kd)?;
-    be.copy_strided(s, &sc.conv, 2 * kd, c, &mut sc.lv, 0, vd, rows, vd)?;
-    let q_scale = 1.0 / (dk as f32).sqrt();
-    be.l2norm_fwd(s, &sc.q_raw, &mut sc.qn, rows * hk, dk, L2NORM_EPS, q_scale)?;
-    be.l2norm_fwd(s, &sc.k_raw, &mut sc.kn, rows * hk, dk, L2NORM_EPS, 1.0)?;
+    if let Some(conv) = &sc.conv {
+        // The cached runs' split and norms (the packed run's came with its convolution).
+        let raw = sc.raw.as_mut().expect("a cached run's scratch has the split's rows");
+        be.copy_strided(s, conv, 0, c, raw, 0, kd, rows, kd)?;
+        be.l2norm_fwd(s, raw, &mut sc.qn, rows * hk, dk, L2NORM_EPS, q_scale)?;
+        be.copy_strided(s, conv, kd, c, raw, 0, kd, rows, kd)?;
+        be.l2norm_fwd(s, raw, &mut sc.kn, rows * hk, dk, L2NORM_EPS, 1.0)?;
+        be.copy_strided(s, conv, 2 * kd, c, &mut sc.lv, 0, vd, rows, vd)?;
+    }
     let (a_log, dt_bias) = (off("linear_attn.A_log"), off("linear_attn.dt_bias"));
-    be.gdn_gates(s, &sc.b, &sc.a, w, a_log, dt_bias, &mut sc.beta, &mut sc.g, rows, hv)?;
+    be.gdn_gates_ba(s, &sc.ba, w, a_log, dt_bias, &mut sc.beta, &mut sc.g, rows, hv)?;
     let (q, k, v, g, beta) = (&sc.qn, &sc.kn, &sc.lv, &sc.g, &sc.beta);
     match core {
         Core::Chunked(seq_starts) => be.gdn_chunked_fwd(s, &gsh, q, k, v, g, beta, seq_starts, &mut sc.core, None)?,
@@ -402,8 +452,6 @@ struct Scratch<B: Backend> {
     act: B::Buf,
     // Gated attention.
     qg: B::Buf,
-    q_pre: B::Buf,
-    gate: B::Buf,
     q: B::Buf,
     k_pre: B::Buf,
     k: B::Buf,
@@ -412,12 +460,13 @@ struct Scratch<B: Backend> {
     lse: B::Buf,
     // Gated DeltaNet.
     qkv: B::Buf,
-    conv: B::Buf,
+    /// The convolution's output and one key-width split of it: cached runs only (their
+    /// convolution runs over windows; a packed run's convolution writes q, k, v directly).
+    conv: Option<B::Buf>,
+    raw: Option<B::Buf>,
     z: B::Buf,
-    b: B::Buf,
-    a: B::Buf,
-    q_raw: B::Buf,
-    k_raw: B::Buf,
+    /// `[rows, 2 * value heads]`: `in_proj_b`'s outputs, then `in_proj_a`'s, per row.
+    ba: B::Buf,
     lv: B::Buf,
     qn: B::Buf,
     kn: B::Buf,
@@ -428,7 +477,7 @@ struct Scratch<B: Backend> {
 }
 
 impl<B: Backend> Scratch<B> {
-    fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize) -> Result<Self> {
+    fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize, cached: bool) -> Result<Self> {
         let hy = hybrid(sh);
         let bf = |n: usize| be.alloc(s, DType::BF16, n);
         let f32 = |n: usize| be.alloc(s, DType::F32, n);
@@ -440,8 +489,6 @@ impl<B: Backend> Scratch<B> {
             gu: bf(t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
             qg: bf(t * 2 * qw)?,
-            q_pre: bf(t * qw)?,
-            gate: bf(t * qw)?,
             q: bf(t * qw)?,
             k_pre: bf(t * kw)?,
             k: bf(t * kw)?,
@@ -452,12 +499,10 @@ impl<B: Backend> Scratch<B> {
             // (transformers rounds each to bf16): these roundings are the largest error of the
             // layer, and no GEMM reads them.
             qkv: f32(t * hy.conv_dim())?,
-            conv: f32(t * hy.conv_dim())?,
+            conv: if cached { Some(f32(t * hy.conv_dim())?) } else { None },
+            raw: if cached { Some(f32(t * hy.key_dim())?) } else { None },
             z: bf(t * hy.value_dim())?,
-            b: bf(t * hv)?,
-            a: bf(t * hv)?,
-            q_raw: f32(t * hy.key_dim())?,
-            k_raw: f32(t * hy.key_dim())?,
+            ba: bf(t * 2 * hv)?,
             lv: f32(t * hy.value_dim())?,
             // L2-normalised q and k stay f32, as inside flash-linear-attention's kernel.
             qn: f32(t * hy.key_dim())?,

@@ -1,0 +1,225 @@
+//! The fused passes of the Qwen3.5/3.6 target's forward (kernels/hybrid.cu: add + RMSNorm,
+//! convolution + split + L2 norms, per-head norm + partial RoPE, strided sigmoid gate, the gates
+//! from one b | a projection) against the CPU reference, which runs the unfused ops
+//! (backend::fused). Ragged packed batches, widths that are not multiples of 8, and shapes the
+//! fused kernels do not take (the CUDA backend runs the unfused ops for those: same results).
+
+use dflash_engine::backend::cpu::CpuBackend;
+use dflash_engine::backend::fused::{GdnConvQkv, NormRope};
+use dflash_engine::backend::Backend;
+use dflash_engine::tensor::DType;
+
+use super::{bits_equal, get, gpu, ids, put, rand, rel_err, BF16_TOL};
+
+/// Sequence lengths around the 16-row runs of the convolution kernels and the 64-token chunk.
+const LENS: [usize; 6] = [1, 15, 16, 17, 63, 200];
+
+fn starts_of(lens: &[usize]) -> Vec<i32> {
+    let mut s = vec![0i32];
+    for &l in lens {
+        s.push(s.last().unwrap() + l as i32);
+    }
+    s
+}
+
+fn positions(lens: &[usize]) -> Vec<i32> {
+    lens.iter().flat_map(|&l| 0..l as i32).collect()
+}
+
+/// The residual after the add and the normed output.
+fn add_norm<B: Backend>(
+    be: &B,
+    rows: usize,
+    dim: usize,
+    w_off: usize,
+    x: &[f32],
+    t: &[f32],
+    w: &[f32],
+) -> [Vec<f32>; 2] {
+    let s = be.compute_stream();
+    let mut xb = put(be, x, DType::BF16);
+    let mut y = be.alloc(&s, DType::BF16, rows * dim).unwrap();
+    be.add_rmsnorm1p_fwd(
+        &s,
+        &mut xb,
+        &put(be, t, DType::BF16),
+        &put(be, w, DType::BF16),
+        w_off,
+        &mut y,
+        rows,
+        dim,
+        1e-6,
+    )
+    .unwrap();
+    [get(be, &xb), get(be, &y)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_add_rmsnorm1p_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    // The 27B hidden size; 4-wide lanes; scalar lanes (dims that are not multiples of 4).
+    for (rows, dim, w_off) in [(393, 5120, 0), (37, 100, 4), (1, 16, 0), (200, 33, 2), (5, 5122, 1)] {
+        let x = rand(rows * dim, 70, 2.0);
+        let t = rand(rows * dim, 71, 1.0);
+        let w = rand(dim + w_off, 72, 0.3);
+        let a = add_norm(&g, rows, dim, w_off, &x, &t, &w);
+        let b = add_norm(&c, rows, dim, w_off, &x, &t, &w);
+        // The residual is one rounded f32 add on both.
+        bits_equal(&format!("add_rmsnorm1p residual {rows}x{dim}"), &a[0], &b[0]);
+        rel_err(&format!("add_rmsnorm1p norm {rows}x{dim} w_off {w_off}"), &a[1], &b[1], BF16_TOL);
+    }
+}
+
+fn conv_qkv<B: Backend>(be: &B, sh: &GdnConvQkv, x: &[f32], w: &[f32], starts: &[i32]) -> [Vec<f32>; 3] {
+    let s = be.compute_stream();
+    let kd = sh.key_dim();
+    let mut q = be.alloc(&s, DType::F32, sh.rows * kd).unwrap();
+    let mut k = be.alloc(&s, DType::F32, sh.rows * kd).unwrap();
+    let mut v = be.alloc(&s, DType::F32, sh.rows * sh.value_dim).unwrap();
+    let (xb, wb) = (put(be, x, DType::F32), put(be, w, DType::BF16));
+    be.gdn_conv_qkv(&s, sh, &xb, &wb, &ids(be, starts), &mut q, &mut k, &mut v).unwrap();
+    [get(be, &q), get(be, &k), get(be, &v)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let rows: usize = LENS.iter().sum();
+    let packed = starts_of(&LENS);
+    // (key heads, k_dim, value_dim, kernel): the 27B heads (a key head per warp), the tiny and
+    // small presets' (4 and 8 lanes a head), channel groups padded to whole warps (146 -> 160),
+    // another kernel size; then shapes the fused kernel does not take (k_dim 12: 3 lanes; k_dim
+    // 256: 64 lanes; value_dim 42: not whole 16-byte groups).
+    for (hk, dk, vd, kernel) in [
+        (16, 128, 6144, 4),
+        (2, 16, 64, 4),
+        (4, 32, 256, 4),
+        (3, 64, 200, 4),
+        (4, 32, 128, 3),
+        (2, 12, 40, 4),
+        (1, 256, 256, 4),
+        (2, 32, 42, 4),
+    ] {
+        let sh = GdnConvQkv {
+            rows,
+            k_heads: hk,
+            k_dim: dk,
+            value_dim: vd,
+            kernel,
+            w_off: 3,
+            eps: 1e-6,
+            q_scale: 1.0 / (dk as f32).sqrt(),
+        };
+        let ch = sh.channels();
+        let x = rand(rows * ch, 80, 1.0);
+        let w = rand(3 + ch * kernel, 81, 0.5);
+        for (what, starts) in
+            [("packed", packed.clone()), ("one sequence", vec![0, rows as i32]), ("tail", packed[..4].to_vec())]
+        {
+            let a = conv_qkv(&g, &sh, &x, &w, &starts);
+            let b = conv_qkv(&c, &sh, &x, &w, &starts);
+            let tag = format!("{hk}x{dk} keys, {vd} values, kernel {kernel}, {what}");
+            // f32 out: the summation order of the convolution and of the squares differs.
+            rel_err(&format!("gdn_conv_qkv q {tag}"), &a[0], &b[0], 1e-5);
+            rel_err(&format!("gdn_conv_qkv k {tag}"), &a[1], &b[1], 1e-5);
+            rel_err(&format!("gdn_conv_qkv v {tag}"), &a[2], &b[2], 1e-5);
+        }
+    }
+}
+
+fn norm_rope<B: Backend>(be: &B, sh: &NormRope, x: &[f32], w: &[f32], pos: &[i32]) -> Vec<f32> {
+    let s = be.compute_stream();
+    let mut y = be.alloc(&s, DType::BF16, sh.rows * sh.heads * sh.head_dim).unwrap();
+    be.rmsnorm1p_rope_partial(&s, sh, &put(be, x, DType::BF16), &put(be, w, DType::BF16), &mut y, &ids(be, pos))
+        .unwrap();
+    get(be, &y)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_rmsnorm1p_rope_partial_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let pos = positions(&LENS);
+    let rows = pos.len();
+    // (heads, head_dim, rot_dim, x_off, x_stride, w_off): the 27B query heads read from q | gate
+    // and its key heads read contiguously, the tiny and small presets' heads, a fully rotated
+    // head, an offset into the rows; then shapes the fused kernel does not take (no head_dim 48
+    // variant; rot / 2 not a multiple of a lane's 8 elements; a weight offset off the lanes'
+    // boundary).
+    for (heads, hd, rot, x_off, x_stride, w_off) in [
+        (24, 256, 64, 0, 512, 0),
+        (4, 256, 64, 0, 256, 256),
+        (4, 16, 4, 0, 32, 0),
+        (8, 64, 16, 0, 128, 2),
+        (2, 32, 32, 0, 32, 0),
+        (3, 128, 32, 128, 256, 4),
+        (2, 48, 16, 0, 96, 0),
+        (2, 256, 4, 0, 512, 0),
+        (2, 256, 64, 0, 512, 3),
+    ] {
+        let sh = NormRope { rows, heads, head_dim: hd, rot_dim: rot, theta: 1e7, eps: 1e-6, x_off, x_stride, w_off };
+        let x = rand(x_off + rows * heads * x_stride, 90, 2.0);
+        let w = rand(w_off + hd, 91, 0.3);
+        let a = norm_rope(&g, &sh, &x, &w, &pos);
+        let b = norm_rope(&c, &sh, &x, &w, &pos);
+        rel_err(
+            &format!("rmsnorm1p_rope_partial {heads}x{hd} rot {rot} stride {x_stride} off {x_off} w_off {w_off}"),
+            &a,
+            &b,
+            BF16_TOL,
+        );
+    }
+}
+
+fn gate_mul<B: Backend>(be: &B, x: &[f32], gate: &[f32], geo: [usize; 4]) -> Vec<f32> {
+    let [off, stride, rows, width] = geo;
+    let mut xb = put(be, x, DType::BF16);
+    be.sigmoid_mul_strided(&be.compute_stream(), &mut xb, &put(be, gate, DType::BF16), off, stride, rows, width)
+        .unwrap();
+    get(be, &xb)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_sigmoid_mul_strided_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    // (gate offset, gate stride, rows, width): the gate halves of the 27B and tiny q | gate
+    // projections (16-byte accesses), and an odd width and stride (element by element).
+    for (off, stride, rows, width) in [(256, 512, 393 * 24, 256), (16, 32, 393 * 4, 16), (5, 30, 100, 13)] {
+        let x = rand(rows * width, 100, 1.0);
+        let gate = rand(off + rows * stride, 101, 3.0);
+        let a = gate_mul(&g, &x, &gate, [off, stride, rows, width]);
+        let b = gate_mul(&c, &x, &gate, [off, stride, rows, width]);
+        rel_err(&format!("sigmoid_mul_strided {rows}x{width} stride {stride}"), &a, &b, BF16_TOL);
+    }
+}
+
+fn gates_ba<B: Backend>(be: &B, ba: &[f32], w: &[f32], rows: usize, heads: usize) -> [Vec<f32>; 2] {
+    let s = be.compute_stream();
+    let mut beta = be.alloc(&s, DType::BF16, rows * heads).unwrap();
+    let mut g = be.alloc(&s, DType::F32, rows * heads).unwrap();
+    let (bab, wb) = (put(be, ba, DType::BF16), put(be, w, DType::BF16));
+    be.gdn_gates_ba(&s, &bab, &wb, 3, 3 + heads, &mut beta, &mut g, rows, heads).unwrap();
+    [get(be, &beta), get(be, &g)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_gdn_gates_ba_matches_cpu() {
+    let (gp, c) = (gpu(), CpuBackend::new());
+    // The 27B value heads, the tiny preset's, and an odd head count; a spans the softplus
+    // threshold (20) both ways.
+    for (rows, heads) in [(393, 48), (393, 4), (37, 7)] {
+        let ba: Vec<f32> = rand(rows * 2 * heads, 110, 3.0)
+            .chunks(2 * heads)
+            .flat_map(|r| r[..heads].iter().copied().chain(r[heads..].iter().map(|a| a * 4.0)).collect::<Vec<_>>())
+            .collect();
+        let w = rand(3 + 2 * heads, 111, 1.0);
+        let x = gates_ba(&gp, &ba, &w, rows, heads);
+        let y = gates_ba(&c, &ba, &w, rows, heads);
+        rel_err(&format!("gdn_gates_ba beta {rows}x{heads}"), &x[0], &y[0], BF16_TOL);
+        rel_err(&format!("gdn_gates_ba g (f32) {rows}x{heads}"), &x[1], &y[1], 1e-5);
+    }
+}
