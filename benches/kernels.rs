@@ -551,6 +551,47 @@ fn main() {
         println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
     }
 
+    if want("gemm-algos") {
+        // Every algorithm cuBLASLt's heuristic offers (best first; `gemm` runs the first) on the
+        // largest GEMMs of the two recipes: how much a timed choice would gain over the heuristic's.
+        let shapes: [(&str, Gemm); 6] = [
+            ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120)),
+            ("27B MLP down", Gemm::linear(12288, 5120, 17408)),
+            ("27B GDN q|k|v|z", Gemm::linear(12288, 10240 + 6144, 5120)),
+            ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096)),
+            ("8B lm_head", Gemm::linear(2048, 151936, 4096)),
+            ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096)),
+        ];
+        println!("\ncuBLASLt candidates (heuristic order), ms per call:");
+        for (name, g) in shapes {
+            let (a, b) = (random(g.m * g.k, 11), random(g.k * g.n, 12));
+            let mut c = buf(DType::BF16, g.m * g.n);
+            let mut times = Vec::new();
+            for i in 0..dflash_engine::backend::cuda::blas::CANDIDATES {
+                if !be.gemm_candidate(&s, &g, &a, &b, &mut c, i).unwrap() {
+                    break;
+                }
+                times.push(time(&be, 5, || {
+                    be.gemm_candidate(&s, &g, &a, &b, &mut c, i).unwrap();
+                }));
+            }
+            let tf = |t: f64| 2.0 * (g.m * g.n * g.k) as f64 / t / 1e12;
+            let (best, tb) =
+                times.iter().enumerate().fold((0, f64::MAX), |m, (i, &t)| if t < m.1 { (i, t) } else { m });
+            let list: Vec<String> = times.iter().map(|t| format!("{:.3}", t * 1e3)).collect();
+            println!(
+                "  {name:<24} {}x{}x{}: [{}]; first {:.0} TFLOP/s, best #{best} {:.0} TFLOP/s ({:.3}x)",
+                g.m,
+                g.n,
+                g.k,
+                list.join(" "),
+                tf(times[0]),
+                tf(tb),
+                times[0] / tb
+            );
+        }
+    }
+
     let peers = load_peers();
     println!("\n{:<48} {:>10} {:>12} {:>8} {:>10} {:>8}", "kernel", "time", "throughput", "% peak", "peer", "vs peer");
     for r in &rows {

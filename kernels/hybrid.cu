@@ -165,9 +165,49 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_fwd_bf16(
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gated_rmsnorm_fwd_bf16(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {
-  const bool vec = dim % 4 == 0 && hyb::aligned8(x) && hyb::aligned8(z) && hyb::aligned8(w) && hyb::aligned8(y);
-  hyb::norm_rows(x, y, rows, dim, eps, vec, [&](index_t r, int c, float xc, float inv) {
-    return xc * inv * bf16_to_f32(w[c]) * hyb::silu(bf16_to_f32(z[r * dim + c]));
+  using namespace hyb;
+  const bool vec = dim % 4 == 0 && aligned8(x) && aligned8(z) && aligned8(w) && aligned8(y);
+  if (vec && dim <= 128) {
+    // Heads of at most 128 elements (the Gated DeltaNet's value heads), two rows per warp: lane
+    // l holds elements 4l..4l+3 of both, and x and z of both are loaded before the reductions
+    // (a warp per row left one 256-byte row in flight per warp). Same sums and products, in the
+    // same order, as norm_rows below.
+    const int lane = threadIdx.x & 31;
+    const bool active = lane * 4 < dim;
+    const int c = active ? lane * 4 : 0;
+    float wv[4];
+    load4(w + c, wv);
+    const index_t warps = (index_t)gridDim.x * WARPS;
+    for (index_t r0 = 2 * ((index_t)blockIdx.x * WARPS + (threadIdx.x >> 5)); r0 < rows; r0 += 2 * warps) {
+      const bool two = r0 + 1 < rows;  // the same for the whole warp
+      float xa[4] = {0.f, 0.f, 0.f, 0.f}, za[4] = {0.f, 0.f, 0.f, 0.f};
+      float xb[4] = {0.f, 0.f, 0.f, 0.f}, zb[4] = {0.f, 0.f, 0.f, 0.f};
+      if (active) {
+        load4(x + r0 * dim + c, xa);
+        load4(z + r0 * dim + c, za);
+        if (two) {
+          load4(x + (r0 + 1) * dim + c, xb);
+          load4(z + (r0 + 1) * dim + c, zb);
+        }
+      }
+      float sa = 0.f, sb = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sa = fmaf(xa[i], xa[i], sa), sb = fmaf(xb[i], xb[i], sb);
+      const float ia = 1.f / sqrtf(warp_sum(sa) / (float)dim + eps);
+      const float ib = 1.f / sqrtf(warp_sum(sb) / (float)dim + eps);
+      if (!active) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xa[i] = xa[i] * ia * wv[i] * silu(za[i]);
+        xb[i] = xb[i] * ib * wv[i] * silu(zb[i]);
+      }
+      store4_rne(y + r0 * dim + c, xa);
+      if (two) store4_rne(y + (r0 + 1) * dim + c, xb);
+    }
+    return;
+  }
+  norm_rows(x, y, rows, dim, eps, vec, [&](index_t r, int c, float xc, float inv) {
+    return xc * inv * bf16_to_f32(w[c]) * silu(bf16_to_f32(z[r * dim + c]));
   });
 }
 
@@ -589,7 +629,23 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
     float* out_base = is_q ? q + c0 : is_k ? k + (c0 - key_dim) : v + (c0 - 2 * key_dim);
     const int out_stride = (is_q || is_k) ? key_dim : value_dim;
     const float scale = is_q ? q_scale : 1.f;
-    for (index_t t = t0; t < t1; ++t) {
+    // The run's R input rows, loaded before any is used: R loads in flight per thread instead
+    // of one (the row loop below carries the window and the shuffles, which kept the next
+    // row's load from issuing early).
+    float xs[R][V];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (t0 + r < t1) {
+        load_vec<V>(x + (t0 + r) * channels + c0, xs[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) xs[r][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const index_t t = t0 + r;
+      if (t >= t1) break;  // t1 is the run's: the warp leaves together
       if (t == next) {  // a sequence starts here: nothing before it is visible
 #pragma unroll
         for (int j = 0; j < K; ++j) {
@@ -598,8 +654,8 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
         }
         next = hyb::next_start_after(seq_starts, n_starts, t);
       }
-      float xt[V], out[V];
-      load_vec<V>(x + t * channels + c0, xt);
+      const float(&xt)[V] = xs[r];
+      float out[V];
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         float acc = 0.f;

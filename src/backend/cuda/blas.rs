@@ -31,8 +31,12 @@ struct Plan {
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+    /// What the heuristic offers, best first; `matmul` runs the first.
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
 }
+
+/// How many algorithms a plan keeps from cuBLASLt's heuristic (the bench times each of them).
+pub const CANDIDATES: usize = 8;
 
 pub struct Lt {
     handle: sys::cublasLtHandle_t,
@@ -127,15 +131,42 @@ impl Lt {
                 4,
             )
             .map_err(err("setting the reduction schemes", key))?;
-            let h = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref)
-                .map_err(err("choosing an algorithm", key));
+            let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(CANDIDATES);
+            let mut count = 0i32;
+            let h = sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc,
+                a,
+                b,
+                c,
+                c,
+                pref,
+                CANDIDATES as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+            .result()
+            .map_err(err("choosing an algorithm", key));
             let _ = lt::destroy_matmul_pref(pref);
-            h?.algo
+            h?;
+            // The heuristic wrote `count` results.
+            found.set_len(count.clamp(0, CANDIDATES as i32) as usize);
+            found
+                .into_iter()
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|r| r.algo)
+                .collect::<Vec<_>>()
         };
-        Ok(Plan { desc, a, b, c, algo })
+        if algo.is_empty() {
+            return Err(err("choosing an algorithm", key)(lt::CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+            )));
+        }
+        Ok(Plan { desc, a, b, c, algos: algo })
     }
 
-    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset).
+    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset), with the
+    /// heuristic's first algorithm (fixed per shape: a run's results are deterministic).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -148,6 +179,24 @@ impl Lt {
         ws_bytes: usize,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
+        self.matmul_candidate(g, a, b, c, c_dtype, ws, ws_bytes, stream, 0).map(|_| ())
+    }
+
+    /// `matmul` with the heuristic's `index`-th algorithm; `Ok(false)` (nothing enqueued) when the
+    /// heuristic offered fewer. For the bench, which times every candidate against the first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_candidate(
+        &self,
+        g: &Gemm,
+        a: u64,
+        b: u64,
+        c: u64,
+        c_dtype: DType,
+        ws: u64,
+        ws_bytes: usize,
+        stream: cudarc::driver::sys::CUstream,
+        index: usize,
+    ) -> Result<bool> {
         let key = Key { m: g.m, n: g.n, k: g.k, ta: g.ta, tb: g.tb, f32_out: c_dtype == DType::F32 };
         let mut plans = self.plans.lock().map_err(|_| BackendError::Poisoned("cuBLASLt plan cache"))?;
         if !plans.contains_key(&key) {
@@ -155,6 +204,7 @@ impl Lt {
             plans.insert(key, p);
         }
         let p = &plans[&key];
+        let Some(algo) = p.algos.get(index) else { return Ok(false) };
         let (alpha, beta) = (g.alpha, g.beta);
         // SAFETY: the plan matches these shapes; the pointers hold the checked extents; alpha and
         // beta are host f32 (the default pointer mode); the workspace is ours for this call.
@@ -172,12 +222,13 @@ impl Lt {
                 p.c,
                 c as *mut c_void,
                 p.c,
-                &p.algo,
+                algo,
                 ws as *mut c_void,
                 ws_bytes,
                 stream as sys::cudaStream_t,
             )
         }
-        .map_err(err("matmul", key))
+        .map_err(err("matmul", key))?;
+        Ok(true)
     }
 }

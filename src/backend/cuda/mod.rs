@@ -7,7 +7,7 @@
 //! reused while that stream may still read it (DESIGN.md section 2).
 
 pub mod alloc;
-mod blas;
+pub mod blas;
 mod device;
 mod fc;
 pub mod launch;
@@ -428,6 +428,29 @@ impl CudaBackend {
             let dims: Vec<&str> = variants.iter().map(|(d, _)| *d).collect();
             BackendError::Shape { op, what: format!("head_dim {head_dim} is not one of the compiled {dims:?}") }
         })
+    }
+
+    /// `gemm` with cuBLASLt's `index`-th heuristic algorithm for this shape (`gemm` runs the
+    /// first); `Ok(false)` when the heuristic offered fewer. The bench times every candidate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_candidate(
+        &self,
+        s: &Stream,
+        g: &Gemm,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        c: &mut CudaBuf,
+        index: usize,
+    ) -> Result<bool> {
+        check_len("gemm", "A", a.len, 0, g.m * g.k)?;
+        check_len("gemm", "B", b.len, 0, g.k * g.n)?;
+        check_len("gemm", "C", c.len, 0, g.m * g.n)?;
+        Self::need_bf16("gemm A", a)?;
+        Self::need_bf16("gemm B", b)?;
+        self.bind()?;
+        let ws_bytes = blas::WORKSPACE_BYTES;
+        let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
+        self.blas.matmul_candidate(g, a.ptr, b.ptr, c.ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
     }
 
     /// The causal forward with an explicit kernel form (the trait method takes
