@@ -629,23 +629,7 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
     float* out_base = is_q ? q + c0 : is_k ? k + (c0 - key_dim) : v + (c0 - 2 * key_dim);
     const int out_stride = (is_q || is_k) ? key_dim : value_dim;
     const float scale = is_q ? q_scale : 1.f;
-    // The run's R input rows, loaded before any is used: R loads in flight per thread instead
-    // of one (the row loop below carries the window and the shuffles, which kept the next
-    // row's load from issuing early).
-    float xs[R][V];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (t0 + r < t1) {
-        load_vec<V>(x + (t0 + r) * channels + c0, xs[r]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) xs[r][i] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const index_t t = t0 + r;
-      if (t >= t1) break;  // t1 is the run's: the warp leaves together
+    for (index_t t = t0; t < t1; ++t) {
       if (t == next) {  // a sequence starts here: nothing before it is visible
 #pragma unroll
         for (int j = 0; j < K; ++j) {
@@ -654,8 +638,8 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
         }
         next = hyb::next_start_after(seq_starts, n_starts, t);
       }
-      const float(&xt)[V] = xs[r];
-      float out[V];
+      float xt[V], out[V];
+      load_vec<V>(x + t * channels + c0, xt);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         float acc = 0.f;
