@@ -2060,7 +2060,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let padded = (c / 4).div_ceil(32) * 32;
-        let cfg = (self.hyb_grid(rows.div_ceil(HYB_CONV_ROWS) * padded), HYB_BLOCK, 0);
+        let cfg = (self.hyb_grid(rows * padded), HYB_BLOCK, 0);
         let args = launch::GdnConvQkvF32 {
             x: x.at(OP, 0)?,
             w: w.at(OP, sh.w_off)?,
