@@ -1,5 +1,6 @@
 // attention_wgmma.cu: the target's causal GQA prefill attention on Hopper's warpgroup MMA
-// (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention).
+// (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention); below it
+// (sections 2 and 3) the drafter's forward and the query side of its backward at head_dim 128.
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //
@@ -552,6 +553,392 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 3. Drafter backward over queries: attention.cu's draft_bwd_q (same math and numerics: dq for the
+// M rows of each block, dkb/dvb for its bs block keys, which only that block sees), head_dim 128
+// and M = block_size * G <= 64. CTA, pairs and context streaming as draft_fwd_wg above: two
+// consecutive blocks (one warpgroup each) of one kv head g, their context ranges streamed once as
+// ATTN_WG_BWD_KEYS-row tiles over the union [Tlo, Thi). Per context tile t and warpgroup:
+//   S_t = Q K_t^T, dP_t = dO V_t^T   2 x HD/16 wgmma m64n64k16 (Q, dO, K, V K-major in shared memory)
+//   dS = P (dP - D) scale            P = exp2(S scale log2(e) - lse log2(e)), D = dsum (the prep
+//                                    kernel's rowsum(dO o)); masked keys give dS = 0 exactly (a
+//                                    select: never 0 * inf or 0 * NaN)
+//   dQ += dS_t K_t                   BN/16 wgmma m64n128k16, dS rounded to bf16 in registers (the A
+//                                    operand), K N-major (transposed read, as V in the forward)
+// software-pipelined like the forward: S_t and dP_t are issued with dQ += dS_{t-1} K_{t-1}, so the
+// dS math of tile t overlaps the tensor cores' dQ product of tile t - 1. K stays two iterations
+// (ATTN_WG_BWD_K_STAGES = 3 stages), V one (2 stages); one CTA barrier per tile.
+// Then each warpgroup's own block keys form one last 16-key tile (bidirectional in a full layer,
+// causal in a sliding one): dQ += dS_b K_b by wgmma; P_b and dS_b (f32) go to shared memory and
+// dkb[i] = sum_m dS_b[m][i] q[m], dvb[i] = sum_m P_b[m][i] dO[m] are summed with f32 FMAs in row
+// order m (attention.cu's block-key path). dQ is staged through the (dead) K stages for 16-byte
+// stores. Padded blocks (anchor < 0) write exact zeros.
+//
+// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WG_THREADS, dynamic smem
+//   (2 * ATTN_WG_ROWS + (ATTN_WG_BWD_K_STAGES + ATTN_WG_BWD_V_STAGES) * ATTN_WG_BWD_KEYS +
+//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WG_ALIGN = 181,248
+//   bytes. Preconditions as draft_fwd_wg (block_size <= 16, M <= 64); violations trap.
+// Registers (ptxas, no spills): 220 (dQ 64 f32, S 32, dP 32, dS 16 packed).
+// dS = P (dP - D) scale of one tile for this thread's two rows (the wgmma accumulator layout of
+// wgmma_ops.cuh), into s: P = exp2(S scale log2(e) - lse log2(e)); a key vis() rejects gets exactly
+// 0 (selected, so an overflowing score outside the row's range cannot leak inf or NaN). Rows with
+// lse2 = +inf (padding) get P = 0. vis(hh, col) is asked only when masked.
+template <int NN, bool MASKED, class Vis>
+__device__ __forceinline__ void ds_tile_impl(float (&s)[NN][4], const float (&dp)[NN][4], float sl2,
+                                             const float (&lse2)[2], const float (&dsm)[2], float scale, int lane,
+                                             Vis vis) {
+  const int tq = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hh = e >> 1;
+      const float p = exp2_ftz(fmaf(s[n][e], sl2, -lse2[hh]));
+      const float ds = p * (dp[n][e] - dsm[hh]) * scale;
+      s[n][e] = (!MASKED || vis(hh, n * 8 + 2 * tq + (e & 1))) ? ds : 0.f;
+    }
+  }
+}
+
+template <int NN, class Vis>
+__device__ __forceinline__ void ds_tile(float (&s)[NN][4], const float (&dp)[NN][4], float sl2, const float (&lse2)[2],
+                                        const float (&dsm)[2], float scale, bool masked, int lane, Vis vis) {
+  // Two copies of the loop, so that the unmasked tiles (most of them) test nothing per element.
+  if (masked) ds_tile_impl<NN, true>(s, dp, sl2, lse2, dsm, scale, lane, vis);
+  else ds_tile_impl<NN, false>(s, dp, sl2, lse2, dsm, scale, lane, vis);
+}
+
+template <int HD>
+__device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                               const bf16* __restrict__ vc, const bf16* __restrict__ kb,
+                                               const bf16* __restrict__ vb, const float* __restrict__ lse,
+                                               const float* __restrict__ dsum, const bf16* __restrict__ d_o,
+                                               bf16* __restrict__ dq, bf16* __restrict__ dkb, bf16* __restrict__ dvb,
+                                               const int* __restrict__ anchors, const int* __restrict__ ctx_start,
+                                               int num_blocks, int block_size, index_t ctx_rows, int heads,
+                                               int kv_heads, float scale, int window) {
+  static_assert(HD == 128, "the wgmma drafter backward takes head_dim 128");
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
+  constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WG_BWD_KEYS, KS = ATTN_WG_BWD_K_STAGES, VS = ATTN_WG_BWD_V_STAGES;
+  constexpr int BB = ATTN_WG_BLOCK_KEYS;
+  static_assert(BM == 128 && BN % 16 == 0 && BB == 16, "tile shapes of the wgmma wrappers");
+  constexpr uint32_t Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, B_BYTES = BB * HD * 2;
+  constexpr uint32_t F_OFF = 2 * Q_BYTES + (KS + VS) * KV_BYTES + 4 * B_BYTES;
+  constexpr uint32_t F_BYTES = 64 * BB * 4;  // one f32 [64][BB] side buffer
+  constexpr uint32_t SMEM = F_OFF + 4 * F_BYTES + ATTN_WG_ALIGN;
+  static_assert(KS * KV_BYTES >= Q_BYTES, "dQ is staged in the K stages");
+  require_launch(ATTN_WG_THREADS, SMEM);
+  if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > 64) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base, sO = base + Q_BYTES;
+  auto sK = [&](int st) { return base + 2 * Q_BYTES + (uint32_t)st * KV_BYTES; };
+  auto sV = [&](int st) { return base + 2 * Q_BYTES + (uint32_t)(KS + st) * KV_BYTES; };
+  // Block keys of warpgroup w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  auto sB = [&](int w, int kv) { return base + 2 * Q_BYTES + (KS + VS) * KV_BYTES + (uint32_t)(2 * w + kv) * B_BYTES; };
+  // f32 P (kind 0) and dS (kind 1) of warpgroup w's block keys, [64 rows][BB keys].
+  auto fbuf = [&](int w, int kind) { return reinterpret_cast<float*>(base_ptr + F_OFF + (uint32_t)(2 * w + kind) * F_BYTES); };
+
+  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t npairs = ((index_t)num_blocks + 1) / 2;
+  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  if (pair < 0) return;
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Both blocks' context ranges [lo, hi) (as draft_fwd_wg).
+  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+
+  const index_t j = 2 * pair + wg;
+  const index_t a = wg ? a_w[1] : a_w[0], cs = wg ? cs_w[1] : cs_w[0];
+  int mrow[2], vlo[2], vhi[2];
+  bool rvalid[2];
+  float lse2[2], dsm[2];  // per row: lse * log2(e) (+inf on invalid rows: p = 0) and dsum
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mrow[hh] = wi * 16 + gr + 8 * hh;
+    rvalid[hh] = a >= 0 && mrow[hh] < M;
+    const int r = mrow[hh] % bs;
+    if (rvalid[hh] && a > 0) {
+      const index_t first = window > 0 ? max((index_t)0, a + r - (index_t)(window - 1)) : (index_t)0;
+      vlo[hh] = (int)(cs + first - Tlo);
+      vhi[hh] = (int)(cs + a - Tlo) - 1;
+    } else {
+      vlo[hh] = 1;
+      vhi[hh] = 0;
+    }
+    if (rvalid[hh]) {
+      const index_t idx = (j * bs + r) * heads + g * Gq + mrow[hh] / bs;
+      lse2[hh] = lse[idx] * LOG2E;
+      dsm[hh] = dsum[idx];
+    } else {
+      lse2[hh] = INFINITY;
+      dsm[hh] = 0.f;
+    }
+  }
+  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
+  const bool wg_any = a > 0 && all_first < a;
+  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+
+  const bf16* kbase = kc + (index_t)g * HD;
+  const bf16* vbase = vc + (index_t)g * HD;
+  auto load_kv = [&](int it) {
+    auto seen = [&](int i) {
+      const int u = it * BN + i;
+      return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi);
+    };
+    wg_load_rows<HD, BN>(sK(it % KS), kc, [&](int i) -> const bf16* {
+      return seen(i) ? kbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+    wg_load_rows<HD, BN>(sV(it % VS), vc, [&](int i) -> const bf16* {
+      return seen(i) ? vbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+  };
+  // Q and dO: row i of the CTA tile is row i % 64 of warpgroup i / 64's block (zero past M and for
+  // padded blocks, so padding rows give S = dP = 0).
+  auto q_row = [&](int i, const bf16* t) -> const bf16* {
+    const index_t jj = 2 * pair + i / 64;
+    const int mm = i % 64;
+    const bool live = jj < num_blocks && mm < M && (i < 64 ? a_w[0] : a_w[1]) >= 0;
+    return live ? t + (jj * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD : nullptr;
+  };
+  wg_load_rows<HD, BM>(sQ, q, [&](int i) { return q_row(i, q); });
+  wg_load_rows<HD, BM>(sO, d_o, [&](int i) { return q_row(i, d_o); });
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    const bool live = jj < num_blocks && a_w[w] >= 0;
+    wg_load_rows<HD, BB>(sB(w, 0), kb, [&](int i) -> const bf16* {
+      return live && i < bs ? kb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+    wg_load_rows<HD, BB>(sB(w, 1), vb, [&](int i) -> const bf16* {
+      return live && i < bs ? vb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+  }
+  load_kv(0);
+  cp_async_commit();
+
+  float acc[HD / 8][4];  // dQ
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const float sl2 = scale * LOG2E;
+  float s[BN / 8][4], dp[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  const uint64_t dqd = wg_desc(sQ + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dod = wg_desc(sO + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);          // K-major: S = Q K^T
+  const uint64_t dkn = wg_desc(sK(0), BN * 128, 1024);   // N-major: dQ += dS K
+  const uint64_t dv = wg_desc(sV(0), 16, 1024);          // K-major: dP = dO V^T
+  auto issue_sdp = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * KV_BYTES);
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(dp, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvs, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_dq = [&](int it) {
+    const uint64_t dks = wg_desc_at(dkn, (uint32_t)(it % KS) * KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dks, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  auto prefetch = [&](int it) {
+    if (it + 1 < n_kt) load_kv(it + 1);
+    cp_async_commit();
+  };
+  // dS of context tile it into s (f32; 0 where masked).
+  auto grad_s = [&](int it) {
+    const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
+    const bool masked = !(k0 >= wlo && k1 <= whi);
+    ds_tile<BN / 8>(s, dp, sl2, lse2, dsm, scale, masked, lane, [&](int hh, int col) {
+      const int t = k0 + col;
+      return t >= vlo[hh] && t <= vhi[hh];
+    });
+  };
+  auto pack_ds = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
+  {  // context tile 0 (with Q, dO and the block keys)
+    tile_ready();
+    wgmma_fence();
+    issue_sdp(0);
+    prefetch(0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    grad_s(0);
+    pack_ds();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    tile_ready();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_sdp(it);
+    issue_dq(it - 1);
+    prefetch(it);
+    wgmma_wait<1>();  // S_it and dP_it (dQ += dS_{it-1} K_{it-1} may still run)
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    grad_s(it);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    pack_ds();
+  }
+  {  // the block's own keys, issued with the last context tile's dQ product
+    float sb[BB / 8][4], dpb[BB / 8][4];
+    wg_fence_regs(acc);
+    wgmma_fence();
+    const uint64_t dkb_d = wg_desc(sB(wg, 0), 16, 1024);
+    const uint64_t dvb_d = wg_desc(sB(wg, 1), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(sb, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(dpb, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+    issue_dq(n_kt - 1);
+    wgmma_wait<1>();
+    wg_fence_regs(sb);
+    wg_fence_regs(dpb);
+    // P_b and dS_b in f32, kept in shared memory for dkb / dvb (every one of the 64 x 16 entries
+    // is written: 0 where masked or past M).
+    float* fp = fbuf(wg, 0);
+    float* fds = fbuf(wg, 1);
+#pragma unroll
+    for (int n = 0; n < BB / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1, col = n * 8 + 2 * (lane & 3) + (e & 1);
+        const bool vis = rvalid[hh] && col < bs && (window == 0 || col <= mrow[hh] % bs);
+        float p = 0.f, ds = 0.f;
+        if (vis) {
+          p = exp2_ftz(fmaf(sb[n][e], sl2, -lse2[hh]));
+          ds = p * (dpb[n][e] - dsm[hh]) * scale;
+        }
+        fp[mrow[hh] * BB + col] = p;
+        fds[mrow[hh] * BB + col] = ds;
+        sb[n][e] = ds;
+      }
+    }
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    uint32_t pb[4];
+    pb[0] = pack_op(sb[0][0], sb[0][1]);
+    pb[1] = pack_op(sb[0][2], sb[0][3]);
+    pb[2] = pack_op(sb[1][0], sb[1][1]);
+    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    wgmma_fence();
+    wg_pb<HD>(acc, pb, wg_desc(sB(wg, 0), BB * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+  }
+  cp_async_wait<0>();
+  // Every warpgroup's wgmmas are done (the K stages are free for staging dQ) and the f32 side
+  // buffers are complete.
+  __syncthreads();
+  if (j >= num_blocks) return;
+  const bool padded = a < 0;  // exact zeros, never NaN
+
+  // dkb / dvb of this warpgroup's block: one thread per (key, 16-byte chunk, which).
+  constexpr int C = HD / 8;
+  const int tid = threadIdx.x & 127;
+  for (int it = tid; it < 2 * bs * C; it += 128) {
+    const int which = it / (bs * C);  // 0: dkb, 1: dvb
+    const int rem = it % (bs * C);
+    const int i = rem / C, ch = rem % C;
+    const float* coef = fbuf(wg, which ? 0 : 1);
+    const unsigned char* src = base_ptr + (which ? Q_BYTES : 0);
+    float r8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int mr = 0; mr < M; ++mr) {
+      const float cf = coef[mr * BB + i];
+      const uint4 x = *reinterpret_cast<const uint4*>(src + sw128_chunk<BM>(wg * 64 + mr, ch));
+      const uint32_t xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        r8[2 * w] = fmaf(cf, bf16x2_lo_to_f32(xw[w]), r8[2 * w]);
+        r8[2 * w + 1] = fmaf(cf, bf16x2_hi_to_f32(xw[w]), r8[2 * w + 1]);
+      }
+    }
+    bf16* dst = (which ? dvb : dkb) + (j * bs + i) * kw + (index_t)g * HD + ch * 8;
+    *reinterpret_cast<uint4*>(dst) =
+        padded ? make_uint4(0u, 0u, 0u, 0u)
+               : make_uint4(pack_bf16x2_rne(r8[0], r8[1]), pack_bf16x2_rne(r8[2], r8[3]),
+                            pack_bf16x2_rne(r8[4], r8[5]), pack_bf16x2_rne(r8[6], r8[7]));
+  }
+
+  // dQ, staged in the K stages as a BM-row swizzled tile (each warp its own 16 rows).
+  unsigned char* const stage = base_ptr + 2 * Q_BYTES;
+  const int wr = wg * 64 + wi * 16;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr + 8, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const int mm = wi * 16 + i;
+    if (mm < M) {
+      *reinterpret_cast<uint4*>(dq + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -571,4 +958,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_
     int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {
   attn::draft_fwd_wg<128>(q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size, ctx_rows, heads,
                           kv_heads, scale, window);
+}
+
+// The drafter backward over queries at head_dim 128; launch above draft_bwd_q_wg.
+extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_q_wg_bf16_hd128(
+    const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb,
+    const __nv_bfloat16* vb, const float* lse, const float* dsum, const __nv_bfloat16* d_o, __nv_bfloat16* dq,
+    __nv_bfloat16* dkb, __nv_bfloat16* dvb, const int* anchors, const int* ctx_start, int num_blocks, int block_size,
+    long long ctx_rows, int heads, int kv_heads, float scale, int window) {
+  attn::draft_bwd_q_wg<128>(q, kc, vc, kb, vb, lse, dsum, d_o, dq, dkb, dvb, anchors, ctx_start, num_blocks,
+                            block_size, ctx_rows, heads, kv_heads, scale, window);
 }
