@@ -453,8 +453,8 @@ fn main() {
                 4.0 * visible_sl * heads as f64 * hd as f64,
             );
         }
-        // The backward in both forms of its query-side kernel (the context-key kernel is mma.sync
-        // in both), full and sliding layers, each after its own layer's forward (o and lse).
+        // The backward in both forms, full and sliding layers, each after its own layer's forward
+        // (o and lse).
         let mut grads: Vec<_> =
             [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
                 .iter()

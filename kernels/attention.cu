@@ -101,8 +101,9 @@
 //   150, bwd_kv 9.3 ms = 175 (19-22%). The causal forward at head_dim 128 and 256 now runs on
 //   warpgroup MMAs by default (attention_wgmma.cu: 244 and 303 TFLOP/s at the bench's shapes);
 //   this file's attn_causal_fwd serves the other head dims and DFLASH_ATTN_FORM=mma. So do the
-//   drafter forward and bwd_q at head_dim 128 (attention_wgmma.cu draft_fwd_wg, draft_bwd_q_wg,
-//   block_size <= 16, M <= 64); bwd_kv runs here in every form.
+//   drafter forward, bwd_q and bwd_kv at head_dim 128 (attention_wgmma.cu draft_fwd_wg,
+//   draft_bwd_q_wg, draft_bwd_kv_wg: block_size <= 16, M <= 64); bwd_prep and attn_draft_kv_ranges
+//   serve both forms.
 #include <climits>
 
 #include "mma.cuh"

@@ -1,6 +1,6 @@
 // attention_wgmma.cu: the target's causal GQA prefill attention on Hopper's warpgroup MMA
 // (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention); below it
-// (sections 2 and 3) the drafter's forward and the query side of its backward at head_dim 128.
+// (sections 2 to 4) the drafter's forward and backward at head_dim 128.
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //
@@ -939,6 +939,328 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 4. Drafter backward over context keys: attention.cu's draft_bwd_kv (same math and numerics:
+// dkc/dvc of every context row, = never +=, one owner thread per element and a fixed summation
+// order over blocks in increasing j), head_dim 128 and M <= 64. CTA = (ATTN_WG_BWD_KV_ROWS context
+// rows, kv head g), 64 rows (keys) per warpgroup. The blocks that see any row of the CTA's tile
+// come from attn_draft_kv_ranges' per-row ranges, compacted into a list in increasing j as in
+// draft_bwd_kv; per listed block jj its M query rows are staged (64-row Q and dO tiles, 2 stages,
+// rows past M zero with lse = +inf, dsum = 0) and each warpgroup computes, with its keys as the
+// wgmma rows:
+//   S^T = K Q^T, dP^T = V dO^T   2 x HD/16 wgmma m64n64k16 (all K-major in shared memory)
+//   P^T = exp2(S^T scale log2(e) - lse log2(e)), masked by the same per-(key, slot) test as
+//   draft_bwd_kv (selected: masked entries are exact zeros)
+//   dV += P^T dO                 4 wgmma m64n128k16, P^T from registers (bf16), dO N-major
+//   dS^T = P^T (dP^T - D) scale
+//   dK += dS^T Q                 4 wgmma m64n128k16, dS^T from registers, Q N-major
+// dV's product runs while dS^T is computed. A block the warpgroup's rows do not see is computed
+// fully masked (no wgmma under a branch). dK and dV are staged through the warpgroup's own K and V
+// rows for 16-byte stores.
+//
+// Launch: grid ceil(ctx_rows / ATTN_WG_BWD_KV_ROWS) * kv_heads (at least kv_heads), block
+//   ATTN_WG_THREADS, dynamic smem (2 * ATTN_WG_BWD_KV_ROWS + 4 * 64) * 128 * 2 + 4 * 64 * 4 +
+//   ATTN_WG_ALIGN = 133,120 bytes, plus 4,160 bytes of static shared memory (visible-block list).
+//   Preconditions as draft_bwd_kv plus M <= 64; violations trap.
+// Registers (ptxas, no spills): 240 (dK and dV 64 f32 each, S^T and dP^T 32 each, P^T and dS^T
+//   16 packed each).
+template <int HD>
+__device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                                const bf16* __restrict__ vc, const float* __restrict__ lse,
+                                                const float* __restrict__ dsum, const bf16* __restrict__ d_o,
+                                                bf16* __restrict__ dkc, bf16* __restrict__ dvc,
+                                                const int* __restrict__ anchors, const int* __restrict__ ctx_start,
+                                                int num_blocks, int block_size, index_t ctx_rows, int heads,
+                                                int kv_heads, float scale, const int* __restrict__ ctx_block_begin,
+                                                const int* __restrict__ ctx_block_end, int window) {
+  static_assert(HD == 128, "the wgmma drafter backward takes head_dim 128");
+  constexpr int KR = ATTN_WG_BWD_KV_ROWS, QR = 64, WARPS = ATTN_WG_THREADS / 32, CAP = 1024;
+  constexpr uint32_t K_BYTES = KR * HD * 2, Q_BYTES = QR * HD * 2;
+  constexpr uint32_t L_OFF = 2 * K_BYTES + 4 * Q_BYTES;
+  constexpr uint32_t SMEM = L_OFF + 4 * QR * 4 + ATTN_WG_ALIGN;
+  require_launch(ATTN_WG_THREADS, SMEM);
+  if (window < 0 || block_size < 1 || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > QR) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sK = base, sV = base + K_BYTES;
+  auto sQ = [&](int st) { return base + 2 * K_BYTES + (uint32_t)st * Q_BYTES; };
+  auto sO = [&](int st) { return base + 2 * K_BYTES + (uint32_t)(2 + st) * Q_BYTES; };
+  auto sL = [&](int st) { return reinterpret_cast<float*>(base_ptr + L_OFF + (uint32_t)st * QR * 4); };
+  auto sD = [&](int st) { return reinterpret_cast<float*>(base_ptr + L_OFF + (uint32_t)(2 + st) * QR * 4); };
+  __shared__ int s_list[CAP];
+  __shared__ int s_red[2][WARPS];
+  __shared__ int s_cnt[WARPS];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2, tq = lane & 3;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t t0 = (index_t)(blockIdx.x / (unsigned)kv_heads) * KR;
+  if (t0 >= ctx_rows) return;
+  const index_t t_end = min(t0 + KR, ctx_rows);
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Blocks to scan: the union of the tile rows' ranges.
+  {
+    int jb = INT_MAX, je = INT_MIN;
+    if (threadIdx.x < KR && t0 + threadIdx.x < t_end) {
+      jb = ctx_block_begin[t0 + threadIdx.x];
+      je = ctx_block_end[t0 + threadIdx.x];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      jb = min(jb, __shfl_xor_sync(0xffffffffu, jb, off));
+      je = max(je, __shfl_xor_sync(0xffffffffu, je, off));
+    }
+    if (lane == 0) {
+      s_red[0][warp] = jb;
+      s_red[1][warp] = je;
+    }
+  }
+  wg_load_rows<HD, KR>(sK, kc, [&](int i) -> const bf16* {
+    const index_t t = t0 + i;
+    return t < t_end ? kc + t * kw + (index_t)g * HD : nullptr;
+  });
+  wg_load_rows<HD, KR>(sV, vc, [&](int i) -> const bf16* {
+    const index_t t = t0 + i;
+    return t < t_end ? vc + t * kw + (index_t)g * HD : nullptr;
+  });
+  cp_async_commit();
+  __syncthreads();
+  int j_lo = INT_MAX, j_hi = INT_MIN;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    j_lo = min(j_lo, s_red[0][w]);
+    j_hi = max(j_hi, s_red[1][w]);
+  }
+  j_lo = max(j_lo, 0);
+  j_hi = min(j_hi, num_blocks);
+
+  // This warpgroup's 64 keys [tw0, tw0 + 64) and this thread's two rows.
+  const index_t tw0 = t0 + wg * 64;
+  index_t trow[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) trow[hh] = tw0 + wi * 16 + gr + 8 * hh;
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+  }
+  const float sl2 = scale * LOG2E;
+
+  auto load_block = [&](int jj, int st) {
+    const index_t row0 = (index_t)jj * bs;
+    wg_load_rows<HD, QR>(sQ(st), q, [&](int mr) -> const bf16* {
+      return mr < M ? q + (row0 + mr % bs) * qw + (index_t)(g * Gq + mr / bs) * HD : nullptr;
+    });
+    wg_load_rows<HD, QR>(sO(st), d_o, [&](int mr) -> const bf16* {
+      return mr < M ? d_o + (row0 + mr % bs) * qw + (index_t)(g * Gq + mr / bs) * HD : nullptr;
+    });
+    for (int mr = threadIdx.x; mr < QR; mr += ATTN_WG_THREADS) {
+      if (mr < M) {
+        const index_t idx = (row0 + mr % bs) * heads + g * Gq + mr / bs;
+        cp_async_4(smem_u32(sL(st) + mr), lse + idx);
+        cp_async_4(smem_u32(sD(st) + mr), dsum + idx);
+      } else {
+        sL(st)[mr] = INFINITY;  // p = 0 on padding columns
+        sD(st)[mr] = 0.f;
+      }
+    }
+  };
+  auto tile_sees = [&](int jj) -> bool {
+    const index_t aa = anchors[jj];
+    if (aa < 0) return false;
+    const index_t c0 = ctx_start[jj];
+    return c0 + draft_first_key(aa, window) < t_end && c0 + aa > t0;
+  };
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+
+  // Descriptors: K and V of this warpgroup as the A operand (K-major, column blocks KR rows
+  // apart); Q and dO stages as K-major B (S^T, dP^T) and as N-major B (dK, dV).
+  const uint64_t dka = wg_desc(sK + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dva = wg_desc(sV + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dqb = wg_desc(sQ(0), 16, 1024), dob = wg_desc(sO(0), 16, 1024);
+  const uint64_t dqn = wg_desc(sQ(0), QR * 128, 1024), don = wg_desc(sO(0), QR * 128, 1024);
+
+  float st_[QR / 8][4], dpt[QR / 8][4];
+  uint32_t pp[QR / 16][4], ps[QR / 16][4];
+  int stage = 0;
+  int cursor = j_lo;
+  while (cursor < j_hi) {
+    // Compact the visible blocks of [cursor, ...) into s_list, in increasing j.
+    int n = 0;
+    while (cursor < j_hi && n + ATTN_WG_THREADS <= CAP) {
+      const int jj = cursor + (int)threadIdx.x;
+      const bool vis = jj < j_hi && tile_sees(jj);
+      const unsigned ballot = __ballot_sync(0xffffffffu, vis);
+      if (lane == 0) s_cnt[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, total = 0;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const int c = s_cnt[w];
+        before += w < warp ? c : 0;
+        total += c;
+      }
+      if (vis) s_list[n + before + __popc(ballot & ((1u << lane) - 1u))] = jj;
+      n += total;
+      cursor += ATTN_WG_THREADS;
+      __syncthreads();
+    }
+    if (n == 0) continue;
+
+    load_block(s_list[0], stage);
+    cp_async_commit();
+    for (int li = 0; li < n; ++li) {
+      const int jj = s_list[li];
+      const int st = stage;
+      // Block li's rows have landed, and every warpgroup is done with block li - 1 (whose stage
+      // the next load reuses).
+      tile_ready();
+      if (li + 1 < n) load_block(s_list[li + 1], st ^ 1);
+      cp_async_commit();
+      const index_t aa = anchors[jj];
+      const index_t cs = ctx_start[jj];
+      const index_t ce = cs + aa;  // rows [cs, ce) see block jj (a full layer)
+      bool vis[2];
+      index_t last_slot[2];  // sliding: row t is seen by the slots r <= t - ce + (W - 1)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        vis[hh] = trow[hh] < t_end && trow[hh] >= cs && trow[hh] < ce;
+        last_slot[hh] = window > 0 ? trow[hh] - ce + (index_t)(window - 1) : (index_t)INT_MAX;
+      }
+      // Unmasked when all 64 keys of the warpgroup are seen by every slot of the block.
+      const index_t all_first = window > 0 ? max((index_t)0, aa + bs - (index_t)window) : (index_t)0;
+      const bool masked = !(tw0 >= cs + all_first && tw0 + 63 < ce && tw0 + 63 < t_end);
+
+      wgmma_fence();
+      {
+        const uint64_t dqs = wg_desc_at(dqb, (uint32_t)st * Q_BYTES);
+        const uint64_t dos = wg_desc_at(dob, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const uint32_t off = (uint32_t)((kk & 3) * 32);
+          wg_abt<QR>(st_, wg_desc_at(dka, (uint32_t)((kk >> 2) * KR * 128) + off),
+                     wg_desc_at(dqs, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const uint32_t off = (uint32_t)((kk & 3) * 32);
+          wg_abt<QR>(dpt, wg_desc_at(dva, (uint32_t)((kk >> 2) * KR * 128) + off),
+                     wg_desc_at(dos, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      wg_fence_regs(st_);
+      wg_fence_regs(dpt);
+      const float* lq = sL(st);
+      const float* dq_ = sD(st);
+      // P^T (in st_), masked per (key row, query column).
+#pragma unroll
+      for (int nn = 0; nn < QR / 8; ++nn) {
+        const int col = nn * 8 + 2 * tq;
+        const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float lv = (e & 1) ? l2.y : l2.x;
+          const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv * LOG2E));
+          bool seen = true;
+          if (masked) {
+            seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
+          }
+          st_[nn][e] = seen ? p : 0.f;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) {
+        pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
+        pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
+        pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
+        pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
+      }
+      wg_fence_regs(dv);
+      wgmma_fence();
+      {
+        const uint64_t dos = wg_desc_at(don, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dv, pp[kk], wg_desc_at(dos, (uint32_t)(kk * 16 * 128)), 1);
+        wgmma_commit();
+      }
+      // dS^T = P^T (dP^T - D) scale (0 where P^T is 0 by the mask: P is exactly 0 there and
+      // dP^T is finite).
+#pragma unroll
+      for (int nn = 0; nn < QR / 8; ++nn) {
+        const int col = nn * 8 + 2 * tq;
+        const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dd = (e & 1) ? d2.y : d2.x;
+          dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) {
+        ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
+        ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
+        ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+        ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      }
+      wg_fence_regs(dk);
+      wgmma_fence();
+      {
+        const uint64_t dqs = wg_desc_at(dqn, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dk, ps[kk], wg_desc_at(dqs, (uint32_t)(kk * 16 * 128)), 1);
+        wgmma_commit();
+      }
+      // Both products read this stage and the packed registers: done before the next block.
+      wgmma_wait<0>();
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
+      stage ^= 1;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // dK and dV, staged in this warpgroup's own K and V rows (read only by its own, finished,
+  // wgmmas): each warp writes and then reads back its 16 rows.
+  const int wr = wg * 64 + wi * 16;
+  constexpr int C = HD / 8;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    unsigned char* const tile = base_ptr + (which ? K_BYTES : 0);
+    float(&acc)[HD / 8][4] = which ? dv : dk;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+    }
+    __syncwarp();
+    bf16* const out = which ? dvc : dkc;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const index_t t = t0 + wr + i;
+      if (t < t_end) {
+        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
+            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
+      }
+    }
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -968,4 +1290,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_
     long long ctx_rows, int heads, int kv_heads, float scale, int window) {
   attn::draft_bwd_q_wg<128>(q, kc, vc, kb, vb, lse, dsum, d_o, dq, dkb, dvb, anchors, ctx_start, num_blocks,
                             block_size, ctx_rows, heads, kv_heads, scale, window);
+}
+
+// The drafter backward over context keys at head_dim 128; launch above draft_bwd_kv_wg.
+extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_kv_wg_bf16_hd128(
+    const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const float* lse, const float* dsum,
+    const __nv_bfloat16* d_o, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors, const int* ctx_start,
+    int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale,
+    const int* ctx_block_begin, const int* ctx_block_end, int window) {
+  attn::draft_bwd_kv_wg<128>(q, kc, vc, lse, dsum, d_o, dkc, dvc, anchors, ctx_start, num_blocks, block_size,
+                             ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
 }

@@ -66,6 +66,11 @@ constexpr int ATTN_WG_BLOCK_KEYS = 16;
 constexpr int ATTN_WG_BWD_KEYS = 64;
 constexpr int ATTN_WG_BWD_K_STAGES = 3;
 constexpr int ATTN_WG_BWD_V_STAGES = 2;
+// The drafter backward over context keys (attn_draft_bwd_kv_wg): 64 context keys per warpgroup,
+// ATTN_WG_BWD_KV_ROWS per CTA; each visible block's 64-row Q and dO tiles (rows past M zero) in 2
+// stages. Shared memory: (2 * KV_ROWS + 2 * 2 * 64) * hd * 2 + 2 * 2 * 64 * 4 (lse, dsum) + 1024 =
+// 133,120 bytes at hd 128, plus the static visible-block list.
+constexpr int ATTN_WG_BWD_KV_ROWS = ATTN_WG_WARPGROUPS * 64;
 
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.

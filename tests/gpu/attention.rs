@@ -299,8 +299,9 @@ fn gpu_drafter_forward_forms_match_cpu() {
     }
 }
 
-/// Both drafter backward forms (the query-side kernel on mma.sync or on Hopper warpgroup MMAs,
-/// which pairs two blocks per CTA like the warpgroup forward) against the CPU on the forward forms
+/// Both drafter backward forms (mma.sync, and Hopper warpgroup MMAs: the query-side kernel pairs
+/// two blocks per CTA like the warpgroup forward, the context-key kernel takes 128 context rows
+/// per CTA and stages each visible block's queries once) against the CPU on the forward forms
 /// test's cases: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in
 /// two sequences, an odd block count, M = 15 (padding rows), windows 3, 8, 40 and 2048 beside full
 /// layers, and 5600-row contexts. Both backends take the CPU forward's o and lse, so only the

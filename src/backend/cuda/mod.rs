@@ -34,8 +34,9 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_K_STAGES, ATTN_WG_BWD_V_STAGES,
-    ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS, ATTN_WG_V_STAGES,
+    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_KV_ROWS, ATTN_WG_BWD_K_STAGES,
+    ATTN_WG_BWD_V_STAGES, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
+    ATTN_WG_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -575,10 +576,10 @@ impl CudaBackend {
         }
     }
 
-    /// The drafter backward with an explicit kernel form for its query-side kernel (the trait
-    /// method takes `AttnForm::pick_draft_bwd`): `Wgmma` runs `attn_draft_bwd_q_wg_bf16_hd128`
-    /// for dq, dkb and dvb; the context-key kernel (dkc, dvc) is mma.sync in both forms. Tests
-    /// and benches compare the forms with it.
+    /// The drafter backward with an explicit kernel form (the trait method takes
+    /// `AttnForm::pick_draft_bwd`): `Wgmma` runs `attn_draft_bwd_q_wg_bf16_hd128` (dq, dkb, dvb)
+    /// and `attn_draft_bwd_kv_wg_bf16_hd128` (dkc, dvc). Tests and benches compare the forms
+    /// with it.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_draft_bwd_with(
         &self,
@@ -699,36 +700,53 @@ impl CudaBackend {
             let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
             self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
         }
-        let nkv = Self::attn_kernel(OP, &launch::AttnDraftBwdKvBf16Hd::VARIANTS, hd)?;
-        // Query rows of a block (all heads of a KV head), padded to chunks of ATTN_KV_CHUNK.
-        let m = sh.block_size * (sh.heads / sh.kv_heads);
-        let mp = ATTN_KV_CHUNK * m.div_ceil(ATTN_KV_CHUNK);
-        // Shared memory: the CTA's K and V rows, 2 stages of Q and dO chunks, and 2 stages of the
-        // f32 lse and dsum of every padded row.
-        let smem = (2 * ATTN_KV_ROWS + 4 * mp) * g.ld * 2 + 4 * mp * 4;
-        let args = launch::AttnDraftBwdKvBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            dsum: dsum.at(OP, 0)?,
-            d_o: d_o.at(OP, 0)?,
-            dkc: dkc.at(OP, 0)?,
-            dvc: dvc.at(OP, 0)?,
-            anchors: anchors.at(OP, 0)?,
-            ctx_start: ctx_start.at(OP, 0)?,
-            num_blocks: sh.num_blocks,
-            block_size: sh.block_size,
-            ctx_rows: sh.ctx_rows,
-            heads: sh.heads,
-            kv_heads: sh.kv_heads,
-            scale: sh.scale(),
-            ctx_block_begin: db.at(OP, 0)?,
-            ctx_block_end: de.at(OP, 0)?,
-            window: sh.window.unwrap_or(0),
-        };
-        let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
-        self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), args)
+        macro_rules! kv_args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    lse: lse.at(OP, 0)?,
+                    dsum: dsum.at(OP, 0)?,
+                    d_o: d_o.at(OP, 0)?,
+                    dkc: dkc.at(OP, 0)?,
+                    dvc: dvc.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    ctx_block_begin: db.at(OP, 0)?,
+                    ctx_block_end: de.at(OP, 0)?,
+                    window: sh.window.unwrap_or(0),
+                }
+            };
+        }
+        match form {
+            AttnForm::Mma => {
+                let nkv = Self::attn_kernel(OP, &launch::AttnDraftBwdKvBf16Hd::VARIANTS, hd)?;
+                // Query rows of a block (all heads of a KV head), padded to chunks of ATTN_KV_CHUNK.
+                let m = sh.block_size * (sh.heads / sh.kv_heads);
+                let mp = ATTN_KV_CHUNK * m.div_ceil(ATTN_KV_CHUNK);
+                // Shared memory: the CTA's K and V rows, 2 stages of Q and dO chunks, and 2 stages
+                // of the f32 lse and dsum of every padded row.
+                let smem = (2 * ATTN_KV_ROWS + 4 * mp) * g.ld * 2 + 4 * mp * 4;
+                let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
+                self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
+            }
+            AttnForm::Wgmma => {
+                // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
+                // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
+                // dsum values.
+                let smem = (2 * ATTN_WG_BWD_KV_ROWS + 4 * 64) * sh.head_dim * 2 + 4 * 64 * 4 + ATTN_WG_ALIGN;
+                let grid = sh.ctx_rows.div_ceil(ATTN_WG_BWD_KV_ROWS).max(1) * sh.kv_heads;
+                let kernel = launch::Kernel::AttnDraftBwdKvWgBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), kv_args!(AttnDraftBwdKvWgBf16Hd128))
+            }
+        }
     }
 
     fn need_bf16(op: &'static str, b: &CudaBuf) -> Result<()> {
@@ -2437,8 +2455,9 @@ pub enum AttnForm {
     /// every compiled head dim and block shape.
     Mma,
     /// kernels/attention_wgmma.cu (`attn_causal_fwd_wg_bf16_hd*` at head_dim 128 and 256,
-    /// `attn_draft_fwd_wg_bf16_hd128` and `attn_draft_bwd_q_wg_bf16_hd128` at block_size <= 16
-    /// and block_size * G <= 64): Hopper warpgroup MMAs.
+    /// `attn_draft_fwd_wg_bf16_hd128`, `attn_draft_bwd_q_wg_bf16_hd128` and
+    /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
+    /// warpgroup MMAs.
     Wgmma,
 }
 
@@ -2476,9 +2495,8 @@ impl AttnForm {
         }
     }
 
-    /// The drafter backward's query-side kernel (dq, dkb, dvb): the warpgroup one under the same
-    /// conditions as the forward (`pick_draft`: it pairs blocks per CTA the same way), else
-    /// mma.sync. The context-key kernel (dkc, dvc) is mma.sync either way.
+    /// The drafter backward's kernels: the warpgroup ones under the same conditions as the forward
+    /// (`pick_draft`: the query-side kernel pairs blocks per CTA the same way), else mma.sync.
     pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
         Self::pick_draft(sh)
     }
