@@ -454,20 +454,44 @@ fn main() {
                 4.0 * visible_sl * heads as f64 * hd as f64,
             );
         }
-        // The full layer's forward again (the backward below reads its o and lse).
-        be.attn_draft_fwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap();
+        // The backward in both forms, full and sliding layers, each after its own layer's forward
+        // (o and lse).
         let mut grads: Vec<_> =
             [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
                 .iter()
                 .map(|&n| buf(DType::BF16, n))
                 .collect();
         let dout = buf(DType::BF16, nb * 16 * heads * hd);
-        let t = time(&be, 5, || {
-            let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
-            be.attn_draft_bwd(&s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &od, &lse, &dout, [g0, g1, g2, g3, g4])
-                .unwrap()
-        });
-        flops("drafter attention bwd (2048 blocks x 16)", t, 10.0 * visible * heads as f64 * hd as f64);
+        for (layer, shape, vis) in [("", &sh, visible), ("sliding ", &sh_sl, visible_sl)] {
+            be.attn_draft_fwd(&s, shape, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap();
+            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+                let t = time(&be, 5, || {
+                    let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
+                    be.attn_draft_bwd_with(
+                        form,
+                        &s,
+                        shape,
+                        &qd,
+                        &k,
+                        &vv,
+                        &kb,
+                        &vb,
+                        &an,
+                        &cst,
+                        &od,
+                        &lse,
+                        &dout,
+                        [g0, g1, g2, g3, g4],
+                    )
+                    .unwrap()
+                });
+                flops(
+                    &format!("drafter attention bwd {layer}{form:?} (2048 blocks x 16)"),
+                    t,
+                    10.0 * vis * heads as f64 * hd as f64,
+                );
+            }
+        }
     }
     if want("gdn") {
         // The chunked gated delta rule at the Qwen3.6-27B shape (48 value heads over 16 key heads,

@@ -100,7 +100,10 @@
 //   4 x 512 blocks x 16, contexts 3072, 32/8, hd 128: fwd 5.5 ms = 151 TFLOP/s, bwd_q 8.3 ms =
 //   150, bwd_kv 9.3 ms = 175 (19-22%). The causal forward at head_dim 128 and 256 now runs on
 //   warpgroup MMAs by default (attention_wgmma.cu: 244 and 303 TFLOP/s at the bench's shapes);
-//   this file's attn_causal_fwd serves the other head dims and DFLASH_ATTN_FORM=mma.
+//   this file's attn_causal_fwd serves the other head dims and DFLASH_ATTN_FORM=mma. So do the
+//   drafter forward, bwd_q and bwd_kv at head_dim 128 (attention_wgmma.cu draft_fwd_wg,
+//   draft_bwd_q_wg, draft_bwd_kv_wg: block_size <= 16, M <= 64); bwd_prep and attn_draft_kv_ranges
+//   serve both forms.
 #include <climits>
 
 #include "mma.cuh"

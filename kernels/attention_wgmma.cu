@@ -1,5 +1,6 @@
 // attention_wgmma.cu: the target's causal GQA prefill attention on Hopper's warpgroup MMA
-// (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention).
+// (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention); below it
+// (sections 2 to 4) the drafter's forward and backward at head_dim 128.
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //
@@ -552,6 +553,714 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 3. Drafter backward over queries: attention.cu's draft_bwd_q (same math and numerics: dq for the
+// M rows of each block, dkb/dvb for its bs block keys, which only that block sees), head_dim 128
+// and M = block_size * G <= 64. CTA, pairs and context streaming as draft_fwd_wg above: two
+// consecutive blocks (one warpgroup each) of one kv head g, their context ranges streamed once as
+// ATTN_WG_BWD_KEYS-row tiles over the union [Tlo, Thi). Per context tile t and warpgroup:
+//   S_t = Q K_t^T, dP_t = dO V_t^T   2 x HD/16 wgmma m64n64k16 (Q, dO, K, V K-major in shared memory)
+//   dS = P (dP - D) scale            P = exp2(S scale log2(e) - lse log2(e)), D = dsum (the prep
+//                                    kernel's rowsum(dO o)); masked keys give dS = 0 exactly (a
+//                                    select: never 0 * inf or 0 * NaN)
+//   dQ += dS_t K_t                   BN/16 wgmma m64n128k16, dS rounded to bf16 in registers (the A
+//                                    operand), K N-major (transposed read, as V in the forward)
+// software-pipelined like the forward: S_t and dP_t are issued with dQ += dS_{t-1} K_{t-1}, so the
+// dS math of tile t overlaps the tensor cores' dQ product of tile t - 1. K stays two iterations
+// (ATTN_WG_BWD_K_STAGES = 3 stages), V one (2 stages); one CTA barrier per tile.
+// Then each warpgroup's own block keys form one last 16-key tile (bidirectional in a full layer,
+// causal in a sliding one): dQ += dS_b K_b by wgmma; P_b and dS_b (f32) go to shared memory and
+// dkb[i] = sum_m dS_b[m][i] q[m], dvb[i] = sum_m P_b[m][i] dO[m] are summed with f32 FMAs in row
+// order m (attention.cu's block-key path). dQ is staged through the (dead) K stages for 16-byte
+// stores. Padded blocks (anchor < 0) write exact zeros.
+//
+// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WG_THREADS, dynamic smem
+//   (2 * ATTN_WG_ROWS + (ATTN_WG_BWD_K_STAGES + ATTN_WG_BWD_V_STAGES) * ATTN_WG_BWD_KEYS +
+//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WG_ALIGN = 181,248
+//   bytes. Preconditions as draft_fwd_wg (block_size <= 16, M <= 64); violations trap.
+// Registers (ptxas, no spills): 220 (dQ 64 f32, S 32, dP 32, dS 16 packed).
+// dS = P (dP - D) scale of one tile for this thread's two rows (the wgmma accumulator layout of
+// wgmma_ops.cuh), into s: P = exp2(S scale log2(e) - lse log2(e)); a key vis() rejects gets exactly
+// 0 (selected, so an overflowing score outside the row's range cannot leak inf or NaN). Rows with
+// lse2 = +inf (padding) get P = 0. vis(hh, col) is asked only when masked.
+template <int NN, bool MASKED, class Vis>
+__device__ __forceinline__ void ds_tile_impl(float (&s)[NN][4], const float (&dp)[NN][4], float sl2,
+                                             const float (&lse2)[2], const float (&dsm)[2], float scale, int lane,
+                                             Vis vis) {
+  const int tq = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hh = e >> 1;
+      const float p = exp2_ftz(fmaf(s[n][e], sl2, -lse2[hh]));
+      const float ds = p * (dp[n][e] - dsm[hh]) * scale;
+      s[n][e] = (!MASKED || vis(hh, n * 8 + 2 * tq + (e & 1))) ? ds : 0.f;
+    }
+  }
+}
+
+template <int NN, class Vis>
+__device__ __forceinline__ void ds_tile(float (&s)[NN][4], const float (&dp)[NN][4], float sl2, const float (&lse2)[2],
+                                        const float (&dsm)[2], float scale, bool masked, int lane, Vis vis) {
+  // Two copies of the loop, so that the unmasked tiles (most of them) test nothing per element.
+  if (masked) ds_tile_impl<NN, true>(s, dp, sl2, lse2, dsm, scale, lane, vis);
+  else ds_tile_impl<NN, false>(s, dp, sl2, lse2, dsm, scale, lane, vis);
+}
+
+template <int HD>
+__device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                               const bf16* __restrict__ vc, const bf16* __restrict__ kb,
+                                               const bf16* __restrict__ vb, const float* __restrict__ lse,
+                                               const float* __restrict__ dsum, const bf16* __restrict__ d_o,
+                                               bf16* __restrict__ dq, bf16* __restrict__ dkb, bf16* __restrict__ dvb,
+                                               const int* __restrict__ anchors, const int* __restrict__ ctx_start,
+                                               int num_blocks, int block_size, index_t ctx_rows, int heads,
+                                               int kv_heads, float scale, int window) {
+  static_assert(HD == 128, "the wgmma drafter backward takes head_dim 128");
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
+  constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WG_BWD_KEYS, KS = ATTN_WG_BWD_K_STAGES, VS = ATTN_WG_BWD_V_STAGES;
+  constexpr int BB = ATTN_WG_BLOCK_KEYS;
+  static_assert(BM == 128 && BN % 16 == 0 && BB == 16, "tile shapes of the wgmma wrappers");
+  constexpr uint32_t Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, B_BYTES = BB * HD * 2;
+  constexpr uint32_t F_OFF = 2 * Q_BYTES + (KS + VS) * KV_BYTES + 4 * B_BYTES;
+  constexpr uint32_t F_BYTES = 64 * BB * 4;  // one f32 [64][BB] side buffer
+  constexpr uint32_t SMEM = F_OFF + 4 * F_BYTES + ATTN_WG_ALIGN;
+  static_assert(KS * KV_BYTES >= Q_BYTES, "dQ is staged in the K stages");
+  require_launch(ATTN_WG_THREADS, SMEM);
+  if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > 64) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base, sO = base + Q_BYTES;
+  auto sK = [&](int st) { return base + 2 * Q_BYTES + (uint32_t)st * KV_BYTES; };
+  auto sV = [&](int st) { return base + 2 * Q_BYTES + (uint32_t)(KS + st) * KV_BYTES; };
+  // Block keys of warpgroup w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  auto sB = [&](int w, int kv) { return base + 2 * Q_BYTES + (KS + VS) * KV_BYTES + (uint32_t)(2 * w + kv) * B_BYTES; };
+  // f32 P (kind 0) and dS (kind 1) of warpgroup w's block keys, [64 rows][BB keys].
+  auto fbuf = [&](int w, int kind) { return reinterpret_cast<float*>(base_ptr + F_OFF + (uint32_t)(2 * w + kind) * F_BYTES); };
+
+  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t npairs = ((index_t)num_blocks + 1) / 2;
+  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  if (pair < 0) return;
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Both blocks' context ranges [lo, hi) (as draft_fwd_wg).
+  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+
+  const index_t j = 2 * pair + wg;
+  const index_t a = wg ? a_w[1] : a_w[0], cs = wg ? cs_w[1] : cs_w[0];
+  int mrow[2], vlo[2], vhi[2];
+  bool rvalid[2];
+  float lse2[2], dsm[2];  // per row: lse * log2(e) (+inf on invalid rows: p = 0) and dsum
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mrow[hh] = wi * 16 + gr + 8 * hh;
+    rvalid[hh] = a >= 0 && mrow[hh] < M;
+    const int r = mrow[hh] % bs;
+    if (rvalid[hh] && a > 0) {
+      const index_t first = window > 0 ? max((index_t)0, a + r - (index_t)(window - 1)) : (index_t)0;
+      vlo[hh] = (int)(cs + first - Tlo);
+      vhi[hh] = (int)(cs + a - Tlo) - 1;
+    } else {
+      vlo[hh] = 1;
+      vhi[hh] = 0;
+    }
+    if (rvalid[hh]) {
+      const index_t idx = (j * bs + r) * heads + g * Gq + mrow[hh] / bs;
+      lse2[hh] = lse[idx] * LOG2E;
+      dsm[hh] = dsum[idx];
+    } else {
+      lse2[hh] = INFINITY;
+      dsm[hh] = 0.f;
+    }
+  }
+  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
+  const bool wg_any = a > 0 && all_first < a;
+  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+
+  const bf16* kbase = kc + (index_t)g * HD;
+  const bf16* vbase = vc + (index_t)g * HD;
+  auto load_kv = [&](int it) {
+    auto seen = [&](int i) {
+      const int u = it * BN + i;
+      return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi);
+    };
+    wg_load_rows<HD, BN>(sK(it % KS), kc, [&](int i) -> const bf16* {
+      return seen(i) ? kbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+    wg_load_rows<HD, BN>(sV(it % VS), vc, [&](int i) -> const bf16* {
+      return seen(i) ? vbase + (Tlo + it * BN + i) * kw : nullptr;
+    });
+  };
+  // Q and dO: row i of the CTA tile is row i % 64 of warpgroup i / 64's block (zero past M and for
+  // padded blocks, so padding rows give S = dP = 0).
+  auto q_row = [&](int i, const bf16* t) -> const bf16* {
+    const index_t jj = 2 * pair + i / 64;
+    const int mm = i % 64;
+    const bool live = jj < num_blocks && mm < M && (i < 64 ? a_w[0] : a_w[1]) >= 0;
+    return live ? t + (jj * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD : nullptr;
+  };
+  wg_load_rows<HD, BM>(sQ, q, [&](int i) { return q_row(i, q); });
+  wg_load_rows<HD, BM>(sO, d_o, [&](int i) { return q_row(i, d_o); });
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    const bool live = jj < num_blocks && a_w[w] >= 0;
+    wg_load_rows<HD, BB>(sB(w, 0), kb, [&](int i) -> const bf16* {
+      return live && i < bs ? kb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+    wg_load_rows<HD, BB>(sB(w, 1), vb, [&](int i) -> const bf16* {
+      return live && i < bs ? vb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+    });
+  }
+  load_kv(0);
+  cp_async_commit();
+
+  float acc[HD / 8][4];  // dQ
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const float sl2 = scale * LOG2E;
+  float s[BN / 8][4], dp[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  const uint64_t dqd = wg_desc(sQ + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dod = wg_desc(sO + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);          // K-major: S = Q K^T
+  const uint64_t dkn = wg_desc(sK(0), BN * 128, 1024);   // N-major: dQ += dS K
+  const uint64_t dv = wg_desc(sV(0), 16, 1024);          // K-major: dP = dO V^T
+  auto issue_sdp = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * KV_BYTES);
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(dp, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvs, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_dq = [&](int it) {
+    const uint64_t dks = wg_desc_at(dkn, (uint32_t)(it % KS) * KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dks, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  auto prefetch = [&](int it) {
+    if (it + 1 < n_kt) load_kv(it + 1);
+    cp_async_commit();
+  };
+  // dS of context tile it into s (f32; 0 where masked).
+  auto grad_s = [&](int it) {
+    const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
+    const bool masked = !(k0 >= wlo && k1 <= whi);
+    ds_tile<BN / 8>(s, dp, sl2, lse2, dsm, scale, masked, lane, [&](int hh, int col) {
+      const int t = k0 + col;
+      return t >= vlo[hh] && t <= vhi[hh];
+    });
+  };
+  auto pack_ds = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
+  {  // context tile 0 (with Q, dO and the block keys)
+    tile_ready();
+    wgmma_fence();
+    issue_sdp(0);
+    prefetch(0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    grad_s(0);
+    pack_ds();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    tile_ready();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_sdp(it);
+    issue_dq(it - 1);
+    prefetch(it);
+    wgmma_wait<1>();  // S_it and dP_it (dQ += dS_{it-1} K_{it-1} may still run)
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    grad_s(it);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    pack_ds();
+  }
+  {  // the block's own keys, issued with the last context tile's dQ product
+    float sb[BB / 8][4], dpb[BB / 8][4];
+    wg_fence_regs(acc);
+    wgmma_fence();
+    const uint64_t dkb_d = wg_desc(sB(wg, 0), 16, 1024);
+    const uint64_t dvb_d = wg_desc(sB(wg, 1), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(sb, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(dpb, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+    issue_dq(n_kt - 1);
+    wgmma_wait<1>();
+    wg_fence_regs(sb);
+    wg_fence_regs(dpb);
+    // P_b and dS_b in f32, kept in shared memory for dkb / dvb (every one of the 64 x 16 entries
+    // is written: 0 where masked or past M).
+    float* fp = fbuf(wg, 0);
+    float* fds = fbuf(wg, 1);
+#pragma unroll
+    for (int n = 0; n < BB / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1, col = n * 8 + 2 * (lane & 3) + (e & 1);
+        const bool vis = rvalid[hh] && col < bs && (window == 0 || col <= mrow[hh] % bs);
+        float p = 0.f, ds = 0.f;
+        if (vis) {
+          p = exp2_ftz(fmaf(sb[n][e], sl2, -lse2[hh]));
+          ds = p * (dpb[n][e] - dsm[hh]) * scale;
+        }
+        fp[mrow[hh] * BB + col] = p;
+        fds[mrow[hh] * BB + col] = ds;
+        sb[n][e] = ds;
+      }
+    }
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    uint32_t pb[4];
+    pb[0] = pack_op(sb[0][0], sb[0][1]);
+    pb[1] = pack_op(sb[0][2], sb[0][3]);
+    pb[2] = pack_op(sb[1][0], sb[1][1]);
+    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    wgmma_fence();
+    wg_pb<HD>(acc, pb, wg_desc(sB(wg, 0), BB * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+  }
+  cp_async_wait<0>();
+  // Every warpgroup's wgmmas are done (the K stages are free for staging dQ) and the f32 side
+  // buffers are complete.
+  __syncthreads();
+  if (j >= num_blocks) return;
+  const bool padded = a < 0;  // exact zeros, never NaN
+
+  // dkb / dvb of this warpgroup's block: one thread per (key, 16-byte chunk, which).
+  constexpr int C = HD / 8;
+  const int tid = threadIdx.x & 127;
+  for (int it = tid; it < 2 * bs * C; it += 128) {
+    const int which = it / (bs * C);  // 0: dkb, 1: dvb
+    const int rem = it % (bs * C);
+    const int i = rem / C, ch = rem % C;
+    const float* coef = fbuf(wg, which ? 0 : 1);
+    const unsigned char* src = base_ptr + (which ? Q_BYTES : 0);
+    float r8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int mr = 0; mr < M; ++mr) {
+      const float cf = coef[mr * BB + i];
+      const uint4 x = *reinterpret_cast<const uint4*>(src + sw128_chunk<BM>(wg * 64 + mr, ch));
+      const uint32_t xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        r8[2 * w] = fmaf(cf, bf16x2_lo_to_f32(xw[w]), r8[2 * w]);
+        r8[2 * w + 1] = fmaf(cf, bf16x2_hi_to_f32(xw[w]), r8[2 * w + 1]);
+      }
+    }
+    bf16* dst = (which ? dvb : dkb) + (j * bs + i) * kw + (index_t)g * HD + ch * 8;
+    *reinterpret_cast<uint4*>(dst) =
+        padded ? make_uint4(0u, 0u, 0u, 0u)
+               : make_uint4(pack_bf16x2_rne(r8[0], r8[1]), pack_bf16x2_rne(r8[2], r8[3]),
+                            pack_bf16x2_rne(r8[4], r8[5]), pack_bf16x2_rne(r8[6], r8[7]));
+  }
+
+  // dQ, staged in the K stages as a BM-row swizzled tile (each warp its own 16 rows).
+  unsigned char* const stage = base_ptr + 2 * Q_BYTES;
+  const int wr = wg * 64 + wi * 16;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr + 8, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const int mm = wi * 16 + i;
+    if (mm < M) {
+      *reinterpret_cast<uint4*>(dq + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// 4. Drafter backward over context keys: attention.cu's draft_bwd_kv (same math and numerics:
+// dkc/dvc of every context row, = never +=, one owner thread per element and a fixed summation
+// order over blocks in increasing j), head_dim 128 and M <= 64. CTA = (ATTN_WG_BWD_KV_ROWS context
+// rows, kv head g), 64 rows (keys) per warpgroup. The blocks that see any row of the CTA's tile
+// come from attn_draft_kv_ranges' per-row ranges, compacted into a list in increasing j as in
+// draft_bwd_kv; per listed block jj its M query rows are staged (64-row Q and dO tiles, 2 stages,
+// rows past M zero with lse = +inf, dsum = 0) and each warpgroup computes, with its keys as the
+// wgmma rows:
+//   S^T = K Q^T, dP^T = V dO^T   2 x HD/16 wgmma m64n64k16 (all K-major in shared memory)
+//   P^T = exp2(S^T scale log2(e) - lse log2(e)), masked by the same per-(key, slot) test as
+//   draft_bwd_kv (selected: masked entries are exact zeros)
+//   dV += P^T dO                 4 wgmma m64n128k16, P^T from registers (bf16), dO N-major
+//   dS^T = P^T (dP^T - D) scale
+//   dK += dS^T Q                 4 wgmma m64n128k16, dS^T from registers, Q N-major
+// dV's product runs while dS^T is computed. A block the warpgroup's rows do not see is computed
+// fully masked (no wgmma under a branch). dK and dV are staged through the warpgroup's own K and V
+// rows for 16-byte stores.
+//
+// Launch: grid ceil(ctx_rows / ATTN_WG_BWD_KV_ROWS) * kv_heads (at least kv_heads), block
+//   ATTN_WG_THREADS, dynamic smem (2 * ATTN_WG_BWD_KV_ROWS + 4 * 64) * 128 * 2 + 4 * 64 * 4 +
+//   ATTN_WG_ALIGN = 133,120 bytes, plus 4,160 bytes of static shared memory (visible-block list).
+//   Preconditions as draft_bwd_kv plus M <= 64; violations trap.
+// Registers (ptxas, no spills): 240 (dK and dV 64 f32 each, S^T and dP^T 32 each, P^T and dS^T
+//   16 packed each).
+template <int HD>
+__device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                                const bf16* __restrict__ vc, const float* __restrict__ lse,
+                                                const float* __restrict__ dsum, const bf16* __restrict__ d_o,
+                                                bf16* __restrict__ dkc, bf16* __restrict__ dvc,
+                                                const int* __restrict__ anchors, const int* __restrict__ ctx_start,
+                                                int num_blocks, int block_size, index_t ctx_rows, int heads,
+                                                int kv_heads, float scale, const int* __restrict__ ctx_block_begin,
+                                                const int* __restrict__ ctx_block_end, int window) {
+  static_assert(HD == 128, "the wgmma drafter backward takes head_dim 128");
+  constexpr int KR = ATTN_WG_BWD_KV_ROWS, QR = 64, WARPS = ATTN_WG_THREADS / 32, CAP = 1024;
+  constexpr uint32_t K_BYTES = KR * HD * 2, Q_BYTES = QR * HD * 2;
+  constexpr uint32_t L_OFF = 2 * K_BYTES + 4 * Q_BYTES;
+  constexpr uint32_t SMEM = L_OFF + 4 * QR * 4 + ATTN_WG_ALIGN;
+  require_launch(ATTN_WG_THREADS, SMEM);
+  if (window < 0 || block_size < 1 || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > QR) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sK = base, sV = base + K_BYTES;
+  auto sQ = [&](int st) { return base + 2 * K_BYTES + (uint32_t)st * Q_BYTES; };
+  auto sO = [&](int st) { return base + 2 * K_BYTES + (uint32_t)(2 + st) * Q_BYTES; };
+  auto sL = [&](int st) { return reinterpret_cast<float*>(base_ptr + L_OFF + (uint32_t)st * QR * 4); };
+  auto sD = [&](int st) { return reinterpret_cast<float*>(base_ptr + L_OFF + (uint32_t)(2 + st) * QR * 4); };
+  __shared__ int s_list[CAP];
+  __shared__ int s_red[2][WARPS];
+  __shared__ int s_cnt[WARPS];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2, tq = lane & 3;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t t0 = (index_t)(blockIdx.x / (unsigned)kv_heads) * KR;
+  if (t0 >= ctx_rows) return;
+  const index_t t_end = min(t0 + KR, ctx_rows);
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Blocks to scan: the union of the tile rows' ranges.
+  {
+    int jb = INT_MAX, je = INT_MIN;
+    if (threadIdx.x < KR && t0 + threadIdx.x < t_end) {
+      jb = ctx_block_begin[t0 + threadIdx.x];
+      je = ctx_block_end[t0 + threadIdx.x];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      jb = min(jb, __shfl_xor_sync(0xffffffffu, jb, off));
+      je = max(je, __shfl_xor_sync(0xffffffffu, je, off));
+    }
+    if (lane == 0) {
+      s_red[0][warp] = jb;
+      s_red[1][warp] = je;
+    }
+  }
+  wg_load_rows<HD, KR>(sK, kc, [&](int i) -> const bf16* {
+    const index_t t = t0 + i;
+    return t < t_end ? kc + t * kw + (index_t)g * HD : nullptr;
+  });
+  wg_load_rows<HD, KR>(sV, vc, [&](int i) -> const bf16* {
+    const index_t t = t0 + i;
+    return t < t_end ? vc + t * kw + (index_t)g * HD : nullptr;
+  });
+  cp_async_commit();
+  __syncthreads();
+  int j_lo = INT_MAX, j_hi = INT_MIN;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    j_lo = min(j_lo, s_red[0][w]);
+    j_hi = max(j_hi, s_red[1][w]);
+  }
+  j_lo = max(j_lo, 0);
+  j_hi = min(j_hi, num_blocks);
+
+  // This warpgroup's 64 keys [tw0, tw0 + 64) and this thread's two rows.
+  const index_t tw0 = t0 + wg * 64;
+  index_t trow[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) trow[hh] = tw0 + wi * 16 + gr + 8 * hh;
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+  }
+  const float sl2 = scale * LOG2E;
+
+  auto load_block = [&](int jj, int st) {
+    const index_t row0 = (index_t)jj * bs;
+    wg_load_rows<HD, QR>(sQ(st), q, [&](int mr) -> const bf16* {
+      return mr < M ? q + (row0 + mr % bs) * qw + (index_t)(g * Gq + mr / bs) * HD : nullptr;
+    });
+    wg_load_rows<HD, QR>(sO(st), d_o, [&](int mr) -> const bf16* {
+      return mr < M ? d_o + (row0 + mr % bs) * qw + (index_t)(g * Gq + mr / bs) * HD : nullptr;
+    });
+    for (int mr = threadIdx.x; mr < QR; mr += ATTN_WG_THREADS) {
+      if (mr < M) {
+        const index_t idx = (row0 + mr % bs) * heads + g * Gq + mr / bs;
+        cp_async_4(smem_u32(sL(st) + mr), lse + idx);
+        cp_async_4(smem_u32(sD(st) + mr), dsum + idx);
+      } else {
+        sL(st)[mr] = INFINITY;  // p = 0 on padding columns
+        sD(st)[mr] = 0.f;
+      }
+    }
+  };
+  auto tile_sees = [&](int jj) -> bool {
+    const index_t aa = anchors[jj];
+    if (aa < 0) return false;
+    const index_t c0 = ctx_start[jj];
+    return c0 + draft_first_key(aa, window) < t_end && c0 + aa > t0;
+  };
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+
+  // Descriptors: K and V of this warpgroup as the A operand (K-major, column blocks KR rows
+  // apart); Q and dO stages as K-major B (S^T, dP^T) and as N-major B (dK, dV).
+  const uint64_t dka = wg_desc(sK + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dva = wg_desc(sV + (uint32_t)(wg * 64 * 128), 16, 1024);
+  const uint64_t dqb = wg_desc(sQ(0), 16, 1024), dob = wg_desc(sO(0), 16, 1024);
+  const uint64_t dqn = wg_desc(sQ(0), QR * 128, 1024), don = wg_desc(sO(0), QR * 128, 1024);
+
+  float st_[QR / 8][4], dpt[QR / 8][4];
+  uint32_t pp[QR / 16][4], ps[QR / 16][4];
+  int stage = 0;
+  int cursor = j_lo;
+  while (cursor < j_hi) {
+    // Compact the visible blocks of [cursor, ...) into s_list, in increasing j.
+    int n = 0;
+    while (cursor < j_hi && n + ATTN_WG_THREADS <= CAP) {
+      const int jj = cursor + (int)threadIdx.x;
+      const bool vis = jj < j_hi && tile_sees(jj);
+      const unsigned ballot = __ballot_sync(0xffffffffu, vis);
+      if (lane == 0) s_cnt[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, total = 0;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const int c = s_cnt[w];
+        before += w < warp ? c : 0;
+        total += c;
+      }
+      if (vis) s_list[n + before + __popc(ballot & ((1u << lane) - 1u))] = jj;
+      n += total;
+      cursor += ATTN_WG_THREADS;
+      __syncthreads();
+    }
+    if (n == 0) continue;
+
+    load_block(s_list[0], stage);
+    cp_async_commit();
+    for (int li = 0; li < n; ++li) {
+      const int jj = s_list[li];
+      const int st = stage;
+      // Block li's rows have landed, and every warpgroup is done with block li - 1 (whose stage
+      // the next load reuses).
+      tile_ready();
+      if (li + 1 < n) load_block(s_list[li + 1], st ^ 1);
+      cp_async_commit();
+      const index_t aa = anchors[jj];
+      const index_t cs = ctx_start[jj];
+      const index_t ce = cs + aa;  // rows [cs, ce) see block jj (a full layer)
+      bool vis[2];
+      index_t last_slot[2];  // sliding: row t is seen by the slots r <= t - ce + (W - 1)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        vis[hh] = trow[hh] < t_end && trow[hh] >= cs && trow[hh] < ce;
+        last_slot[hh] = window > 0 ? trow[hh] - ce + (index_t)(window - 1) : (index_t)INT_MAX;
+      }
+      // Unmasked when all 64 keys of the warpgroup are seen by every slot of the block.
+      const index_t all_first = window > 0 ? max((index_t)0, aa + bs - (index_t)window) : (index_t)0;
+      const bool masked = !(tw0 >= cs + all_first && tw0 + 63 < ce && tw0 + 63 < t_end);
+
+      wgmma_fence();
+      {
+        const uint64_t dqs = wg_desc_at(dqb, (uint32_t)st * Q_BYTES);
+        const uint64_t dos = wg_desc_at(dob, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const uint32_t off = (uint32_t)((kk & 3) * 32);
+          wg_abt<QR>(st_, wg_desc_at(dka, (uint32_t)((kk >> 2) * KR * 128) + off),
+                     wg_desc_at(dqs, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const uint32_t off = (uint32_t)((kk & 3) * 32);
+          wg_abt<QR>(dpt, wg_desc_at(dva, (uint32_t)((kk >> 2) * KR * 128) + off),
+                     wg_desc_at(dos, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      wg_fence_regs(st_);
+      wg_fence_regs(dpt);
+      const float* lq = sL(st);
+      const float* dq_ = sD(st);
+      // P^T (in st_), masked per (key row, query column).
+#pragma unroll
+      for (int nn = 0; nn < QR / 8; ++nn) {
+        const int col = nn * 8 + 2 * tq;
+        const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float lv = (e & 1) ? l2.y : l2.x;
+          const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv * LOG2E));
+          bool seen = true;
+          if (masked) {
+            seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
+          }
+          st_[nn][e] = seen ? p : 0.f;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) {
+        pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
+        pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
+        pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
+        pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
+      }
+      wg_fence_regs(dv);
+      wgmma_fence();
+      {
+        const uint64_t dos = wg_desc_at(don, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dv, pp[kk], wg_desc_at(dos, (uint32_t)(kk * 16 * 128)), 1);
+        wgmma_commit();
+      }
+      // dS^T = P^T (dP^T - D) scale (0 where P^T is 0 by the mask: P is exactly 0 there and
+      // dP^T is finite).
+#pragma unroll
+      for (int nn = 0; nn < QR / 8; ++nn) {
+        const int col = nn * 8 + 2 * tq;
+        const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dd = (e & 1) ? d2.y : d2.x;
+          dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) {
+        ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
+        ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
+        ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+        ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      }
+      wg_fence_regs(dk);
+      wgmma_fence();
+      {
+        const uint64_t dqs = wg_desc_at(dqn, (uint32_t)st * Q_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dk, ps[kk], wg_desc_at(dqs, (uint32_t)(kk * 16 * 128)), 1);
+        wgmma_commit();
+      }
+      // Both products read this stage and the packed registers: done before the next block.
+      wgmma_wait<0>();
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
+      stage ^= 1;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // dK and dV, staged in this warpgroup's own K and V rows (read only by its own, finished,
+  // wgmmas): each warp writes and then reads back its 16 rows.
+  const int wr = wg * 64 + wi * 16;
+  constexpr int C = HD / 8;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    unsigned char* const tile = base_ptr + (which ? K_BYTES : 0);
+    float(&acc)[HD / 8][4] = which ? dv : dk;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+    }
+    __syncwarp();
+    bf16* const out = which ? dvc : dkc;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const index_t t = t0 + wr + i;
+      if (t < t_end) {
+        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
+            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
+      }
+    }
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -571,4 +1280,24 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_
     int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {
   attn::draft_fwd_wg<128>(q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size, ctx_rows, heads,
                           kv_heads, scale, window);
+}
+
+// The drafter backward over queries at head_dim 128; launch above draft_bwd_q_wg.
+extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_q_wg_bf16_hd128(
+    const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb,
+    const __nv_bfloat16* vb, const float* lse, const float* dsum, const __nv_bfloat16* d_o, __nv_bfloat16* dq,
+    __nv_bfloat16* dkb, __nv_bfloat16* dvb, const int* anchors, const int* ctx_start, int num_blocks, int block_size,
+    long long ctx_rows, int heads, int kv_heads, float scale, int window) {
+  attn::draft_bwd_q_wg<128>(q, kc, vc, kb, vb, lse, dsum, d_o, dq, dkb, dvb, anchors, ctx_start, num_blocks,
+                            block_size, ctx_rows, heads, kv_heads, scale, window);
+}
+
+// The drafter backward over context keys at head_dim 128; launch above draft_bwd_kv_wg.
+extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_kv_wg_bf16_hd128(
+    const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc, const float* lse, const float* dsum,
+    const __nv_bfloat16* d_o, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors, const int* ctx_start,
+    int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale,
+    const int* ctx_block_begin, const int* ctx_block_end, int window) {
+  attn::draft_bwd_kv_wg<128>(q, kc, vc, lse, dsum, d_o, dkc, dvc, anchors, ctx_start, num_blocks, block_size,
+                             ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
 }

@@ -58,6 +58,19 @@ constexpr int ATTN_WG_ALIGN = 1024;
 // The drafter forward's own block keys (block_size <= 16): one 16-row K and V tile per warpgroup
 // on top of the causal layout (4 * 16 * hd * 2 bytes more: 214,016 at hd 128).
 constexpr int ATTN_WG_BLOCK_KEYS = 16;
+// The drafter backward over queries (attn_draft_bwd_q_wg): 64-key context tiles (S, dP = 32
+// registers each beside the 64 of dQ), K in 3 stages (tile t's K serves S_t and, one iteration
+// later, dQ += dS_t K_t) and V in 2 (dP_t only). Shared memory: (2 * ROWS + (K_STAGES + V_STAGES)
+// * KEYS + 4 * BLOCK_KEYS) * hd * 2 + 4 * 64 * BLOCK_KEYS * 4 (f32 P and dS of the block keys per
+// warpgroup) + 1024 = 181,248 bytes at hd 128.
+constexpr int ATTN_WG_BWD_KEYS = 64;
+constexpr int ATTN_WG_BWD_K_STAGES = 3;
+constexpr int ATTN_WG_BWD_V_STAGES = 2;
+// The drafter backward over context keys (attn_draft_bwd_kv_wg): 64 context keys per warpgroup,
+// ATTN_WG_BWD_KV_ROWS per CTA; each visible block's 64-row Q and dO tiles (rows past M zero) in 2
+// stages. Shared memory: (2 * KV_ROWS + 2 * 2 * 64) * hd * 2 + 2 * 2 * 64 * 4 (lse, dsum) + 1024 =
+// 133,120 bytes at hd 128, plus the static visible-block list.
+constexpr int ATTN_WG_BWD_KV_ROWS = ATTN_WG_WARPGROUPS * 64;
 
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.

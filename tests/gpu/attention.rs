@@ -299,6 +299,138 @@ fn gpu_drafter_forward_forms_match_cpu() {
     }
 }
 
+/// Both drafter backward forms (mma.sync, and Hopper warpgroup MMAs: the query-side kernel pairs
+/// two blocks per CTA like the warpgroup forward, the context-key kernel takes 128 context rows
+/// per CTA and stages each visible block's queries once) against the CPU on the forward forms
+/// test's cases: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in
+/// two sequences, an odd block count, M = 15 (padding rows), windows 3, 8, 40 and 2048 beside full
+/// layers, and 5600-row contexts. Both backends take the CPU forward's o and lse, so only the
+/// backward is compared; all five gradients go into NaN-filled buffers (every element must be
+/// written), padded blocks must get exact zeros, and each form must be bit-identical from run to
+/// run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_drafter_backward_forms_match_cpu() {
+    use dflash_engine::backend::cuda::AttnForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let long_anchors: Vec<i32> = (0..24)
+        .map(|i| {
+            if i == 5 {
+                -1
+            } else if i == 23 {
+                2800
+            } else {
+                (i % 11) * 250 + 7
+            }
+        })
+        .collect();
+    let long_starts: Vec<i32> = (0..24).map(|i| if i < 11 { 0 } else { 2800 }).collect();
+    let (anchors, starts) = (vec![0, 17, 100, 5, 3, 50, -1], vec![0, 0, 0, 100, 100, 100, 100]);
+    let cases: Vec<(usize, usize, usize, usize, Vec<i32>, Vec<i32>, Vec<Option<usize>>)> = vec![
+        (16, 32, 8, 150, anchors.clone(), starts.clone(), vec![None, Some(8), Some(3)]),
+        (5, 6, 2, 150, anchors, starts, vec![None, Some(40)]),
+        (16, 32, 8, 5600, long_anchors, long_starts, vec![None, Some(2048), Some(3)]),
+    ];
+    type Grads = Vec<Vec<f32>>;
+    // The five gradients (dq, dkc, dvc, dkb, dvb) of one backward on backend `be`, from the
+    // inputs t = [q, kc, vc, kb, vb, d_o] and the forward's o and lse.
+    fn bwd<B: Backend>(
+        be: &B,
+        sh: &DraftAttnShape,
+        t: &[Vec<f32>; 6],
+        fwd: &(Vec<f32>, Vec<f32>),
+        anchors: &[i32],
+        starts: &[i32],
+        launch: impl Fn(&B, &B::Stream, &[B::Buf], &B::Ids, &B::Ids, &B::Buf, &B::Buf, [&mut B::Buf; 5]),
+    ) -> Grads {
+        let s = be.compute_stream();
+        let b: Vec<B::Buf> = t.iter().map(|v| put(be, v, DType::BF16)).collect();
+        let (o, lse) = (put(be, &fwd.0, DType::BF16), put(be, &fwd.1, DType::F32));
+        let kw = sh.kv_heads * sh.head_dim;
+        let sizes = [
+            sh.q_rows() * sh.heads * sh.head_dim,
+            sh.ctx_rows * kw,
+            sh.ctx_rows * kw,
+            sh.q_rows() * kw,
+            sh.q_rows() * kw,
+        ];
+        // NaN-filled: an element the kernels fail to write shows up as NaN and fails rel_err.
+        let mut gr: Vec<B::Buf> = sizes.iter().map(|&n| put(be, &vec![f32::NAN; n], DType::BF16)).collect();
+        {
+            let [g0, g1, g2, g3, g4] = &mut gr[..] else { unreachable!() };
+            launch(be, &s, &b, &ids(be, anchors), &ids(be, starts), &o, &lse, [g0, g1, g2, g3, g4]);
+        }
+        gr.iter().map(|x| get(be, x)).collect()
+    }
+    for (bs, heads, kvh, ctx_rows, anchors, starts, windows) in cases {
+        let hd = 128;
+        for window in windows {
+            let sh = DraftAttnShape {
+                num_blocks: anchors.len(),
+                block_size: bs,
+                ctx_rows,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                window,
+            };
+            let (qn, kn, kbn) = (sh.q_rows() * heads * hd, ctx_rows * kvh * hd, sh.q_rows() * kvh * hd);
+            let t = [
+                rand(qn, 280, 1.0),
+                rand(kn, 281, 1.0),
+                rand(kn, 282, 1.0),
+                rand(kbn, 283, 1.0),
+                rand(kbn, 284, 1.0),
+                rand(qn, 285, 1.0),
+            ];
+            // The CPU forward's o and lse feed both backends.
+            let fwd = {
+                let s = c.compute_stream();
+                let b: Vec<_> = t[..5].iter().map(|v| put(&c, v, DType::BF16)).collect();
+                let mut o = c.alloc(&s, DType::BF16, qn).unwrap();
+                let mut lse = c.alloc(&s, DType::F32, sh.q_rows() * heads).unwrap();
+                let (a, st) = (ids(&c, &anchors), ids(&c, &starts));
+                c.attn_draft_fwd(&s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], &a, &st, &mut o, &mut lse).unwrap();
+                (get(&c, &o), get(&c, &lse))
+            };
+            let want = bwd(&c, &sh, &t, &fwd, &anchors, &starts, |be, s, b, a, st, o, lse, gr| {
+                be.attn_draft_bwd(s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse, &b[5], gr).unwrap()
+            });
+            let gpu_bwd = |form: AttnForm| {
+                bwd(&g, &sh, &t, &fwd, &anchors, &starts, |be, s, b, a, st, o, lse, gr| {
+                    be.attn_draft_bwd_with(form, s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse, &b[5], gr)
+                        .unwrap()
+                })
+            };
+            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+                assert!(form.takes_draft(&sh), "{form:?} takes bs {bs}, {heads}/{kvh} heads");
+                let what = format!("{form:?} drafter bwd bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
+                let got = gpu_bwd(form);
+                for (i, name) in ["dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+                    rel_err(&format!("{what} {name}"), &got[i], &want[i], ATTN_TOL);
+                }
+                let again = gpu_bwd(form);
+                for (i, name) in ["dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+                    bits_equal(&format!("{what} rerun {name}"), &again[i], &got[i]);
+                }
+                // Padded blocks: exact zeros out of dq, dkb and dvb.
+                let (w, kw) = (heads * hd, kvh * hd);
+                for (j, &a) in anchors.iter().enumerate() {
+                    if a < 0 {
+                        assert!(got[0][j * bs * w..(j + 1) * bs * w].iter().all(|&x| x == 0.0), "{what}: dq {j}");
+                        for (i, name) in [(3, "dkb"), (4, "dvb")] {
+                            assert!(
+                                got[i][j * bs * kw..(j + 1) * bs * kw].iter().all(|&x| x == 0.0),
+                                "{what}: {name} {j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Sliding-window drafter layers (DFLASH.md section 3) against the CPU, forward and backward,
 /// at the window edges: W = 1 (no context, the block's slot 0 only for slot 0), W < block size
 /// (late slots see no context), W around the 64-key tile (63, 64, 65: the first tile starts

@@ -34,8 +34,9 @@ use crate::kernels::launch::{
     RMS_WARP_TEAM_MAX_DIM, SUMSQ_BLOCK, SUMSQ_PARTS,
 };
 use crate::kernels::launch::{
-    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS,
-    ATTN_WG_THREADS, ATTN_WG_V_STAGES,
+    ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_KV_ROWS, ATTN_WG_BWD_K_STAGES,
+    ATTN_WG_BWD_V_STAGES, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
+    ATTN_WG_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -594,6 +595,179 @@ impl CudaBackend {
                 let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
                 let kernel = launch::Kernel::AttnDraftFwdWgBf16Hd128;
                 self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), args!(AttnDraftFwdWgBf16Hd128))
+            }
+        }
+    }
+
+    /// The drafter backward with an explicit kernel form (the trait method takes
+    /// `AttnForm::pick_draft_bwd`): `Wgmma` runs `attn_draft_bwd_q_wg_bf16_hd128` (dq, dkb, dvb)
+    /// and `attn_draft_bwd_kv_wg_bf16_hd128` (dkc, dvc). Tests and benches compare the forms
+    /// with it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_draft_bwd_with(
+        &self,
+        form: AttnForm,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        q: &CudaBuf,
+        kc: &CudaBuf,
+        vc: &CudaBuf,
+        kb: &CudaBuf,
+        vb: &CudaBuf,
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        o: &CudaBuf,
+        lse: &CudaBuf,
+        d_o: &CudaBuf,
+        grads: [&mut CudaBuf; 5],
+    ) -> Result<()> {
+        let g = draft_geom("attn_draft_bwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
+        let [dq, dkc, dvc, dkb, dvb] = grads;
+        let qn = sh.q_rows() * g.qw;
+        for (n, l) in [("o", o.len), ("d_o", d_o.len), ("dq", dq.len)] {
+            check_len("attn_draft_bwd", n, l, 0, qn)?;
+        }
+        check_len("attn_draft_bwd", "dkc", dkc.len, 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dvc", dvc.len, 0, sh.ctx_rows * g.kw)?;
+        check_len("attn_draft_bwd", "dkb", dkb.len, 0, sh.q_rows() * g.kw)?;
+        check_len("attn_draft_bwd", "dvb", dvb.len, 0, sh.q_rows() * g.kw)?;
+        if sh.block_size > ATTN_MAX_BLOCK_KEYS {
+            return Err(BackendError::Shape {
+                op: "attn_draft_bwd",
+                what: format!("block size {} (the kernel supports up to {ATTN_MAX_BLOCK_KEYS})", sh.block_size),
+            });
+        }
+        const OP: &str = "attn_draft_bwd";
+        // Before any launch: the warpgroup form's own limits.
+        if form == AttnForm::Wgmma && !form.takes_draft(sh) {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!(
+                    "the warpgroup kernel takes head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
+                     block_size * heads / kv_heads <= 64, not head_dim {}, block_size {}, {}/{} heads",
+                    sh.head_dim, sh.block_size, sh.heads, sh.kv_heads
+                ),
+            });
+        }
+        let hd = sh.head_dim;
+        let dsum = self.scratch(s, sh.q_rows() * sh.heads)?;
+        let prep = Self::attn_kernel(OP, &launch::AttnDraftBwdPrepBf16Hd::VARIANTS, hd)?;
+        let args = launch::AttnDraftBwdPrepBf16Hd {
+            o: o.at(OP, 0)?,
+            d_o: d_o.at(OP, 0)?,
+            dsum: dsum.at(OP, 0)?,
+            q_rows: sh.q_rows(),
+            heads: sh.heads,
+        };
+        self.launch(s, prep, ((qn / 8).div_ceil(256), 256, 0), args)?;
+        macro_rules! q_args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    kb: kb.at(OP, 0)?,
+                    vb: vb.at(OP, 0)?,
+                    lse: lse.at(OP, 0)?,
+                    dsum: dsum.at(OP, 0)?,
+                    d_o: d_o.at(OP, 0)?,
+                    dq: dq.at(OP, 0)?,
+                    dkb: dkb.at(OP, 0)?,
+                    dvb: dvb.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    window: sh.window.unwrap_or(0),
+                }
+            };
+        }
+        match form {
+            AttnForm::Mma => {
+                let nq = Self::attn_kernel(OP, &launch::AttnDraftBwdQBf16Hd::VARIANTS, hd)?;
+                // Shared memory: Q and dO tiles (w warps of ATTN_WARP_ROWS rows each), ATTN_KV_TILES
+                // K/V tiles, and the f32 P and dS side buffers of the block keys.
+                let smem = (2 * ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2
+                    + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
+                self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
+            }
+            AttnForm::Wgmma => {
+                // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
+                // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
+                // of block keys per warpgroup, and per warpgroup the f32 P and dS of its block keys
+                // (64 rows x ATTN_WG_BLOCK_KEYS).
+                let tiles = 2 * ATTN_WG_ROWS
+                    + (ATTN_WG_BWD_K_STAGES + ATTN_WG_BWD_V_STAGES) * ATTN_WG_BWD_KEYS
+                    + 4 * ATTN_WG_BLOCK_KEYS;
+                let smem = tiles * sh.head_dim * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WG_ALIGN;
+                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
+                let kernel = launch::Kernel::AttnDraftBwdQWgBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), q_args!(AttnDraftBwdQWgBf16Hd128))?;
+            }
+        }
+        // Each context row's range of candidate blocks, on the device (no host round trip).
+        let db = self.alloc_ids(s, sh.ctx_rows)?;
+        let de = self.alloc_ids(s, sh.ctx_rows)?;
+        if sh.ctx_rows > 0 {
+            let args = launch::AttnDraftKvRanges {
+                ctx_start: ctx_start.at(OP, 0)?,
+                num_blocks: sh.num_blocks,
+                ctx_rows: sh.ctx_rows,
+                ctx_block_begin: db.at(OP, 0)?,
+                ctx_block_end: de.at(OP, 0)?,
+            };
+            let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
+            self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
+        }
+        macro_rules! kv_args {
+            ($ty:ident) => {
+                launch::$ty {
+                    q: q.at(OP, 0)?,
+                    kc: kc.at(OP, 0)?,
+                    vc: vc.at(OP, 0)?,
+                    lse: lse.at(OP, 0)?,
+                    dsum: dsum.at(OP, 0)?,
+                    d_o: d_o.at(OP, 0)?,
+                    dkc: dkc.at(OP, 0)?,
+                    dvc: dvc.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    ctx_block_begin: db.at(OP, 0)?,
+                    ctx_block_end: de.at(OP, 0)?,
+                    window: sh.window.unwrap_or(0),
+                }
+            };
+        }
+        match form {
+            AttnForm::Mma => {
+                let nkv = Self::attn_kernel(OP, &launch::AttnDraftBwdKvBf16Hd::VARIANTS, hd)?;
+                // Query rows of a block (all heads of a KV head), padded to chunks of ATTN_KV_CHUNK.
+                let m = sh.block_size * (sh.heads / sh.kv_heads);
+                let mp = ATTN_KV_CHUNK * m.div_ceil(ATTN_KV_CHUNK);
+                // Shared memory: the CTA's K and V rows, 2 stages of Q and dO chunks, and 2 stages
+                // of the f32 lse and dsum of every padded row.
+                let smem = (2 * ATTN_KV_ROWS + 4 * mp) * g.ld * 2 + 4 * mp * 4;
+                let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
+                self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
+            }
+            AttnForm::Wgmma => {
+                // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
+                // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
+                // dsum values.
+                let smem = (2 * ATTN_WG_BWD_KV_ROWS + 4 * 64) * sh.head_dim * 2 + 4 * 64 * 4 + ATTN_WG_ALIGN;
+                let grid = sh.ctx_rows.div_ceil(ATTN_WG_BWD_KV_ROWS).max(1) * sh.kv_heads;
+                let kernel = launch::Kernel::AttnDraftBwdKvWgBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), kv_args!(AttnDraftBwdKvWgBf16Hd128))
             }
         }
     }
@@ -1503,106 +1677,8 @@ impl Backend for CudaBackend {
         d_o: &CudaBuf,
         grads: [&mut CudaBuf; 5],
     ) -> Result<()> {
-        let g = draft_geom("attn_draft_bwd", sh, q, kc, vc, kb, vb, anchors, ctx_start)?;
-        let [dq, dkc, dvc, dkb, dvb] = grads;
-        let qn = sh.q_rows() * g.qw;
-        for (n, l) in [("o", o.len), ("d_o", d_o.len), ("dq", dq.len)] {
-            check_len("attn_draft_bwd", n, l, 0, qn)?;
-        }
-        check_len("attn_draft_bwd", "dkc", dkc.len, 0, sh.ctx_rows * g.kw)?;
-        check_len("attn_draft_bwd", "dvc", dvc.len, 0, sh.ctx_rows * g.kw)?;
-        check_len("attn_draft_bwd", "dkb", dkb.len, 0, sh.q_rows() * g.kw)?;
-        check_len("attn_draft_bwd", "dvb", dvb.len, 0, sh.q_rows() * g.kw)?;
-        if sh.block_size > ATTN_MAX_BLOCK_KEYS {
-            return Err(BackendError::Shape {
-                op: "attn_draft_bwd",
-                what: format!("block size {} (the kernel supports up to {ATTN_MAX_BLOCK_KEYS})", sh.block_size),
-            });
-        }
-        const OP: &str = "attn_draft_bwd";
-        let hd = sh.head_dim;
-        let dsum = self.scratch(s, sh.q_rows() * sh.heads)?;
-        let prep = Self::attn_kernel(OP, &launch::AttnDraftBwdPrepBf16Hd::VARIANTS, hd)?;
-        let args = launch::AttnDraftBwdPrepBf16Hd {
-            o: o.at(OP, 0)?,
-            d_o: d_o.at(OP, 0)?,
-            dsum: dsum.at(OP, 0)?,
-            q_rows: sh.q_rows(),
-            heads: sh.heads,
-        };
-        self.launch(s, prep, ((qn / 8).div_ceil(256), 256, 0), args)?;
-        let nq = Self::attn_kernel(OP, &launch::AttnDraftBwdQBf16Hd::VARIANTS, hd)?;
-        // Shared memory: Q and dO tiles (w warps of ATTN_WARP_ROWS rows each), ATTN_KV_TILES K/V
-        // tiles, and the f32 P and dS side buffers of the block keys.
-        let smem = (2 * ATTN_WARP_ROWS * g.w + ATTN_KV_TILES * ATTN_KEYS) * g.ld * 2
-            + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
-        let args = launch::AttnDraftBwdQBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            kb: kb.at(OP, 0)?,
-            vb: vb.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            dsum: dsum.at(OP, 0)?,
-            d_o: d_o.at(OP, 0)?,
-            dq: dq.at(OP, 0)?,
-            dkb: dkb.at(OP, 0)?,
-            dvb: dvb.at(OP, 0)?,
-            anchors: anchors.at(OP, 0)?,
-            ctx_start: ctx_start.at(OP, 0)?,
-            num_blocks: sh.num_blocks,
-            block_size: sh.block_size,
-            ctx_rows: sh.ctx_rows,
-            heads: sh.heads,
-            kv_heads: sh.kv_heads,
-            scale: sh.scale(),
-            window: sh.window.unwrap_or(0),
-        };
-        self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), args)?;
-        // Each context row's range of candidate blocks, on the device (no host round trip).
-        let db = self.alloc_ids(s, sh.ctx_rows)?;
-        let de = self.alloc_ids(s, sh.ctx_rows)?;
-        if sh.ctx_rows > 0 {
-            let args = launch::AttnDraftKvRanges {
-                ctx_start: ctx_start.at(OP, 0)?,
-                num_blocks: sh.num_blocks,
-                ctx_rows: sh.ctx_rows,
-                ctx_block_begin: db.at(OP, 0)?,
-                ctx_block_end: de.at(OP, 0)?,
-            };
-            let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
-            self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
-        }
-        let nkv = Self::attn_kernel(OP, &launch::AttnDraftBwdKvBf16Hd::VARIANTS, hd)?;
-        // Query rows of a block (all heads of a KV head), padded to chunks of ATTN_KV_CHUNK.
-        let m = sh.block_size * (sh.heads / sh.kv_heads);
-        let mp = ATTN_KV_CHUNK * m.div_ceil(ATTN_KV_CHUNK);
-        // Shared memory: the CTA's K and V rows, 2 stages of Q and dO chunks, and 2 stages of the
-        // f32 lse and dsum of every padded row.
-        let smem = (2 * ATTN_KV_ROWS + 4 * mp) * g.ld * 2 + 4 * mp * 4;
-        let args = launch::AttnDraftBwdKvBf16Hd {
-            q: q.at(OP, 0)?,
-            kc: kc.at(OP, 0)?,
-            vc: vc.at(OP, 0)?,
-            lse: lse.at(OP, 0)?,
-            dsum: dsum.at(OP, 0)?,
-            d_o: d_o.at(OP, 0)?,
-            dkc: dkc.at(OP, 0)?,
-            dvc: dvc.at(OP, 0)?,
-            anchors: anchors.at(OP, 0)?,
-            ctx_start: ctx_start.at(OP, 0)?,
-            num_blocks: sh.num_blocks,
-            block_size: sh.block_size,
-            ctx_rows: sh.ctx_rows,
-            heads: sh.heads,
-            kv_heads: sh.kv_heads,
-            scale: sh.scale(),
-            ctx_block_begin: db.at(OP, 0)?,
-            ctx_block_end: de.at(OP, 0)?,
-            window: sh.window.unwrap_or(0),
-        };
-        let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
-        self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), args)
+        let form = AttnForm::pick_draft_bwd(sh);
+        self.attn_draft_bwd_with(form, s, sh, q, kc, vc, kb, vb, anchors, ctx_start, o, lse, d_o, grads)
     }
 
     fn cross_entropy(
@@ -2394,14 +2470,16 @@ impl CudaBackend {
     }
 }
 
-/// Which kernel runs an attention forward: the target's causal one, the drafter's block one.
+/// Which kernel runs an attention op: the target's causal forward, the drafter's block forward
+/// and backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnForm {
     /// kernels/attention.cu (`attn_causal_fwd_bf16_hd*`, `attn_draft_fwd_bf16_hd*`): mma.sync,
     /// every compiled head dim and block shape.
     Mma,
     /// kernels/attention_wgmma.cu (`attn_causal_fwd_wg_bf16_hd*` at head_dim 128 and 256,
-    /// `attn_draft_fwd_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
+    /// `attn_draft_fwd_wg_bf16_hd128`, `attn_draft_bwd_q_wg_bf16_hd128` and
+    /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
     /// warpgroup MMAs.
     Wgmma,
 }
@@ -2438,6 +2516,12 @@ impl AttnForm {
         } else {
             AttnForm::Mma
         }
+    }
+
+    /// The drafter backward's kernels: the warpgroup ones under the same conditions as the forward
+    /// (`pick_draft`: the query-side kernel pairs blocks per CTA the same way), else mma.sync.
+    pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
+        Self::pick_draft(sh)
     }
 
     /// Whether this form has a causal kernel for `head_dim`.
@@ -2929,6 +3013,15 @@ mod tests {
         assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
         assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
         assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
+        // The backward picks as the forward: the warpgroup kernel where it takes the shape and
+        // there are two blocks to pair.
+        if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
+            assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 8)), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 4)), AttnForm::Mma);
+            assert_eq!(AttnForm::pick_draft_bwd(&sh(64, 16, 32, 8)), AttnForm::Mma);
+            let lone = DraftAttnShape { num_blocks: 1, ..sh(128, 16, 32, 8) };
+            assert_eq!(AttnForm::pick_draft_bwd(&lone), AttnForm::Mma);
+        }
     }
 
     #[test]
