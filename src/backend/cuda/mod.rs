@@ -47,7 +47,7 @@ use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
 use launch::{variant, DevPtr, Elem, Kernel, KernelArgs, Kernels, LaunchCfg, TapPtrs};
-pub use transport::{CudaEvent, CudaHostMem, PinnedSlot};
+pub use transport::{CudaEvent, CudaHostMem, CudaReadback, PinnedSlot};
 
 /// A failed driver call while doing `what` (out of memory becomes [`BackendError::OutOfMemory`]).
 fn drv(what: impl Into<String>, e: DriverError) -> BackendError {
@@ -205,6 +205,8 @@ pub struct CudaBackend {
     /// `--profile`: every launch, GEMM and copy timed by phase (see `backend::profile`).
     profiling: std::sync::atomic::AtomicBool,
     timed: Mutex<Vec<(Phase, String, device::Event, device::Event)>>,
+    /// Pinned slots of finished `read_async` reads, kept for the next one.
+    readback_slots: Arc<Mutex<Vec<PinnedSlot>>>,
 }
 
 impl CudaBackend {
@@ -289,6 +291,7 @@ impl CudaBackend {
             inv_freq: Mutex::new(HashMap::new()),
             profiling: std::sync::atomic::AtomicBool::new(false),
             timed: Mutex::new(Vec::new()),
+            readback_slots: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -939,6 +942,16 @@ impl Backend for CudaBackend {
                 Ok(out.par_iter().map(|x| x.to_f32()).collect())
             }
         }
+    }
+
+    type Readback = CudaReadback;
+
+    fn read_async(&self, s: &Stream, bufs: &[&CudaBuf], ids: &[&CudaIds]) -> Result<CudaReadback> {
+        self.read_async_impl(s, bufs, ids)
+    }
+
+    fn read_wait(&self, r: CudaReadback) -> Result<(Vec<Vec<f32>>, Vec<Vec<i32>>)> {
+        self.read_wait_impl(r)
     }
 
     fn download_ids(&self, s: &Stream, src: &CudaIds) -> Result<Vec<i32>> {
@@ -1706,6 +1719,73 @@ impl Backend for CudaBackend {
             grad_scale: hp.grad_scale,
         };
         self.launch(s, launch::AdamwF32::KERNEL, (grid, 256, 0), args)
+    }
+
+    fn update_plan(
+        &self,
+        s: &Stream,
+        body_sumsq: &CudaBuf,
+        fc_sumsq: &CudaBuf,
+        loss: &CudaBuf,
+        weighted: bool,
+        clip: f32,
+        plan: &mut CudaBuf,
+    ) -> Result<()> {
+        for b in [body_sumsq, fc_sumsq, loss, &*plan] {
+            Self::need_f32("update_plan", b)?;
+        }
+        check_len("update_plan", "body_sumsq", body_sumsq.len, 0, 1)?;
+        check_len("update_plan", "fc_sumsq", fc_sumsq.len, 0, 1)?;
+        check_len("update_plan", "plan", plan.len, 0, 2)?;
+        let args = launch::UpdatePlanF32 {
+            body_sumsq: body_sumsq.at("update_plan", 0)?,
+            fc_sumsq: fc_sumsq.at("update_plan", 0)?,
+            loss: loss.at("update_plan", 0)?,
+            n_loss: loss.len,
+            weighted: usize::from(weighted),
+            clip,
+            plan: plan.at("update_plan", 0)?,
+        };
+        self.launch(s, launch::UpdatePlanF32::KERNEL, (1, 256, 0), args)
+    }
+
+    fn adamw_planned(
+        &self,
+        s: &Stream,
+        master: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        weights: &mut CudaBuf,
+        hp: &AdamStep,
+        plan: &CudaBuf,
+    ) -> Result<()> {
+        let n = master.len;
+        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
+            check_len("adamw_planned", name, len, 0, n)?;
+        }
+        Self::need_f32("adamw_planned", plan)?;
+        check_len("adamw_planned", "plan", plan.len, 0, 2)?;
+        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
+        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
+        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count);
+        let args = launch::AdamwPlannedF32 {
+            master: master.at("adamw_planned", 0)?,
+            grad: grad.at("adamw_planned", 0)?,
+            m: m.at("adamw_planned", 0)?,
+            v: v.at("adamw_planned", 0)?,
+            w: weights.at("adamw_planned", 0)?,
+            n,
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            wd: hp.weight_decay,
+            bc1,
+            bc2,
+            plan: plan.at("adamw_planned", 0)?,
+        };
+        self.launch(s, launch::AdamwPlannedF32::KERNEL, (grid, 256, 0), args)
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
