@@ -335,6 +335,13 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// `take_profile_step` without waiting: the phases of the profiled work that has completed
+    /// since the last take, in order; work still running stays for the next take (the training
+    /// loop, whose host never waits for the device).
+    fn take_profile_done(&self) -> Result<Option<profile::StepPhases>> {
+        self.take_profile_step()
+    }
+
     /// An event that also takes a device timestamp (None where the backend has no device clock).
     fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {
         Ok(None)

@@ -661,6 +661,40 @@ pub fn rmsnorm_bwd_parts(rows: usize, dim: usize) -> usize {
     rows.div_ceil(rms_bwd_rows_per_part(rows, dim))
 }
 
+impl CudaBackend {
+    /// The phases of the profiled work since the last take: all of it (the host waits), or, when
+    /// `wait` is false, the completed prefix only (the rest stays for the next take).
+    fn take_profile(&self, wait: bool) -> Result<Option<StepPhases>> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let iv: Vec<_> = {
+            let mut timed = self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?;
+            let done =
+                if wait { timed.len() } else { timed.iter().position(|(_, _, _, b)| !b.done()).unwrap_or(timed.len()) };
+            timed.drain(..done).collect()
+        };
+        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
+        self.bind()?;
+        for (_, _, _, b) in &iv {
+            b.synchronize().map_err(|e| drv("profile event", e))?;
+        }
+        let at = |e: &device::Event| -> Result<f64> {
+            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
+        };
+        let mut spans = Vec::with_capacity(iv.len());
+        let mut ops = Vec::with_capacity(iv.len());
+        for (p, op, a, b) in &iv {
+            let (a, b) = (at(a)?, at(b)?);
+            spans.push((*p, a, b));
+            ops.push((op.clone(), b - a));
+        }
+        let mut step = profile::fold(spans);
+        step.by_op = profile::by_op(ops);
+        Ok(Some(step))
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Ids = CudaIds;
@@ -796,28 +830,11 @@ impl Backend for CudaBackend {
     }
 
     fn take_profile_step(&self) -> Result<Option<StepPhases>> {
-        if !self.profiling.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let iv = std::mem::take(&mut *self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?);
-        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
-        self.bind()?;
-        for (_, _, _, b) in &iv {
-            b.synchronize().map_err(|e| drv("profile event", e))?;
-        }
-        let at = |e: &device::Event| -> Result<f64> {
-            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
-        };
-        let mut spans = Vec::with_capacity(iv.len());
-        let mut ops = Vec::with_capacity(iv.len());
-        for (p, op, a, b) in &iv {
-            let (a, b) = (at(a)?, at(b)?);
-            spans.push((*p, a, b));
-            ops.push((op.clone(), b - a));
-        }
-        let mut step = profile::fold(spans);
-        step.by_op = profile::by_op(ops);
-        Ok(Some(step))
+        self.take_profile(true)
+    }
+
+    fn take_profile_done(&self) -> Result<Option<StepPhases>> {
+        self.take_profile(false)
     }
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
