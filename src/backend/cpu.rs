@@ -404,14 +404,14 @@ impl<F: Real> Backend for CpuBackend<F> {
         Ok(src.clone())
     }
 
-    type Readback = (Vec<Vec<f32>>, Vec<Vec<i32>>);
+    type Readback = crate::backend::ReadValues;
 
     fn read_async(&self, s: &CpuStream, bufs: &[&CpuBuf<F>], ids: &[&Vec<i32>]) -> Result<Self::Readback> {
         let f = bufs.iter().map(|b| self.download(s, b)).collect::<Result<Vec<_>>>()?;
         Ok((f, ids.iter().map(|i| i.to_vec()).collect()))
     }
 
-    fn read_wait(&self, r: Self::Readback) -> Result<(Vec<Vec<f32>>, Vec<Vec<i32>>)> {
+    fn read_wait(&self, r: Self::Readback) -> Result<crate::backend::ReadValues> {
         Ok(r)
     }
 

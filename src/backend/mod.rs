@@ -245,6 +245,10 @@ pub fn no_kernel(op: &str) -> BackendError {
     BackendError::Unsupported(format!("{op} has no CUDA kernel yet: use --device cpu"))
 }
 
+/// The values of a finished `Backend::read_async`: the f32 buffers', then the id buffers', each
+/// in the order asked.
+pub type ReadValues = (Vec<Vec<f32>>, Vec<Vec<i32>>);
+
 /// One AdamW update on f32 masters (DFLASH.md section 4).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamStep {
@@ -398,7 +402,7 @@ pub trait Backend: Send + Sync + 'static {
     /// an event after them; the host does not wait. The buffers are read in `s`'s order.
     fn read_async(&self, s: &Self::Stream, bufs: &[&Self::Buf], ids: &[&Self::Ids]) -> Result<Self::Readback>;
     /// Waits for a read's copies and returns the values, in the order they were asked for.
-    fn read_wait(&self, r: Self::Readback) -> Result<(Vec<Vec<f32>>, Vec<Vec<i32>>)>;
+    fn read_wait(&self, r: Self::Readback) -> Result<ReadValues>;
     fn download_ids(&self, s: &Self::Stream, src: &Self::Ids) -> Result<Vec<i32>>;
     /// `dst[dst_off..+n] = src[src_off..+n]` (with rounding to dst's dtype).
     #[allow(clippy::too_many_arguments)]

@@ -967,7 +967,7 @@ impl Backend for CudaBackend {
         self.read_async_impl(s, bufs, ids)
     }
 
-    fn read_wait(&self, r: CudaReadback) -> Result<(Vec<Vec<f32>>, Vec<Vec<i32>>)> {
+    fn read_wait(&self, r: CudaReadback) -> Result<crate::backend::ReadValues> {
         self.read_wait_impl(r)
     }
 

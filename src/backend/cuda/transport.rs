@@ -276,7 +276,7 @@ impl CudaBackend {
         Ok(CudaReadback { slot: Some(slot), event, parts, free: self.readback_slots.clone() })
     }
 
-    pub(super) fn read_wait_impl(&self, r: CudaReadback) -> Result<(Vec<Vec<f32>>, Vec<Vec<i32>>)> {
+    pub(super) fn read_wait_impl(&self, r: CudaReadback) -> Result<crate::backend::ReadValues> {
         r.event.synchronize().map_err(|e| drv("read_wait", e))?;
         let slot = r.slot.as_ref().expect("a readback holds its slot until dropped");
         let (mut f, mut ids) = (Vec::new(), Vec::new());
