@@ -11,6 +11,8 @@
 //   (masters, moments and bf16 weights), denormals included (no FTZ without fast-math).
 // Layouts:  master, grad, m, v: [n] f32; w: [n] bf16. bc1 = 1 - beta1^t, bc2 = 1 - beta2^t are
 //           computed by the host in f64 and rounded to f32 (as cpu.rs does).
+// adamw_planned_f32: the same update with grad_scale and the skip flag read from the device
+//           update plan (reduce.cu update_plan_f32), so the host does not wait for the norm.
 // Preconditions: n >= 0 (0: no-op); the five arrays do not overlap.
 // Fast path: 4 elements per access when master, grad, m, v are 16-byte aligned and w is 8-byte
 //           aligned; the last n % 4 elements (or all, otherwise) take a scalar loop. Same bits.
@@ -38,23 +40,11 @@ __device__ __forceinline__ void adamw_element(float& p, float grad, float& m, fl
   p = __fsub_rn(p, __fmul_rn(h.lr, upd));
 }
 
-extern "C" __global__ void adamw_f32(float* __restrict__ master, const float* __restrict__ grad,
-                                     float* __restrict__ m, float* __restrict__ v,
-                                     __nv_bfloat16* __restrict__ w, long long n, float lr,
-                                     float beta1, float beta2, float eps, float wd, float bc1,
-                                     float bc2, float grad_scale) {
-  if (n <= 0) return;
-  AdamHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.wd = wd;
-  h.bc1 = bc1;
-  h.bc2 = bc2;
-  h.grad_scale = grad_scale;
-  h.one_minus_beta1 = __fsub_rn(1.0f, beta1);
-  h.one_minus_beta2 = __fsub_rn(1.0f, beta2);
+// The whole update over the grid with the hyper-parameters in `h`.
+__device__ __forceinline__ void adamw_all(float* __restrict__ master,
+                                          const float* __restrict__ grad, float* __restrict__ m,
+                                          float* __restrict__ v, __nv_bfloat16* __restrict__ w,
+                                          long long n, const AdamHyper& h) {
   const index_t first = grid_thread_index();
   const index_t stride = grid_thread_count();
   index_t done = 0;
@@ -88,4 +78,44 @@ extern "C" __global__ void adamw_f32(float* __restrict__ master, const float* __
     v[i] = vv;
     w[i] = f32_to_bf16_rne(p);
   }
+}
+
+__device__ __forceinline__ AdamHyper adam_hyper(float lr, float beta1, float beta2, float eps,
+                                                float wd, float bc1, float bc2, float grad_scale) {
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.wd = wd;
+  h.bc1 = bc1;
+  h.bc2 = bc2;
+  h.grad_scale = grad_scale;
+  h.one_minus_beta1 = __fsub_rn(1.0f, beta1);
+  h.one_minus_beta2 = __fsub_rn(1.0f, beta2);
+  return h;
+}
+
+extern "C" __global__ void adamw_f32(float* __restrict__ master, const float* __restrict__ grad,
+                                     float* __restrict__ m, float* __restrict__ v,
+                                     __nv_bfloat16* __restrict__ w, long long n, float lr,
+                                     float beta1, float beta2, float eps, float wd, float bc1,
+                                     float bc2, float grad_scale) {
+  if (n <= 0) return;
+  adamw_all(master, grad, m, v, w, n, adam_hyper(lr, beta1, beta2, eps, wd, bc1, bc2, grad_scale));
+}
+
+// adamw_f32 with the clip factor and the skip decision read from the device update plan
+// (reduce.cu `update_plan_f32`: plan[0] = clip factor, plan[1] = 1 to skip the step), so the host
+// never waits for the gradient norm. A skipped step returns at once: masters, moments and
+// weights stay untouched. Same arithmetic as adamw_f32, bit for bit.
+extern "C" __global__ void adamw_planned_f32(float* __restrict__ master,
+                                             const float* __restrict__ grad,
+                                             float* __restrict__ m, float* __restrict__ v,
+                                             __nv_bfloat16* __restrict__ w, long long n,
+                                             float lr, float beta1, float beta2, float eps,
+                                             float wd, float bc1, float bc2,
+                                             const float* __restrict__ plan) {
+  if (n <= 0 || plan[1] != 0.0f) return;
+  adamw_all(master, grad, m, v, w, n, adam_hyper(lr, beta1, beta2, eps, wd, bc1, bc2, plan[0]));
 }

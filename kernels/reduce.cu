@@ -154,3 +154,31 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_BLOCK)
     argmax_rows_bf16(const __nv_bfloat16* __restrict__ x, long long stride, int cols, int* __restrict__ out) {
   argmax_row(x, stride, cols, out);
 }
+
+// update_plan_f32: the optimizer's decision of a step on the device, so the host never waits for
+// the gradient norm (train/step.rs `plan_update` + optim.rs `clip_scale`, the same f64 math):
+//   norm  = sqrt(f64(fc_sumsq[0]) + f64(body_sumsq[0]))          (fc first, as `global_norm`)
+//   scale = clip > 0 && norm > f64(clip) ? f32(f64(clip) / (norm + 1e-6)) : 1
+//   skip  = !(loss finite && norm finite), where the step's loss `sum(loss) / weight` is finite
+//           iff weight == 0 (the host's loss is then 0) or every loss[i] is finite (an f64 sum of
+//           finite f32 values cannot overflow).
+//   plan[0] = scale; plan[1] = skip ? 1 : 0 (adamw.cu `adamw_planned_f32` reads both).
+// Every f64 step is one IEEE rounding (__dadd_rn, __dsqrt_rn, __ddiv_rn), as on the host.
+// Layouts:  body_sumsq, fc_sumsq: [1] f32; loss: [n_loss] f32 (every slot of the step); plan: [2].
+// Launch:   grid.x = 1, blockDim.x = 256 (any multiple of 32 up to 1024). No dynamic shared memory.
+extern "C" __global__ void update_plan_f32(const float* __restrict__ body_sumsq,
+                                           const float* __restrict__ fc_sumsq,
+                                           const float* __restrict__ loss, long long n_loss,
+                                           int weighted, float clip, float* __restrict__ plan) {
+  int bad = 0;
+  for (long long i = threadIdx.x; i < n_loss; i += blockDim.x) bad |= !isfinite(loss[i]);
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x != 0) return;
+  const double norm = __dsqrt_rn(__dadd_rn((double)fc_sumsq[0], (double)body_sumsq[0]));
+  const bool loss_ok = weighted == 0 || bad == 0;
+  const bool norm_ok = isfinite(norm);
+  float scale = 1.0f;
+  if (clip > 0.0f && norm > (double)clip) scale = __double2float_rn(__ddiv_rn((double)clip, __dadd_rn(norm, 1e-6)));
+  plan[0] = scale;
+  plan[1] = (loss_ok && norm_ok) ? 0.0f : 1.0f;
+}

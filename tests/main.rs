@@ -16,6 +16,8 @@
 //! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
 //!   train then eval on held-out prompts, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
+//! - `host_sync`: the device update plan == the host's decision; metrics one step late == the
+//!   host-decided step's, bit for bit (a NaN step skipped)
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
 //!
 //! GPU tests are named `gpu_*` and those that need two GPUs contain `two_gpu` (`--skip two_gpu`
@@ -25,6 +27,7 @@ mod common;
 mod drafter_fd;
 mod eval;
 mod gpu;
+mod host_sync;
 mod metrics;
 mod nan_suite;
 mod ops_fd;

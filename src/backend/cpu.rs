@@ -404,6 +404,17 @@ impl<F: Real> Backend for CpuBackend<F> {
         Ok(src.clone())
     }
 
+    type Readback = crate::backend::ReadValues;
+
+    fn read_async(&self, s: &CpuStream, bufs: &[&CpuBuf<F>], ids: &[&Vec<i32>]) -> Result<Self::Readback> {
+        let f = bufs.iter().map(|b| self.download(s, b)).collect::<Result<Vec<_>>>()?;
+        Ok((f, ids.iter().map(|i| i.to_vec()).collect()))
+    }
+
+    fn read_wait(&self, r: Self::Readback) -> Result<crate::backend::ReadValues> {
+        Ok(r)
+    }
+
     fn copy(
         &self,
         _s: &CpuStream,
@@ -1199,6 +1210,49 @@ impl<F: Real> Backend for CpuBackend<F> {
                 *w = self.st(wdt, *p);
             });
         Ok(())
+    }
+
+    fn update_plan(
+        &self,
+        _s: &CpuStream,
+        body_sumsq: &CpuBuf<F>,
+        fc_sumsq: &CpuBuf<F>,
+        loss: &CpuBuf<F>,
+        weighted: bool,
+        clip: f32,
+        plan: &mut CpuBuf<F>,
+    ) -> Result<()> {
+        check_len("update_plan", "body_sumsq", body_sumsq.data.len(), 0, 1)?;
+        check_len("update_plan", "fc_sumsq", fc_sumsq.data.len(), 0, 1)?;
+        check_len("update_plan", "plan", plan.data.len(), 0, 2)?;
+        // The host's arithmetic (train::step::global_norm, OptimConfig::clip_scale) on the values
+        // as the host would download them (f32).
+        let (body, fc) = (f64::from(body_sumsq.data[0].to_f32()), f64::from(fc_sumsq.data[0].to_f32()));
+        let norm = (fc + body).sqrt();
+        let loss_ok = !weighted || loss.data.iter().all(|x| x.to_f32().is_finite());
+        let scale = if clip > 0.0 && norm > f64::from(clip) { (f64::from(clip) / (norm + 1e-6)) as f32 } else { 1.0 };
+        plan.data[0] = F::from_f32(scale);
+        plan.data[1] = if loss_ok && norm.is_finite() { F::ZERO } else { F::ONE };
+        Ok(())
+    }
+
+    fn adamw_planned(
+        &self,
+        s: &CpuStream,
+        master: &mut CpuBuf<F>,
+        grad: &CpuBuf<F>,
+        m: &mut CpuBuf<F>,
+        v: &mut CpuBuf<F>,
+        weights: &mut CpuBuf<F>,
+        hp: &AdamStep,
+        plan: &CpuBuf<F>,
+    ) -> Result<()> {
+        check_len("adamw_planned", "plan", plan.data.len(), 0, 2)?;
+        if plan.data[1] != F::ZERO {
+            return Ok(());
+        }
+        let hp = AdamStep { grad_scale: plan.data[0].to_f32(), ..*hp };
+        self.adamw(s, master, grad, m, v, weights, &hp)
     }
 
     fn count_nonfinite(&self, _s: &CpuStream, x: &CpuBuf<F>) -> Result<u64> {

@@ -245,6 +245,10 @@ pub fn no_kernel(op: &str) -> BackendError {
     BackendError::Unsupported(format!("{op} has no CUDA kernel yet: use --device cpu"))
 }
 
+/// The values of a finished `Backend::read_async`: the f32 buffers', then the id buffers', each
+/// in the order asked.
+pub type ReadValues = (Vec<Vec<f32>>, Vec<Vec<i32>>);
+
 /// One AdamW update on f32 masters (DFLASH.md section 4).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamStep {
@@ -335,6 +339,13 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// `take_profile_step` without waiting: the phases of the profiled work that has completed
+    /// since the last take, in order; work still running stays for the next take (the training
+    /// loop, whose host never waits for the device).
+    fn take_profile_done(&self) -> Result<Option<profile::StepPhases>> {
+        self.take_profile_step()
+    }
+
     /// An event that also takes a device timestamp (None where the backend has no device clock).
     fn record_timed(&self, _s: &Self::Stream) -> Result<Option<Self::Event>> {
         Ok(None)
@@ -384,6 +395,14 @@ pub trait Backend: Send + Sync + 'static {
     fn upload_ids(&self, s: &Self::Stream, host: &[i32], dst: &mut Self::Ids) -> Result<()>;
     /// Device -> host; the host waits for `s`.
     fn download(&self, s: &Self::Stream, src: &Self::Buf) -> Result<Vec<f32>>;
+    /// A device -> host read in flight (pinned staging memory and the event after its copies on
+    /// CUDA; the values themselves on the CPU).
+    type Readback: Send;
+    /// Enqueues async copies of `bufs` (f32) and `ids` into pinned host memory on `s` and records
+    /// an event after them; the host does not wait. The buffers are read in `s`'s order.
+    fn read_async(&self, s: &Self::Stream, bufs: &[&Self::Buf], ids: &[&Self::Ids]) -> Result<Self::Readback>;
+    /// Waits for a read's copies and returns the values, in the order they were asked for.
+    fn read_wait(&self, r: Self::Readback) -> Result<ReadValues>;
     fn download_ids(&self, s: &Self::Stream, src: &Self::Ids) -> Result<Vec<i32>>;
     /// `dst[dst_off..+n] = src[src_off..+n]` (with rounding to dst's dtype).
     #[allow(clippy::too_many_arguments)]
@@ -677,6 +696,37 @@ pub trait Backend: Send + Sync + 'static {
         v: &mut Self::Buf,
         weights: &mut Self::Buf,
         hp: &AdamStep,
+    ) -> Result<()>;
+    /// The update decision of a step on the device (`train::step::plan_update` without the host):
+    /// from `body_sumsq[0]`, `fc_sumsq[0]` (f32 sums of squares) and every slot's loss of the
+    /// step (`loss`, f32), writes `plan[0]` = the clip factor of the global norm
+    /// `sqrt(f64(fc) + f64(body))` (`OptimConfig::clip_scale`, in f64) and `plan[1]` = 1 when the
+    /// step is skipped (a non-finite norm, or a non-finite loss where `weighted`: the step has
+    /// loss weight), else 0. `plan`: f32 `[2]`.
+    #[allow(clippy::too_many_arguments)]
+    fn update_plan(
+        &self,
+        s: &Self::Stream,
+        body_sumsq: &Self::Buf,
+        fc_sumsq: &Self::Buf,
+        loss: &Self::Buf,
+        weighted: bool,
+        clip: f32,
+        plan: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `adamw` with `hp.grad_scale` replaced by `plan[0]`, and nothing done when `plan[1]` is not
+    /// 0 (a skipped step): the update an `update_plan` decided, without the host reading it.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_planned(
+        &self,
+        s: &Self::Stream,
+        master: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        weights: &mut Self::Buf,
+        hp: &AdamStep,
+        plan: &Self::Buf,
     ) -> Result<()>;
     /// Number of non-finite elements (the NaN checks).
     fn count_nonfinite(&self, s: &Self::Stream, x: &Self::Buf) -> Result<u64>;

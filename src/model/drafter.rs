@@ -152,6 +152,11 @@ impl<B: Backend> ParamGroup<B> {
     pub fn adamw(&mut self, be: &B, s: &B::Stream, hp: &AdamStep) -> Result<()> {
         be.adamw(s, &mut self.master, &self.grad, &mut self.m, &mut self.v, &mut self.weights, hp)
     }
+
+    /// AdamW with the clip factor and the skip flag of a device update plan (`Backend::update_plan`).
+    pub fn adamw_planned(&mut self, be: &B, s: &B::Stream, hp: &AdamStep, plan: &B::Buf) -> Result<()> {
+        be.adamw_planned(s, &mut self.master, &self.grad, &mut self.m, &mut self.v, &mut self.weights, hp, plan)
+    }
 }
 
 /// `(offset, hidden, K*H)` of the fc group's one tensor.

@@ -645,32 +645,64 @@ pub fn run_sync<B: Backend>(
             }
         };
         let t0 = Instant::now();
-        let m = match crate::train::step::sync_step(be, &s, &tside.target, side, micro, cfg.noise, optim, step) {
-            Ok(m) => m,
-            Err(e) => {
-                result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
-                break;
-            }
-        };
+        if let Err(e) = crate::train::step::sync_step(be, &s, &tside.target, side, micro, cfg.noise, optim, step) {
+            result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
+            break;
+        }
         st.drafter_busy += t0.elapsed();
-        st.count_step(&m, started.elapsed());
-        match on_step(&m, side, &st) {
-            Ok(Control::Continue) => {}
-            Ok(Control::Stop) => {
-                st.stopped_early = true;
+        // The previous step's metrics while this one runs on the device; this step's update
+        // waits until they were seen (a checkpoint of that step reads its weights).
+        match sync_report(be, side, &mut st, started, on_step) {
+            Ok(false) => {}
+            Ok(true) => {
+                side.discard_staged();
                 break;
             }
-            Err(cause) => {
-                result = Err(PipelineError::Consumer { step, cause });
+            Err(e) => {
+                result = Err(e);
                 break;
             }
         }
+        if let Err(e) = side.apply_staged(be, &s) {
+            result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
+            break;
+        }
+    }
+    // The last step's metrics, also after a failure (the step before the failed one finished).
+    side.discard_staged();
+    let last = sync_report(be, side, &mut st, started, on_step);
+    if let (Ok(()), Err(e)) = (&result, last) {
+        result = Err(e);
     }
     if result.is_err() {
         side.discard_outputs();
     }
     st.wall = started.elapsed();
     (result, st)
+}
+
+/// `run_sync`'s reporting of the last step whose update was enqueued; true: `on_step` stops.
+fn sync_report<B: Backend>(
+    be: &B,
+    side: &mut DrafterSide<B>,
+    st: &mut PipelineStats,
+    started: Instant,
+    on_step: &mut OnStep<'_, B>,
+) -> Result<bool, PipelineError> {
+    let m = match side.finish_previous(be) {
+        Ok(Some(m)) => m,
+        Ok(None) => return Ok(false),
+        Err(e) => return Err(PipelineError::Consumer { step: st.current_step, cause: Box::new(e) }),
+    };
+    st.count_step(&m, started.elapsed());
+    match on_step(&m, side, st) {
+        Ok(Control::Continue) => Ok(false),
+        Ok(Control::Stop) => {
+            st.stopped_early = true;
+            Ok(true)
+        }
+        Err(cause) => Err(PipelineError::Consumer { step: m.step, cause }),
+    }
 }
 
 /// After a rank ended: if it failed (an error or a panic), nobody may keep waiting for it: the
@@ -1054,8 +1086,20 @@ fn consume<B: Backend>(
     mut on_step: Option<&mut OnStep<'_, B>>,
 ) -> (Result<(), PipelineError>, Option<f64>) {
     let mut timed: TimedSpans<B> = Vec::new();
-    let r = consume_steps(rank, be, side, comm, sh, &io, &mut on_step, &mut timed)
-        .map_err(|e| consequence_if_failed(sh, e));
+    let r = consume_steps(rank, be, side, comm, sh, &io, &mut on_step, &mut timed);
+    // The last step's metrics (one step late), also after a failure: the step before the one
+    // that failed was finished and is reported as it was before that failure.
+    side.discard_staged();
+    let last = report_previous(be, side, sh, &mut on_step);
+    let r = match (r, last) {
+        (Ok(()), Err(Reported::Backend(e))) => {
+            Err(PipelineError::Consumer { step: sh.cfg.end_step.saturating_sub(1), cause: Box::new(e) })
+        }
+        (Ok(()), Err(Reported::OnStep(step, cause))) => Err(PipelineError::Consumer { step, cause }),
+        (Ok(()), Err(Reported::Stats)) => Err(PipelineError::Stopped("stats lock poisoned".into())),
+        (r, _) => r,
+    }
+    .map_err(|e| consequence_if_failed(sh, e));
     if r.is_err() {
         side.discard_outputs();
     }
@@ -1088,7 +1132,6 @@ fn consume_steps<B: Backend>(
                 st.current_step = step;
             }
         }
-        let cerr = |e: BoxErr| PipelineError::Consumer { step, cause: e };
         let berr = |e: BackendError| PipelineError::Consumer { step, cause: Box::new(e) };
         let p = owner(cfg, step, sh.targets);
         let mut pending: Vec<(HostBatch, B::Buf)> = Vec::new();
@@ -1141,16 +1184,14 @@ fn consume_steps<B: Backend>(
                 held.inspect(|h| h.mark_freed());
                 None
             }));
-        let (metrics, times) =
-            drafter_step(be, &s, side, step, step_weight, batches, &mut group, fc, rank == 0, sh.optim).map_err(
-                |e| match e {
-                    StepError::Backend(e) => berr(e),
-                    StepError::PeerStopped(Peer::TargetSide) => PipelineError::ProducerGone { step },
-                    StepError::PeerStopped(Peer::DrafterRank) => {
-                        PipelineError::Aborted(format!("step {}: another drafter rank stopped", step + 1))
-                    }
-                },
-            )?;
+        let times = drafter_step(be, &s, side, step, step_weight, batches, &mut group, fc, rank == 0, sh.optim)
+            .map_err(|e| match e {
+                StepError::Backend(e) => berr(e),
+                StepError::PeerStopped(Peer::TargetSide) => PipelineError::ProducerGone { step },
+                StepError::PeerStopped(Peer::DrafterRank) => {
+                    PipelineError::Aborted(format!("step {}: another drafter rank stopped", step + 1))
+                }
+            })?;
         add_time(&sh.stats, |st| &mut st.drafter_busy, times.computed - times.started);
         add_time(&sh.stats, |st| &mut st.optimizer, times.computed.elapsed());
         if let Some(tr) = &cfg.trace {
@@ -1162,17 +1203,19 @@ fn consume_steps<B: Backend>(
             );
             tr.span(name.as_str(), format!("step {step}: grad sum + norm + AdamW"), times.computed);
         }
-        let stop = match on_step.as_mut() {
-            Some(f) => {
-                let snapshot = {
-                    let mut st = sh.stats.lock().map_err(|_| PipelineError::Stopped("stats lock poisoned".into()))?;
-                    st.count_step(&metrics, sh.started.elapsed());
-                    st.clone()
-                };
-                matches!(f(&metrics, side, &snapshot).map_err(cerr)?, Control::Stop)
-            }
-            None => false,
-        };
+        // The metrics of the last step whose update was enqueued: the previous one while this
+        // step runs on the device (its update waits until they were seen: a checkpoint of that
+        // step reads its weights), this one where the host decided the update.
+        let stop = report_previous(be, side, sh, on_step).map_err(|cause| match cause {
+            Reported::Backend(e) => berr(e),
+            Reported::OnStep(step, cause) => PipelineError::Consumer { step, cause },
+            Reported::Stats => PipelineError::Stopped("stats lock poisoned".into()),
+        })?;
+        if stop {
+            side.discard_staged();
+        } else {
+            side.apply_staged(be, &s).map_err(berr)?;
+        }
         // Rank 0 decides for everyone.
         let stop = if sh.ranks == 1 { stop } else { sh.control.all_gather(rank, stop).map_err(stopped(step))?[0] };
         if rank == 0 {
@@ -1188,6 +1231,31 @@ fn consume_steps<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// Why reporting a step's metrics failed.
+enum Reported {
+    Backend(BackendError),
+    OnStep(u32, BoxErr),
+    Stats,
+}
+
+/// Reads the metrics of the last step whose update was enqueued (`DrafterSide::finish_previous`)
+/// and, on rank 0, counts them and runs `on_step`. Returns whether `on_step` asked to stop.
+fn report_previous<B: Backend>(
+    be: &B,
+    side: &mut DrafterSide<B>,
+    sh: &Shared<'_>,
+    on_step: &mut Option<&mut OnStep<'_, B>>,
+) -> Result<bool, Reported> {
+    let Some(metrics) = side.finish_previous(be).map_err(Reported::Backend)? else { return Ok(false) };
+    let Some(f) = on_step.as_mut() else { return Ok(false) };
+    let snapshot = {
+        let mut st = sh.stats.lock().map_err(|_| Reported::Stats)?;
+        st.count_step(&metrics, sh.started.elapsed());
+        st.clone()
+    };
+    Ok(matches!(f(&metrics, side, &snapshot).map_err(|e| Reported::OnStep(metrics.step, e))?, Control::Stop))
 }
 
 /// The other data-parallel ranks of a step, as `drafter_step` sees them: metric sums are

@@ -211,14 +211,88 @@ pub struct DrafterSide<B: Backend> {
     pub drafter: Drafter<B>,
     pub fc: Option<ParamGroup<B>>,
     sumsq: B::Buf,
-    /// Per micro-batch loss and argmax of this step, read back once per step (`take_metrics`) so
-    /// the host never waits for the device between micro-batches.
+    /// `sumsq(dWfc)` of the local fc group, beside the body's for the device update plan.
+    fc_sumsq: B::Buf,
+    /// The device update plan of the step being applied: `[clip factor, skip]`.
+    plan: B::Buf,
+    /// Per micro-batch loss and argmax of this step, read back once per step so the host never
+    /// waits for the device between micro-batches.
     outputs: Vec<(HostBatch, B::Buf, B::Ids)>,
+    /// A step computed on the device whose update is still to be enqueued (`apply_staged`).
+    staged: Option<Staged<B>>,
+    /// The metrics of the last step whose update was enqueued, on their way to the host
+    /// (`finish_previous`).
+    pending: Option<PendingMetrics<B>>,
+}
+
+/// A step whose forward, backward, norm and update plan are enqueued, and whose AdamW is not.
+struct Staged<B: Backend> {
+    hp: AdamStep,
+    metrics: PendingMetrics<B>,
+}
+
+/// A step's metrics, read back one step late (the host never waits for the device in the step
+/// loop) or, where the host decided the update itself, already known.
+enum PendingMetrics<B: Backend> {
+    Ready(StepMetrics),
+    InFlight(Box<InFlight<B>>),
+}
+
+/// One async device -> host read of a step's metric sources: every slot's loss (all micro-batches
+/// in one buffer), the two sums of squares, each micro-batch's argmax.
+struct InFlight<B: Backend> {
+    step: u32,
+    optim: OptimConfig,
+    batches: Vec<HostBatch>,
+    read: B::Readback,
+    /// The device buffers read (kept alive until the read completed).
+    _keep: (B::Buf, Vec<B::Ids>),
+}
+
+impl<B: Backend> InFlight<B> {
+    /// Waits for the read and computes the step's metrics exactly as the host-decided path does.
+    fn finish(self, be: &B, block_size: usize) -> Result<StepMetrics> {
+        let (f, argmax) = be.read_wait(self.read)?;
+        let (loss, body, fc) = (&f[0], f64::from(f[1][0]), f64::from(f[2][0]));
+        let mut sums = MetricSums::default();
+        let mut off = 0;
+        for (hb, am) in self.batches.iter().zip(&argmax) {
+            sums.add(hb, block_size, &loss[off..off + am.len()], am);
+            off += am.len();
+        }
+        Ok(step_metrics(&self.optim, self.step, &sums, global_norm(fc, body)))
+    }
+}
+
+/// The metrics of a step from its summed metrics and its global norm.
+fn step_metrics(optim: &OptimConfig, step: u32, sums: &MetricSums, norm: f64) -> StepMetrics {
+    let loss = sums.loss();
+    StepMetrics {
+        step,
+        loss,
+        accuracy: if sums.supervised > 0 { sums.correct as f64 / sums.supervised as f64 } else { 0.0 },
+        accept_len: if sums.blocks > 0 { sums.accept / sums.blocks as f64 } else { 0.0 },
+        round_accept_len: sums.round_accept_len(),
+        grad_norm: norm,
+        lr: optim.lr_at(step),
+        skipped: plan_update(optim, step, loss, norm).is_none(),
+        tokens: sums.tokens,
+        draft_positions: sums.draft_positions,
+    }
 }
 
 impl<B: Backend> DrafterSide<B> {
     pub fn new(be: &B, s: &B::Stream, drafter: Drafter<B>, fc: Option<ParamGroup<B>>) -> Result<Self> {
-        Ok(DrafterSide { drafter, fc, sumsq: be.alloc(s, DType::F32, 1)?, outputs: Vec::new() })
+        Ok(DrafterSide {
+            drafter,
+            fc,
+            sumsq: be.alloc(s, DType::F32, 1)?,
+            fc_sumsq: be.alloc(s, DType::F32, 1)?,
+            plan: be.alloc(s, DType::F32, 2)?,
+            outputs: Vec::new(),
+            staged: None,
+            pending: None,
+        })
     }
 
     pub fn shape(&self) -> &DrafterShape {
@@ -226,8 +300,8 @@ impl<B: Backend> DrafterSide<B> {
     }
 
     /// Forward + backward of one micro-batch; gradients accumulate. Keeps the per-slot loss and
-    /// argmax on the device for `take_metrics`; returns under split-FC the `dY` the target side
-    /// needs. Enqueues work only: the host does not wait for the device here.
+    /// argmax on the device for the step's metrics; returns under split-FC the `dY` the target
+    /// side needs. Enqueues work only: the host does not wait for the device here.
     pub fn consume(
         &mut self,
         be: &B,
@@ -262,8 +336,8 @@ impl<B: Backend> DrafterSide<B> {
         })
     }
 
-    /// Reads back the loss and argmax of every micro-batch consumed since the last call (the one
-    /// place per step where the host waits for the drafter's forward passes).
+    /// Reads back the loss and argmax of every micro-batch consumed since the last call (the
+    /// host waits for the drafter's forward passes: the host-decided path only).
     pub fn take_metrics(&mut self, be: &B, s: &B::Stream) -> Result<MetricSums> {
         let mut sums = MetricSums::default();
         for (hb, loss, argmax) in self.outputs.drain(..) {
@@ -274,9 +348,17 @@ impl<B: Backend> DrafterSide<B> {
         Ok(sums)
     }
 
-    /// Drops the outputs of a step that will not finish (a failed run).
+    /// Drops the outputs, the staged update and the metrics in flight of a run that stopped
+    /// (a failure, or a stop decided before the staged step's update).
     pub fn discard_outputs(&mut self) {
         self.outputs.clear();
+        self.staged = None;
+        self.pending = None;
+    }
+
+    /// Drops the step whose update was not enqueued yet (the run stops before it).
+    pub fn discard_staged(&mut self) {
+        self.staged = None;
     }
 
     /// Sum of squared body (and local fc) gradients.
@@ -299,6 +381,75 @@ impl<B: Backend> DrafterSide<B> {
             fc.zero_grad(be, s)?;
         }
         Ok(())
+    }
+
+    /// The device path of a step's end: the sums of squares, the update plan and an async read of
+    /// the metric sources, all enqueued; the AdamW itself waits in `staged` for `apply_staged`.
+    fn stage_on_device(&mut self, be: &B, s: &B::Stream, step: u32, optim: &OptimConfig) -> Result<()> {
+        let outputs = std::mem::take(&mut self.outputs);
+        let slots: usize = outputs.iter().map(|(_, l, _)| be.len(l)).sum();
+        // Every slot's loss in one buffer: what the plan checks and what one copy reads back.
+        let mut loss_all = be.alloc(s, DType::F32, slots.max(1))?;
+        let mut off = 0;
+        let mut weight = 0.0;
+        let mut batches = Vec::with_capacity(outputs.len());
+        let mut argmax = Vec::with_capacity(outputs.len());
+        for (hb, loss, am) in outputs {
+            let n = be.len(&loss);
+            be.copy(s, &loss, 0, &mut loss_all, off, n)?;
+            off += n;
+            weight += hb.weight_sum;
+            batches.push(hb);
+            argmax.push(am);
+        }
+        let fc = self.fc.as_ref().expect("the device update plan needs the fc group on the drafter side");
+        self.drafter.body.grad_sumsq(be, s, &mut self.sumsq)?;
+        fc.grad_sumsq(be, s, &mut self.fc_sumsq)?;
+        be.update_plan(s, &self.sumsq, &self.fc_sumsq, &loss_all, weight > 0.0, optim.clip, &mut self.plan)?;
+        let read = {
+            let ids: Vec<&B::Ids> = argmax.iter().collect();
+            // The loss buffer holds `slots` values (one more, zero, when the step has none).
+            be.read_async(s, &[&loss_all, &self.sumsq, &self.fc_sumsq], &ids)?
+        };
+        let metrics = PendingMetrics::InFlight(Box::new(InFlight {
+            step,
+            optim: optim.clone(),
+            batches,
+            read,
+            _keep: (loss_all, argmax),
+        }));
+        // The step count and lr depend on the step index only; the clip factor and the skip come
+        // from the plan on the device.
+        self.staged = Some(Staged { hp: optim.adam_step(step, 0.0), metrics });
+        Ok(())
+    }
+
+    /// Enqueues the AdamW of the step `drafter_step` staged (nothing when the host already
+    /// applied it); its metrics become the ones `finish_previous` reads next.
+    pub fn apply_staged(&mut self, be: &B, s: &B::Stream) -> Result<()> {
+        let Some(st) = self.staged.take() else { return Ok(()) };
+        let _opt = profile::enter(Region::Optimizer);
+        if let Some(fc) = &mut self.fc {
+            fc.adamw_planned(be, s, &st.hp, &self.plan)?;
+        }
+        self.drafter.body.adamw_planned(be, s, &st.hp, &self.plan)?;
+        self.pending = Some(st.metrics);
+        Ok(())
+    }
+
+    /// The metrics of the last step whose update was enqueued (the host waits for that step's
+    /// read, long done by now while the device runs the next step), or None when there is none.
+    pub fn finish_previous(&mut self, be: &B) -> Result<Option<StepMetrics>> {
+        match self.pending.take() {
+            None => Ok(None),
+            Some(PendingMetrics::Ready(m)) => Ok(Some(m)),
+            Some(PendingMetrics::InFlight(f)) => f.finish(be, self.drafter.shape.block_size).map(Some),
+        }
+    }
+
+    /// Whether a step is staged (computed, its update not yet enqueued).
+    pub fn has_staged(&self) -> bool {
+        self.staged.is_some()
     }
 }
 
@@ -372,6 +523,11 @@ impl std::fmt::Display for Peer {
 /// The other data-parallel drafter ranks of a step: `reduce` sums the metric sums and the
 /// gradients of every rank. One rank (`SingleRank`) has nothing to sum.
 pub trait RankGroup<B: Backend> {
+    /// Whether this rank is the only one (the step then needs nothing from other ranks on the
+    /// host, and its update is decided on the device).
+    fn single(&self) -> bool {
+        false
+    }
     fn reduce(
         &mut self,
         be: &B,
@@ -384,7 +540,26 @@ pub trait RankGroup<B: Backend> {
 /// A drafter trained on one device.
 pub struct SingleRank;
 
+/// One rank whose update the host decides after reading the norm and the loss back (what every
+/// single-rank step did before the device update plan; tests compare the two bit for bit).
+pub struct HostDecided;
+
+impl<B: Backend> RankGroup<B> for HostDecided {
+    fn reduce(
+        &mut self,
+        _: &B,
+        _: &B::Stream,
+        _: &mut DrafterSide<B>,
+        local: MetricSums,
+    ) -> std::result::Result<MetricSums, StepError> {
+        Ok(local)
+    }
+}
+
 impl<B: Backend> RankGroup<B> for SingleRank {
+    fn single(&self) -> bool {
+        true
+    }
     fn reduce(
         &mut self,
         _: &B,
@@ -423,7 +598,8 @@ pub enum FcPlace<'a, B: Backend> {
 pub struct StepTimes {
     /// When the first micro-batch's forward was enqueued.
     pub started: std::time::Instant,
-    /// When every micro-batch's backward was enqueued and the metrics were read back.
+    /// When every micro-batch's backward was enqueued (and, where the host decides the update,
+    /// the metrics were read back).
     pub computed: std::time::Instant,
 }
 
@@ -433,6 +609,15 @@ pub struct StepTimes {
 /// AdamW. `micro` yields this rank's micro-batches with their context (the synchronous path runs
 /// the target inside the iterator, one micro-batch at a time; the pipeline hands over received
 /// parcels). `decides` marks the rank that tells a remote fc group the update.
+///
+/// With the fc group local and one rank, the host never waits for the device: the norm, the
+/// clip factor and the skip decision are made on the device (`Backend::update_plan`), the
+/// metric sources are read back asynchronously, and the AdamW is left staged. The caller then
+/// reads the previous step's metrics (`DrafterSide::finish_previous`: one step late), and
+/// enqueues this step's update (`DrafterSide::apply_staged`) unless it stops there; after the
+/// last step `finish_previous` gives the last metrics. Under split-FC or several ranks the host
+/// decides (it needs the remote norm and the other ranks' sums anyway): the update is applied
+/// here and `finish_previous` gives this step's metrics at once. `step_run` is that protocol.
 #[allow(clippy::too_many_arguments)]
 pub fn drafter_step<B: Backend>(
     be: &B,
@@ -445,7 +630,9 @@ pub fn drafter_step<B: Backend>(
     mut fc: FcPlace<'_, B>,
     decides: bool,
     optim: &OptimConfig,
-) -> std::result::Result<(StepMetrics, StepTimes), StepError> {
+) -> std::result::Result<StepTimes, StepError> {
+    // A staged update the caller did not apply goes first (the order of updates is the run).
+    side.apply_staged(be, s)?;
     let started = std::time::Instant::now();
     let scale = grad_scale(step_weight);
     {
@@ -458,6 +645,12 @@ pub fn drafter_step<B: Backend>(
             remote.send_dy(s, dy)?;
         }
     }
+    if matches!(fc, FcPlace::Local) && side.fc.is_some() && ranks.single() {
+        let computed = std::time::Instant::now();
+        let _opt = profile::enter(Region::Optimizer);
+        side.stage_on_device(be, s, step, optim)?;
+        return Ok(StepTimes { started, computed });
+    }
     let local = side.take_metrics(be, s)?;
     let computed = std::time::Instant::now();
     let _opt = profile::enter(Region::Optimizer);
@@ -468,8 +661,7 @@ pub fn drafter_step<B: Backend>(
         FcPlace::Remote(remote) => remote.fc_sumsq()?,
     };
     let norm = global_norm(fc_sumsq, body);
-    let loss = sums.loss();
-    let hp = plan_update(optim, step, loss, norm);
+    let hp = plan_update(optim, step, sums.loss(), norm);
     if let (FcPlace::Remote(remote), true) = (&mut fc, decides) {
         remote.decide(hp)?;
     }
@@ -482,23 +674,13 @@ pub fn drafter_step<B: Backend>(
     if let FcPlace::Remote(remote) = &mut fc {
         remote.await_update()?;
     }
-    let metrics = StepMetrics {
-        step,
-        loss,
-        accuracy: if sums.supervised > 0 { sums.correct as f64 / sums.supervised as f64 } else { 0.0 },
-        accept_len: if sums.blocks > 0 { sums.accept / sums.blocks as f64 } else { 0.0 },
-        round_accept_len: sums.round_accept_len(),
-        grad_norm: norm,
-        lr: optim.lr_at(step),
-        skipped: hp.is_none(),
-        tokens: sums.tokens,
-        draft_positions: sums.draft_positions,
-    };
-    Ok((metrics, StepTimes { started, computed }))
+    side.pending = Some(PendingMetrics::Ready(step_metrics(optim, step, &sums, norm)));
+    Ok(StepTimes { started, computed })
 }
 
 /// A whole synchronous step on one backend and one thread (the reference every pipeline must
-/// reproduce bit for bit): the target runs inside the step, one micro-batch at a time.
+/// reproduce bit for bit): the target runs inside the step, one micro-batch at a time. The
+/// update is left staged as `drafter_step` leaves it.
 #[allow(clippy::too_many_arguments)]
 pub fn sync_step<B: Backend>(
     be: &B,
@@ -509,12 +691,11 @@ pub fn sync_step<B: Backend>(
     noise: NoiseSpec,
     optim: &OptimConfig,
     step: u32,
-) -> std::result::Result<StepMetrics, StepError> {
+) -> std::result::Result<StepTimes, StepError> {
     let step_weight: f64 = micro.iter().map(|b| b.weight_sum).sum();
     let batches = micro.into_iter().map(|hb| {
         let x = target_pack(be, s, target, &hb, noise, step)?;
         Ok((hb, Context::Packed(x)))
     });
-    let (m, _) = drafter_step(be, s, side, step, step_weight, batches, &mut SingleRank, FcPlace::Local, true, optim)?;
-    Ok(m)
+    drafter_step(be, s, side, step, step_weight, batches, &mut SingleRank, FcPlace::Local, true, optim)
 }

@@ -64,3 +64,75 @@ fn gpu_reductions_match_cpu() {
     assert_eq!(g.nonfinite(&bad, DType::F32), 3);
     assert_eq!(g.nonfinite(&bad, DType::BF16), 3);
 }
+
+/// The device update plan (kernels/reduce.cu `update_plan_f32`) equals the CPU's, bit for bit,
+/// on finite, clipped, unclipped, NaN-loss and inf-norm inputs; `adamw_planned_f32` equals
+/// `adamw_f32` with the plan's factor and leaves everything untouched on a skip; an async
+/// readback returns what was on the device.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_update_plan_and_planned_adamw_match_cpu() {
+    fn plan<B: Backend>(be: &B, body: f32, fc: f32, loss: &[f32], weighted: bool, clip: f32) -> Vec<f32> {
+        let s = be.compute_stream();
+        let mut out = be.alloc(&s, DType::F32, 2).unwrap();
+        let (b, f, l) = (put(be, &[body], DType::F32), put(be, &[fc], DType::F32), put(be, loss, DType::F32));
+        be.update_plan(&s, &b, &f, &l, weighted, clip, &mut out).unwrap();
+        get(be, &out)
+    }
+    let (g, c) = (gpu(), CpuBackend::new());
+    let mut loss = rand(9_000, 7, 2.0);
+    let nan_loss = {
+        let mut l = loss.clone();
+        l[8_999] = f32::NAN;
+        l
+    };
+    loss[0] = 0.0;
+    let cases: [(f32, f32, &[f32], bool, f32); 7] = [
+        (0.04, 0.09, &loss, true, 1.0),
+        (3.0, 7.123, &loss, true, 1.0),
+        (1e6, 2.5e5, &loss, true, 0.5),
+        (3.0, 7.123, &loss, true, 0.0),
+        (0.5, 0.25, &nan_loss, true, 1.0),
+        (0.5, 0.25, &nan_loss, false, 1.0),
+        (f32::INFINITY, 0.25, &loss, true, 1.0),
+    ];
+    for (k, &(body, fc, l, w, clip)) in cases.iter().enumerate() {
+        bits_equal(&format!("update plan case {k}"), &plan(&g, body, fc, l, w, clip), &plan(&c, body, fc, l, w, clip));
+    }
+    assert_eq!(plan(&g, 0.5, 0.25, &nan_loss, true, 1.0)[1], 1.0, "a NaN loss skips");
+    assert_eq!(plan(&g, 3.0, 7.123, &loss, true, 1.0)[1], 0.0);
+
+    let n = 10_001;
+    let (p, gr, m) = (rand(n, 1, 1.0), rand(n, 2, 1.0), rand(n, 3, 0.1));
+    let v: Vec<f32> = rand(n, 4, 0.1).iter().map(|x| x * x).collect();
+    let hp = AdamStep { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, t: 7, grad_scale: 0.5 };
+    let planned = |pl: [f32; 2]| {
+        let s = g.compute_stream();
+        let (mut pb, gb, mut mb, mut vb) =
+            (put(&g, &p, DType::F32), put(&g, &gr, DType::F32), put(&g, &m, DType::F32), put(&g, &v, DType::F32));
+        let mut w = g.alloc(&s, DType::BF16, n).unwrap();
+        g.adamw_planned(&s, &mut pb, &gb, &mut mb, &mut vb, &mut w, &hp, &put(&g, &pl, DType::F32)).unwrap();
+        [get(&g, &pb), get(&g, &mb), get(&g, &vb)]
+    };
+    let want = c.adam(&p, &gr, &m, &v);
+    let got = planned([0.5, 0.0]);
+    for (i, name) in ["master", "m", "v"].iter().enumerate() {
+        bits_equal(&format!("adamw_planned {name}"), &got[i], &want[i]);
+    }
+    let skipped = planned([0.5, 1.0]);
+    for (i, (name, orig)) in [("master", &p), ("m", &m), ("v", &v)].iter().enumerate() {
+        bits_equal(&format!("skipped adamw_planned {name}"), &skipped[i], orig);
+    }
+
+    let s = g.compute_stream();
+    let (a, b) = (put(&g, &loss, DType::F32), put(&g, &[1.5, -2.0], DType::F32));
+    let mut ids = g.alloc_ids(&s, 5).unwrap();
+    g.upload_ids(&s, &[3, -1, 7, 0, 42], &mut ids).unwrap();
+    for _ in 0..3 {
+        let r = g.read_async(&s, &[&a, &b], &[&ids]).unwrap();
+        let (f, i) = g.read_wait(r).unwrap();
+        bits_equal("read_async loss", &f[0], &loss);
+        assert_eq!(f[1], [1.5, -2.0]);
+        assert_eq!(i[0], [3, -1, 7, 0, 42]);
+    }
+}

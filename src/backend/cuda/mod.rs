@@ -48,7 +48,7 @@ use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
 use launch::{variant, DevPtr, Elem, Kernel, KernelArgs, Kernels, LaunchCfg, TapPtrs};
-pub use transport::{CudaEvent, CudaHostMem, PinnedSlot};
+pub use transport::{CudaEvent, CudaHostMem, CudaReadback, PinnedSlot};
 
 /// A failed driver call while doing `what` (out of memory becomes [`BackendError::OutOfMemory`]).
 fn drv(what: impl Into<String>, e: DriverError) -> BackendError {
@@ -206,6 +206,8 @@ pub struct CudaBackend {
     /// `--profile`: every launch, GEMM and copy timed by phase (see `backend::profile`).
     profiling: std::sync::atomic::AtomicBool,
     timed: Mutex<Vec<(Phase, String, device::Event, device::Event)>>,
+    /// Pinned slots of finished `read_async` reads, kept for the next one.
+    readback_slots: Arc<Mutex<Vec<PinnedSlot>>>,
 }
 
 impl CudaBackend {
@@ -290,6 +292,7 @@ impl CudaBackend {
             inv_freq: Mutex::new(HashMap::new()),
             profiling: std::sync::atomic::AtomicBool::new(false),
             timed: Mutex::new(Vec::new()),
+            readback_slots: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -855,6 +858,40 @@ pub fn rmsnorm_bwd_parts(rows: usize, dim: usize) -> usize {
     rows.div_ceil(rms_bwd_rows_per_part(rows, dim))
 }
 
+impl CudaBackend {
+    /// The phases of the profiled work since the last take: all of it (the host waits), or, when
+    /// `wait` is false, the completed prefix only (the rest stays for the next take).
+    fn take_profile(&self, wait: bool) -> Result<Option<StepPhases>> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let iv: Vec<_> = {
+            let mut timed = self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?;
+            let done =
+                if wait { timed.len() } else { timed.iter().position(|(_, _, _, b)| !b.done()).unwrap_or(timed.len()) };
+            timed.drain(..done).collect()
+        };
+        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
+        self.bind()?;
+        for (_, _, _, b) in &iv {
+            b.synchronize().map_err(|e| drv("profile event", e))?;
+        }
+        let at = |e: &device::Event| -> Result<f64> {
+            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
+        };
+        let mut spans = Vec::with_capacity(iv.len());
+        let mut ops = Vec::with_capacity(iv.len());
+        for (p, op, a, b) in &iv {
+            let (a, b) = (at(a)?, at(b)?);
+            spans.push((*p, a, b));
+            ops.push((op.clone(), b - a));
+        }
+        let mut step = profile::fold(spans);
+        step.by_op = profile::by_op(ops);
+        Ok(Some(step))
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Ids = CudaIds;
@@ -990,28 +1027,11 @@ impl Backend for CudaBackend {
     }
 
     fn take_profile_step(&self) -> Result<Option<StepPhases>> {
-        if !self.profiling.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let iv = std::mem::take(&mut *self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?);
-        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
-        self.bind()?;
-        for (_, _, _, b) in &iv {
-            b.synchronize().map_err(|e| drv("profile event", e))?;
-        }
-        let at = |e: &device::Event| -> Result<f64> {
-            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
-        };
-        let mut spans = Vec::with_capacity(iv.len());
-        let mut ops = Vec::with_capacity(iv.len());
-        for (p, op, a, b) in &iv {
-            let (a, b) = (at(a)?, at(b)?);
-            spans.push((*p, a, b));
-            ops.push((op.clone(), b - a));
-        }
-        let mut step = profile::fold(spans);
-        step.by_op = profile::by_op(ops);
-        Ok(Some(step))
+        self.take_profile(true)
+    }
+
+    fn take_profile_done(&self) -> Result<Option<StepPhases>> {
+        self.take_profile(false)
     }
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
@@ -1136,6 +1156,16 @@ impl Backend for CudaBackend {
                 Ok(out.par_iter().map(|x| x.to_f32()).collect())
             }
         }
+    }
+
+    type Readback = CudaReadback;
+
+    fn read_async(&self, s: &Stream, bufs: &[&CudaBuf], ids: &[&CudaIds]) -> Result<CudaReadback> {
+        self.read_async_impl(s, bufs, ids)
+    }
+
+    fn read_wait(&self, r: CudaReadback) -> Result<crate::backend::ReadValues> {
+        self.read_wait_impl(r)
     }
 
     fn download_ids(&self, s: &Stream, src: &CudaIds) -> Result<Vec<i32>> {
@@ -1805,6 +1835,73 @@ impl Backend for CudaBackend {
             grad_scale: hp.grad_scale,
         };
         self.launch(s, launch::AdamwF32::KERNEL, (grid, 256, 0), args)
+    }
+
+    fn update_plan(
+        &self,
+        s: &Stream,
+        body_sumsq: &CudaBuf,
+        fc_sumsq: &CudaBuf,
+        loss: &CudaBuf,
+        weighted: bool,
+        clip: f32,
+        plan: &mut CudaBuf,
+    ) -> Result<()> {
+        for b in [body_sumsq, fc_sumsq, loss, &*plan] {
+            Self::need_f32("update_plan", b)?;
+        }
+        check_len("update_plan", "body_sumsq", body_sumsq.len, 0, 1)?;
+        check_len("update_plan", "fc_sumsq", fc_sumsq.len, 0, 1)?;
+        check_len("update_plan", "plan", plan.len, 0, 2)?;
+        let args = launch::UpdatePlanF32 {
+            body_sumsq: body_sumsq.at("update_plan", 0)?,
+            fc_sumsq: fc_sumsq.at("update_plan", 0)?,
+            loss: loss.at("update_plan", 0)?,
+            n_loss: loss.len,
+            weighted: usize::from(weighted),
+            clip,
+            plan: plan.at("update_plan", 0)?,
+        };
+        self.launch(s, launch::UpdatePlanF32::KERNEL, (1, 256, 0), args)
+    }
+
+    fn adamw_planned(
+        &self,
+        s: &Stream,
+        master: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        weights: &mut CudaBuf,
+        hp: &AdamStep,
+        plan: &CudaBuf,
+    ) -> Result<()> {
+        let n = master.len;
+        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
+            check_len("adamw_planned", name, len, 0, n)?;
+        }
+        Self::need_f32("adamw_planned", plan)?;
+        check_len("adamw_planned", "plan", plan.len, 0, 2)?;
+        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
+        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
+        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count);
+        let args = launch::AdamwPlannedF32 {
+            master: master.at("adamw_planned", 0)?,
+            grad: grad.at("adamw_planned", 0)?,
+            m: m.at("adamw_planned", 0)?,
+            v: v.at("adamw_planned", 0)?,
+            w: weights.at("adamw_planned", 0)?,
+            n,
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            wd: hp.weight_decay,
+            bc1,
+            bc2,
+            plan: plan.at("adamw_planned", 0)?,
+        };
+        self.launch(s, launch::AdamwPlannedF32::KERNEL, (grid, 256, 0), args)
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {

@@ -186,3 +186,113 @@ impl CudaBackend {
         true
     }
 }
+
+/// A device -> host read in flight (`Backend::read_async`): the pinned slot its copies land in,
+/// the event after them, and where each part lies in the slot. Dropped unread, it first waits
+/// for its copies (the slot must outlive them).
+pub struct CudaReadback {
+    slot: Option<PinnedSlot>,
+    event: device::Event,
+    /// `(is_ids, byte offset, elements)` per part, in the order asked.
+    parts: Vec<(bool, usize, usize)>,
+    /// Where the slot goes back for the next read.
+    free: Arc<std::sync::Mutex<Vec<PinnedSlot>>>,
+}
+
+impl Drop for CudaReadback {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            if self.event.synchronize().is_ok() {
+                if let Ok(mut free) = self.free.lock() {
+                    if free.len() < READBACK_SLOTS_KEPT {
+                        free.push(slot);
+                    }
+                }
+            } else {
+                // The copies may still be running: leak the slot rather than free it under them.
+                std::mem::forget(slot);
+            }
+        }
+    }
+}
+
+/// Pinned readback slots kept for reuse (freeing pinned memory synchronises the device).
+const READBACK_SLOTS_KEPT: usize = 4;
+
+impl CudaBackend {
+    pub(super) fn read_async_impl(
+        &self,
+        s: &Stream,
+        bufs: &[&CudaBuf],
+        ids: &[&super::CudaIds],
+    ) -> Result<CudaReadback> {
+        let mut parts = Vec::with_capacity(bufs.len() + ids.len());
+        let mut bytes = 0usize;
+        for b in bufs {
+            if b.dtype != crate::tensor::DType::F32 {
+                return Err(BackendError::Shape {
+                    op: "read_async",
+                    what: format!("a {} buffer (f32 only)", b.dtype.name()),
+                });
+            }
+            parts.push((false, bytes, b.len));
+            bytes += 4 * b.len;
+        }
+        for i in ids {
+            parts.push((true, bytes, i.len));
+            bytes += 4 * i.len;
+        }
+        let slot = {
+            let mut free = self.readback_slots.lock().map_err(|_| BackendError::Poisoned("readback slots"))?;
+            match free.iter().position(|x| x.bytes >= bytes) {
+                Some(k) => free.swap_remove(k),
+                None => self
+                    .host_mem_impl()
+                    .alloc_slot(bytes.max(256).next_power_of_two())
+                    .map_err(|e| BackendError::Unsupported(format!("read_async: {e}")))?,
+            }
+        };
+        self.bind()?;
+        let srcs = bufs.iter().map(|b| b.ptr).chain(ids.iter().map(|i| i.ptr));
+        for (src, &(_, off, n)) in srcs.zip(&parts) {
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: the slot holds `bytes` >= off + 4 n bytes; it lives until the event below
+            // completed (CudaReadback's Drop waits for it); src is a live buffer of 4 n bytes,
+            // read in s's order.
+            let host = unsafe { std::slice::from_raw_parts_mut((slot.ptr as *mut u8).add(off), 4 * n) };
+            let r = self.timed(s, super::profile::Work::Copy, || {
+                unsafe { cu::memcpy_dtoh_async(host, src, s.raw()) }
+                    .map_err(|e| drv(format!("read_async of {} bytes", 4 * n), e))
+            });
+            if let Err(e) = r {
+                // Copies enqueued before this one may still run into the slot: never free it.
+                std::mem::forget(slot);
+                return Err(e);
+            }
+        }
+        let event = device::Event::record(s.raw()).map_err(|e| drv("read_async: its event", e))?;
+        Ok(CudaReadback { slot: Some(slot), event, parts, free: self.readback_slots.clone() })
+    }
+
+    pub(super) fn read_wait_impl(&self, r: CudaReadback) -> Result<crate::backend::ReadValues> {
+        r.event.synchronize().map_err(|e| drv("read_wait", e))?;
+        let slot = r.slot.as_ref().expect("a readback holds its slot until dropped");
+        let (mut f, mut ids) = (Vec::new(), Vec::new());
+        for &(is_ids, off, n) in &r.parts {
+            // SAFETY: the copies into the slot completed (the event above); off + 4 n <= bytes.
+            let at = unsafe { (slot.ptr as *const u8).add(off) };
+            if is_ids {
+                let mut v = vec![0i32; n];
+                unsafe { std::ptr::copy_nonoverlapping(at, v.as_mut_ptr() as *mut u8, 4 * n) };
+                ids.push(v);
+            } else {
+                let mut v = vec![0f32; n];
+                unsafe { std::ptr::copy_nonoverlapping(at, v.as_mut_ptr() as *mut u8, 4 * n) };
+                f.push(v);
+            }
+        }
+        Ok((f, ids))
+    }
+}
