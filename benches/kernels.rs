@@ -118,7 +118,8 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, attention, gdn, fc) whose name contains a pattern; the peaks are always measured.
+    // decode, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
+    // measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();
