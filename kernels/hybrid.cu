@@ -20,8 +20,9 @@
 //           seq_starts: i32 [n_starts], rising from 0; row t belongs to the last listed start
 //           <= t (rows past the last entry form one more sequence, as cpu.rs seq_ranges does).
 // Launch:   every kernel: blockDim.x = HYB_BLOCK (launch.cuh), any grid >= 1 (grid-stride).
-//           Row kernels (norms) give each warp one row at a time: grid ceil(rows / 8); the bf16
-//           norms move 4 elements (8 bytes) a lane where dim % 4 == 0 and the pointers allow. conv1d:
+//           Row kernels (norms) give each warp one row at a time (gated_rmsnorm two at dim <= 128):
+//           grid ceil(rows / 8); the bf16 norms move 4 elements (8 bytes) a lane where
+//           dim % 4 == 0 and the pointers allow. conv1d:
 //           one item per HYB_CONV_ROWS rows of a channel, kernel_size <= HYB_CONV_MAX_K (traps
 //           otherwise). copy_strided: a CTA per row (grid-stride over rows), 16-byte units where addresses,
 //           strides and width allow.
