@@ -165,27 +165,12 @@ impl Lt {
         Ok(Plan { desc, a, b, c, algos: algo })
     }
 
-    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset), with the
-    /// heuristic's first algorithm (fixed per shape: a run's results are deterministic).
+    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset) with the heuristic's
+    /// `index`-th algorithm for this shape; `Ok(false)` (nothing enqueued) when it offered fewer.
+    /// GEMMs run index 0, fixed per shape (a run's results are deterministic); the bench times
+    /// every candidate against it.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
-        &self,
-        g: &Gemm,
-        a: u64,
-        b: u64,
-        c: u64,
-        c_dtype: DType,
-        ws: u64,
-        ws_bytes: usize,
-        stream: cudarc::driver::sys::CUstream,
-    ) -> Result<()> {
-        self.matmul_candidate(g, a, b, c, c_dtype, ws, ws_bytes, stream, 0).map(|_| ())
-    }
-
-    /// `matmul` with the heuristic's `index`-th algorithm; `Ok(false)` (nothing enqueued) when the
-    /// heuristic offered fewer. For the bench, which times every candidate against the first.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_candidate(
         &self,
         g: &Gemm,
         a: u64,

@@ -454,7 +454,7 @@ impl CudaBackend {
         self.bind()?;
         let ws_bytes = blas::WORKSPACE_BYTES;
         let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
-        self.blas.matmul_candidate(g, a.ptr, b.ptr, c.ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
+        self.blas.matmul(g, a.ptr, b.ptr, c.ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
     }
 
     /// The causal forward with an explicit kernel form (the trait method takes
@@ -1260,16 +1260,19 @@ impl Backend for CudaBackend {
             Work::Gemm,
             || Some(format!("gemm {}x{}x{}", g.m, g.n, g.k)),
             || {
-                self.blas.matmul(
-                    g,
-                    off_ptr(a, a_off),
-                    off_ptr(b, b_off),
-                    off_ptr(c, c_off),
-                    c.dtype,
-                    ws.ptr,
-                    ws_bytes,
-                    s.raw(),
-                )
+                self.blas
+                    .matmul(
+                        g,
+                        off_ptr(a, a_off),
+                        off_ptr(b, b_off),
+                        off_ptr(c, c_off),
+                        c.dtype,
+                        ws.ptr,
+                        ws_bytes,
+                        s.raw(),
+                        0,
+                    )
+                    .map(|_| ())
             },
         )
     }
