@@ -531,10 +531,11 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //   gdn_conv_qkv     conv1d_silu of the f32 q|k|v projection, then the per-head L2 norms of q
 //                    (times q_scale) and k, written to q, k, v [rows, key_dim|key_dim|value_dim]
 //                    (f32): the conv's output, the split copies and the norms' reads are gone.
-//                    Items as conv1d_silu's (a run of HYB_CONV_ROWS rows of four channels) with
-//                    each run's channel groups padded to whole warps, so a warp's lanes share one
-//                    run: a key head (head_lanes = k_dim / 4 lanes, a power of two <= 32) sums its
-//                    squares over its lanes with shuffles, row by row. Bytes: 8 * rows * channels.
+//                    One item per (row, four channels), each row's channel groups padded to whole
+//                    warps, so a warp's lanes share one row: a key head (head_lanes = k_dim / 4
+//                    lanes, a power of two <= 32) sums its squares over its lanes with shuffles.
+//                    An item loads its K window rows itself (neighbours' rows hit L1/L2).
+//                    Bytes: 8 * rows * channels.
 //   rmsnorm1p_rope_partial_bf16_hd<D>
 //                    per head: y = bf16(rmsnorm1p(x)), then rope_partial on y (same products and
 //                    roundings), heads read at x + i * x_stride (the query half of q | gate), written
@@ -598,79 +599,53 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
                                            float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
                                            const int* __restrict__ seq_starts, int n_starts, long long rows,
                                            int key_dim, int value_dim, int head_lanes, float eps, float q_scale) {
-  constexpr int R = HYB_CONV_ROWS, V = 4;
+  constexpr int V = 4;
   const int channels = 2 * key_dim + value_dim;
-  const int groups = channels / V;            // the launcher checks key_dim % 4 == value_dim % 4 == 0
-  const int padded = (groups + 31) & ~31;     // whole warps per run
-  const index_t runs = (rows + R - 1) / R;
-  const index_t total = runs * padded;
+  const int groups = channels / V;         // the launcher checks key_dim % 4 == value_dim % 4 == 0
+  const int padded = (groups + 31) & ~31;  // whole warps per row
+  const index_t total = (index_t)rows * padded;
   // total, the grid stride and every warp's first index are multiples of 32: a warp's lanes
-  // share e / padded (the run), so the row loop and its shuffles run converged.
+  // share e / padded (the row), so the head shuffles run converged. The K window rows are loaded
+  // per item (the neighbours' loads of the same rows hit L1/L2): K independent loads in flight
+  // per thread, where a lane walking a run of rows had one.
   for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
-    const index_t run = e / padded;
-    const int gi = (int)(e - run * padded);
+    const index_t t = e / padded;
+    const int gi = (int)(e - t * padded);
     const bool active = gi < groups;
     const int c0 = active ? gi * V : 0;
-    const index_t t0 = run * R, t1 = min((index_t)rows, t0 + R);
-    float wk[K][V], win[K][V];
-    const index_t ss0 = hyb::seq_start_of(seq_starts, n_starts, t0);
-    index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
+    const index_t ss = hyb::seq_start_of(seq_starts, n_starts, t);
+    float xw[K][V];
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      const index_t src = t0 - (K - 1) + j;
+      const index_t src = t - (K - 1) + j;
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        wk[j][i] = bf16_to_f32(w[(index_t)(c0 + i) * K + j]);
-        win[j][i] = 0.f;
-      }
-      if (j < K - 1 && src >= ss0) load_vec<V>(x + src * channels + c0, win[j]);
+      for (int i = 0; i < V; ++i) xw[j][i] = 0.f;  // rows before the sequence's start: zeros
+      if (src >= ss) load_vec<V>(x + src * channels + c0, xw[j]);
     }
-    // Where this lane's four channels go: q (scaled), k, or v, and the row stride there.
+    float out[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) acc += bf16_to_f32(w[(index_t)(c0 + i) * K + j]) * xw[j][i];
+      out[i] = hyb::silu(acc);
+    }
+    // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes and
+    // padding lanes form groups of their own and ignore the result).
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) sq = fmaf(out[i], out[i], sq);
+    for (int o = head_lanes >> 1; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (!active) continue;
+    // Where this lane's four channels go: q (scaled), k, or v.
     const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
-    float* out_base = is_q ? q + c0 : is_k ? k + (c0 - key_dim) : v + (c0 - 2 * key_dim);
-    const int out_stride = (is_q || is_k) ? key_dim : value_dim;
-    const float scale = is_q ? q_scale : 1.f;
-    for (index_t t = t0; t < t1; ++t) {
-      if (t == next) {  // a sequence starts here: nothing before it is visible
+    if (is_q || is_k) {
+      const float inv = (is_q ? q_scale : 1.f) / sqrtf(sq + eps);
 #pragma unroll
-        for (int j = 0; j < K; ++j) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) win[j][i] = 0.f;
-        }
-        next = hyb::next_start_after(seq_starts, n_starts, t);
-      }
-      float xt[V], out[V];
-      load_vec<V>(x + t * channels + c0, xt);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) acc += wk[j][i] * win[j][i];
-        acc += wk[K - 1][i] * xt[i];
-        out[i] = hyb::silu(acc);
-      }
-#pragma unroll
-      for (int j = 0; j + 1 < K - 1; ++j) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) win[j][i] = win[j + 1][i];
-      }
-      if (K > 1) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) win[K > 1 ? K - 2 : 0][i] = xt[i];
-      }
-      // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes
-      // and padding lanes form groups of their own and ignore the result).
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) ss = fmaf(out[i], out[i], ss);
-      for (int o = head_lanes >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (!active) continue;
-      if (is_q || is_k) {
-        const float inv = scale / sqrtf(ss + eps);
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
-      }
-      store_vec<V>(out_base + t * out_stride, out);
+      for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
+      store_vec<V>((is_q ? q + c0 : k + (c0 - key_dim)) + t * key_dim, out);
+    } else {
+      store_vec<V>(v + (c0 - 2 * key_dim) + t * value_dim, out);
     }
   }
 }
