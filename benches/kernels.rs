@@ -593,11 +593,11 @@ fn main() {
             let mut c = buf(DType::BF16, g.m * g.n);
             let mut times = Vec::new();
             for i in 0..dflash_engine::backend::cuda::blas::CANDIDATES {
-                if !be.gemm_candidate(&s, &g, &a, &b, &mut c, i).unwrap() {
+                if !be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap() {
                     break;
                 }
                 times.push(time(&be, 5, || {
-                    be.gemm_candidate(&s, &g, &a, &b, &mut c, i).unwrap();
+                    be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap();
                 }));
             }
             let tf = |t: f64| 2.0 * (g.m * g.n * g.k) as f64 / t / 1e12;

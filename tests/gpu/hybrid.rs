@@ -12,23 +12,11 @@ use dflash_engine::backend::{Backend, GdnShape};
 use dflash_engine::rng::Philox;
 use dflash_engine::tensor::DType;
 
-use super::{bits_equal, get, gpu, ids, put, rand, rel_err, BF16_TOL};
+use super::{bits_equal, get, gpu, ids, positions, put, rand, rel_err, starts_of, BF16_TOL};
 
 /// The ragged lengths every packed-batch test uses: one token, a chunk minus one, a chunk, a
 /// chunk plus one, and several chunks with a partial last one.
 const LENS: [usize; 5] = [1, 63, 64, 65, 200];
-
-fn starts_of(lens: &[usize]) -> Vec<i32> {
-    let mut s = vec![0i32];
-    for &l in lens {
-        s.push(s.last().unwrap() + l as i32);
-    }
-    s
-}
-
-fn positions(lens: &[usize]) -> Vec<i32> {
-    lens.iter().flat_map(|&l| 0..l as i32).collect()
-}
 
 // ---------------------------------------------------------------------------------------------
 // Row norms

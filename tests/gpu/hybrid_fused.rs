@@ -9,22 +9,10 @@ use dflash_engine::backend::fused::{GdnConvQkv, NormRope};
 use dflash_engine::backend::Backend;
 use dflash_engine::tensor::DType;
 
-use super::{bits_equal, get, gpu, ids, put, rand, rel_err, BF16_TOL};
+use super::{bits_equal, get, gpu, ids, positions, put, rand, rel_err, starts_of, BF16_TOL};
 
 /// Sequence lengths around the 16-row runs of the convolution kernels and the 64-token chunk.
 const LENS: [usize; 6] = [1, 15, 16, 17, 63, 200];
-
-fn starts_of(lens: &[usize]) -> Vec<i32> {
-    let mut s = vec![0i32];
-    for &l in lens {
-        s.push(s.last().unwrap() + l as i32);
-    }
-    s
-}
-
-fn positions(lens: &[usize]) -> Vec<i32> {
-    lens.iter().flat_map(|&l| 0..l as i32).collect()
-}
 
 /// The residual after the add and the normed output.
 fn add_norm<B: Backend>(

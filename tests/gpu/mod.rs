@@ -67,6 +67,20 @@ fn ids<B: Backend>(be: &B, v: &[i32]) -> B::Ids {
     b
 }
 
+/// The seq_starts of a packed batch of sequences of these lengths: 0, then each end.
+fn starts_of(lens: &[usize]) -> Vec<i32> {
+    let mut s = vec![0i32];
+    for &l in lens {
+        s.push(s.last().unwrap() + l as i32);
+    }
+    s
+}
+
+/// Each packed row's position in its own sequence.
+fn positions(lens: &[usize]) -> Vec<i32> {
+    lens.iter().flat_map(|&l| 0..l as i32).collect()
+}
+
 fn get<B: Backend>(be: &B, b: &B::Buf) -> Vec<f32> {
     be.download(&be.compute_stream(), b).unwrap()
 }

@@ -434,27 +434,65 @@ impl CudaBackend {
         })
     }
 
-    /// `gemm` with cuBLASLt's `index`-th heuristic algorithm for this shape (`gemm` runs the
-    /// first); `Ok(false)` when the heuristic offered fewer. The bench times every candidate.
+    /// The shared checks of the residual add + norm ops: x, t, y bf16 with `rows * dim` elements
+    /// (at least), w bf16 with `dim` from `w_off`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_candidate(
+    fn check_add_norm(
+        op: &'static str,
+        x: &CudaBuf,
+        t: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        y: &CudaBuf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        for (n, b) in [("x", x), ("t", t), ("y", y)] {
+            check_len(op, n, b.len, 0, rows * dim)?;
+            Self::need_bf16(op, b)?;
+        }
+        check_len(op, "w", w.len, w_off, dim)?;
+        Self::need_bf16(op, w)
+    }
+
+    /// `gemm` with cuBLASLt's `index`-th heuristic algorithm for this shape (the trait's `gemm`
+    /// runs the first); `Ok(false)` (nothing enqueued) when the heuristic offered fewer. The
+    /// bench times every candidate with it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_with(
         &self,
         s: &Stream,
         g: &Gemm,
         a: &CudaBuf,
+        a_off: usize,
         b: &CudaBuf,
+        b_off: usize,
         c: &mut CudaBuf,
+        c_off: usize,
         index: usize,
     ) -> Result<bool> {
-        check_len("gemm", "A", a.len, 0, g.m * g.k)?;
-        check_len("gemm", "B", b.len, 0, g.k * g.n)?;
-        check_len("gemm", "C", c.len, 0, g.m * g.n)?;
+        check_len("gemm", "A", a.len, a_off, g.m * g.k)?;
+        check_len("gemm", "B", b.len, b_off, g.k * g.n)?;
+        check_len("gemm", "C", c.len, c_off, g.m * g.n)?;
         Self::need_bf16("gemm A", a)?;
         Self::need_bf16("gemm B", b)?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(true);
+        }
         self.bind()?;
         let ws_bytes = blas::WORKSPACE_BYTES;
+        // cuBLASLt's workspace is scratch it writes before reading: not zero-filled (a 32 MiB
+        // memset per GEMM cost more than the GEMM itself when decoding).
         let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
-        self.blas.matmul(g, a.ptr, b.ptr, c.ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
+        self.timed_as(
+            s,
+            Work::Gemm,
+            || Some(format!("gemm {}x{}x{}", g.m, g.n, g.k)),
+            || {
+                let (a, b, c_ptr) = (off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off));
+                self.blas.matmul(g, a, b, c_ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
+            },
+        )
     }
 
     /// The causal forward with an explicit kernel form (the trait method takes
@@ -1242,39 +1280,7 @@ impl Backend for CudaBackend {
         c: &mut CudaBuf,
         c_off: usize,
     ) -> Result<()> {
-        check_len("gemm", "A", a.len, a_off, g.m * g.k)?;
-        check_len("gemm", "B", b.len, b_off, g.k * g.n)?;
-        check_len("gemm", "C", c.len, c_off, g.m * g.n)?;
-        Self::need_bf16("gemm A", a)?;
-        Self::need_bf16("gemm B", b)?;
-        if g.m == 0 || g.n == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        let ws_bytes = blas::WORKSPACE_BYTES;
-        // cuBLASLt's workspace is scratch it writes before reading: not zero-filled (a 32 MiB
-        // memset per GEMM cost more than the GEMM itself when decoding).
-        let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
-        self.timed_as(
-            s,
-            Work::Gemm,
-            || Some(format!("gemm {}x{}x{}", g.m, g.n, g.k)),
-            || {
-                self.blas
-                    .matmul(
-                        g,
-                        off_ptr(a, a_off),
-                        off_ptr(b, b_off),
-                        off_ptr(c, c_off),
-                        c.dtype,
-                        ws.ptr,
-                        ws_bytes,
-                        s.raw(),
-                        0,
-                    )
-                    .map(|_| ())
-            },
-        )
+        self.gemm_with(s, g, a, a_off, b, b_off, c, c_off, 0).map(|_| ())
     }
 
     fn fc_project(
@@ -1305,13 +1311,8 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<()> {
         const OP: &str = "add_rmsnorm_fwd";
-        for (n, b) in [("x", &*x), ("t", t), ("y", &*y)] {
-            check_len(OP, n, b.len, 0, rows * dim)?;
-            Self::need_bf16(OP, b)?;
-        }
-        check_len(OP, "w", w.len, w_off, dim)?;
+        Self::check_add_norm(OP, x, t, w, w_off, y, rows, dim)?;
         check_len(OP, "rstd", rstd.len, 0, rows)?;
-        Self::need_bf16(OP, w)?;
         Self::need_f32(OP, rstd)?;
         if rows == 0 {
             return Ok(());
@@ -2169,12 +2170,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<()> {
         const OP: &str = "add_rmsnorm1p_fwd";
-        for (n, b) in [("x", &*x), ("t", t), ("y", &*y)] {
-            check_len(OP, n, b.len, 0, rows * dim)?;
-            Self::need_bf16(OP, b)?;
-        }
-        check_len(OP, "w", w.len, w_off, dim)?;
-        Self::need_bf16(OP, w)?;
+        Self::check_add_norm(OP, x, t, w, w_off, y, rows, dim)?;
         if x.len != rows * dim {
             // add_inplace adds over the whole of x.
             return fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps);
