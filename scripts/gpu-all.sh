@@ -32,7 +32,8 @@ el "parallel: tests | 4 sanitizers | stream-order"
 ( OUT=$OUT TESTS=gpu_ timeout 420 bash $B/run.sh tests > $L/tests.txt 2>&1; echo "tests rc $?" > $L/tests.rc
   grep -E "two-GPU tests" $OUT/tests.log >> $L/tests.rc ) &
 # racecheck over the hybrid kernels runs in models.sh: with them it does not fit beside the tests.
-( OUT=$L STREAM_TESTS=none RACE_TESTS="gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::" \
+# RACE_TESTS (env) narrows racecheck further, e.g. to the tests of the kernels a change touched.
+( OUT=$L STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::}" \
   timeout 420 bash $B/sanitize.sh $B > $L/san4.txt 2>&1; echo "san4 rc $?" >> $L/san4.txt ) &
 ( OUT=$L SANITIZERS=" " timeout 420 bash $B/sanitize.sh $B > $L/stream.txt 2>&1; echo "stream rc $?" >> $L/stream.txt ) &
 wait
