@@ -64,11 +64,11 @@ extern "C" __global__ void swiglu_fwd_bf16(const __nv_bfloat16* __restrict__ gu,
   }
 }
 
+// In place: gate|up become their gradient. Each item reads its gate and up chunks before it
+// writes the same two chunks, and no other item touches them, so `gu` carries no __restrict__.
 template <int V>
 __device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict__ dout,
-                                                 const __nv_bfloat16* __restrict__ gu,
-                                                 __nv_bfloat16* __restrict__ dgu, index_t rows,
-                                                 index_t inter) {
+                                                 __nv_bfloat16* gu, index_t rows, index_t inter) {
   const index_t chunks_per_row = inter / V;
   const index_t total = rows * chunks_per_row;
   const index_t stride = grid_thread_count();
@@ -89,20 +89,17 @@ __device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict
       dg[j] = __fmul_rn(__fmul_rn(__fmul_rn(dy[j], u[j]), sig), dsig);
       du[j] = __fmul_rn(dy[j], silu);
     }
-    bf16_chunk_store_rn_fast<V>(dgu + in_off, dg);
-    bf16_chunk_store_rn_fast<V>(dgu + in_off + inter, du);
+    bf16_chunk_store_rn_fast<V>(gu + in_off, dg);
+    bf16_chunk_store_rn_fast<V>(gu + in_off + inter, du);
   }
 }
 
-extern "C" __global__ void swiglu_bwd_bf16(const __nv_bfloat16* __restrict__ dout,
-                                           const __nv_bfloat16* __restrict__ gu,
-                                           __nv_bfloat16* __restrict__ dgu, long long rows,
-                                           int inter) {
+extern "C" __global__ void swiglu_bwd_bf16(const __nv_bfloat16* __restrict__ dout, __nv_bfloat16* gu,
+                                           long long rows, int inter) {
   if (rows <= 0 || inter <= 0) return;
-  if (inter % BF16_PER_VEC == 0 && is_vec_aligned(dout) && is_vec_aligned(gu) &&
-      is_vec_aligned(dgu)) {
-    swiglu_bwd_items<BF16_PER_VEC>(dout, gu, dgu, rows, inter);
+  if (inter % BF16_PER_VEC == 0 && is_vec_aligned(dout) && is_vec_aligned(gu)) {
+    swiglu_bwd_items<BF16_PER_VEC>(dout, gu, rows, inter);
   } else {
-    swiglu_bwd_items<1>(dout, gu, dgu, rows, inter);
+    swiglu_bwd_items<1>(dout, gu, rows, inter);
   }
 }

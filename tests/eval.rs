@@ -40,7 +40,7 @@ pub fn preset<B: Backend>(be: &B, name: &str) -> (Target<B>, DrafterConfig) {
 /// A freshly initialised drafter for inference (as `eval --drafter random` builds it).
 pub fn random_drafter<B: Backend>(be: &B, target: &Target<B>, dcfg: &DrafterConfig, seed: u64) -> InferenceDrafter<B> {
     let s = be.compute_stream();
-    let (embed, lm_head) = Drafter::frozen_from_target(be, &s, target).unwrap();
+    let (embed, lm_head) = Drafter::frozen_from_target(target);
     let shape = DrafterShape::from_config(dcfg, 2048);
     let (fc, body) = (shape.fc_table(), shape.body_table());
     let (fh, bh) = (ParamGroup::<B>::init_host(&fc, seed, 0), ParamGroup::<B>::init_host(&body, seed, 1));
@@ -135,7 +135,7 @@ fn drafter_inference_equals_the_training_forward() {
     let s = be.compute_stream();
     let (target, dcfg) = preset(&be, "tiny");
     let shape = DrafterShape::from_config(&dcfg, 2048);
-    let (embed, lm_head) = Drafter::frozen_from_target(&be, &s, &target).unwrap();
+    let (embed, lm_head) = Drafter::frozen_from_target(&target);
     let (mut drafter, fc) = Drafter::new(&be, &s, shape.clone(), embed, lm_head, 5).unwrap();
     let n = 48;
     let sample = Sample { input_ids: (0..n as u32).map(|i| (i * 29 + 3) % 250).collect(), loss_mask: vec![1; n] };

@@ -101,7 +101,15 @@ fn new_side(be: &CpuBackend) -> DrafterSide<CpuBackend> {
     let mut head = be.alloc(&S, DType::BF16, n).unwrap();
     be.upload(&S, &randn(n, 1, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut embed, 0).unwrap();
     be.upload(&S, &randn(n, 2, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut head, 0).unwrap();
-    let (d, fc) = dflash_engine::model::drafter::Drafter::new(be, &S, sh, embed, head, 4).unwrap();
+    let (d, fc) = dflash_engine::model::drafter::Drafter::new(
+        be,
+        &S,
+        sh,
+        dflash_engine::model::drafter::Frozen::owned(embed),
+        dflash_engine::model::drafter::Frozen::owned(head),
+        4,
+    )
+    .unwrap();
     DrafterSide::new(be, &S, d, Some(fc)).unwrap()
 }
 

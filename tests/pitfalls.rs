@@ -173,7 +173,15 @@ fn f32_side(sh: &DrafterShape) -> (DrafterSide<CpuBackend>, CpuBackend) {
     let mut head = be.alloc(&S, DType::BF16, n).unwrap();
     be.upload(&S, &randn(n, 1, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut embed, 0).unwrap();
     be.upload(&S, &randn(n, 2, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut head, 0).unwrap();
-    let (d, fc) = dflash_engine::model::drafter::Drafter::new(&be, &S, sh.clone(), embed, head, 4).unwrap();
+    let (d, fc) = dflash_engine::model::drafter::Drafter::new(
+        &be,
+        &S,
+        sh.clone(),
+        dflash_engine::model::drafter::Frozen::owned(embed),
+        dflash_engine::model::drafter::Frozen::owned(head),
+        4,
+    )
+    .unwrap();
     (DrafterSide::new(&be, &S, d, Some(fc)).unwrap(), be)
 }
 

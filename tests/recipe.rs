@@ -415,7 +415,15 @@ fn fresh_side(opts: &RunOptions) -> (CpuBackend, DrafterSide<CpuBackend>, Drafte
         be.alloc(&s, dflash_engine::tensor::DType::BF16, n).unwrap(),
         be.alloc(&s, dflash_engine::tensor::DType::BF16, n).unwrap(),
     );
-    let (drafter, fc) = Drafter::new(&be, &s, DrafterShape::from_config(&dcfg, 64), embed, head, 99).unwrap();
+    let (drafter, fc) = Drafter::new(
+        &be,
+        &s,
+        DrafterShape::from_config(&dcfg, 64),
+        dflash_engine::model::drafter::Frozen::owned(embed),
+        dflash_engine::model::drafter::Frozen::owned(head),
+        99,
+    )
+    .unwrap();
     let side = DrafterSide::new(&be, &s, drafter, Some(fc)).unwrap();
     (be, side, dcfg)
 }

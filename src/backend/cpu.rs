@@ -644,19 +644,16 @@ impl<F: Real> Backend for CpuBackend<F> {
         &self,
         _s: &CpuStream,
         dout: &CpuBuf<F>,
-        gu: &CpuBuf<F>,
-        dgu: &mut CpuBuf<F>,
+        gu: &mut CpuBuf<F>,
         rows: usize,
         inter: usize,
     ) -> Result<()> {
         check_len("swiglu_bwd", "dout", dout.data.len(), 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.data.len(), 0, rows * 2 * inter)?;
-        check_len("swiglu_bwd", "dgu", dgu.data.len(), 0, rows * 2 * inter)?;
-        let dt = dgu.dtype;
-        dgu.data[..rows * 2 * inter].par_chunks_mut(2 * inter).enumerate().for_each(|(r, dr)| {
-            let row = &gu.data[r * 2 * inter..(r + 1) * 2 * inter];
+        let dt = gu.dtype;
+        gu.data[..rows * 2 * inter].par_chunks_mut(2 * inter).enumerate().for_each(|(r, dr)| {
             for c in 0..inter {
-                let (g, u, d) = (row[c], row[inter + c], dout.data[r * inter + c]);
+                let (g, u, d) = (dr[c], dr[inter + c], dout.data[r * inter + c]);
                 let sig = F::ONE / (F::ONE + (-g).exp());
                 let silu = g * sig;
                 dr[c] = self.st(dt, d * u * sig * (F::ONE + g * (F::ONE - sig)));

@@ -529,12 +529,14 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         inter: usize,
     ) -> Result<()>;
+    /// The backward of `swiglu_fwd`, in place: `gu` (gate and up) is overwritten by its gradient
+    /// (the drafter's backward needs gate|up no more once it has their gradient, so the largest
+    /// activation of a layer is not held twice).
     fn swiglu_bwd(
         &self,
         s: &Self::Stream,
         dout: &Self::Buf,
-        gu: &Self::Buf,
-        dgu: &mut Self::Buf,
+        gu: &mut Self::Buf,
         rows: usize,
         inter: usize,
     ) -> Result<()>;

@@ -316,7 +316,7 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     // Load both models.
     let t0 = Instant::now();
     let target = tsrc.load(be, dcfg.target_layer_ids.clone(), true)?;
-    let (embed, lm_head) = Drafter::frozen_from_target(be, &s, &target)?;
+    let (embed, lm_head) = Drafter::frozen_from_target(&target);
     let dshape = DrafterShape::from_config(&dcfg, 2048);
     let drafter = match &src {
         DrafterSource::Random => {

@@ -6,6 +6,8 @@
 //! group (everything else). The global grad norm is always `sumsq(fc) + sumsq(body)`, and AdamW
 //! is elementwise, so where a group lives does not change the result.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use super::target::push_layer;
@@ -223,13 +225,8 @@ struct LayerActs<B: Backend> {
     rstd_in: B::Buf,
     q_pre: B::Buf,
     q_rstd: B::Buf,
-    kc_pre: B::Buf,
-    kc_rstd: B::Buf,
-    kc: B::Buf,
+    keys: KeyProj<B>,
     vc: B::Buf,
-    kb_pre: B::Buf,
-    kb_rstd: B::Buf,
-    kb: B::Buf,
     vb: B::Buf,
     o: B::Buf,
     lse: B::Buf,
@@ -238,14 +235,73 @@ struct LayerActs<B: Backend> {
     gu: B::Buf,
 }
 
+/// A frozen `[vocab, hidden]` bf16 table the drafter borrows from the target (`embed_tokens`,
+/// `lm_head`): on the target's own device it is the target's tensor itself, shared, at its offset
+/// in the target's weights (at the Qwen3-8B shape the two tables are 2.3 GiB, at Qwen3.6-27B
+/// 4.7 GiB that a copy would hold twice); on another device, a copy of its own.
+pub struct Frozen<B: Backend> {
+    pub buf: Arc<B::Buf>,
+    pub off: usize,
+}
+
+impl<B: Backend> Frozen<B> {
+    /// A table in a buffer of its own (offset 0).
+    pub fn owned(buf: B::Buf) -> Self {
+        Frozen { buf: Arc::new(buf), off: 0 }
+    }
+
+    /// The table named `name` inside the target's weights, shared (no copy).
+    pub fn of_target(target: &super::target::Target<B>, name: &str) -> Self {
+        Frozen { buf: target.weights.clone(), off: target.table.off(name) }
+    }
+}
+
+impl<B: Backend> Clone for Frozen<B> {
+    fn clone(&self) -> Self {
+        Frozen { buf: self.buf.clone(), off: self.off }
+    }
+}
+
+/// A layer's context and block keys before their norm and rotation, and the norm's rstd.
+struct KeyProj<B: Backend> {
+    kc_pre: B::Buf,
+    kc_rstd: B::Buf,
+    kb_pre: B::Buf,
+    kb_rstd: B::Buf,
+}
+
+impl<B: Backend> KeyProj<B> {
+    /// The context and block keys: k-normed (with `k_norm` at `kn` in `w`; the rstd kept for the
+    /// norm's backward) and rotated. The forward and the backward both call it, so the backward's
+    /// keys are the forward's bit for bit without being kept.
+    fn rotated(
+        &mut self,
+        be: &B,
+        s: &B::Stream,
+        sh: &DrafterShape,
+        w: &B::Buf,
+        kn: usize,
+        inp: &DraftInputs<'_, B>,
+    ) -> Result<[B::Buf; 2]> {
+        let (tc, tb, kw) = (inp.ctx_rows, inp.num_blocks * sh.block_size, sh.kv_width());
+        let mut kc = be.alloc(s, DType::BF16, tc * kw)?;
+        let mut kb = be.alloc(s, DType::BF16, tb * kw)?;
+        be.rmsnorm_fwd(s, &self.kc_pre, w, kn, &mut kc, &mut self.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
+        be.rmsnorm_fwd(s, &self.kb_pre, w, kn, &mut kb, &mut self.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
+        be.rope(s, &mut kc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
+        be.rope(s, &mut kb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
+        Ok([kc, kb])
+    }
+}
+
 /// The drafter body plus the frozen tensors it borrows from the target.
 pub struct Drafter<B: Backend> {
     pub shape: DrafterShape,
     pub body: ParamGroup<B>,
-    /// `[vocab, hidden]` bf16, frozen (the target's `embed_tokens`).
-    pub embed: B::Buf,
-    /// `[vocab, hidden]` bf16, frozen (the target's `lm_head`).
-    pub lm_head: B::Buf,
+    /// The target's `embed_tokens`.
+    pub embed: Frozen<B>,
+    /// The target's `lm_head`.
+    pub lm_head: Frozen<B>,
 }
 
 impl<B: Backend> Drafter<B> {
@@ -290,7 +346,7 @@ impl<B: Backend> Drafter<B> {
 
         // Block stream: anchor token + mask tokens, embedded with the frozen target embedding.
         let mut x = be.alloc(s, DType::BF16, tb * h)?;
-        be.embed(s, &self.embed, 0, inp.block_ids, &mut x, tb, h)?;
+        be.embed(s, &self.embed.buf, self.embed.off, inp.block_ids, &mut x, tb, h)?;
 
         let mut saved: Vec<LayerActs<B>> = Vec::with_capacity(sh.layers);
         for l in 0..sh.layers {
@@ -299,13 +355,13 @@ impl<B: Backend> Drafter<B> {
                 rstd_in: be.alloc(s, DType::F32, tb)?,
                 q_pre: be.alloc(s, DType::BF16, tb * qw)?,
                 q_rstd: be.alloc(s, DType::F32, tb * sh.heads)?,
-                kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
-                kc_rstd: be.alloc(s, DType::F32, tc * sh.kv_heads)?,
-                kc: be.alloc(s, DType::BF16, tc * kw)?,
+                keys: KeyProj {
+                    kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
+                    kc_rstd: be.alloc(s, DType::F32, tc * sh.kv_heads)?,
+                    kb_pre: be.alloc(s, DType::BF16, tb * kw)?,
+                    kb_rstd: be.alloc(s, DType::F32, tb * sh.kv_heads)?,
+                },
                 vc: be.alloc(s, DType::BF16, tc * kw)?,
-                kb_pre: be.alloc(s, DType::BF16, tb * kw)?,
-                kb_rstd: be.alloc(s, DType::F32, tb * sh.kv_heads)?,
-                kb: be.alloc(s, DType::BF16, tb * kw)?,
                 vb: be.alloc(s, DType::BF16, tb * kw)?,
                 o: be.alloc(s, DType::BF16, tb * qw)?,
                 lse: be.alloc(s, DType::F32, tb * sh.heads)?,
@@ -314,9 +370,9 @@ impl<B: Backend> Drafter<B> {
                 gu: be.alloc(s, DType::BF16, tb * 2 * inter)?,
                 x_in: x,
             };
-            // xn, q, h2 and act are not kept for the backward: it recomputes them from x_in,
-            // q_pre, x_mid and gu with the same kernels (bit-identical, ~1% of the step), which
-            // saves four [block rows, width] buffers per layer.
+            // xn, q, the normed and rotated keys, h2 and act are not kept for the backward: it
+            // recomputes them from x_in, q_pre, kc_pre / kb_pre, x_mid and gu with the same kernels
+            // (bit-identical, ~1% of the step), which saves six buffers per layer.
             let mut xn = be.alloc(s, DType::BF16, tb * h)?;
             let mut q = be.alloc(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
@@ -336,30 +392,26 @@ impl<B: Backend> Drafter<B> {
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             // Keys and values from [ctx ; xn] with the same Wk / Wv.
             let (wk, wv) = (off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
-            be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.kc_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.keys.kc_pre, 0)?;
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wv, &mut a.vc, 0)?;
-            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wk, &mut a.kb_pre, 0)?;
+            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wk, &mut a.keys.kb_pre, 0)?;
             be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wv, &mut a.vb, 0)?;
             drop(xn);
-            let kn = off("self_attn.k_norm.weight");
-            be.rmsnorm_fwd(s, &a.kc_pre, w, kn, &mut a.kc, &mut a.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
-            be.rmsnorm_fwd(s, &a.kb_pre, w, kn, &mut a.kb, &mut a.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
-            be.rope(s, &mut a.kc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
-            be.rope(s, &mut a.kb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
+            let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
             be.attn_draft_fwd(
                 s,
                 &ash[l],
                 &q,
-                &a.kc,
+                &kc,
                 &a.vc,
-                &a.kb,
+                &kb,
                 &a.vb,
                 inp.anchors,
                 inp.ctx_start,
                 &mut a.o,
                 &mut a.lse,
             )?;
-            drop(q);
+            drop((q, kc, kb));
             // x_mid = x_in + o Wo^T
             be.copy(s, &a.x_in, 0, &mut a.x_mid, 0, tb * h)?;
             let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
@@ -403,7 +455,7 @@ impl<B: Backend> Drafter<B> {
         while c0 < tb {
             let rows = chunk.min(tb - c0);
             let g = Gemm::linear(rows, sh.vocab, h);
-            be.gemm(s, &g, &hn, c0 * h, &self.lm_head, 0, &mut logits, 0)?;
+            be.gemm(s, &g, &hn, c0 * h, &self.lm_head.buf, self.lm_head.off, &mut logits, 0)?;
             be.cross_entropy(
                 s,
                 &mut logits,
@@ -418,7 +470,8 @@ impl<B: Backend> Drafter<B> {
                 &mut out.argmax,
                 c0,
             )?;
-            be.gemm(s, &Gemm::linear_dx(rows, sh.vocab, h, false), &logits, 0, &self.lm_head, 0, &mut dhn, c0 * h)?;
+            let dx_of_logits = Gemm::linear_dx(rows, sh.vocab, h, false);
+            be.gemm(s, &dx_of_logits, &logits, 0, &self.lm_head.buf, self.lm_head.off, &mut dhn, c0 * h)?;
             c0 += rows;
         }
         drop(logits);
@@ -445,19 +498,21 @@ impl<B: Backend> Drafter<B> {
         drop((dhn, hn, x));
         let mut dctx = be.alloc(s, DType::BF16, tc * h)?;
         for l in (0..sh.layers).rev() {
-            let a = saved.pop().expect("one saved layer per forward layer");
+            let mut a = saved.pop().expect("one saved layer per forward layer");
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
-            // MLP: x_out = x_mid + act Wd^T
+            // MLP: x_out = x_mid + act Wd^T. One [block rows, inter] buffer at a time (act, then
+            // dact), and gate|up turns into its own gradient in place: the MLP's backward adds
+            // one such buffer to what the forward kept, not three.
             let wd = off("mlp.down_proj.weight");
-            let mut dact = be.alloc(s, DType::BF16, tb * inter)?;
-            be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
             let mut act = be.alloc(s, DType::BF16, tb * inter)?;
             be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
             drop(act);
-            let mut dgu = be.alloc(s, DType::BF16, tb * 2 * inter)?;
-            be.swiglu_bwd(s, &dact, &a.gu, &mut dgu, tb, inter)?;
+            let mut dact = be.alloc(s, DType::BF16, tb * inter)?;
+            be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
+            be.swiglu_bwd(s, &dact, &mut a.gu, tb, inter)?;
             drop(dact);
+            let dgu = a.gu;
             let wg = off("mlp.gate_proj.weight");
             let mut dh2 = be.alloc(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
@@ -482,13 +537,14 @@ impl<B: Backend> Drafter<B> {
             let mut q = be.alloc(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(s, &a.q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
+            let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
             be.attn_draft_bwd(
                 s,
                 &ash[l],
                 &q,
-                &a.kc,
+                &kc,
                 &a.vc,
-                &a.kb,
+                &kb,
                 &a.vb,
                 inp.anchors,
                 inp.ctx_start,
@@ -497,7 +553,7 @@ impl<B: Backend> Drafter<B> {
                 &d_o,
                 [&mut dq, &mut dkc, &mut dvc, &mut dkb, &mut dvb],
             )?;
-            drop((d_o, q));
+            drop((d_o, q, kc, kb));
             be.rope(s, &mut dq, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, true)?;
             be.rope(s, &mut dkc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
             be.rope(s, &mut dkb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
@@ -521,10 +577,10 @@ impl<B: Backend> Drafter<B> {
             be.rmsnorm_bwd(
                 s,
                 &dkc,
-                &a.kc_pre,
+                &a.keys.kc_pre,
                 w,
                 kn,
-                &a.kc_rstd,
+                &a.keys.kc_rstd,
                 &mut dkc_pre,
                 false,
                 wgrad,
@@ -536,10 +592,10 @@ impl<B: Backend> Drafter<B> {
             be.rmsnorm_bwd(
                 s,
                 &dkb,
-                &a.kb_pre,
+                &a.keys.kb_pre,
                 w,
                 kn,
-                &a.kb_rstd,
+                &a.keys.kb_rstd,
                 &mut dkb_pre,
                 false,
                 wgrad,
@@ -584,8 +640,8 @@ impl<B: Backend> Drafter<B> {
         be: &B,
         s: &B::Stream,
         shape: DrafterShape,
-        embed: B::Buf,
-        lm_head: B::Buf,
+        embed: Frozen<B>,
+        lm_head: Frozen<B>,
         seed: u64,
     ) -> Result<(Self, ParamGroup<B>)> {
         let mut fc = ParamGroup::new(be, s, shape.fc_table())?;
@@ -596,15 +652,23 @@ impl<B: Backend> Drafter<B> {
         Ok((Drafter { shape, body, embed, lm_head }, fc))
     }
 
-    /// Copies the frozen tensors out of a target on the same backend.
-    pub fn frozen_from_target(be: &B, s: &B::Stream, target: &super::target::Target<B>) -> Result<(B::Buf, B::Buf)> {
+    /// The target's embedding and lm_head, shared with it (the drafter runs on the target's
+    /// device).
+    pub fn frozen_from_target(target: &super::target::Target<B>) -> (Frozen<B>, Frozen<B>) {
+        use super::target::names;
+        (Frozen::of_target(target, names::EMBED), Frozen::of_target(target, names::LM_HEAD))
+    }
+
+    /// Copies of the target's embedding and lm_head in buffers of their own on the target's
+    /// backend (for a drafter on another device, which `copy_bufs` then moves there).
+    pub fn frozen_copies(be: &B, s: &B::Stream, target: &super::target::Target<B>) -> Result<[B::Buf; 2]> {
         use super::target::names;
         let n = target.shape.vocab * target.shape.hidden;
         let mut embed = be.alloc(s, DType::BF16, n)?;
         let mut lm_head = be.alloc(s, DType::BF16, n)?;
         be.copy(s, &target.weights, target.table.off(names::EMBED), &mut embed, 0, n)?;
         be.copy(s, &target.weights, target.table.off(names::LM_HEAD), &mut lm_head, 0, n)?;
-        Ok((embed, lm_head))
+        Ok([embed, lm_head])
     }
 }
 

@@ -11,7 +11,7 @@
 //! The arithmetic is the training forward's, op for op: the only difference is that training
 //! computes every block of a sequence at once.
 
-use super::drafter::{Drafter, DrafterShape, ParamGroup};
+use super::drafter::{Drafter, DrafterShape, Frozen, ParamGroup};
 use super::ParamTable;
 use crate::backend::{Backend, BackendError, DraftAttnShape, Gemm, Result};
 use crate::tensor::DType;
@@ -25,8 +25,8 @@ pub struct DraftWeights<'a, B: Backend> {
     pub fc: &'a B::Buf,
     /// Offset of `fc.weight` inside `fc`.
     pub fc_off: usize,
-    pub embed: &'a B::Buf,
-    pub lm_head: &'a B::Buf,
+    pub embed: &'a Frozen<B>,
+    pub lm_head: &'a Frozen<B>,
 }
 
 impl<B: Backend> Drafter<B> {
@@ -51,8 +51,8 @@ pub struct InferenceDrafter<B: Backend> {
     pub body: B::Buf,
     pub fc_table: ParamTable,
     pub fc: B::Buf,
-    pub embed: B::Buf,
-    pub lm_head: B::Buf,
+    pub embed: Frozen<B>,
+    pub lm_head: Frozen<B>,
 }
 
 impl<B: Backend> InferenceDrafter<B> {
@@ -61,8 +61,8 @@ impl<B: Backend> InferenceDrafter<B> {
         be: &B,
         s: &B::Stream,
         shape: DrafterShape,
-        embed: B::Buf,
-        lm_head: B::Buf,
+        embed: Frozen<B>,
+        lm_head: Frozen<B>,
         mut get: impl FnMut(&str, &[usize]) -> std::result::Result<Vec<f32>, E>,
     ) -> std::result::Result<Self, E>
     where
@@ -218,7 +218,7 @@ impl<B: Backend> DraftWeights<'_, B> {
         };
         let bf = |n: usize| be.alloc(s, DType::BF16, n);
         let mut x = bf(bs * h)?;
-        be.embed(s, self.embed, 0, &block_ids, &mut x, bs, h)?;
+        be.embed(s, &self.embed.buf, self.embed.off, &block_ids, &mut x, bs, h)?;
         let (mut xn, mut q_pre, mut q, mut kb_pre, mut kb, mut vb) =
             (bf(bs * h)?, bf(bs * qw)?, bf(bs * qw)?, bf(bs * kw)?, bf(bs * kw)?, bf(bs * kw)?);
         let (mut o, mut tmp, mut h2, mut gu, mut act) =
@@ -263,7 +263,7 @@ impl<B: Backend> DraftWeights<'_, B> {
         let mut hn = bf(bs * h)?;
         be.rmsnorm_fwd(s, &x, w, t.off("norm.weight"), &mut hn, &mut rstd, bs, h, sh.eps)?;
         let mut logits = bf(n * sh.vocab)?;
-        be.gemm(s, &Gemm::linear(n, sh.vocab, h), &hn, h, self.lm_head, 0, &mut logits, 0)?;
+        be.gemm(s, &Gemm::linear(n, sh.vocab, h), &hn, h, &self.lm_head.buf, self.lm_head.off, &mut logits, 0)?;
         be.argmax_rows(s, &logits, sh.vocab, n, sh.vocab, drafts)
     }
 }

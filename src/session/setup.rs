@@ -14,7 +14,7 @@ use super::options::RunOptions;
 use crate::backend::Backend;
 use crate::config::{DrafterConfig, TargetConfig};
 use crate::data::Dataset;
-use crate::model::drafter::{Drafter, DrafterShape};
+use crate::model::drafter::{Drafter, DrafterShape, Frozen};
 use crate::model::target::{Target, TargetShape};
 use crate::pipeline::{BatchSource, TargetSide};
 use crate::train::batch::{build_batch, BatchSpec, HostBatch, Sample};
@@ -347,8 +347,9 @@ pub fn shift_labels_one_ahead(b: &mut HostBatch, bs: usize) {
     b.weight_sum = weight_sum;
 }
 
-/// The drafter ranks, every one from the same weights (the same seed). The frozen tables go to
-/// each rank's device; the rank on the target's device (else the last) takes the originals.
+/// The drafter ranks, every one from the same weights (the same seed). A rank on the target's
+/// device shares the target's embedding and lm_head (no copy); a rank on another device gets
+/// copies of its own.
 pub fn drafter_sides<B: Backend>(
     bes: &[B],
     topo: &Topology,
@@ -357,23 +358,18 @@ pub fn drafter_sides<B: Backend>(
     seed: u64,
 ) -> Result<Vec<DrafterSide<B>>> {
     let bt = &bes[topo.targets[0]];
-    let nd = topo.drafters.len();
-    let (embed, lm_head) = Drafter::frozen_from_target(bt, &bt.compute_stream(), target)?;
-    let keeper = topo.drafters.iter().position(|&i| i == topo.targets[0]).unwrap_or(nd - 1);
-    let mut tables: Vec<Option<[B::Buf; 2]>> = Vec::with_capacity(nd);
-    for (r, &i) in topo.drafters.iter().enumerate() {
-        tables.push(if r == keeper {
-            None
-        } else {
-            Some(crate::backend::copy_bufs(bt, &bes[i], &bes[i].compute_stream(), [&embed, &lm_head])?)
-        });
-    }
-    let keeper_be = &bes[topo.drafters[keeper]];
-    tables[keeper] = Some(crate::backend::move_bufs(bt, keeper_be, &keeper_be.compute_stream(), [embed, lm_head])?);
-    let mut sides = Vec::with_capacity(nd);
-    for (t, &i) in tables.into_iter().zip(&topo.drafters) {
+    let elsewhere = topo.drafters.iter().any(|&i| i != topo.targets[0]);
+    let copies = if elsewhere { Some(Drafter::frozen_copies(bt, &bt.compute_stream(), target)?) } else { None };
+    let mut sides = Vec::with_capacity(topo.drafters.len());
+    for &i in &topo.drafters {
         let (be, st) = (&bes[i], bes[i].compute_stream());
-        let [e, l] = t.context("every drafter rank has its frozen tables")?;
+        let (e, l) = match &copies {
+            Some([embed, head]) if i != topo.targets[0] => {
+                let [e, l] = crate::backend::copy_bufs(bt, be, &st, [embed, head])?;
+                (Frozen::owned(e), Frozen::owned(l))
+            }
+            _ => Drafter::frozen_from_target(target),
+        };
         let (drafter, fc) = Drafter::new(be, &st, dshape.clone(), e, l, seed)?;
         sides.push(DrafterSide::new(be, &st, drafter, Some(fc))?);
     }

@@ -91,7 +91,15 @@ pub fn exact_drafter(shape: &DrafterShape, seed: u64) -> (Drafter<Exact>, ParamG
     let n = shape.vocab * shape.hidden;
     let embed = buf(randn(n, seed + 1, 1.0));
     let lm_head = buf(randn(n, seed + 2, 0.5));
-    let (mut d, mut fc) = Drafter::new(&be, &s, shape.clone(), embed, lm_head, seed).unwrap();
+    let (mut d, mut fc) = Drafter::new(
+        &be,
+        &s,
+        shape.clone(),
+        dflash_engine::model::drafter::Frozen::owned(embed),
+        dflash_engine::model::drafter::Frozen::owned(lm_head),
+        seed,
+    )
+    .unwrap();
     for (gi, g) in [&mut d.body, &mut fc].into_iter().enumerate() {
         for (ei, e) in g.table.entries().to_vec().iter().enumerate() {
             let r = randn(e.numel, seed * 1000 + (gi * 100 + ei) as u64, 1.0);

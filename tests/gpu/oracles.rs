@@ -173,8 +173,10 @@ fn drafter_vs_pytorch(windows: Vec<Option<usize>>, eps: f32) {
     let n = sh.vocab * sh.hidden;
     let (embed_h, head_h) = (bf(rand(n, 1, 1.0)), bf(rand(n, 2, 0.5)));
     let x_h = bf(rand(hb.rows() * sh.fc_in(), 3, 1.0));
-    let (mut d, mut fc) =
-        Drafter::new(&g, &st, sh.clone(), put(&g, &embed_h, DType::BF16), put(&g, &head_h, DType::BF16), 7).unwrap();
+    let (mut d, mut fc) = {
+        let frozen = |h: &[f32]| dflash_engine::model::drafter::Frozen::owned(put(&g, h, DType::BF16));
+        Drafter::new(&g, &st, sh.clone(), frozen(&embed_h), frozen(&head_h), 7).unwrap()
+    };
     // Larger weights than the default init so every gradient is well above rounding noise.
     let mut params = Vec::new();
     for (gi, grp) in [&mut fc, &mut d.body].into_iter().enumerate() {

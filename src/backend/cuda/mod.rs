@@ -1476,25 +1476,10 @@ impl Backend for CudaBackend {
         self.launch(s, launch::SwigluFwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 
-    fn swiglu_bwd(
-        &self,
-        s: &Stream,
-        dout: &CudaBuf,
-        gu: &CudaBuf,
-        dgu: &mut CudaBuf,
-        rows: usize,
-        inter: usize,
-    ) -> Result<()> {
+    fn swiglu_bwd(&self, s: &Stream, dout: &CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
         check_len("swiglu_bwd", "dout", dout.len, 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.len, 0, rows * 2 * inter)?;
-        check_len("swiglu_bwd", "dgu", dgu.len, 0, rows * 2 * inter)?;
-        let args = launch::SwigluBwdBf16 {
-            dout: dout.at("swiglu_bwd", 0)?,
-            gu: gu.at("swiglu_bwd", 0)?,
-            dgu: dgu.at("swiglu_bwd", 0)?,
-            rows,
-            inter,
-        };
+        let args = launch::SwigluBwdBf16 { dout: dout.at("swiglu_bwd", 0)?, gu: gu.at("swiglu_bwd", 0)?, rows, inter };
         self.launch(s, launch::SwigluBwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 

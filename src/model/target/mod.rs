@@ -77,7 +77,8 @@ pub struct Target<B: Backend> {
     pub shape: TargetShape,
     pub taps: Vec<usize>,
     pub table: ParamTable,
-    pub weights: B::Buf,
+    /// Shared with the drafter on the same device, which borrows the embedding and lm_head.
+    pub weights: std::sync::Arc<B::Buf>,
     /// Layers `0..loaded_layers` are on the device.
     pub loaded_layers: usize,
 }
@@ -158,7 +159,7 @@ impl<B: Backend> Target<B> {
             let host = get(src, &e.shape)?;
             be.upload(&s, &host, &mut weights, e.offset)?;
         }
-        Ok(Target { shape, taps, table, weights, loaded_layers: last + 1 })
+        Ok(Target { shape, taps, table, weights: std::sync::Arc::new(weights), loaded_layers: last + 1 })
     }
 
     pub fn last_layer(&self) -> usize {
