@@ -446,7 +446,7 @@ fn init_from_round_trips_bit_for_bit() {
         checkpoint::apply_init(&be, &s, &mut side, init).unwrap();
         let mut n = 0;
         for g in side.fc.iter().chain(std::iter::once(&side.drafter.body)) {
-            let (master, weights) = (be.download(&s, &g.master).unwrap(), be.download(&s, &g.weights).unwrap());
+            let (master, weights) = (g.masters(&be, &s).unwrap(), be.download(&s, &g.weights).unwrap());
             let (m, v) = (be.download(&s, &g.m).unwrap(), be.download(&s, &g.v).unwrap());
             assert!(m.iter().chain(&v).all(|&x| x == 0.0), "the optimizer starts fresh");
             for e in g.table.entries() {

@@ -1204,6 +1204,10 @@ impl<F: Real> Backend for CpuBackend<F> {
                 *vv = self.st(DType::F32, b2 * *vv + (F::ONE - b2) * g * g);
                 let upd = (*mm / bc1) / ((*vv / bc2).sqrt() + eps) + wd * *p;
                 *p = self.st(DType::F32, *p - lr * upd);
+                // Masters stay off bf16 ties (tensor::master_off_tie), as on every backend.
+                if self.round {
+                    *p = F::from_f32(crate::tensor::master_off_tie(p.to_f32()));
+                }
                 *w = self.st(wdt, *p);
             });
         Ok(())

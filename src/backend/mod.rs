@@ -685,9 +685,34 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
 
     // ---- optimizer ----
+    /// Masters for `n` parameters in this backend's layout: f32 by default; a backend may keep
+    /// them split (`tensor::master_split`: only the low halves, the bf16 weights carrying the
+    /// upper ones). Read and written only through `set_master`, `get_master` and the AdamW ops.
+    fn alloc_master(&self, s: &Self::Stream, n: usize) -> Result<Self::Buf> {
+        self.alloc(s, DType::F32, n)
+    }
+    /// Sets masters and the bf16 weights from `host` (each value first moved off a bf16 tie,
+    /// `tensor::master_off_tie`, as AdamW keeps every master).
+    fn set_master(
+        &self,
+        s: &Self::Stream,
+        host: &[f32],
+        master: &mut Self::Buf,
+        weights: &mut Self::Buf,
+    ) -> Result<()> {
+        let host: Vec<f32> = host.iter().map(|&x| crate::tensor::master_off_tie(x)).collect();
+        self.upload(s, &host, master, 0)?;
+        self.upload(s, &host, weights, 0)
+    }
+    /// The masters as f32 values (`weights`: the bf16 weights of the same parameters).
+    fn get_master(&self, s: &Self::Stream, master: &Self::Buf, weights: &Self::Buf) -> Result<Vec<f32>> {
+        let _ = weights;
+        self.download(s, master)
+    }
     /// `out[0] = sum(x^2)` in a fixed order (deterministic).
     fn sum_squares(&self, s: &Self::Stream, x: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
-    /// AdamW on f32 masters; refreshes the bf16 weights from the masters.
+    /// AdamW on the masters (f32, or split where `alloc_master` made them so); refreshes the bf16
+    /// weights from the masters.
     #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,

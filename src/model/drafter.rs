@@ -79,8 +79,9 @@ impl DrafterShape {
     }
 }
 
-/// One group of trained parameters: bf16 weights for compute, f32 masters, f32 gradients and the
-/// two AdamW moments, all flat with the same layout.
+/// One group of trained parameters: bf16 weights for compute, the masters (f32 values; a backend
+/// may store them split beside the weights, `Backend::alloc_master`), f32 gradients and the two
+/// AdamW moments, all flat with the same layout.
 pub struct ParamGroup<B: Backend> {
     pub table: ParamTable,
     pub weights: B::Buf,
@@ -95,7 +96,7 @@ impl<B: Backend> ParamGroup<B> {
         let n = table.total();
         Ok(ParamGroup {
             weights: be.alloc(s, DType::BF16, n)?,
-            master: be.alloc(s, DType::F32, n)?,
+            master: be.alloc_master(s, n)?,
             grad: be.alloc(s, DType::F32, n)?,
             m: be.alloc(s, DType::F32, n)?,
             v: be.alloc(s, DType::F32, n)?,
@@ -135,11 +136,15 @@ impl<B: Backend> ParamGroup<B> {
 
     /// Sets masters (and the bf16 weights from them); zeroes gradients and moments.
     pub fn set_masters(&mut self, be: &B, s: &B::Stream, host: &[f32]) -> Result<()> {
-        be.upload(s, host, &mut self.master, 0)?;
-        be.upload(s, host, &mut self.weights, 0)?;
+        be.set_master(s, host, &mut self.master, &mut self.weights)?;
         be.fill(s, &mut self.grad, 0.0)?;
         be.fill(s, &mut self.m, 0.0)?;
         be.fill(s, &mut self.v, 0.0)
+    }
+
+    /// The masters as f32 values.
+    pub fn masters(&self, be: &B, s: &B::Stream) -> Result<Vec<f32>> {
+        be.get_master(s, &self.master, &self.weights)
     }
 
     pub fn zero_grad(&mut self, be: &B, s: &B::Stream) -> Result<()> {

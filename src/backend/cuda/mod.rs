@@ -43,7 +43,7 @@ use crate::kernels::launch::{
     GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
     HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_ROWS, QKR_WARPS,
 };
-use crate::tensor::DType;
+use crate::tensor::{self, DType};
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
@@ -930,6 +930,65 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// AdamW, plain or with a device update plan, on f32 masters (`master` is f32) or split
+    /// masters (`master` holds the low halves: `alloc_master`).
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_launch(
+        &self,
+        s: &Stream,
+        master: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        weights: &mut CudaBuf,
+        hp: &AdamStep,
+        plan: Option<&CudaBuf>,
+    ) -> Result<()> {
+        let n = master.len;
+        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
+            check_len("adamw", name, len, 0, n)?;
+        }
+        for b in [grad, &*m, &*v] {
+            Self::need_f32("adamw", b)?;
+        }
+        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
+        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
+        let grid = (n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count), 256, 0);
+        macro_rules! go {
+            ($k:ident, $last:ident: $val:expr) => {
+                self.launch(
+                    s,
+                    launch::$k::KERNEL,
+                    grid,
+                    launch::$k {
+                        master: master.at("adamw", 0)?,
+                        grad: grad.at("adamw", 0)?,
+                        m: m.at("adamw", 0)?,
+                        v: v.at("adamw", 0)?,
+                        w: weights.at("adamw", 0)?,
+                        n,
+                        lr: hp.lr,
+                        beta1: hp.beta1,
+                        beta2: hp.beta2,
+                        eps: hp.eps,
+                        wd: hp.weight_decay,
+                        bc1,
+                        bc2,
+                        $last: $val,
+                    },
+                )
+            };
+        }
+        match (master.dtype, plan) {
+            (DType::F32, None) => go!(AdamwF32, grad_scale: hp.grad_scale),
+            (DType::BF16, None) => go!(AdamwSplitF32, grad_scale: hp.grad_scale),
+            (DType::F32, Some(p)) => go!(AdamwPlannedF32, plan: p.at("adamw_planned", 0)?),
+            (DType::BF16, Some(p)) => go!(AdamwPlannedSplitF32, plan: p.at("adamw_planned", 0)?),
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Ids = CudaIds;
@@ -1800,30 +1859,7 @@ impl Backend for CudaBackend {
         weights: &mut CudaBuf,
         hp: &AdamStep,
     ) -> Result<()> {
-        let n = master.len;
-        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
-            check_len("adamw", name, len, 0, n)?;
-        }
-        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
-        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
-        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count);
-        let args = launch::AdamwF32 {
-            master: master.at("adamw", 0)?,
-            grad: grad.at("adamw", 0)?,
-            m: m.at("adamw", 0)?,
-            v: v.at("adamw", 0)?,
-            w: weights.at("adamw", 0)?,
-            n,
-            lr: hp.lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            wd: hp.weight_decay,
-            bc1,
-            bc2,
-            grad_scale: hp.grad_scale,
-        };
-        self.launch(s, launch::AdamwF32::KERNEL, (grid, 256, 0), args)
+        self.adamw_launch(s, master, grad, m, v, weights, hp, None)
     }
 
     fn update_plan(
@@ -1865,32 +1901,54 @@ impl Backend for CudaBackend {
         hp: &AdamStep,
         plan: &CudaBuf,
     ) -> Result<()> {
-        let n = master.len;
-        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
-            check_len("adamw_planned", name, len, 0, n)?;
-        }
         Self::need_f32("adamw_planned", plan)?;
         check_len("adamw_planned", "plan", plan.len, 0, 2)?;
-        let bc1 = (1.0 - f64::from(hp.beta1).powi(hp.t as i32)) as f32;
-        let bc2 = (1.0 - f64::from(hp.beta2).powi(hp.t as i32)) as f32;
-        let grid = n.div_ceil(4 * 256).clamp(1, 16 * self.sm_count);
-        let args = launch::AdamwPlannedF32 {
-            master: master.at("adamw_planned", 0)?,
-            grad: grad.at("adamw_planned", 0)?,
-            m: m.at("adamw_planned", 0)?,
-            v: v.at("adamw_planned", 0)?,
-            w: weights.at("adamw_planned", 0)?,
-            n,
-            lr: hp.lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            wd: hp.weight_decay,
-            bc1,
-            bc2,
-            plan: plan.at("adamw_planned", 0)?,
-        };
-        self.launch(s, launch::AdamwPlannedF32::KERNEL, (grid, 256, 0), args)
+        self.adamw_launch(s, master, grad, m, v, weights, hp, Some(plan))
+    }
+
+    /// Split masters (`tensor::master_split`): 2 bytes each, the low halves; the bf16 weights
+    /// carry the upper halves.
+    fn alloc_master(&self, s: &Stream, n: usize) -> Result<CudaBuf> {
+        self.alloc(s, DType::BF16, n)
+    }
+
+    fn set_master(&self, s: &Stream, host: &[f32], master: &mut CudaBuf, weights: &mut CudaBuf) -> Result<()> {
+        if master.dtype == DType::F32 {
+            let host: Vec<f32> = host.par_iter().map(|&x| tensor::master_off_tie(x)).collect();
+            self.upload(s, &host, master, 0)?;
+            return self.upload(s, &host, weights, 0);
+        }
+        check_len("set_master", "master", master.len, 0, host.len())?;
+        check_len("set_master", "weights", weights.len, 0, host.len())?;
+        let (w, lo): (Vec<u16>, Vec<u16>) =
+            host.par_iter().map(|&x| tensor::master_split(tensor::master_off_tie(x))).unzip();
+        self.bind()?;
+        for (dst, bits) in [(&*weights, &w), (&*master, &lo)] {
+            // SAFETY: dst has room (checked); pageable memory is staged before the call returns.
+            self.timed(s, Work::Copy, || {
+                unsafe { cu::memcpy_htod_async(dst.ptr, bits.as_slice(), s.raw()) }
+                    .map_err(|e| drv(format!("set_master: upload of {} halves", bits.len()), e))
+            })?;
+        }
+        Ok(())
+    }
+
+    fn get_master(&self, s: &Stream, master: &CudaBuf, weights: &CudaBuf) -> Result<Vec<f32>> {
+        if master.dtype == DType::F32 {
+            return self.download(s, master);
+        }
+        check_len("get_master", "weights", weights.len, 0, master.len)?;
+        self.bind()?;
+        let (mut w, mut lo) = (vec![0u16; master.len], vec![0u16; master.len]);
+        for (src, bits) in [(weights, &mut w), (master, &mut lo)] {
+            // SAFETY: bits has master.len elements; synchronised before reading.
+            self.timed(s, Work::Copy, || {
+                unsafe { cu::memcpy_dtoh_async(bits.as_mut_slice(), src.ptr, s.raw()) }
+                    .map_err(|e| drv(format!("get_master: download of {} halves", bits.len()), e))
+            })?;
+        }
+        self.synchronize(s)?;
+        Ok(w.par_iter().zip(&lo).map(|(&w, &lo)| tensor::master_join(w, lo)).collect())
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
