@@ -622,7 +622,8 @@ fn make_hold<B: Backend>(
 
 /// The synchronous reference on one device: target and drafter alternate on the calling thread,
 /// one step at a time (`drafter_step` runs the target inside the step, micro-batch by
-/// micro-batch). `on_step` is called as in `run`.
+/// micro-batch). `on_step` is called as in `run`. With a device clock the steps are timed on the
+/// device (step markers on the compute stream): `PipelineStats::device_step_secs`, as far as known at each report.
 pub fn run_sync<B: Backend>(
     be: &B,
     tside: &TargetSide<B>,
@@ -635,7 +636,7 @@ pub fn run_sync<B: Backend>(
     let s = be.compute_stream();
     let started = Instant::now();
     let mut st = PipelineStats { target_ranks: 1, drafter_ranks: 1, ..PipelineStats::default() };
-    let mut clock = StepClock::<B>::new();
+    let mut clock = StepMarkers::<B>::new();
     let mut result = Ok(());
     for step in cfg.first_step..cfg.end_step {
         st.current_step = step;
@@ -701,16 +702,16 @@ pub fn run_sync<B: Backend>(
 /// marker to the next, read once the next has completed, found by a non-blocking query: the loop
 /// never waits for the device for it, except after the last step. The steps' times go to
 /// `PipelineStats::device_step_secs` in order; a backend without a device clock gives none.
-struct StepClock<B: Backend> {
+struct StepMarkers<B: Backend> {
     /// Markers whose following marker has not been read yet (the oldest first).
     markers: std::collections::VecDeque<B::Event>,
     /// A marker could not be timed: no more are read.
     stopped: bool,
 }
 
-impl<B: Backend> StepClock<B> {
+impl<B: Backend> StepMarkers<B> {
     fn new() -> Self {
-        StepClock { markers: std::collections::VecDeque::new(), stopped: false }
+        StepMarkers { markers: std::collections::VecDeque::new(), stopped: false }
     }
 
     fn mark(&mut self, be: &B, s: &B::Stream, st: &mut PipelineStats) -> Result<(), BackendError> {
