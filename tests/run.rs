@@ -227,6 +227,10 @@ fn async_matches_sync() {
         assert_eq!(losses(&r), losses(&s2), "max_inflight {inflight}");
     }
     assert_eq!(sync.history.len(), 8);
+    // The CPU backend has no device clock: the step times are the host's, one per step.
+    assert_eq!(sync.step_clock, session::StepClock::Host);
+    assert_eq!(sync.step_ms.len(), 8);
+    assert!(sync.step_ms.iter().all(|&ms| ms > 0.0), "{:?}", sync.step_ms);
 }
 
 /// A failure at each stage boundary ends the run with that stage's error, within seconds.

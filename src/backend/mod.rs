@@ -339,11 +339,21 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// `take_profile_step` without waiting: the phases of the profiled work that has completed
-    /// since the last take, in order; work still running stays for the next take (the training
-    /// loop, whose host never waits for the device).
-    fn take_profile_done(&self) -> Result<Option<profile::StepPhases>> {
-        self.take_profile_step()
+    /// The phases of every profiled step completed since the last call, one per step, split at
+    /// the markers of [`Self::mark_step`]: a step counts once every event up to its closing
+    /// marker has completed (non-blocking queries; the training loop's host never waits for the
+    /// device) and a partial one stays for the next call. With `wait` (the end of a run) the host
+    /// waits for everything first and every step is taken; work after the last marker belongs to
+    /// no step and is dropped. Empty when not profiling.
+    fn take_profile_steps(&self, _wait: bool) -> Result<Vec<profile::StepPhases>> {
+        Ok(Vec::new())
+    }
+
+    /// A timed event at a step boundary on `s` (the start of a step, or after the last): the
+    /// step clock of the synchronous loop, and, when profiling, where the profiler splits its
+    /// timed work into steps. None where the backend has no device clock.
+    fn mark_step(&self, s: &Self::Stream) -> Result<Option<Self::Event>> {
+        self.record_timed(s)
     }
 
     /// An event that also takes a device timestamp (None where the backend has no device clock).

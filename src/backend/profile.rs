@@ -3,10 +3,15 @@
 //! The step code says which part of the step it is enqueuing ([`enter`] a [`Region`]: target,
 //! FC projection, drafter, loss, optimizer); a backend that profiles times every kernel, GEMM
 //! and copy it enqueues with device events and files the interval under a [`Phase`] made of
-//! that region and the kind of work (the kernel's family, a GEMM, a copy). Per step the phases,
-//! plus the gaps where the stream had nothing to run, add up to the stream's busy span; the table
-//! compares that with the host's step time. The region is per thread (the synchronous step runs
-//! on one thread); it costs nothing when no backend profiles.
+//! that region and the kind of work (the kernel's family, a GEMM, a copy). The training loop
+//! also puts a step marker (`Backend::mark_step`, a timed event) on the stream at the start of
+//! each step and after the last one; the profiler's list of timed work is split at those
+//! markers ([`take_complete_steps`]), so each [`StepPhases`] holds exactly one step's launches,
+//! and its phases plus the idle gaps (before the first launch, between launches, after the
+//! last) add up to the marker-to-marker time of the step on the device ([`fold_between`]). A
+//! bench without markers times everything it enqueued as one step and compares it with the
+//! host's time. The region is per thread (the synchronous step runs on one thread); it costs
+//! nothing when no backend profiles.
 //!
 //! Timing every launch adds two event records to each (a few microseconds of host time); the
 //! table therefore reports the profiled step time beside the phases, and a bench compares it with
@@ -152,24 +157,62 @@ impl Phase {
 #[derive(Clone, Debug, Default)]
 pub struct StepPhases {
     pub by_phase: Vec<(Phase, f64)>,
-    /// Between the first interval's start and the last one's end, the time no interval covered.
+    /// The time no interval covered: between the first interval's start and the last one's end,
+    /// and, for a step between two markers, also from the opening marker to the first start and
+    /// from the last end to the closing marker.
     pub gaps: f64,
-    /// First start to last end.
+    /// First start to last end; marker to marker for a step between two markers.
     pub span: f64,
+    /// Device seconds from this step's marker to the next (None without markers: a bench's work,
+    /// compared with the host's time).
+    pub step: Option<f64>,
     /// Intervals timed.
     pub intervals: usize,
     /// Device seconds and count per operation (a kernel's symbol, a GEMM's shape, a copy).
     pub by_op: Vec<(String, f64, usize)>,
 }
 
-/// Mean phase times over the profiled steps, against the host's step time.
+impl StepPhases {
+    /// Phases plus gaps: the span, unless intervals overlap (work on two streams at once) or
+    /// reach outside the step's markers.
+    pub fn accounted(&self) -> f64 {
+        self.by_phase.iter().map(|(_, s)| s).sum::<f64>() + self.gaps
+    }
+}
+
+/// Which clock a step time was read from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StepClock {
+    /// The host's time between two reports of a step (what the host saw, not the device).
+    #[default]
+    Host,
+    /// The device's time between two step markers on the compute stream.
+    Device,
+}
+
+impl StepClock {
+    pub fn describe(self) -> &'static str {
+        match self {
+            StepClock::Host => "host clock",
+            StepClock::Device => "device clock, step marker to step marker",
+        }
+    }
+}
+
+/// How far the phases' sum may be from the step time before the table flags it (phases + gaps
+/// equal a marker-to-marker step by construction unless launches overlap or leak across markers).
+pub const SUM_TOLERANCE: f64 = 0.05;
+
+/// Mean phase times over the profiled steps, against the step time.
 #[derive(Clone, Debug, Default)]
 pub struct PhaseTable {
     pub steps: usize,
     pub by_phase: Vec<(Phase, f64)>,
     pub gaps: f64,
     pub span: f64,
-    pub host_step: f64,
+    /// The mean step time the phases are compared with, read from `clock`.
+    pub step: f64,
+    pub clock: StepClock,
     pub intervals: f64,
     /// Per step: device seconds and launches per operation, longest first.
     pub by_op: Vec<(String, f64, f64)>,
@@ -180,14 +223,25 @@ impl PhaseTable {
     /// (plans and caches are built there) when enough steps remain.
     pub fn from_steps(steps: &[(StepPhases, f64)], warmup: usize) -> Option<PhaseTable> {
         let skip = if steps.len() > warmup { warmup } else { 0 };
-        let used = &steps[skip..];
-        if used.is_empty() {
+        Self::mean(steps[skip..].iter().map(|(sp, host)| (sp, *host)), StepClock::Host)
+    }
+
+    /// Means over steps split at step markers, against their device step times, leaving out the
+    /// first `warmup` when enough steps remain. None without steps or when one has no marker time.
+    pub fn from_marked_steps(steps: &[StepPhases], warmup: usize) -> Option<PhaseTable> {
+        let skip = if steps.len() > warmup { warmup } else { 0 };
+        let used: Option<Vec<(&StepPhases, f64)>> = steps[skip..].iter().map(|sp| sp.step.map(|t| (sp, t))).collect();
+        Self::mean(used?.into_iter(), StepClock::Device)
+    }
+
+    fn mean<'a>(used: impl ExactSizeIterator<Item = (&'a StepPhases, f64)>, clock: StepClock) -> Option<PhaseTable> {
+        if used.len() == 0 {
             return None;
         }
         let n = used.len() as f64;
         let mut by_phase: Vec<(Phase, f64)> = Phase::ALL.iter().map(|&p| (p, 0.0)).collect();
-        let mut t = PhaseTable { steps: used.len(), ..PhaseTable::default() };
-        for (sp, host) in used {
+        let mut t = PhaseTable { steps: used.len(), clock, ..PhaseTable::default() };
+        for (sp, step) in used {
             for &(p, secs) in &sp.by_phase {
                 if let Some(e) = by_phase.iter_mut().find(|(q, _)| *q == p) {
                     e.1 += secs / n;
@@ -195,7 +249,7 @@ impl PhaseTable {
             }
             t.gaps += sp.gaps / n;
             t.span += sp.span / n;
-            t.host_step += host / n;
+            t.step += step / n;
             t.intervals += sp.intervals as f64 / n;
             for (op, secs, count) in &sp.by_op {
                 match t.by_op.iter_mut().find(|(o, _, _)| o == op) {
@@ -223,14 +277,20 @@ impl PhaseTable {
         out
     }
 
-    /// Phases plus gaps: the stream's span, by construction within rounding.
+    /// Phases plus gaps: the stream's span (marker to marker for marked steps) within rounding,
+    /// unless launches overlap.
     pub fn accounted(&self) -> f64 {
         self.by_phase.iter().map(|(_, s)| s).sum::<f64>() + self.gaps
     }
 
+    /// Whether the phases plus gaps come within `SUM_TOLERANCE` of the step time.
+    pub fn sums_to_the_step(&self) -> bool {
+        self.step > 0.0 && (self.accounted() - self.step).abs() <= SUM_TOLERANCE * self.step
+    }
+
     pub fn render(&self) -> String {
         let ms = |s: f64| s * 1e3;
-        let pct = |s: f64| if self.host_step > 0.0 { 100.0 * s / self.host_step } else { 0.0 };
+        let pct = |s: f64| if self.step > 0.0 { 100.0 * s / self.step } else { 0.0 };
         let mut out = format!(
             "phases (device events, mean of {} step{}, {:.0} timed launches per step)\n",
             self.steps,
@@ -242,12 +302,20 @@ impl PhaseTable {
         }
         out += &format!("  {:<40} {:>9.2} ms {:>6.1}%\n", "idle gaps on the stream", ms(self.gaps), pct(self.gaps));
         let acc = self.accounted();
+        let (of, verdict) = match self.clock {
+            StepClock::Host => ("the host's step time", ""),
+            StepClock::Device if self.sums_to_the_step() => ("the device's step time (marker to marker)", ""),
+            StepClock::Device => (
+                "the device's step time (marker to marker)",
+                " -- more than 5% off: launches overlap or fall outside their step",
+            ),
+        };
         out += &format!(
-            "  {:<40} {:>9.2} ms {:>6.1}% of the host's step time {:.2} ms\n",
+            "  {:<40} {:>9.2} ms {:>6.1}% of {of} {:.2} ms{verdict}\n",
             "sum",
             ms(acc),
             pct(acc),
-            ms(self.host_step)
+            ms(self.step)
         );
         out
     }
@@ -286,7 +354,105 @@ pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
         }
         reach = reach.max(b);
     }
-    StepPhases { by_phase: by, gaps, span: reach - first, intervals: iv.len(), by_op: Vec::new() }
+    StepPhases { by_phase: by, gaps, span: reach - first, step: None, intervals: iv.len(), by_op: Vec::new() }
+}
+
+/// [`fold`] for a step between two markers at `start` and `end` (same origin): the time before
+/// the first interval and after the last one counts as idle, and the span is the marker-to-marker
+/// step time.
+pub fn fold_between(iv: Vec<(Phase, f64, f64)>, start: f64, end: f64) -> StepPhases {
+    let lead = iv.iter().map(|x| x.1).min_by(f64::total_cmp);
+    let tail = iv.iter().map(|x| x.2).max_by(f64::total_cmp);
+    let mut s = fold(iv);
+    s.gaps += match (lead, tail) {
+        (Some(first), Some(last)) => (first - start).max(0.0) + (end - last).max(0.0),
+        _ => (end - start).max(0.0),
+    };
+    s.span = end - start;
+    s.step = Some(end - start);
+    s
+}
+
+/// One entry of a profiler's list of timed work, in the order the host enqueued it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Timed<E> {
+    /// A kernel, GEMM or copy between two events, filed under its phase and operation label.
+    Launch { phase: Phase, op: String, start: E, end: E },
+    /// A step boundary (`Backend::mark_step`).
+    Marker(E),
+}
+
+/// The launches of one step and the markers around it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepWork<E> {
+    pub start: E,
+    pub end: E,
+    pub launches: Vec<(Phase, String, E, E)>,
+}
+
+/// Takes from the front of `list` every complete step: the work from one marker to the next,
+/// where every event up to the closing marker has completed (`done`, a non-blocking query; with
+/// `all`, the host has waited for everything and every event counts as done). The last completed
+/// marker stays at the front of `list` (it opens the next step), with everything after it; a
+/// partial step is never taken. Launches before the first marker belong to no step: they are
+/// dropped once that marker has completed.
+pub fn take_complete_steps<E: Clone>(
+    list: &mut Vec<Timed<E>>,
+    all: bool,
+    mut done: impl FnMut(&E) -> bool,
+) -> Vec<StepWork<E>> {
+    let mut last_marker = None;
+    for (i, t) in list.iter().enumerate() {
+        let ev = match t {
+            Timed::Launch { end, .. } => end,
+            Timed::Marker(e) => e,
+        };
+        if !all && !done(ev) {
+            break;
+        }
+        if matches!(t, Timed::Marker(_)) {
+            last_marker = Some(i);
+        }
+    }
+    let Some(last) = last_marker else { return Vec::new() };
+    let mut steps = Vec::new();
+    let mut open: Option<StepWork<E>> = None;
+    for t in list.drain(..last) {
+        match t {
+            Timed::Launch { phase, op, start, end } => {
+                if let Some(w) = open.as_mut() {
+                    w.launches.push((phase, op, start, end));
+                }
+            }
+            Timed::Marker(e) => {
+                if let Some(mut w) = open.take() {
+                    w.end = e.clone();
+                    steps.push(w);
+                }
+                open = Some(StepWork { start: e.clone(), end: e, launches: Vec::new() });
+            }
+        }
+    }
+    if let (Some(mut w), Some(Timed::Marker(e))) = (open, list.first()) {
+        w.end = e.clone();
+        steps.push(w);
+    }
+    steps
+}
+
+/// Times one step's work: `at` gives an event's seconds from a common origin.
+pub fn time_step<E, X>(w: &StepWork<E>, mut at: impl FnMut(&E) -> Result<f64, X>) -> Result<StepPhases, X> {
+    let (start, end) = (at(&w.start)?, at(&w.end)?);
+    let mut spans = Vec::with_capacity(w.launches.len());
+    let mut ops = Vec::with_capacity(w.launches.len());
+    for (p, op, a, b) in &w.launches {
+        let (a, b) = (at(a)?, at(b)?);
+        spans.push((*p, a, b));
+        ops.push((op.clone(), b - a));
+    }
+    let mut step = fold_between(spans, start, end);
+    step.by_op = by_op(ops);
+    Ok(step)
 }
 
 #[cfg(test)]
@@ -359,5 +525,116 @@ mod tests {
         assert_eq!(t.steps, 1);
         assert!((t.accounted() - 5.5).abs() < 1e-12);
         assert!(t.render().contains("target GEMMs"));
+    }
+
+    /// A synthetic event: its time (seconds) and whether the device has passed it.
+    type Ev = (f64, bool);
+
+    fn launch(phase: Phase, op: &str, a: f64, b: f64, done: bool) -> Timed<Ev> {
+        Timed::Launch { phase, op: op.into(), start: (a, done), end: (b, done) }
+    }
+
+    fn marker(t: f64, done: bool) -> Timed<Ev> {
+        Timed::Marker((t, done))
+    }
+
+    fn timed(w: &StepWork<Ev>) -> StepPhases {
+        time_step(w, |e: &Ev| Ok::<f64, ()>(e.0)).unwrap()
+    }
+
+    #[test]
+    fn complete_steps_are_split_at_the_markers_and_the_rest_stays() {
+        use Phase::*;
+        let mut list = vec![
+            launch(Other, "upload", 0.0, 0.5, true), // before the first marker: no step's
+            marker(1.0, true),
+            launch(TargetGemm, "gemm 8x8x8", 1.5, 2.0, true),
+            launch(DrafterGemm, "gemm 8x8x8", 2.0, 3.0, true),
+            marker(4.0, true),
+            launch(Optimizer, "adamw", 4.0, 5.0, true),
+            marker(6.0, true),
+            launch(TargetGemm, "gemm 8x8x8", 6.0, 7.0, false), // the device is here
+            marker(8.0, false),
+        ];
+        let steps = take_complete_steps(&mut list, false, |e| e.1);
+        assert_eq!(steps.len(), 2);
+        assert_eq!((steps[0].start.0, steps[0].end.0, steps[0].launches.len()), (1.0, 4.0, 2));
+        assert_eq!((steps[1].start.0, steps[1].end.0, steps[1].launches.len()), (4.0, 6.0, 1));
+        // The last completed marker opens the next step, which is not complete yet.
+        assert_eq!(
+            list,
+            vec![marker(6.0, true), launch(TargetGemm, "gemm 8x8x8", 6.0, 7.0, false), marker(8.0, false)]
+        );
+        // Nothing new completed: nothing taken, nothing lost.
+        assert!(take_complete_steps(&mut list, false, |e| e.1).is_empty());
+        assert_eq!(list.len(), 3);
+        // The end of the run: the host waited for everything.
+        let last = take_complete_steps(&mut list, true, |_| false);
+        assert_eq!(last.len(), 1);
+        assert_eq!((last[0].start.0, last[0].end.0, last[0].launches.len()), (6.0, 8.0, 1));
+        assert_eq!(list, vec![marker(8.0, false)]);
+
+        // Each step's phases and gaps add up to its marker-to-marker time.
+        let s0 = timed(&steps[0]);
+        assert_eq!(s0.step, Some(3.0));
+        assert!((s0.gaps - 1.5).abs() < 1e-12, "0.5 before the first launch, 1.0 after the last: {}", s0.gaps);
+        assert!((s0.accounted() - 3.0).abs() < 1e-12);
+        assert_eq!(s0.by_op, vec![("gemm 8x8x8".to_string(), 1.5, 2)]);
+    }
+
+    #[test]
+    fn a_step_is_not_taken_before_all_of_its_work_completed() {
+        use Phase::*;
+        // The closing marker completed, but a launch before it (on another stream) did not.
+        let mut list = vec![
+            marker(0.0, true),
+            launch(Copies, "copy", 0.5, 3.0, false),
+            launch(TargetGemm, "gemm 8x8x8", 1.0, 2.0, true),
+            marker(2.0, true),
+        ];
+        assert!(take_complete_steps(&mut list, false, |e| e.1).is_empty());
+        assert_eq!(list.len(), 4);
+        // No marker at all (a bench's forward): no step.
+        let mut bare = vec![launch(TargetGemm, "gemm 8x8x8", 0.0, 1.0, true)];
+        assert!(take_complete_steps(&mut bare, true, |e| e.1).is_empty());
+        assert_eq!(bare.len(), 1);
+        // An empty step: all of it idle.
+        let mut empty = vec![marker(0.0, true), marker(2.0, true)];
+        let s = take_complete_steps(&mut empty, false, |e| e.1);
+        let p = timed(&s[0]);
+        assert_eq!((p.intervals, p.gaps, p.step), (0, 2.0, Some(2.0)));
+    }
+
+    #[test]
+    fn the_sum_check_holds_on_one_stream_and_fails_on_overlap_or_leaks() {
+        use Phase::*;
+        let step = |launches: Vec<(Phase, f64, f64)>, start: f64, end: f64| {
+            let w = StepWork {
+                start: (start, true),
+                end: (end, true),
+                launches: launches.into_iter().map(|(p, a, b)| (p, "op".to_string(), (a, true), (b, true))).collect(),
+            };
+            timed(&w)
+        };
+        let serial = step(vec![(TargetGemm, 0.1, 0.4), (LossHead, 0.45, 0.9), (Optimizer, 0.9, 0.98)], 0.0, 1.0);
+        let t = PhaseTable::from_marked_steps(&[serial.clone(), serial.clone(), serial], 1).unwrap();
+        assert_eq!((t.steps, t.clock), (2, StepClock::Device));
+        assert!((t.step - 1.0).abs() < 1e-12 && (t.accounted() - 1.0).abs() < 1e-12);
+        assert!(t.sums_to_the_step());
+        assert!(t.render().contains("of the device's step time"), "{}", t.render());
+        assert!(!t.render().contains("more than 5% off"));
+        // Two launches at once (another stream): the phases count the overlap twice.
+        let overlap = step(vec![(TargetGemm, 0.0, 0.6), (Copies, 0.3, 0.9)], 0.0, 1.0);
+        assert!((overlap.accounted() - 1.3).abs() < 1e-12);
+        let t = PhaseTable::from_marked_steps(&[overlap], 0).unwrap();
+        assert!(!t.sums_to_the_step());
+        assert!(t.render().contains("more than 5% off"));
+        // A launch reaching past the closing marker (4% over: still within the tolerance).
+        let leak = step(vec![(TargetGemm, 0.0, 1.04)], 0.0, 1.0);
+        assert!(PhaseTable::from_marked_steps(&[leak], 0).unwrap().sums_to_the_step());
+        let leak = step(vec![(TargetGemm, 0.0, 1.2)], 0.0, 1.0);
+        assert!(!PhaseTable::from_marked_steps(&[leak], 0).unwrap().sums_to_the_step());
+        // A step without marker times has no device step time.
+        assert!(PhaseTable::from_marked_steps(&[StepPhases::default()], 0).is_none());
     }
 }

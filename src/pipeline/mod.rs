@@ -32,6 +32,7 @@ use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::backend::slots::SlotMemory as _;
 use crate::backend::{AdamStep, Backend, BackendError};
 use crate::faults::FaultPlan;
 use crate::model::drafter::{fc_backward, fc_forward, ParamGroup};
@@ -621,7 +622,8 @@ fn make_hold<B: Backend>(
 
 /// The synchronous reference on one device: target and drafter alternate on the calling thread,
 /// one step at a time (`drafter_step` runs the target inside the step, micro-batch by
-/// micro-batch). `on_step` is called as in `run`.
+/// micro-batch). `on_step` is called as in `run`. With a device clock the steps are timed on the
+/// device (step markers on the compute stream): `PipelineStats::device_step_secs`, as far as known at each report.
 pub fn run_sync<B: Backend>(
     be: &B,
     tside: &TargetSide<B>,
@@ -634,9 +636,17 @@ pub fn run_sync<B: Backend>(
     let s = be.compute_stream();
     let started = Instant::now();
     let mut st = PipelineStats { target_ranks: 1, drafter_ranks: 1, ..PipelineStats::default() };
+    let mut clock = StepMarkers::<B>::new();
     let mut result = Ok(());
     for step in cfg.first_step..cfg.end_step {
         st.current_step = step;
+        // The step's start on the device clock (the previous step's end), and what the device
+        // finished since the last look.
+        if let Err(e) = clock.mark(be, &s, &mut st) {
+            result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
+            break;
+        }
+        clock.read_done(be, &mut st);
         let micro = match source.micro_batches(step) {
             Ok(m) => m,
             Err(cause) => {
@@ -652,6 +662,7 @@ pub fn run_sync<B: Backend>(
         st.drafter_busy += t0.elapsed();
         // The previous step's metrics while this one runs on the device; this step's update
         // waits until they were seen (a checkpoint of that step reads its weights).
+        clock.read_done(be, &mut st);
         match sync_report(be, side, &mut st, started, on_step) {
             Ok(false) => {}
             Ok(true) => {
@@ -670,6 +681,11 @@ pub fn run_sync<B: Backend>(
     }
     // The last step's metrics, also after a failure (the step before the failed one finished).
     side.discard_staged();
+    // The end of the last step on the device clock: the host waits for it (the run is over).
+    if let (Err(e), Ok(())) = (clock.mark(be, &s, &mut st), &result) {
+        result = Err(PipelineError::Consumer { step: st.current_step, cause: Box::new(e) });
+    }
+    clock.read_all(be, &mut st);
     let last = sync_report(be, side, &mut st, started, on_step);
     if let (Ok(()), Err(e)) = (&result, last) {
         result = Err(e);
@@ -679,6 +695,64 @@ pub fn run_sync<B: Backend>(
     }
     st.wall = started.elapsed();
     (result, st)
+}
+
+/// The synchronous loop's step clock: a timed event on the compute stream at the start of each
+/// step and one after the last (`Backend::mark_step`). A step's device time is the span from its
+/// marker to the next, read once the next has completed, found by a non-blocking query: the loop
+/// never waits for the device for it, except after the last step. The steps' times go to
+/// `PipelineStats::device_step_secs` in order; a backend without a device clock gives none.
+struct StepMarkers<B: Backend> {
+    /// Markers whose following marker has not been read yet (the oldest first).
+    markers: std::collections::VecDeque<B::Event>,
+    /// A marker could not be timed: no more are read.
+    stopped: bool,
+}
+
+impl<B: Backend> StepMarkers<B> {
+    fn new() -> Self {
+        StepMarkers { markers: std::collections::VecDeque::new(), stopped: false }
+    }
+
+    fn mark(&mut self, be: &B, s: &B::Stream, st: &mut PipelineStats) -> Result<(), BackendError> {
+        if self.stopped {
+            return Ok(());
+        }
+        if let Some(ev) = be.mark_step(s)? {
+            self.markers.push_back(ev);
+            st.device_clock = true;
+        }
+        Ok(())
+    }
+
+    /// The steps whose closing marker has completed, without waiting.
+    fn read_done(&mut self, be: &B, st: &mut PipelineStats) {
+        let mem = be.host_mem();
+        while self.markers.len() >= 2 && mem.done(&self.markers[1]) {
+            self.read_one(be, st);
+        }
+    }
+
+    /// Every step left (the host waits for the last marker).
+    fn read_all(&mut self, be: &B, st: &mut PipelineStats) {
+        while self.markers.len() >= 2 {
+            self.read_one(be, st);
+        }
+    }
+
+    fn read_one(&mut self, be: &B, st: &mut PipelineStats) {
+        let Some(start) = self.markers.pop_front() else { return };
+        match self.markers.front().and_then(|end| be.elapsed_secs(&start, end)) {
+            Some(secs) => st.device_step_secs.push(secs),
+            // An event the driver cannot time: the clock stops (the summary falls back to the
+            // host's times for the steps it lacks).
+            None => {
+                self.markers.clear();
+                self.stopped = true;
+                st.device_clock = false;
+            }
+        }
+    }
 }
 
 /// `run_sync`'s reporting of the last step whose update was enqueued; true: `on_step` stops.

@@ -48,6 +48,13 @@ pub struct PipelineStats {
     pub slots_in_flight_at_end: usize,
     /// Times a sender found no free pinned slot and had to wait.
     pub slot_waits: u64,
+    /// The synchronous loop on a backend with a device clock: each step's device seconds, from
+    /// its step marker to the next, for the steps from the first one on in order, as far as the
+    /// device has got (read without waiting; all of them once the run has ended). Empty
+    /// otherwise.
+    pub device_step_secs: Vec<f64>,
+    /// Whether `device_step_secs` is being measured (the synchronous loop with a device clock).
+    pub device_clock: bool,
 }
 
 /// A target stream's timeline, from timed events: `busy` = the stretches of target work, `span` =

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
+pub use crate::backend::profile::StepClock;
 use crate::pipeline::PipelineStats;
 use crate::train::step::StepMetrics;
 
@@ -22,13 +23,29 @@ pub struct RunSummary {
     pub data_samples: usize,
     pub gen_seconds: f64,
     pub load_seconds: f64,
-    /// Wall time of each step as the drafter side saw it (checkpoint writes excluded).
+    /// Each step's time on `step_clock`: the device's time from the step's marker to the next
+    /// (the synchronous loop on a GPU), else the wall time the drafter side saw between two
+    /// reports (checkpoint writes excluded).
     pub step_ms: Vec<f64>,
+    pub step_clock: StepClock,
+    /// Indices into `step_ms` of steps whose device time holds a checkpoint write (the device
+    /// idles while the host writes it): left out of the summary's mean and median.
+    pub checkpoint_in_step: Vec<usize>,
     pub checkpoint_seconds: f64,
     /// The backend's device-memory report (the CUDA allocator's peak and reserved bytes).
     pub device_memory: Option<String>,
     /// `--profile`: the step's device time by phase.
     pub phases: Option<crate::backend::profile::PhaseTable>,
+    /// `--profile`: the steps the table averages, one entry per step, in order.
+    pub phase_steps: Vec<crate::backend::profile::StepPhases>,
+}
+
+impl RunSummary {
+    /// The step times (ms) the summary's mean and median are taken over: `step_ms` without the
+    /// steps that hold a checkpoint write.
+    pub fn steady_step_ms(&self) -> Vec<f64> {
+        self.step_ms.iter().enumerate().filter(|(i, _)| !self.checkpoint_in_step.contains(i)).map(|(_, &m)| m).collect()
+    }
 }
 
 /// A progress bar (hidden under `--quiet` or with `len` 0).
@@ -46,7 +63,11 @@ pub fn bar(quiet: bool, len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
-/// The step log of a run: the bar, the header line and one line every `log_every` steps.
+/// The step log of a run: the bar, the header line and one line every `log_every` steps. The
+/// ms column is the step's device time when the pipeline measures one (the synchronous loop on
+/// a GPU): a step's line then waits until the device has finished the step (the next report, or
+/// the end of the run), since the metrics arrive before that. Otherwise it is the host's time
+/// between two reports and the line prints at once.
 pub struct StepLog {
     pb: ProgressBar,
     quiet: bool,
@@ -55,7 +76,10 @@ pub struct StepLog {
     first_step: u32,
     last: Instant,
     pub history: Vec<StepMetrics>,
+    /// The host's time of each step (ms).
     pub step_ms: Vec<f64>,
+    /// Lines not printed yet: waiting for their step's device time.
+    waiting: std::collections::VecDeque<usize>,
 }
 
 const HEADER: &str = "  step |   loss |   acc | accept | grad-norm |       lr |     ms |    tok/s | MFU";
@@ -73,6 +97,7 @@ impl StepLog {
             last: Instant::now(),
             history: Vec::new(),
             step_ms: Vec::new(),
+            waiting: std::collections::VecDeque::new(),
         };
         if !quiet {
             log.line(HEADER.to_string());
@@ -89,29 +114,46 @@ impl StepLog {
         }
     }
 
-    /// Records a finished step; returns its wall time in ms (since the previous step ended).
-    pub fn step(&mut self, m: &StepMetrics) -> f64 {
+    /// Records a finished step (`st`: the pipeline's counters, with the device step times known
+    /// so far); returns its host time in ms (since the previous step ended).
+    pub fn step(&mut self, m: &StepMetrics, st: &PipelineStats) -> f64 {
         let ms = self.last.elapsed().as_secs_f64() * 1e3;
         self.pb.inc(1);
-        let done = m.step + 1;
-        let log = m.step == self.first_step || done % self.log_every == 0 || done == self.steps || m.skipped;
-        if log && !self.quiet {
-            let note = if m.skipped { "  (step skipped: non-finite loss or grad norm)" } else { "" };
-            self.line(format!(
-                "{:>6} | {:>6.3} | {:>5.3} | {:>6.3} | {:>9.3} | {:>8.2e} | {:>6.0} | {:>8.0} | n/a{note}",
-                done,
-                m.loss,
-                m.accuracy,
-                m.accept_len,
-                m.grad_norm,
-                m.lr,
-                ms,
-                m.tokens as f64 / (ms / 1e3)
-            ));
-        }
         self.history.push(m.clone());
         self.step_ms.push(ms);
+        self.waiting.push_back(self.history.len() - 1);
+        self.print_ready(st, false);
         ms
+    }
+
+    /// Prints the waiting lines whose time is known, in order (`all`: every one, on the host's
+    /// time where the device's is missing).
+    fn print_ready(&mut self, st: &PipelineStats, all: bool) {
+        while let Some(&i) = self.waiting.front() {
+            let ms = match st.device_step_secs.get(i) {
+                Some(secs) => secs * 1e3,
+                None if all || !st.device_clock => self.step_ms[i],
+                None => break,
+            };
+            self.waiting.pop_front();
+            let m = &self.history[i];
+            let done = m.step + 1;
+            let log = m.step == self.first_step || done % self.log_every == 0 || done == self.steps || m.skipped;
+            if log && !self.quiet {
+                let note = if m.skipped { "  (step skipped: non-finite loss or grad norm)" } else { "" };
+                self.line(format!(
+                    "{:>6} | {:>6.3} | {:>5.3} | {:>6.3} | {:>9.3} | {:>8.2e} | {:>6.0} | {:>8.0} | n/a{note}",
+                    done,
+                    m.loss,
+                    m.accuracy,
+                    m.accept_len,
+                    m.grad_norm,
+                    m.lr,
+                    ms,
+                    m.tokens as f64 / (ms / 1e3)
+                ));
+            }
+        }
     }
 
     /// The next step's time starts now (after a checkpoint write, which is not step time).
@@ -119,8 +161,19 @@ impl StepLog {
         self.last = Instant::now();
     }
 
-    pub fn finish(&self) {
+    /// Prints the lines still waiting (`st`: the counters at the end of the run) and clears the bar.
+    pub fn finish(&mut self, st: &PipelineStats) {
+        self.print_ready(st, true);
         self.pb.finish_and_clear();
+    }
+
+    /// Each step's time and the clock it was read from: the device's when it timed every
+    /// recorded step, else the host's.
+    pub fn step_times(&self, st: &PipelineStats) -> (Vec<f64>, StepClock) {
+        match st.device_step_secs.get(..self.step_ms.len()) {
+            Some(dev) if st.device_clock => (dev.iter().map(|s| s * 1e3).collect(), StepClock::Device),
+            _ => (self.step_ms.clone(), StepClock::Host),
+        }
     }
 }
 
@@ -161,19 +214,30 @@ pub fn print_summary(r: &RunSummary) {
         );
     }
     // Training time excludes checkpoint writes; the median step is the steady state (the first
-    // steps also pay for plan selection and the allocator's first segments).
+    // steps also pay for plan selection and the allocator's first segments). The step times are
+    // the device's (marker to marker on the compute stream) where the run measured them: the
+    // host's time between two reports is whatever slice of the device's work it was blocked on.
     let train = (wall - r.checkpoint_seconds).max(1e-9);
-    let mut ms = r.step_ms.clone();
+    let mut ms = r.steady_step_ms();
     ms.sort_by(|a, b| a.total_cmp(b));
     let median = ms.get(ms.len() / 2).copied().unwrap_or(0.0);
+    let mean = if ms.is_empty() { 0.0 } else { ms.iter().sum::<f64>() / ms.len() as f64 };
     let steps = f64::from(st.steps.max(1));
     eprintln!(
-        "throughput     {:.0} tokens/s, {:.0} draft positions/s; {:.1} ms/step mean, {:.1} ms/step median ({:.0} tokens/s at the median)",
+        "throughput     {:.0} tokens/s, {:.0} draft positions/s over the training wall time",
         st.tokens as f64 / train,
         st.draft_positions as f64 / train,
-        1e3 * train / steps,
+    );
+    let left_out = match r.step_ms.len() - ms.len() {
+        0 => String::new(),
+        n => format!("; {n} step{} holding a checkpoint write left out", if n == 1 { "" } else { "s" }),
+    };
+    eprintln!(
+        "step time      {:.1} ms mean, {:.1} ms median ({:.0} tokens/s at the median), {}{left_out}",
+        mean,
         median,
-        st.tokens as f64 / steps / (median / 1e3).max(1e-9)
+        st.tokens as f64 / steps / (median / 1e3).max(1e-9),
+        r.step_clock.describe()
     );
     eprintln!(
         "time           wall {:.1} s: training {:.1} s, checkpoints {:.1} s; before it: target load {:.1} s, data generation {:.1} s",
@@ -266,5 +330,54 @@ pub fn print_summary(r: &RunSummary) {
     }
     if let Some(c) = &r.checkpoint {
         eprintln!("checkpoint     {}", c.display());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics(step: u32) -> StepMetrics {
+        StepMetrics { step, tokens: 100, ..StepMetrics::default() }
+    }
+
+    /// With a device clock a step's line waits for the step's device time (the metrics arrive
+    /// while the device still runs the step's update), and the summary takes the device's times;
+    /// without one the host's times are used at once.
+    #[test]
+    fn step_lines_wait_for_the_device_clock_and_the_summary_uses_it() {
+        let mut st = PipelineStats { device_clock: true, ..PipelineStats::default() };
+        let mut log = StepLog::new(true, 1, 3, 0);
+        log.step(&metrics(0), &st);
+        assert_eq!(log.waiting.len(), 1, "step 0's device time is not known yet");
+        st.device_step_secs.push(0.8);
+        log.step(&metrics(1), &st);
+        assert_eq!(log.waiting, [1], "step 0 printed, step 1 waits");
+        // Not every recorded step timed yet: the host's times.
+        assert_eq!(log.step_times(&st).1, StepClock::Host);
+        st.device_step_secs.extend([0.7, 0.75]); // step 1, and a step the run stopped before updating
+        log.finish(&st);
+        assert!(log.waiting.is_empty());
+        let (ms, clock) = log.step_times(&st);
+        assert_eq!(clock, StepClock::Device);
+        assert_eq!(ms.len(), 2);
+        assert!((ms[0] - 800.0).abs() < 1e-9 && (ms[1] - 700.0).abs() < 1e-9, "{ms:?}");
+
+        let host = PipelineStats::default();
+        let mut log = StepLog::new(true, 1, 3, 0);
+        log.step(&metrics(0), &host);
+        assert!(log.waiting.is_empty());
+        assert_eq!(log.step_times(&host), (log.step_ms.clone(), StepClock::Host));
+    }
+
+    #[test]
+    fn steps_holding_a_checkpoint_are_left_out_of_the_steady_times() {
+        let r = RunSummary {
+            step_ms: vec![900.0, 800.0, 5800.0, 810.0],
+            step_clock: StepClock::Device,
+            checkpoint_in_step: vec![2],
+            ..RunSummary::default()
+        };
+        assert_eq!(r.steady_step_ms(), vec![900.0, 800.0, 810.0]);
     }
 }

@@ -31,7 +31,7 @@ use crate::train::step::{DrafterSide, NoiseSpec, StepMetrics};
 use crate::weights;
 
 pub use commands::{gen_data, inspect};
-pub use log::{print_summary, RunSummary};
+pub use log::{print_summary, RunSummary, StepClock};
 pub use options::{
     DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions, TINY_INIT_STD,
 };
@@ -259,6 +259,7 @@ fn run_on<B: Backend>(
         say("note      --profile: this backend has no device clock, so there is no phase table".into());
     }
     let mut phase_steps = Vec::new();
+    let mut checkpoint_in_step = Vec::new();
     let mut last_ckpt = None;
     let mut ckpt_secs = 0.0f64;
     let config_json = dcfg.to_json();
@@ -267,12 +268,10 @@ fn run_on<B: Backend>(
                        side: &mut DrafterSide<B>,
                        st: &PipelineStats|
      -> Result<Control, Box<dyn std::error::Error + Send + Sync>> {
-        let ms = steplog.step(m);
+        let ms = steplog.step(m, st);
         if profiling {
-            // Whatever completed by now: the step loop never waits for the device.
-            if let Some(p) = bt.take_profile_done()? {
-                phase_steps.push((p, ms / 1e3));
-            }
+            // The steps the device completed by now: the step loop never waits for it.
+            phase_steps.extend(bt.take_profile_steps(false)?);
         }
         // Before the checkpoint: a saved step always has its metrics line.
         metrics.record_step(m, ms, st)?;
@@ -298,6 +297,9 @@ fn run_on<B: Backend>(
             last_ckpt =
                 Some(checkpoint::save_with(&out.out, &state, &config_json, &tensors, out.keep_last, &e.faults)?);
             ckpt_secs += t_ck.elapsed().as_secs_f64();
+            // The synchronous loop enqueued the next step before this report: the device idles
+            // through the write in that step's marker-to-marker time.
+            checkpoint_in_step.push((done - first_step) as usize);
         }
         steplog.restart_clock();
         Ok(if stop { Control::Stop } else { Control::Continue })
@@ -318,13 +320,27 @@ fn run_on<B: Backend>(
             .collect();
         pipeline::run(&targets, drafters, &source, &pcfg, &optim, &mut on_step)
     };
-    steplog.finish();
+    steplog.finish(&stats);
     // Whatever the outcome: no pinned slot may still be held and every transient device
     // buffer must be back (DESIGN.md rule 5; the fault tests check this line).
     let after: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
     let leaks = log::leak_check(&mem_before, &after, &stats);
     say(format!("leak check     {leaks}"));
     result.map_err(|cause| RunStopped { cause, leaks })?;
+    let (step_ms, step_clock) = steplog.step_times(&stats);
+    if profiling {
+        // The steps not taken yet (the host waits: the run is over). They correspond to the
+        // reported steps in order; a step the run stopped before updating is not one of them.
+        phase_steps.extend(bt.take_profile_steps(true)?);
+        phase_steps.truncate(steplog.history.len());
+    }
+    let checkpoint_in_step = if step_clock == StepClock::Device { checkpoint_in_step } else { Vec::new() };
+    let steady: Vec<_> = phase_steps
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !checkpoint_in_step.contains(i))
+        .map(|(_, p)| p.clone())
+        .collect();
     if let (Some(path), Some(tr)) = (&out.trace, &pcfg.trace) {
         let text = serde_json::to_string(&tr.to_json())?;
         weights::write_file_atomic(path, text.as_bytes())
@@ -345,7 +361,9 @@ fn run_on<B: Backend>(
         data_samples: source.data.len(),
         gen_seconds,
         load_seconds,
-        step_ms: std::mem::take(&mut steplog.step_ms),
+        step_ms,
+        step_clock,
+        checkpoint_in_step,
         checkpoint_seconds: ckpt_secs,
         device_memory: if one_device {
             bt.memory_report()
@@ -355,7 +373,8 @@ fn run_on<B: Backend>(
             parts.map(|p| p.join("; "))
         },
         // The first step builds GEMM plans and the allocator's segments: left out.
-        phases: crate::backend::profile::PhaseTable::from_steps(&phase_steps, 1),
+        phases: crate::backend::profile::PhaseTable::from_marked_steps(&steady, 1),
+        phase_steps: steady,
     };
     print_summary(&summary);
     Ok(summary)

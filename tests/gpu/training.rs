@@ -112,13 +112,16 @@ fn gpu_hybrid_training_tracks_cpu_and_is_deterministic() {
     assert!(max < 0.05 && mean < 0.02, "max {max}, mean {mean}");
 }
 
-/// `--profile`: every phase of the step is timed from device events, the phases plus the idle
-/// gaps add up to the stream's span, that span fits in the host's step time, and timing changes
-/// no result (the losses equal an unprofiled run's bit for bit).
+/// `--profile` and the step clock: every phase of the step is timed from device events and split
+/// into steps at the step markers, so each profiled step holds the same launches (per operation,
+/// the same count every step: no step's share of another's work), its phases plus the idle
+/// gaps add up to its marker-to-marker device time within 5%, and that time is the summary's
+/// step time (the same markers). Timing changes no result (the losses equal an unprofiled run's
+/// bit for bit), and the unprofiled run also reports device step times.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
-    use dflash_engine::backend::profile::Phase;
+    use dflash_engine::backend::profile::{Phase, StepClock};
     let dir = tmp("profile");
     let run = |profile: bool, tag: &str| {
         let mut ro = RunOptions::tiny_default();
@@ -127,6 +130,9 @@ fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
         ro.output.checkpoints = false;
         ro.exec.device = Device::Cuda;
         ro.exec.sync = true;
+        // Every step the same shapes (the generated samples all have --seq-len tokens): the
+        // same GEMMs and kernels each step.
+        ro.data.pad_to_tokens = Some(ro.data.batch_size * ro.data.seq_len);
         ro.output.profile = profile;
         ro.output.out = dir.join(tag);
         session::run(&ro, None).unwrap()
@@ -134,20 +140,44 @@ fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
     let (plain, prof) = (run(false, "plain"), run(true, "prof"));
     let bits = |r: &session::RunSummary| r.history.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&plain), bits(&prof), "profiling must not change a result");
-    assert!(plain.phases.is_none());
-    let t = prof.phases.expect("a phase table under --profile on CUDA");
-    println!("{}", t.render());
+    assert!(plain.phases.is_none() && plain.phase_steps.is_empty());
+    for r in [&plain, &prof] {
+        assert_eq!(r.step_clock, StepClock::Device, "the synchronous loop on CUDA times its steps on the device");
+        assert_eq!(r.step_ms.len(), 6);
+        assert!(r.step_ms.iter().all(|&ms| ms > 0.0 && ms.is_finite()), "{:?}", r.step_ms);
+    }
+    let t = prof.phases.as_ref().expect("a phase table under --profile on CUDA");
+    println!("{}{}", t.render(), t.render_ops(40));
+    println!("device step times: plain {:?} ms, profiled {:?} ms", plain.step_ms, prof.step_ms);
+    assert_eq!(t.clock, StepClock::Device);
+    assert_eq!(prof.phase_steps.len(), 6, "one profiled step per step");
     assert_eq!(t.steps, 5, "six steps, the first left out");
     let got = |p: Phase| t.by_phase.iter().find(|(q, _)| *q == p).map_or(0.0, |(_, s)| *s);
     // Every phase but `Other` (work enqueued outside the step's regions) runs in a step.
     for &p in Phase::ALL.iter().filter(|&&p| p != Phase::Other) {
         assert!(got(p) > 0.0, "phase {} was not timed", p.name());
     }
-    assert!(
-        (t.accounted() - t.span).abs() <= 1e-3 * t.span.max(1e-6),
-        "phases + gaps {} vs span {}",
-        t.accounted(),
-        t.span
-    );
-    assert!(t.span <= t.host_step * 1.05, "device span {} s longer than the host's step {} s", t.span, t.host_step);
+    // Each step: its own launches only, the same ones every step after the first.
+    let counts = |i: usize| {
+        let mut c: Vec<(String, usize)> = prof.phase_steps[i].by_op.iter().map(|(op, _, n)| (op.clone(), *n)).collect();
+        c.sort();
+        c
+    };
+    for i in 2..6 {
+        assert_eq!(counts(i), counts(1), "launches per operation of step {i} differ from step 1's");
+    }
+    for (i, sp) in prof.phase_steps.iter().enumerate() {
+        let step = sp.step.expect("a marker-to-marker time");
+        // The same two markers give the summary's step time.
+        assert!(
+            (step * 1e3 - prof.step_ms[i]).abs() <= 1e-6 * prof.step_ms[i],
+            "step {i}: {step} s vs {} ms",
+            prof.step_ms[i]
+        );
+        let acc = sp.accounted();
+        assert!((acc - step).abs() <= 0.05 * step, "step {i}: phases + gaps {acc} s vs the device's step {step} s");
+        assert!(sp.intervals > 0);
+    }
+    assert!(t.sums_to_the_step(), "phases + gaps {} s vs the device's step {} s", t.accounted(), t.step);
+    assert!(t.render().contains("of the device's step time"));
 }

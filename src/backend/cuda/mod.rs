@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
-use super::profile::{self, Phase, StepPhases, Work};
+use super::profile::{self, Phase, StepPhases, Timed, Work};
 use super::{
     check_causal_attn, check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape,
     Gemm, QkNormRope, Result, Rows, StartError,
@@ -205,7 +205,8 @@ pub struct CudaBackend {
     name: String,
     /// `--profile`: every launch, GEMM and copy timed by phase (see `backend::profile`).
     profiling: std::sync::atomic::AtomicBool,
-    timed: Mutex<Vec<(Phase, String, device::Event, device::Event)>>,
+    /// The timed launches and step markers, in enqueue order, not yet taken.
+    timed: Mutex<Vec<profile::Timed<CudaEvent>>>,
     /// Pinned slots of finished `read_async` reads, kept for the next one.
     readback_slots: Arc<Mutex<Vec<PinnedSlot>>>,
 }
@@ -355,7 +356,8 @@ impl CudaBackend {
             Work::Kernel { symbol, .. } => symbol.into(),
             Work::Copy => "copy".into(),
         });
-        self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push((phase, op, a, b));
+        let (start, end) = (Arc::new(a), Arc::new(b));
+        self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push(Timed::Launch { phase, op, start, end });
         Ok(r)
     }
 
@@ -897,30 +899,28 @@ pub fn rmsnorm_bwd_parts(rows: usize, dim: usize) -> usize {
 }
 
 impl CudaBackend {
-    /// The phases of the profiled work since the last take: all of it (the host waits), or, when
-    /// `wait` is false, the completed prefix only (the rest stays for the next take).
-    fn take_profile(&self, wait: bool) -> Result<Option<StepPhases>> {
+    /// The phases of all the profiled work since the last take, as one step (the host waits for
+    /// it); step markers among it are ignored (a bench's forward has none).
+    fn take_profile(&self) -> Result<Option<StepPhases>> {
         if !self.profiling.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let iv: Vec<_> = {
-            let mut timed = self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?;
-            let done =
-                if wait { timed.len() } else { timed.iter().position(|(_, _, _, b)| !b.done()).unwrap_or(timed.len()) };
-            timed.drain(..done).collect()
-        };
-        let Some(origin) = iv.first().map(|(_, _, a, _)| a) else { return Ok(Some(StepPhases::default())) };
+        let iv: Vec<_> = std::mem::take(&mut *self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?)
+            .into_iter()
+            .filter_map(|t| match t {
+                Timed::Launch { phase, op, start, end } => Some((phase, op, start, end)),
+                Timed::Marker(_) => None,
+            })
+            .collect();
+        let Some(origin) = iv.first().map(|(_, _, a, _)| a.clone()) else { return Ok(Some(StepPhases::default())) };
         self.bind()?;
         for (_, _, _, b) in &iv {
             b.synchronize().map_err(|e| drv("profile event", e))?;
         }
-        let at = |e: &device::Event| -> Result<f64> {
-            Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
-        };
         let mut spans = Vec::with_capacity(iv.len());
         let mut ops = Vec::with_capacity(iv.len());
         for (p, op, a, b) in &iv {
-            let (a, b) = (at(a)?, at(b)?);
+            let (a, b) = (event_secs(&origin, a)?, event_secs(&origin, b)?);
             spans.push((*p, a, b));
             ops.push((op.clone(), b - a));
         }
@@ -928,6 +928,40 @@ impl CudaBackend {
         step.by_op = profile::by_op(ops);
         Ok(Some(step))
     }
+
+    /// The profiled steps complete so far, split at the step markers (`wait`: all of them, the
+    /// host waiting for the stream first; the work after the last marker is dropped then).
+    fn take_steps(&self, wait: bool) -> Result<Vec<StepPhases>> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(Vec::new());
+        }
+        self.bind()?;
+        let work = {
+            let mut timed = self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?;
+            if wait {
+                for t in timed.iter() {
+                    let ev = match t {
+                        Timed::Launch { end, .. } => end,
+                        Timed::Marker(e) => e,
+                    };
+                    ev.synchronize().map_err(|e| drv("profile event", e))?;
+                }
+            }
+            let work = profile::take_complete_steps(&mut timed, wait, |e| e.done());
+            if wait {
+                timed.clear();
+            }
+            work
+        };
+        // Seconds from each step's own opening marker: small values keep the f32 milliseconds
+        // of the event timer exact to well under a microsecond.
+        work.iter().map(|w| profile::time_step(w, |e| event_secs(&w.start, e))).collect()
+    }
+}
+
+/// Seconds from `origin` to `e`, both completed timed events.
+fn event_secs(origin: &device::Event, e: &device::Event) -> Result<f64> {
+    Ok(f64::from(device::Event::elapsed_ms(origin, e).map_err(|e| drv("profile event time", e))?) / 1e3)
 }
 
 impl CudaBackend {
@@ -1124,11 +1158,19 @@ impl Backend for CudaBackend {
     }
 
     fn take_profile_step(&self) -> Result<Option<StepPhases>> {
-        self.take_profile(true)
+        self.take_profile()
     }
 
-    fn take_profile_done(&self) -> Result<Option<StepPhases>> {
-        self.take_profile(false)
+    fn take_profile_steps(&self, wait: bool) -> Result<Vec<StepPhases>> {
+        self.take_steps(wait)
+    }
+
+    fn mark_step(&self, s: &Stream) -> Result<Option<CudaEvent>> {
+        let Some(ev) = self.record_timed(s)? else { return Ok(None) };
+        if self.profiling.load(Ordering::Relaxed) {
+            self.timed.lock().map_err(|_| BackendError::Poisoned("profile"))?.push(Timed::Marker(ev.clone()));
+        }
+        Ok(Some(ev))
     }
 
     fn record_timed(&self, s: &Stream) -> Result<Option<CudaEvent>> {
