@@ -227,8 +227,10 @@ fn async_matches_sync() {
         assert_eq!(losses(&r), losses(&s2), "max_inflight {inflight}");
     }
     assert_eq!(sync.history.len(), 8);
-    // The CPU backend has no device clock: the step times are the host's, one per step.
-    assert_eq!(sync.step_clock, session::StepClock::Host);
+    // The step times come from the device clock where there is one (CUDA, picked by the default
+    // device when a GPU is present), else from the host's; one per step either way.
+    let clock = if sync.backend.starts_with("cuda") { session::StepClock::Device } else { session::StepClock::Host };
+    assert_eq!(sync.step_clock, clock, "{}", sync.backend);
     assert_eq!(sync.step_ms.len(), 8);
     assert!(sync.step_ms.iter().all(|&ms| ms > 0.0), "{:?}", sync.step_ms);
 }
