@@ -212,12 +212,14 @@ pub struct DraftInputs<'a, B: Backend> {
     pub anchors: &'a B::Ids,
     /// First context row of the block's sequence.
     pub ctx_start: &'a B::Ids,
-    /// Label of each block slot (`-1` where unsupervised) and its loss weight (f32).
+    /// Label of each predicted slot (`-1` where unsupervised) and its loss weight (f32): slots
+    /// `1..block_size` of each block, block after block (`HostBatch::predicted`).
     pub labels: &'a B::Ids,
     pub weights: &'a B::Buf,
 }
 
-/// Per-slot results a step hands back: weighted CE and the argmax token.
+/// Per-slot results a step hands back: weighted CE and the argmax token, for the predicted slots
+/// (`1..block_size` of each block, as `DraftInputs::labels`).
 pub struct DraftOutputs<B: Backend> {
     pub loss: B::Buf,
     pub argmax: B::Ids,
@@ -447,20 +449,33 @@ impl<B: Backend> Drafter<B> {
             saved.push(a);
         }
 
-        // Final norm, then the chunked lm_head + cross-entropy, forward and backward per chunk.
+        // Final norm, then the chunked lm_head + cross-entropy, forward and backward per chunk of
+        // whole blocks, on the predicted slots only: slot 0 (the anchor) has no label, so its
+        // rows are left out of both lm_head GEMMs (1/block_size of their work) and their
+        // gradient stays zero.
         let mut hn = be.alloc(s, DType::BF16, tb * h)?;
         let mut rstd_f = be.alloc(s, DType::F32, tb)?;
         be.rmsnorm_fwd(s, &x, w, table.off("norm.weight"), &mut hn, &mut rstd_f, tb, h, sh.eps)?;
-        let mut out = DraftOutputs { loss: be.alloc(s, DType::F32, tb)?, argmax: be.alloc_ids(s, tb)? };
+        let (bs, nb) = (sh.block_size, inp.num_blocks);
+        let per = bs - 1;
+        let mut out = DraftOutputs {
+            loss: be.alloc(s, DType::F32, (nb * per).max(1))?,
+            argmax: be.alloc_ids(s, (nb * per).max(1))?,
+        };
         let mut dhn = be.alloc(s, DType::BF16, tb * h)?;
-        let chunk = sh.logits_chunk_rows.max(1).min(tb.max(1));
-        let mut logits = be.alloc(s, DType::BF16, chunk * sh.vocab)?;
-        let mut c0 = 0;
+        be.fill(s, &mut dhn, 0.0)?;
+        let chunk_blocks = (sh.logits_chunk_rows / per.max(1)).clamp(1, nb.max(1));
+        let chunk = chunk_blocks * per;
+        let mut logits = be.alloc(s, DType::BF16, chunk.max(1) * sh.vocab)?;
+        let mut hc = be.alloc(s, DType::BF16, chunk.max(1) * h)?;
+        let mut dc = be.alloc(s, DType::BF16, chunk.max(1) * h)?;
         let loss_region = profile::enter(Region::Loss);
-        while c0 < tb {
-            let rows = chunk.min(tb - c0);
-            let g = Gemm::linear(rows, sh.vocab, h);
-            be.gemm(s, &g, &hn, c0 * h, &self.lm_head.buf, self.lm_head.off, &mut logits, 0)?;
+        let mut b0 = 0;
+        while per > 0 && b0 < nb {
+            let blocks = chunk_blocks.min(nb - b0);
+            let (rows, c0) = (blocks * per, b0 * per);
+            be.copy_strided(s, &hn, (b0 * bs + 1) * h, bs * h, &mut hc, 0, per * h, blocks, per * h)?;
+            be.gemm(s, &Gemm::linear(rows, sh.vocab, h), &hc, 0, &self.lm_head.buf, self.lm_head.off, &mut logits, 0)?;
             be.cross_entropy(
                 s,
                 &mut logits,
@@ -476,10 +491,11 @@ impl<B: Backend> Drafter<B> {
                 c0,
             )?;
             let dx_of_logits = Gemm::linear_dx(rows, sh.vocab, h, false);
-            be.gemm(s, &dx_of_logits, &logits, 0, &self.lm_head.buf, self.lm_head.off, &mut dhn, c0 * h)?;
-            c0 += rows;
+            be.gemm(s, &dx_of_logits, &logits, 0, &self.lm_head.buf, self.lm_head.off, &mut dc, 0)?;
+            be.copy_strided(s, &dc, 0, per * h, &mut dhn, (b0 * bs + 1) * h, bs * h, blocks, per * h)?;
+            b0 += blocks;
         }
-        drop(logits);
+        drop((logits, hc, dc));
         drop(loss_region);
 
         // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's

@@ -74,6 +74,14 @@ impl HostBatch {
     pub fn rows(&self) -> usize {
         self.ids.len()
     }
+
+    /// Slots `1..block_size` of every block of a per-slot array (`labels`, `weights`), block
+    /// after block: the rows the drafter's lm_head and loss run on (slot 0 is the anchor, never
+    /// predicted). Index `j * (block_size - 1) + r - 1` is slot `r` of block `j`.
+    pub fn predicted<T: Copy>(&self, per_slot: &[T]) -> Vec<T> {
+        let bs = if self.num_blocks == 0 { 1 } else { per_slot.len() / self.num_blocks };
+        per_slot.chunks(bs.max(1)).flat_map(|b| b.iter().skip(1).copied()).collect()
+    }
 }
 
 /// Anchor draw for one sequence: `min(N, #candidates)` candidates uniformly without replacement,

@@ -32,8 +32,10 @@ impl<B: Backend> DeviceDraftBatch<B> {
             be.upload_ids(s, v, &mut d)?;
             Ok(d)
         };
-        let mut weights = be.alloc(s, DType::F32, hb.weights.len())?;
-        be.upload(s, &hb.weights, &mut weights, 0)?;
+        // The loss runs on the predicted slots only (HostBatch::predicted).
+        let w = hb.predicted(&hb.weights);
+        let mut weights = be.alloc(s, DType::F32, w.len().max(1))?;
+        be.upload(s, &w, &mut weights, 0)?;
         Ok(DeviceDraftBatch {
             ctx_rows: hb.rows(),
             num_blocks: hb.num_blocks,
@@ -42,7 +44,7 @@ impl<B: Backend> DeviceDraftBatch<B> {
             block_pos: ids(&hb.block_pos)?,
             anchors: ids(&hb.anchors)?,
             ctx_start: ids(&hb.ctx_start)?,
-            labels: ids(&hb.labels)?,
+            labels: ids(&hb.predicted(&hb.labels))?,
             weights,
         })
     }
@@ -168,8 +170,9 @@ impl MetricSums {
             let mut run = true;
             let mut accepted = 1.0;
             for r in 1..bs {
+                // argmax holds the predicted slots only (HostBatch::predicted).
                 let i = j * bs + r;
-                let hit = hb.labels[i] >= 0 && argmax[i] == hb.labels[i];
+                let hit = hb.labels[i] >= 0 && argmax[j * (bs - 1) + r - 1] == hb.labels[i];
                 if hb.weights[i] > 0.0 {
                     self.supervised += 1;
                     self.correct += u64::from(hit);
