@@ -95,22 +95,7 @@ fn adamw_planned_is_adamw_with_the_plans_factor_or_nothing() {
 }
 
 fn new_side(be: &CpuBackend) -> DrafterSide<CpuBackend> {
-    let sh = fd_shape();
-    let n = sh.vocab * sh.hidden;
-    let mut embed = be.alloc(&S, DType::BF16, n).unwrap();
-    let mut head = be.alloc(&S, DType::BF16, n).unwrap();
-    be.upload(&S, &randn(n, 1, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut embed, 0).unwrap();
-    be.upload(&S, &randn(n, 2, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut head, 0).unwrap();
-    let (d, fc) = dflash_engine::model::drafter::Drafter::new(
-        be,
-        &S,
-        sh,
-        dflash_engine::model::drafter::Frozen::owned(embed),
-        dflash_engine::model::drafter::Frozen::owned(head),
-        4,
-    )
-    .unwrap();
-    DrafterSide::new(be, &S, d, Some(fc)).unwrap()
+    crate::common::cpu_side(be, &fd_shape())
 }
 
 /// Masters and first moments of both groups, as bits.

@@ -169,21 +169,7 @@ fn pitfall_5_empty_rows_give_zeros_not_nan() {
 
 fn f32_side(sh: &DrafterShape) -> (DrafterSide<CpuBackend>, CpuBackend) {
     let be = CpuBackend::new();
-    let n = sh.vocab * sh.hidden;
-    let mut embed = be.alloc(&S, DType::BF16, n).unwrap();
-    let mut head = be.alloc(&S, DType::BF16, n).unwrap();
-    be.upload(&S, &randn(n, 1, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut embed, 0).unwrap();
-    be.upload(&S, &randn(n, 2, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut head, 0).unwrap();
-    let (d, fc) = dflash_engine::model::drafter::Drafter::new(
-        &be,
-        &S,
-        sh.clone(),
-        dflash_engine::model::drafter::Frozen::owned(embed),
-        dflash_engine::model::drafter::Frozen::owned(head),
-        4,
-    )
-    .unwrap();
-    (DrafterSide::new(&be, &S, d, Some(fc)).unwrap(), be)
+    (crate::common::cpu_side(&be, sh), be)
 }
 
 fn f32_grads(sh: &DrafterShape, micro: &[HostBatch], x: &[Vec<f32>], per_micro_norm: bool) -> (Vec<f32>, Vec<f32>) {

@@ -9,6 +9,21 @@ use dflash_engine::train::batch::Sample;
 
 pub type Exact = CpuBackend<f64>;
 
+/// A drafter side (drafter + fc, seed 4) on the f32 CPU backend with random frozen tables.
+pub fn cpu_side(be: &CpuBackend, sh: &DrafterShape) -> dflash_engine::train::step::DrafterSide<CpuBackend> {
+    use dflash_engine::backend::Backend;
+    use dflash_engine::model::drafter::Frozen;
+    let s = be.compute_stream();
+    let n = sh.vocab * sh.hidden;
+    let table = |seed: u64| {
+        let mut t = be.alloc(&s, DType::BF16, n).unwrap();
+        be.upload(&s, &randn(n, seed, 1.0).iter().map(|&v| v as f32).collect::<Vec<_>>(), &mut t, 0).unwrap();
+        Frozen::owned(t)
+    };
+    let (d, fc) = Drafter::new(be, &s, sh.clone(), table(1), table(2), 4).unwrap();
+    dflash_engine::train::step::DrafterSide::new(be, &s, d, Some(fc)).unwrap()
+}
+
 pub fn randn(n: usize, seed: u64, std: f64) -> Vec<f64> {
     let mut r = Philox::new(seed, [77, 77]);
     (0..n).map(|_| std * r.normal()).collect()
