@@ -145,7 +145,9 @@ fn oom_message(
     if let Some((free, total)) = device {
         m += &format!("; the device has {} free of {}", mib(free), mib(total));
     }
-    m + ". Reduce --batch-size, --seq-len, --logits-chunk or --pad-to-tokens (or stop other users of this GPU)"
+    m + ". Split each step into more micro-batches (halve --batch-size and double --grad-accum: the same \
+         sequences per step, about half the drafter's activations), or reduce --seq-len, --logits-chunk or \
+         --pad-to-tokens (or stop other users of this GPU)"
 }
 
 /// An NCCL status as an error (cudarc's `NcclError` implements neither `Display` nor `Error`).
@@ -233,7 +235,14 @@ mod tests {
         assert!(e.is_out_of_memory());
         assert!(e.source().is_some(), "the driver error is kept as the source");
         let m = e.to_string();
-        for part in ["alloc of 1024 bf16", "2048 bytes", "1.0 MiB free of 81920.0 MiB", "--batch-size", "--seq-len"] {
+        for part in [
+            "alloc of 1024 bf16",
+            "2048 bytes",
+            "1.0 MiB free of 81920.0 MiB",
+            "--batch-size",
+            "--grad-accum",
+            "--seq-len",
+        ] {
             assert!(m.contains(part), "{part:?} missing from {m}");
         }
     }

@@ -3215,7 +3215,8 @@ mod tests {
             "alloc of 1610612736 bf16 elements on cuda:0 asked for 3221225472 bytes (3072.0 MiB)",
             "holds 71680.0 MiB of which 70656.0 MiB are in live buffers",
             "512.0 MiB free of 144384.0 MiB",
-            "--batch-size, --seq-len, --logits-chunk or --pad-to-tokens",
+            "halve --batch-size and double --grad-accum",
+            "--seq-len, --logits-chunk or --pad-to-tokens",
         ] {
             assert!(m.contains(part), "{part:?} missing from {m}");
         }
