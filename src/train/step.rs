@@ -531,13 +531,16 @@ pub trait RankGroup<B: Backend> {
     fn single(&self) -> bool {
         false
     }
+    /// Every rank's metric sums and gradients summed; a group of one has nothing to add.
     fn reduce(
         &mut self,
-        be: &B,
-        s: &B::Stream,
-        side: &mut DrafterSide<B>,
+        _be: &B,
+        _s: &B::Stream,
+        _side: &mut DrafterSide<B>,
         local: MetricSums,
-    ) -> std::result::Result<MetricSums, StepError>;
+    ) -> std::result::Result<MetricSums, StepError> {
+        Ok(local)
+    }
 }
 
 /// A drafter trained on one device.
@@ -547,30 +550,11 @@ pub struct SingleRank;
 /// single-rank step did before the device update plan; tests compare the two bit for bit).
 pub struct HostDecided;
 
-impl<B: Backend> RankGroup<B> for HostDecided {
-    fn reduce(
-        &mut self,
-        _: &B,
-        _: &B::Stream,
-        _: &mut DrafterSide<B>,
-        local: MetricSums,
-    ) -> std::result::Result<MetricSums, StepError> {
-        Ok(local)
-    }
-}
+impl<B: Backend> RankGroup<B> for HostDecided {}
 
 impl<B: Backend> RankGroup<B> for SingleRank {
     fn single(&self) -> bool {
         true
-    }
-    fn reduce(
-        &mut self,
-        _: &B,
-        _: &B::Stream,
-        _: &mut DrafterSide<B>,
-        local: MetricSums,
-    ) -> std::result::Result<MetricSums, StepError> {
-        Ok(local)
     }
 }
 
