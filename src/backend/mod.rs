@@ -97,6 +97,20 @@ pub fn copy_bufs<B: Backend, const N: usize>(
     Ok(out.try_into().unwrap_or_else(|_| unreachable!("one output per input")))
 }
 
+/// `Backend::set_master` for f32 masters: each value moved off a bf16 tie, then uploaded to the
+/// masters and (rounded) to the bf16 weights.
+pub fn set_f32_master<B: Backend + ?Sized>(
+    be: &B,
+    s: &B::Stream,
+    host: &[f32],
+    master: &mut B::Buf,
+    weights: &mut B::Buf,
+) -> Result<()> {
+    let host: Vec<f32> = host.iter().map(|&x| crate::tensor::master_off_tie(x)).collect();
+    be.upload(s, &host, master, 0)?;
+    be.upload(s, &host, weights, 0)
+}
+
 /// `C[m, n] = alpha * op(A) op(B) + beta * C`, `op(A)` is `m x k` (stored `[k, m]` when `ta`),
 /// `op(B)` is `k x n` (stored `[n, k]` when `tb`). f32 accumulation on every backend.
 #[derive(Clone, Copy, Debug)]
@@ -710,9 +724,7 @@ pub trait Backend: Send + Sync + 'static {
         master: &mut Self::Buf,
         weights: &mut Self::Buf,
     ) -> Result<()> {
-        let host: Vec<f32> = host.iter().map(|&x| crate::tensor::master_off_tie(x)).collect();
-        self.upload(s, &host, master, 0)?;
-        self.upload(s, &host, weights, 0)
+        set_f32_master(self, s, host, master, weights)
     }
     /// The masters as f32 values (`weights`: the bf16 weights of the same parameters).
     fn get_master(&self, s: &Self::Stream, master: &Self::Buf, weights: &Self::Buf) -> Result<Vec<f32>> {

@@ -1956,9 +1956,7 @@ impl Backend for CudaBackend {
 
     fn set_master(&self, s: &Stream, host: &[f32], master: &mut CudaBuf, weights: &mut CudaBuf) -> Result<()> {
         if master.dtype == DType::F32 {
-            let host: Vec<f32> = host.par_iter().map(|&x| tensor::master_off_tie(x)).collect();
-            self.upload(s, &host, master, 0)?;
-            return self.upload(s, &host, weights, 0);
+            return crate::backend::set_f32_master(self, s, host, master, weights);
         }
         check_len("set_master", "master", master.len, 0, host.len())?;
         check_len("set_master", "weights", weights.len, 0, host.len())?;
