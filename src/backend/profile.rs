@@ -20,8 +20,9 @@
 use std::cell::Cell;
 
 /// The part of a step the calling thread is enqueuing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Region {
+    #[default]
     Other,
     /// The target's forward and the packing of its taps.
     Target,
@@ -33,6 +34,19 @@ pub enum Region {
     Loss,
     /// Gradient zeroing, norms and AdamW.
     Optimizer,
+}
+
+impl Region {
+    pub fn name(self) -> &'static str {
+        match self {
+            Region::Other => "outside the step's phases",
+            Region::Target => "the target's forward",
+            Region::Fc => "the FC projection",
+            Region::Drafter => "the drafter's layers",
+            Region::Loss => "the lm_head + cross-entropy",
+            Region::Optimizer => "the optimizer",
+        }
+    }
 }
 
 thread_local! {

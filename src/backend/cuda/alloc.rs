@@ -124,6 +124,8 @@ pub struct AllocStats {
     /// Bytes in live blocks (block sizes, i.e. after rounding).
     pub allocated: usize,
     pub peak_allocated: usize,
+    /// The step region (`profile::Region`) the thread that reached `peak_allocated` was in.
+    pub peak_region: crate::backend::profile::Region,
     /// Allocations served from a free pool.
     pub hits: u64,
     /// Allocations that needed new device memory.
@@ -317,7 +319,10 @@ impl<D: DeviceMem> CachingAllocator<D> {
         let id = BlockId(self.next_id);
         self.next_id += 1;
         self.stats.allocated += blk.size;
-        self.stats.peak_allocated = self.stats.peak_allocated.max(self.stats.allocated);
+        if self.stats.allocated > self.stats.peak_allocated {
+            self.stats.peak_allocated = self.stats.allocated;
+            self.stats.peak_region = crate::backend::profile::current();
+        }
         self.live.insert(id, blk);
         id
     }

@@ -1194,7 +1194,16 @@ impl Backend for CudaBackend {
     fn memory_report(&self) -> Option<String> {
         let st = self.allocator_stats();
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        Some(format!("{:.2} GiB peak allocated, {:.2} GiB reserved now ({} segments; {} cache hits, {} misses, {} deferred frees)", gib(st.peak_allocated), gib(st.reserved), st.segments, st.hits, st.misses, st.deferred_frees))
+        Some(format!(
+            "{:.2} GiB peak allocated (reached in {}), {:.2} GiB reserved now ({} segments; {} cache hits, {} misses, {} deferred frees)",
+            gib(st.peak_allocated),
+            st.peak_region.name(),
+            gib(st.reserved),
+            st.segments,
+            st.hits,
+            st.misses,
+            st.deferred_frees
+        ))
     }
 
     fn synchronize(&self, s: &Stream) -> Result<()> {
