@@ -5,7 +5,8 @@
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
 # named (not part of all),
-# DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter).
+# DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
+# EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
 # skipped and the count printed.
 set -uo pipefail
@@ -82,7 +83,7 @@ fi
 if has prof8b; then
   echo "== Qwen3-8B-shaped sync step, profiled by phase (--profile)"
   make8b
-  $B/dflash-engine run --device cuda $Q8B --steps ${STEPS8B:-5} --sync --profile --log-every 1 --no-checkpoint --out /tmp/q8b-prof \
+  $B/dflash-engine run --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-5} --sync --profile --log-every 1 --no-checkpoint --out /tmp/q8b-prof \
     2>&1 | tee "$OUT/prof8b.log" || status=1
 fi
 # The same recipe as two micro-batches of 2 sequences per optimizer step: the same samples per
@@ -90,13 +91,13 @@ fi
 if named acc8b; then
   echo "== Qwen3-8B-shaped sync step, 2 x 2 sequences (--grad-accum 2)"
   make8b
-  $B/dflash-engine run --device cuda ${Q8B/--batch-size 4/--batch-size 2} --grad-accum 2 --steps ${STEPS8B:-6} --sync --log-every 1 \
+  $B/dflash-engine run --device cuda ${Q8B/--batch-size 4/--batch-size 2} ${EXTRA8B:-} --grad-accum 2 --steps ${STEPS8B:-6} --sync --log-every 1 \
     --no-checkpoint --out /tmp/q8b-acc 2>&1 | tee "$OUT/acc8b.log" || status=1
 fi
 if has pipe8b; then
   echo "== pipeline bench at the Qwen3-8B shape, one GPU"
   make8b
-  $B/dflash-engine bench-pipeline --device cuda $Q8B --steps ${STEPS8B:-6} --out /tmp/q8b-bench 2>&1 | tee "$OUT/pipe8b.log" || status=1
+  $B/dflash-engine bench-pipeline --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-6} --out /tmp/q8b-bench 2>&1 | tee "$OUT/pipe8b.log" || status=1
 fi
 if has pipe8b2; then
   echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"
@@ -122,7 +123,7 @@ Q27B="--target $T27B --init-std 0.02 --data /tmp/q27b-data.jsonl --drafter-confi
 if named run27b; then
   echo "== Qwen3.6-27B drafter recipe (target $T27B, random weights, random-token data), one GPU"
   make27b_data
-  $B/dflash-engine run --device cuda $Q27B --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint --no-tensorboard \
+  $B/dflash-engine run --device cuda $Q27B ${EXTRA27B:-} --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint --no-tensorboard \
     --out /tmp/q27b-run 2>&1 | tee "$OUT/run27b.log" || status=1
 fi
 if named run27b2; then

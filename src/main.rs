@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::config::TargetConfig;
 use dflash_engine::faults::FaultPlan;
+use dflash_engine::model::drafter::Recompute;
 use dflash_engine::prepare::{PrepareOptions, RegenOptions};
 use dflash_engine::session::{
     self, DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions,
@@ -293,6 +294,12 @@ struct RunArgs {
     /// Rows of logits materialised at once by the lm_head + cross-entropy.
     #[arg(long, default_value_t = 2048)]
     logits_chunk: usize,
+    /// What the drafter's backward rebuilds instead of keeping: `norms` (the normed and rotated
+    /// tensors, one elementwise kernel each) or `projections` (also the residual after attention
+    /// and the query projection: two GEMMs per layer for 2 x [rows, hidden] bf16 less per layer).
+    /// Results are bit-identical either way.
+    #[arg(long, value_enum, default_value_t = Recompute::Norms)]
+    recompute: Recompute,
     /// No progress bar, no per-step lines.
     #[arg(long)]
     quiet: bool,
@@ -426,6 +433,7 @@ impl RunArgs {
                 drafter_gpus: self.drafter_gpus,
                 sync: self.sync,
                 logits_chunk: self.logits_chunk,
+                recompute: self.recompute,
                 alloc_mode: alloc_mode_from_env()?,
                 faults: faults_from_env()?,
             },

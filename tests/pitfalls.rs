@@ -262,3 +262,19 @@ fn pitfall_8_loss_normalised_per_step() {
     assert!(e0 < 1e-4 && e1 < 1e-4, "{e0:e} {e1:e}");
     assert!(rel(&g_wrong.0, &g_whole.0) > 0.1, "per-micro-batch normalisation must be detectably different");
 }
+
+/// Pitfall 6b: what the backward recomputes instead of keeping changes nothing: every
+/// `Recompute` level gives bit-identical gradients, on full and sliding-window layers.
+#[test]
+fn pitfall_6b_recompute_levels_change_nothing() {
+    use dflash_engine::model::drafter::Recompute;
+    let hb = fd_batch();
+    let x: Vec<f32> = randn(hb.rows() * fd_shape().fc_in(), 11, 1.0).iter().map(|&v| v as f32).collect();
+    let grads = |recompute| {
+        let sh = DrafterShape { recompute, windows: vec![Some(3), None], ..fd_shape() };
+        f32_grads(&sh, std::slice::from_ref(&hb), std::slice::from_ref(&x), false)
+    };
+    let (kept, rebuilt) = (grads(Recompute::Norms), grads(Recompute::Projections));
+    assert!(kept.0.iter().any(|&g| g != 0.0), "the gradients are not all zero");
+    assert_eq!(kept, rebuilt);
+}

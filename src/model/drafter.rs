@@ -39,6 +39,24 @@ pub struct DrafterShape {
     pub mask_token_id: u32,
     /// Rows of logits materialised at once by the chunked lm_head + cross-entropy.
     pub logits_chunk_rows: usize,
+    /// What the backward rebuilds instead of keeping it from the forward.
+    pub recompute: Recompute,
+}
+
+/// What the drafter's backward recomputes instead of keeping from the forward. Every level
+/// gives bit-identical results: a recomputed buffer comes from the same kernels on the same
+/// inputs as the forward's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// What one elementwise kernel rebuilds from what is kept: the normed inputs, the normed
+    /// and rotated queries and keys, the MLP's normed input and its activation.
+    #[default]
+    Norms,
+    /// Also the residual after attention (`x_in + o Wo^T`) and the query projection
+    /// (`norm(x_in) Wq^T`): two `[rows, hidden]` bf16 buffers less per layer (2.5 GiB at the
+    /// Qwen3-8B recipe) for two GEMMs per layer (about 2% of that step).
+    Projections,
 }
 
 impl DrafterShape {
@@ -230,14 +248,15 @@ pub struct DraftOutputs<B: Backend> {
 struct LayerActs<B: Backend> {
     x_in: B::Buf,
     rstd_in: B::Buf,
-    q_pre: B::Buf,
+    /// Kept unless `Recompute::Projections` (then the backward rebuilds it, as `x_mid`).
+    q_pre: Option<B::Buf>,
     q_rstd: B::Buf,
     keys: KeyProj<B>,
     vc: B::Buf,
     vb: B::Buf,
     o: B::Buf,
     lse: B::Buf,
-    x_mid: B::Buf,
+    x_mid: Option<B::Buf>,
     rstd_post: B::Buf,
     gu: B::Buf,
 }
@@ -311,6 +330,29 @@ pub struct Drafter<B: Backend> {
     pub lm_head: Frozen<B>,
 }
 
+/// `x_mid = x_in + o Wo^T`, the residual after attention, and the scratch the product used.
+/// The forward builds it here, and so does the backward under `Recompute::Projections`: the same
+/// kernels on the same inputs, so both are bit-identical.
+#[allow(clippy::too_many_arguments)]
+fn residual_after_attention<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    sh: &DrafterShape,
+    tb: usize,
+    w: &B::Buf,
+    wo: usize,
+    x_in: &B::Buf,
+    o: &B::Buf,
+) -> Result<(B::Buf, B::Buf)> {
+    let h = sh.hidden;
+    let mut x_mid = be.alloc(s, DType::BF16, tb * h)?;
+    be.copy(s, x_in, 0, &mut x_mid, 0, tb * h)?;
+    let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
+    be.gemm(s, &Gemm::linear(tb, h, sh.q_width()), o, 0, w, wo, &mut tmp, 0)?;
+    be.add_inplace(s, &mut x_mid, &tmp)?;
+    Ok((x_mid, tmp))
+}
+
 impl<B: Backend> Drafter<B> {
     fn attn_shape(&self, inp: &DraftInputs<'_, B>, layer: usize) -> DraftAttnShape {
         let sh = &self.shape;
@@ -360,7 +402,7 @@ impl<B: Backend> Drafter<B> {
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             let mut a = LayerActs::<B> {
                 rstd_in: be.alloc(s, DType::F32, tb)?,
-                q_pre: be.alloc(s, DType::BF16, tb * qw)?,
+                q_pre: None,
                 q_rstd: be.alloc(s, DType::F32, tb * sh.heads)?,
                 keys: KeyProj {
                     kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
@@ -372,7 +414,7 @@ impl<B: Backend> Drafter<B> {
                 vb: be.alloc(s, DType::BF16, tb * kw)?,
                 o: be.alloc(s, DType::BF16, tb * qw)?,
                 lse: be.alloc(s, DType::F32, tb * sh.heads)?,
-                x_mid: be.alloc(s, DType::BF16, tb * h)?,
+                x_mid: None,
                 rstd_post: be.alloc(s, DType::F32, tb)?,
                 gu: be.alloc(s, DType::BF16, tb * 2 * inter)?,
                 x_in: x,
@@ -384,10 +426,11 @@ impl<B: Backend> Drafter<B> {
             let mut q = be.alloc(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
             // Queries from the block stream only.
-            be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut a.q_pre, 0)?;
+            let mut q_pre = be.alloc(s, DType::BF16, tb * qw)?;
+            be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
             be.rmsnorm_fwd(
                 s,
-                &a.q_pre,
+                &q_pre,
                 w,
                 off("self_attn.q_norm.weight"),
                 &mut q,
@@ -419,16 +462,15 @@ impl<B: Backend> Drafter<B> {
                 &mut a.lse,
             )?;
             drop((q, kc, kb));
-            // x_mid = x_in + o Wo^T
-            be.copy(s, &a.x_in, 0, &mut a.x_mid, 0, tb * h)?;
-            let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
-            be.gemm(s, &Gemm::linear(tb, h, qw), &a.o, 0, w, off("self_attn.o_proj.weight"), &mut tmp, 0)?;
-            be.add_inplace(s, &mut a.x_mid, &tmp)?;
+            let keep = sh.recompute == Recompute::Norms;
+            a.q_pre = keep.then_some(q_pre);
+            let (x_mid, mut tmp) =
+                residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), &a.x_in, &a.o)?;
             // MLP
             let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(
                 s,
-                &a.x_mid,
+                &x_mid,
                 w,
                 off("post_attention_layernorm.weight"),
                 &mut h2,
@@ -444,8 +486,9 @@ impl<B: Backend> Drafter<B> {
             be.gemm(s, &Gemm::linear(tb, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
             drop(act);
             x = be.alloc(s, DType::BF16, tb * h)?;
-            be.copy(s, &a.x_mid, 0, &mut x, 0, tb * h)?;
+            be.copy(s, &x_mid, 0, &mut x, 0, tb * h)?;
             be.add_inplace(s, &mut x, &tmp)?;
+            a.x_mid = keep.then_some(x_mid);
             saved.push(a);
         }
 
@@ -538,14 +581,19 @@ impl<B: Backend> Drafter<B> {
             let mut dh2 = be.alloc(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
             let pn = off("post_attention_layernorm.weight");
+            let wo = off("self_attn.o_proj.weight");
+            let x_mid = match a.x_mid.take() {
+                Some(x_mid) => x_mid,
+                None => residual_after_attention(be, s, &sh, tb, w, wo, &a.x_in, &a.o)?.0,
+            };
             let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
             let mut rstd = be.alloc(s, DType::F32, tb * sh.heads.max(1))?;
-            be.rmsnorm_fwd(s, &a.x_mid, w, pn, &mut h2, &mut rstd, tb, h, sh.eps)?;
+            be.rmsnorm_fwd(s, &x_mid, w, pn, &mut h2, &mut rstd, tb, h, sh.eps)?;
             be.gemm(s, &Gemm::linear_dw(tb, 2 * inter, h), &dgu, 0, &h2, 0, wgrad, wg)?;
             drop((dgu, h2));
-            be.rmsnorm_bwd(s, &dh2, &a.x_mid, w, pn, &a.rstd_post, &mut dx, true, wgrad, pn, tb, h)?;
+            be.rmsnorm_bwd(s, &dh2, &x_mid, w, pn, &a.rstd_post, &mut dx, true, wgrad, pn, tb, h)?;
+            drop((dh2, x_mid));
             // Attention: x_mid = x_in + o Wo^T
-            let wo = off("self_attn.o_proj.weight");
             let mut d_o = be.alloc(s, DType::BF16, tb * qw)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, qw, false), &dx, 0, w, wo, &mut d_o, 0)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, qw), &dx, 0, &a.o, 0, wgrad, wo)?;
@@ -555,8 +603,23 @@ impl<B: Backend> Drafter<B> {
             let mut dkb = be.alloc(s, DType::BF16, tb * kw)?;
             let mut dvb = be.alloc(s, DType::BF16, tb * kw)?;
             let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
+            let (wq, wk, wv) =
+                (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
+            // The normed input: for the projections' weight gradients below, and for the
+            // queries' projection when it was not kept.
+            let inn = off("input_layernorm.weight");
+            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
+            be.rmsnorm_fwd(s, &a.x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
+            let q_pre = match a.q_pre.take() {
+                Some(q_pre) => q_pre,
+                None => {
+                    let mut q_pre = be.alloc(s, DType::BF16, tb * qw)?;
+                    be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, wq, &mut q_pre, 0)?;
+                    q_pre
+                }
+            };
             let mut q = be.alloc(s, DType::BF16, tb * qw)?;
-            be.rmsnorm_fwd(s, &a.q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
+            be.rmsnorm_fwd(s, &q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
             be.attn_draft_bwd(
@@ -583,7 +646,7 @@ impl<B: Backend> Drafter<B> {
             be.rmsnorm_bwd(
                 s,
                 &dq,
-                &a.q_pre,
+                &q_pre,
                 w,
                 qn,
                 &a.q_rstd,
@@ -624,13 +687,8 @@ impl<B: Backend> Drafter<B> {
                 tb * sh.kv_heads,
                 sh.head_dim,
             )?;
-            drop((dq, dkc, dkb));
+            drop((dq, dkc, dkb, q_pre));
             // Projection weights: block rows and context rows share Wk / Wv.
-            let (wq, wk, wv) =
-                (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
-            let inn = off("input_layernorm.weight");
-            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
-            be.rmsnorm_fwd(s, &a.x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
             be.gemm(s, &Gemm::linear_dw(tb, qw, h), &dq_pre, 0, &xn, 0, wgrad, wq)?;
             be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dkc_pre, 0, &ctx, 0, wgrad, wk)?;
             be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dkb_pre, 0, &xn, 0, wgrad, wk)?;
@@ -711,6 +769,7 @@ impl DrafterShape {
             windows: (0..c.num_layers).map(|l| c.layer_window(l)).collect(),
             mask_token_id: c.mask_token_id,
             logits_chunk_rows,
+            recompute: Recompute::default(),
         }
     }
 }

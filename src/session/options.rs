@@ -98,6 +98,8 @@ pub struct ExecOptions {
     /// The synchronous reference (one device: no pipeline; several: lockstep).
     pub sync: bool,
     pub logits_chunk: usize,
+    /// What the drafter's backward recomputes (bit-identical at every level).
+    pub recompute: crate::model::drafter::Recompute,
     /// The CUDA allocator's mode (None: normal). Debug modes only; the binary reads
     /// `DFLASH_ALLOC_MODE`.
     #[serde(skip)]
@@ -190,6 +192,7 @@ impl RunOptions {
                 drafter_gpus: Vec::new(),
                 sync: false,
                 logits_chunk: 2048,
+                recompute: crate::model::drafter::Recompute::Norms,
                 alloc_mode: None,
                 faults: FaultPlan::default(),
             },

@@ -86,6 +86,7 @@ pub fn fd_shape() -> DrafterShape {
         windows: vec![None; 2],
         mask_token_id: 23,
         logits_chunk_rows: 5,
+        recompute: dflash_engine::model::drafter::Recompute::Norms,
     }
 }
 

@@ -6,7 +6,7 @@ use dflash_engine::session::{self, Device, RunOptions};
 use super::tmp;
 
 /// 50 training steps on CUDA track the CPU backend (same data file, same seed), and two CUDA runs
-/// give bit-identical losses.
+/// give bit-identical losses, one of them with `--recompute projections`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_training_tracks_cpu_and_is_deterministic() {
@@ -34,6 +34,7 @@ fn gpu_sliding_drafter_training_tracks_cpu_and_is_deterministic() {
 }
 
 fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
+    use dflash_engine::model::drafter::Recompute;
     let dir = tmp(tag);
     let data = dir.join("data.jsonl");
     session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data).unwrap();
@@ -46,11 +47,14 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
         ro.model.drafter_config = drafter_config;
         ro
     };
-    let run = |device, tag: &str| {
+    // The second CUDA run rebuilds the projections in the backward instead of keeping them:
+    // that too must change no bit.
+    let run = |device, recompute, tag: &str| {
         session::run(
             &{
                 let mut ro = base.clone();
                 ro.exec.device = device;
+                ro.exec.recompute = recompute;
                 ro.output.out = dir.join(tag);
                 ro
             },
@@ -58,10 +62,18 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
         )
         .unwrap()
     };
-    let (g1, g2, c) = (run(Device::Cuda, "g1"), run(Device::Cuda, "g2"), run(Device::Cpu, "c"));
+    let (g1, g2, c) = (
+        run(Device::Cuda, Recompute::Norms, "g1"),
+        run(Device::Cuda, Recompute::Projections, "g2"),
+        run(Device::Cpu, Recompute::Norms, "c"),
+    );
     assert!(g1.backend.starts_with("cuda"), "{}", g1.backend);
     let bits = |r: &session::RunSummary| r.history.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&g1), bits(&g2), "two CUDA runs with the same seed must be bit-identical");
+    assert_eq!(
+        bits(&g1),
+        bits(&g2),
+        "two CUDA runs with the same seed, one recomputing the projections, must be bit-identical"
+    );
     // bf16 activations rounded at the same points but summed in other orders: the runs drift
     // apart slowly; 5% per step at most, 2% on average over 50 steps.
     let rel: Vec<f64> = g1.history.iter().zip(&c.history).map(|(a, b)| ((a.loss - b.loss) / b.loss).abs()).collect();
