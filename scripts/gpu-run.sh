@@ -97,7 +97,7 @@ fi
 if has pipe8b; then
   echo "== pipeline bench at the Qwen3-8B shape, one GPU"
   make8b
-  $B/dflash-engine bench-pipeline --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-6} --out /tmp/q8b-bench 2>&1 | tee "$OUT/pipe8b.log" || status=1
+  $B/dflash-engine bench-pipeline --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-8} --out /tmp/q8b-bench 2>&1 | tee "$OUT/pipe8b.log" || status=1
 fi
 if has pipe8b2; then
   echo "== pipeline bench at the Qwen3-8B shape, one and two GPUs"

@@ -41,12 +41,31 @@ fn median(v: &[f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn row(mode: &str, gpus: String, r: &RunSummary) -> BenchRow {
-    // The first two steps warm caches and plans; the rest is the steady state. Its mean, not its
-    // median: an async row's host times are the intervals between metric reports, which alternate
-    // long and short around the step time when a report lands mid-step, so only their sum (the
-    // throughput) means something; a device-clocked sync row gets the same either way.
-    let ms: Vec<f64> = r.step_ms.iter().skip(2.min(r.step_ms.len().saturating_sub(1))).copied().collect();
+/// The steady steps of a run's step times. The first two steps warm caches and plans. A
+/// pipelined run's last `run_ahead` steps (how many steps its targets may work ahead of its
+/// drafter; 0 when synchronous) are left out as well: its targets finish early and those steps
+/// are the drafter's alone, so with them the window would hold `run_ahead` target forwards fewer
+/// than drafter steps (at the 8B recipe, 6 steps and 2 in flight, the async row read 675 ms per
+/// step against 821 for sync, a pipelining gain no single GPU has). Between its ends the targets
+/// are `run_ahead` steps ahead, so the window holds as many target forwards as drafter steps.
+fn steady_window(step_ms: &[f64], run_ahead: usize) -> &[f64] {
+    let n = step_ms.len();
+    if 2 + run_ahead < n {
+        &step_ms[2..n - run_ahead]
+    } else if 2 < n {
+        &step_ms[2..]
+    } else {
+        &step_ms[n.saturating_sub(1)..]
+    }
+}
+
+/// One row of the table from a run; `run_ahead` as in `steady_window`.
+fn row(mode: &str, gpus: String, r: &RunSummary, run_ahead: usize) -> BenchRow {
+    // The mean of the steady steps, not their median: an async row's host times are the
+    // intervals between metric reports, which alternate long and short around the step time when
+    // a report lands mid-step, so only their sum (the throughput) means something; a
+    // device-clocked sync row gets the same either way.
+    let ms = steady_window(&r.step_ms, run_ahead);
     let mean = if ms.is_empty() { 0.0 } else { ms.iter().sum::<f64>() / ms.len() as f64 };
     let steps = r.history.len().max(1) as f64;
     let tokens = r.stats.tokens as f64 / steps;
@@ -140,6 +159,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
+        let (ro_sync, ro_ahead) = (o.exec.sync, o.exec.max_inflight * o.exec.target_gpus.len().max(1));
         let r = session::run(
             &{
                 let mut ro = o;
@@ -148,7 +168,8 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             },
             None,
         )?;
-        let b = row(mode, gpus, &r);
+        let ahead = if ro_sync { 0 } else { ro_ahead };
+        let b = row(mode, gpus, &r, ahead);
         say(&b);
         if let Some(p) = &r.phases {
             eprint!("{}", p.render());
@@ -270,4 +291,20 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steady_window;
+
+    #[test]
+    fn the_steady_window_leaves_out_warm_up_and_the_drained_tail() {
+        let ms = [9.0, 5.0, 4.0, 4.0, 4.0, 1.0, 1.0];
+        assert_eq!(steady_window(&ms, 0), &ms[2..]);
+        assert_eq!(steady_window(&ms, 2), &[4.0, 4.0, 4.0]);
+        // Too short a run to drop the tail: the warm-up still goes; one step: itself.
+        assert_eq!(steady_window(&ms[..4], 2), &[4.0, 4.0]);
+        assert_eq!(steady_window(&ms[..1], 2), &[9.0]);
+        assert!(steady_window(&[], 2).is_empty());
+    }
 }
