@@ -184,6 +184,10 @@ pub struct StepPhases {
     pub intervals: usize,
     /// Device seconds and count per operation (a kernel's symbol, a GEMM's shape, a copy).
     pub by_op: Vec<(String, f64, usize)>,
+    /// The idle gaps (seconds, count) by the launch that ends them ("step end" for the time
+    /// from the last launch to the closing marker): a gap before a launch is time the device
+    /// waited for the host to enqueue it.
+    pub gaps_by_op: Vec<(String, f64, usize)>,
 }
 
 impl StepPhases {
@@ -230,6 +234,21 @@ pub struct PhaseTable {
     pub intervals: f64,
     /// Per step: device seconds and launches per operation, longest first.
     pub by_op: Vec<(String, f64, f64)>,
+    /// Per step: idle seconds and gaps by the launch that ends them, longest first.
+    pub gaps_by_op: Vec<(String, f64, f64)>,
+}
+
+/// Adds `1/n` of each `(label, secs, count)` of one step to the per-step means in `into`.
+fn add_means(into: &mut Vec<(String, f64, f64)>, step: &[(String, f64, usize)], n: f64) {
+    for (op, secs, count) in step {
+        match into.iter_mut().find(|(o, _, _)| o == op) {
+            Some(e) => {
+                e.1 += secs / n;
+                e.2 += *count as f64 / n;
+            }
+            None => into.push((op.clone(), secs / n, *count as f64 / n)),
+        }
+    }
 }
 
 impl PhaseTable {
@@ -265,19 +284,13 @@ impl PhaseTable {
             t.span += sp.span / n;
             t.step += step / n;
             t.intervals += sp.intervals as f64 / n;
-            for (op, secs, count) in &sp.by_op {
-                match t.by_op.iter_mut().find(|(o, _, _)| o == op) {
-                    Some(e) => {
-                        e.1 += secs / n;
-                        e.2 += *count as f64 / n;
-                    }
-                    None => t.by_op.push((op.clone(), secs / n, *count as f64 / n)),
-                }
-            }
+            add_means(&mut t.by_op, &sp.by_op, n);
+            add_means(&mut t.gaps_by_op, &sp.gaps_by_op, n);
         }
         by_phase.retain(|&(_, s)| s > 0.0);
         t.by_phase = by_phase;
         t.by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
+        t.gaps_by_op.sort_by(|a, b| b.1.total_cmp(&a.1));
         Some(t)
     }
 
@@ -287,6 +300,17 @@ impl PhaseTable {
         for (op, secs, count) in self.by_op.iter().take(top) {
             let each = if *count > 0.0 { secs / count } else { 0.0 };
             out += &format!("  {:<48} {:>9.3} ms {:>7.0} x {:>8.1} us\n", op, secs * 1e3, count, each * 1e6);
+        }
+        if !self.gaps_by_op.is_empty() {
+            out += &format!(
+                "idle gaps by the launch that ends them, per step (top {} of {}; the device waited for the host)\n",
+                top.min(5),
+                self.gaps_by_op.len()
+            );
+            for (op, secs, count) in self.gaps_by_op.iter().take(top.min(5)) {
+                let each = if *count > 0.0 { secs / count } else { 0.0 };
+                out += &format!("  before {:<41} {:>9.3} ms {:>7.0} x {:>8.1} us\n", op, secs * 1e3, count, each * 1e6);
+            }
         }
         out
     }
@@ -368,7 +392,15 @@ pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
         }
         reach = reach.max(b);
     }
-    StepPhases { by_phase: by, gaps, span: reach - first, step: None, intervals: iv.len(), by_op: Vec::new() }
+    StepPhases {
+        by_phase: by,
+        gaps,
+        span: reach - first,
+        step: None,
+        intervals: iv.len(),
+        by_op: Vec::new(),
+        gaps_by_op: Vec::new(),
+    }
 }
 
 /// [`fold`] for a step between two markers at `start` and `end` (same origin): the time before
@@ -464,9 +496,30 @@ pub fn time_step<E, X>(w: &StepWork<E>, mut at: impl FnMut(&E) -> Result<f64, X>
         spans.push((*p, a, b));
         ops.push((op.clone(), b - a));
     }
+    let gaps = gaps_by_next(&spans, &ops, start, end);
     let mut step = fold_between(spans, start, end);
     step.by_op = by_op(ops);
+    step.gaps_by_op = by_op(gaps);
     Ok(step)
+}
+
+/// Each idle stretch of a step between markers at `start` and `end`, labelled by the launch that
+/// ends it (`spans[i]` is `ops[i]`'s interval) or "step end"; they sum to `fold_between`'s gaps.
+fn gaps_by_next(spans: &[(Phase, f64, f64)], ops: &[(String, f64)], start: f64, end: f64) -> Vec<(String, f64)> {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by(|&i, &j| spans[i].1.total_cmp(&spans[j].1));
+    let (mut reach, mut out) = (start, Vec::new());
+    for i in order {
+        let (_, a, b) = spans[i];
+        if a > reach {
+            out.push((ops[i].0.clone(), a - reach));
+        }
+        reach = reach.max(b);
+    }
+    if end > reach {
+        out.push(("step end".to_string(), end - reach));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -594,6 +647,22 @@ mod tests {
         assert!((s0.gaps - 1.5).abs() < 1e-12, "0.5 before the first launch, 1.0 after the last: {}", s0.gaps);
         assert!((s0.accounted() - 3.0).abs() < 1e-12);
         assert_eq!(s0.by_op, vec![("gemm 8x8x8".to_string(), 1.5, 2)]);
+        // The gaps by what ends them: 0.5 before the first GEMM, 1.0 from the last launch to the
+        // closing marker; they sum to the step's gaps.
+        assert_eq!(s0.gaps_by_op, vec![("gemm 8x8x8".to_string(), 0.5, 1), ("step end".to_string(), 1.0, 1)]);
+        let t = PhaseTable::from_marked_steps(&[s0.clone(), s0], 0).unwrap();
+        assert!(t.render_ops(5).contains("before step end"), "{}", t.render_ops(5));
+    }
+
+    #[test]
+    fn gaps_are_labelled_by_the_launch_that_ends_them_and_overlaps_leave_none() {
+        use Phase::*;
+        let spans = [(TargetGemm, 1.0, 2.0), (Copies, 1.5, 2.5), (DrafterGemm, 3.0, 4.0), (Optimizer, 3.5, 3.8)];
+        let ops: Vec<(String, f64)> = ["gemm", "copy", "attn", "adamw"].iter().map(|o| (o.to_string(), 0.0)).collect();
+        let g = gaps_by_next(&spans, &ops, 0.5, 4.25);
+        assert_eq!(g, vec![("gemm".to_string(), 0.5), ("attn".to_string(), 0.5), ("step end".to_string(), 0.25)]);
+        let total: f64 = g.iter().map(|x| x.1).sum();
+        assert!((total - fold_between(spans.to_vec(), 0.5, 4.25).gaps).abs() < 1e-12);
     }
 
     #[test]

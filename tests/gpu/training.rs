@@ -189,6 +189,13 @@ fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
         let acc = sp.accounted();
         assert!((acc - step).abs() <= 0.05 * step, "step {i}: phases + gaps {acc} s vs the device's step {step} s");
         assert!(sp.intervals > 0);
+        // The gaps, labelled by the launch that ends them, are the step's gaps.
+        let labelled: f64 = sp.gaps_by_op.iter().map(|g| g.1).sum();
+        assert!(
+            (labelled - sp.gaps).abs() <= 1e-9 + 1e-6 * sp.gaps,
+            "step {i}: labelled gaps {labelled} s vs {} s",
+            sp.gaps
+        );
     }
     assert!(t.sums_to_the_step(), "phases + gaps {} s vs the device's step {} s", t.accounted(), t.step);
     assert!(t.render().contains("of the device's step time"));
