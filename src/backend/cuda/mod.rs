@@ -254,7 +254,18 @@ impl CudaBackend {
             "opt-in shared memory per block",
         )?;
         let name = format!("cuda:{ordinal} (sm_{major}{minor}, {sm_count} SMs)");
-        let main = Stream::new(ctx.new_stream().map_err(|e| start(drv("creating the compute stream", e)))?);
+        // The compute stream runs at the device's highest stream priority, every other stream
+        // (a target's beside a drafter on the same GPU, the transports' copy streams) at the
+        // default, lowest: when a target's forward and the drafter's step share one GPU, the
+        // block scheduler fills SMs with the drafter's work first and the target's work takes
+        // what is left (kernel tails, the gaps between launches) instead of both slowing each
+        // other down. Priorities change the order blocks start in, never a result.
+        ctx.bind_to_thread().map_err(|e| start(drv("binding the context", e)))?;
+        let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| start(drv("reading the stream priority range", e)))?;
+        let main = Stream::new(
+            ctx.new_stream_with_priority(greatest).map_err(|e| start(drv("creating the compute stream", e)))?,
+        );
         ctx.bind_to_thread().map_err(|e| start(drv("binding the context", e)))?;
         let kernels = Kernels::load(smem_optin)?;
         // How many clusters of each cross-entropy cluster kernel are resident at once: it runs
