@@ -35,6 +35,7 @@ pub trait Real:
 {
     const ZERO: Self;
     const ONE: Self;
+    const NAN: Self;
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
     fn from_f32(x: f32) -> Self;
@@ -50,6 +51,7 @@ macro_rules! impl_real {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
+            const NAN: Self = <$t>::NAN;
             #[inline]
             fn from_f64(x: f64) -> Self {
                 x as $t
@@ -367,6 +369,10 @@ impl<F: Real> Backend for CpuBackend<F> {
 
     fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
         Ok(CpuBuf { dtype, data: vec![F::ZERO; len] })
+    }
+
+    fn alloc_uninit(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
+        Ok(CpuBuf { dtype, data: vec![F::NAN; len] })
     }
 
     fn alloc_ids(&self, _s: &CpuStream, len: usize) -> Result<Vec<i32>> {

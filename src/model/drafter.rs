@@ -310,8 +310,8 @@ impl<B: Backend> KeyProj<B> {
         inp: &DraftInputs<'_, B>,
     ) -> Result<[B::Buf; 2]> {
         let (tc, tb, kw) = (inp.ctx_rows, inp.num_blocks * sh.block_size, sh.kv_width());
-        let mut kc = be.alloc(s, DType::BF16, tc * kw)?;
-        let mut kb = be.alloc(s, DType::BF16, tb * kw)?;
+        let mut kc = be.alloc_uninit(s, DType::BF16, tc * kw)?;
+        let mut kb = be.alloc_uninit(s, DType::BF16, tb * kw)?;
         be.rmsnorm_fwd(s, &self.kc_pre, w, kn, &mut kc, &mut self.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
         be.rmsnorm_fwd(s, &self.kb_pre, w, kn, &mut kb, &mut self.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
         be.rope(s, &mut kc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
@@ -345,9 +345,9 @@ fn residual_after_attention<B: Backend>(
     o: &B::Buf,
 ) -> Result<(B::Buf, B::Buf)> {
     let h = sh.hidden;
-    let mut x_mid = be.alloc(s, DType::BF16, tb * h)?;
+    let mut x_mid = be.alloc_uninit(s, DType::BF16, tb * h)?;
     be.copy(s, x_in, 0, &mut x_mid, 0, tb * h)?;
-    let mut tmp = be.alloc(s, DType::BF16, tb * h)?;
+    let mut tmp = be.alloc_uninit(s, DType::BF16, tb * h)?;
     be.gemm(s, &Gemm::linear(tb, h, sh.q_width()), o, 0, w, wo, &mut tmp, 0)?;
     be.add_inplace(s, &mut x_mid, &tmp)?;
     Ok((x_mid, tmp))
@@ -389,44 +389,44 @@ impl<B: Backend> Drafter<B> {
         let _region = profile::enter(Region::Drafter);
 
         // Context: ctx = hidden_norm(Y), shared by every layer.
-        let mut ctx = be.alloc(s, DType::BF16, tc * h)?;
-        let mut rstd_h = be.alloc(s, DType::F32, tc)?;
+        let mut ctx = be.alloc_uninit(s, DType::BF16, tc * h)?;
+        let mut rstd_h = be.alloc_uninit(s, DType::F32, tc)?;
         be.rmsnorm_fwd(s, y, w, table.off("hidden_norm.weight"), &mut ctx, &mut rstd_h, tc, h, sh.eps)?;
 
         // Block stream: anchor token + mask tokens, embedded with the frozen target embedding.
-        let mut x = be.alloc(s, DType::BF16, tb * h)?;
+        let mut x = be.alloc_uninit(s, DType::BF16, tb * h)?;
         be.embed(s, &self.embed.buf, self.embed.off, inp.block_ids, &mut x, tb, h)?;
 
         let mut saved: Vec<LayerActs<B>> = Vec::with_capacity(sh.layers);
         for l in 0..sh.layers {
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             let mut a = LayerActs::<B> {
-                rstd_in: be.alloc(s, DType::F32, tb)?,
+                rstd_in: be.alloc_uninit(s, DType::F32, tb)?,
                 q_pre: None,
-                q_rstd: be.alloc(s, DType::F32, tb * sh.heads)?,
+                q_rstd: be.alloc_uninit(s, DType::F32, tb * sh.heads)?,
                 keys: KeyProj {
-                    kc_pre: be.alloc(s, DType::BF16, tc * kw)?,
-                    kc_rstd: be.alloc(s, DType::F32, tc * sh.kv_heads)?,
-                    kb_pre: be.alloc(s, DType::BF16, tb * kw)?,
-                    kb_rstd: be.alloc(s, DType::F32, tb * sh.kv_heads)?,
+                    kc_pre: be.alloc_uninit(s, DType::BF16, tc * kw)?,
+                    kc_rstd: be.alloc_uninit(s, DType::F32, tc * sh.kv_heads)?,
+                    kb_pre: be.alloc_uninit(s, DType::BF16, tb * kw)?,
+                    kb_rstd: be.alloc_uninit(s, DType::F32, tb * sh.kv_heads)?,
                 },
-                vc: be.alloc(s, DType::BF16, tc * kw)?,
-                vb: be.alloc(s, DType::BF16, tb * kw)?,
+                vc: be.alloc_uninit(s, DType::BF16, tc * kw)?,
+                vb: be.alloc_uninit(s, DType::BF16, tb * kw)?,
                 o: be.alloc(s, DType::BF16, tb * qw)?,
                 lse: be.alloc(s, DType::F32, tb * sh.heads)?,
                 x_mid: None,
-                rstd_post: be.alloc(s, DType::F32, tb)?,
-                gu: be.alloc(s, DType::BF16, tb * 2 * inter)?,
+                rstd_post: be.alloc_uninit(s, DType::F32, tb)?,
+                gu: be.alloc_uninit(s, DType::BF16, tb * 2 * inter)?,
                 x_in: x,
             };
             // xn, q, the normed and rotated keys, h2 and act are not kept for the backward: it
             // recomputes them from x_in, q_pre, kc_pre / kb_pre, x_mid and gu with the same kernels
             // (bit-identical, ~1% of the step), which saves six buffers per layer.
-            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
-            let mut q = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
+            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
             // Queries from the block stream only.
-            let mut q_pre = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut q_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
             be.rmsnorm_fwd(
                 s,
@@ -467,7 +467,7 @@ impl<B: Backend> Drafter<B> {
             let (x_mid, mut tmp) =
                 residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), &a.x_in, &a.o)?;
             // MLP
-            let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
+            let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(
                 s,
                 &x_mid,
@@ -481,11 +481,11 @@ impl<B: Backend> Drafter<B> {
             )?;
             be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut a.gu, 0)?;
             drop(h2);
-            let mut act = be.alloc(s, DType::BF16, tb * inter)?;
+            let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
             be.gemm(s, &Gemm::linear(tb, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
             drop(act);
-            x = be.alloc(s, DType::BF16, tb * h)?;
+            x = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.copy(s, &x_mid, 0, &mut x, 0, tb * h)?;
             be.add_inplace(s, &mut x, &tmp)?;
             a.x_mid = keep.then_some(x_mid);
@@ -496,8 +496,8 @@ impl<B: Backend> Drafter<B> {
         // whole blocks, on the predicted slots only: slot 0 (the anchor) has no label, so its
         // rows are left out of both lm_head GEMMs (1/block_size of their work) and their
         // gradient stays zero.
-        let mut hn = be.alloc(s, DType::BF16, tb * h)?;
-        let mut rstd_f = be.alloc(s, DType::F32, tb)?;
+        let mut hn = be.alloc_uninit(s, DType::BF16, tb * h)?;
+        let mut rstd_f = be.alloc_uninit(s, DType::F32, tb)?;
         be.rmsnorm_fwd(s, &x, w, table.off("norm.weight"), &mut hn, &mut rstd_f, tb, h, sh.eps)?;
         let (bs, nb) = (sh.block_size, inp.num_blocks);
         let per = bs - 1;
@@ -505,13 +505,13 @@ impl<B: Backend> Drafter<B> {
             loss: be.alloc(s, DType::F32, (nb * per).max(1))?,
             argmax: be.alloc_ids(s, (nb * per).max(1))?,
         };
-        let mut dhn = be.alloc(s, DType::BF16, tb * h)?;
+        let mut dhn = be.alloc_uninit(s, DType::BF16, tb * h)?;
         be.fill(s, &mut dhn, 0.0)?;
         let chunk_blocks = (sh.logits_chunk_rows / per.max(1)).clamp(1, nb.max(1));
         let chunk = chunk_blocks * per;
-        let mut logits = be.alloc(s, DType::BF16, chunk.max(1) * sh.vocab)?;
-        let mut hc = be.alloc(s, DType::BF16, chunk.max(1) * h)?;
-        let mut dc = be.alloc(s, DType::BF16, chunk.max(1) * h)?;
+        let mut logits = be.alloc_uninit(s, DType::BF16, chunk.max(1) * sh.vocab)?;
+        let mut hc = be.alloc_uninit(s, DType::BF16, chunk.max(1) * h)?;
+        let mut dc = be.alloc_uninit(s, DType::BF16, chunk.max(1) * h)?;
         let loss_region = profile::enter(Region::Loss);
         let mut b0 = 0;
         while per > 0 && b0 < nb {
@@ -544,7 +544,7 @@ impl<B: Backend> Drafter<B> {
         // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's
         // K/V-injection gradient.
         let wgrad = &mut self.body.grad;
-        let mut dx = be.alloc(s, DType::BF16, tb * h)?;
+        let mut dx = be.alloc_uninit(s, DType::BF16, tb * h)?;
         be.rmsnorm_bwd(
             s,
             &dhn,
@@ -560,7 +560,7 @@ impl<B: Backend> Drafter<B> {
             h,
         )?;
         drop((dhn, hn, x));
-        let mut dctx = be.alloc(s, DType::BF16, tc * h)?;
+        let mut dctx = be.alloc_uninit(s, DType::BF16, tc * h)?;
         for l in (0..sh.layers).rev() {
             let mut a = saved.pop().expect("one saved layer per forward layer");
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
@@ -568,17 +568,17 @@ impl<B: Backend> Drafter<B> {
             // dact), and gate|up turns into its own gradient in place: the MLP's backward adds
             // one such buffer to what the forward kept, not three.
             let wd = off("mlp.down_proj.weight");
-            let mut act = be.alloc(s, DType::BF16, tb * inter)?;
+            let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
             drop(act);
-            let mut dact = be.alloc(s, DType::BF16, tb * inter)?;
+            let mut dact = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
             be.swiglu_bwd(s, &dact, &mut a.gu, tb, inter)?;
             drop(dact);
             let dgu = a.gu;
             let wg = off("mlp.gate_proj.weight");
-            let mut dh2 = be.alloc(s, DType::BF16, tb * h)?;
+            let mut dh2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
             let pn = off("post_attention_layernorm.weight");
             let wo = off("self_attn.o_proj.weight");
@@ -586,15 +586,15 @@ impl<B: Backend> Drafter<B> {
                 Some(x_mid) => x_mid,
                 None => residual_after_attention(be, s, &sh, tb, w, wo, &a.x_in, &a.o)?.0,
             };
-            let mut h2 = be.alloc(s, DType::BF16, tb * h)?;
-            let mut rstd = be.alloc(s, DType::F32, tb * sh.heads.max(1))?;
+            let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
+            let mut rstd = be.alloc_uninit(s, DType::F32, tb * sh.heads.max(1))?;
             be.rmsnorm_fwd(s, &x_mid, w, pn, &mut h2, &mut rstd, tb, h, sh.eps)?;
             be.gemm(s, &Gemm::linear_dw(tb, 2 * inter, h), &dgu, 0, &h2, 0, wgrad, wg)?;
             drop((dgu, h2));
             be.rmsnorm_bwd(s, &dh2, &x_mid, w, pn, &a.rstd_post, &mut dx, true, wgrad, pn, tb, h)?;
             drop((dh2, x_mid));
             // Attention: x_mid = x_in + o Wo^T
-            let mut d_o = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut d_o = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, qw, false), &dx, 0, w, wo, &mut d_o, 0)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, qw), &dx, 0, &a.o, 0, wgrad, wo)?;
             let mut dq = be.alloc(s, DType::BF16, tb * qw)?;
@@ -608,17 +608,17 @@ impl<B: Backend> Drafter<B> {
             // The normed input: for the projections' weight gradients below, and for the
             // queries' projection when it was not kept.
             let inn = off("input_layernorm.weight");
-            let mut xn = be.alloc(s, DType::BF16, tb * h)?;
+            let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(s, &a.x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
             let q_pre = match a.q_pre.take() {
                 Some(q_pre) => q_pre,
                 None => {
-                    let mut q_pre = be.alloc(s, DType::BF16, tb * qw)?;
+                    let mut q_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
                     be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, wq, &mut q_pre, 0)?;
                     q_pre
                 }
             };
-            let mut q = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(s, &q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
@@ -642,7 +642,7 @@ impl<B: Backend> Drafter<B> {
             be.rope(s, &mut dkc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
             be.rope(s, &mut dkb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, true)?;
             // QK-norm backward (the norm weights collect from queries, or from both key sources).
-            let mut dq_pre = be.alloc(s, DType::BF16, tb * qw)?;
+            let mut dq_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.rmsnorm_bwd(
                 s,
                 &dq,
@@ -657,7 +657,7 @@ impl<B: Backend> Drafter<B> {
                 tb * sh.heads,
                 sh.head_dim,
             )?;
-            let mut dkc_pre = be.alloc(s, DType::BF16, tc * kw)?;
+            let mut dkc_pre = be.alloc_uninit(s, DType::BF16, tc * kw)?;
             be.rmsnorm_bwd(
                 s,
                 &dkc,
@@ -672,7 +672,7 @@ impl<B: Backend> Drafter<B> {
                 tc * sh.kv_heads,
                 sh.head_dim,
             )?;
-            let mut dkb_pre = be.alloc(s, DType::BF16, tb * kw)?;
+            let mut dkb_pre = be.alloc_uninit(s, DType::BF16, tb * kw)?;
             be.rmsnorm_bwd(
                 s,
                 &dkb,
@@ -696,7 +696,7 @@ impl<B: Backend> Drafter<B> {
             be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dvb, 0, &xn, 0, wgrad, wv)?;
             drop(xn);
             // dxn = dq Wq + dkb Wk + dvb Wv ; dctx += dkc Wk + dvc Wv
-            let mut dxn = be.alloc(s, DType::BF16, tb * h)?;
+            let mut dxn = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, qw, h, false), &dq_pre, 0, w, wq, &mut dxn, 0)?;
             be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dkb_pre, 0, w, wk, &mut dxn, 0)?;
             be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dvb, 0, w, wv, &mut dxn, 0)?;

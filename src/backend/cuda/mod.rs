@@ -423,10 +423,9 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Scratch f32 buffer for partial sums.
-    /// Device memory owned by `s` that is not zero-filled: only for buffers the next kernel
-    /// writes in full before anything reads them.
-    fn alloc_uninit(&self, s: &Stream, dtype: DType, len: usize, what: &str) -> Result<CudaBuf> {
+    /// Device memory owned by `s` that is not zero-filled, named `what` in an out-of-memory
+    /// error: only for buffers the next kernel writes in full before anything reads them.
+    fn uninit_buf(&self, s: &Stream, dtype: DType, len: usize, what: &str) -> Result<CudaBuf> {
         let bytes = len.checked_mul(dtype.size_bytes()).ok_or_else(|| BackendError::Shape {
             op: "alloc",
             what: format!("{len} {} elements overflow a byte count", dtype.name()),
@@ -496,7 +495,7 @@ impl CudaBackend {
         let ws_bytes = blas::WORKSPACE_BYTES;
         // cuBLASLt's workspace is scratch it writes before reading: not zero-filled (a 32 MiB
         // memset per GEMM cost more than the GEMM itself when decoding).
-        let ws = self.alloc_uninit(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
+        let ws = self.uninit_buf(s, DType::F32, ws_bytes / 4, "the cuBLASLt workspace")?;
         self.timed_as(
             s,
             Work::Gemm,
@@ -1224,16 +1223,24 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, s: &Stream, dtype: DType, len: usize) -> Result<CudaBuf> {
-        let bytes = len.checked_mul(dtype.size_bytes()).ok_or_else(|| BackendError::Shape {
-            op: "alloc",
-            what: format!("{len} {} elements overflow a byte count", dtype.name()),
-        })?;
-        let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc of {len} {} elements", dtype.name()))?;
-        let b = CudaBuf { ptr, len, dtype, block, pool: self.pool.clone() };
-        // Zero-filled, as the trait promises (an async memset on the owner stream).
-        // SAFETY: the block holds at least len * size bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc: zero-filling", e))?;
+        let b = self.alloc_uninit(s, dtype, len)?;
+        // Zero-filled, as the trait promises (an async memset on the owner stream; device time
+        // the profile shows as its own operation, not as idle).
+        self.timed_as(
+            s,
+            Work::Copy,
+            || Some("zero-fill (alloc)".into()),
+            || {
+                // SAFETY: the block holds at least len * size bytes (alloc_uninit checked the count).
+                unsafe { cu::memset_d8_async(b.ptr, 0, (len * dtype.size_bytes()).max(1), s.raw()) }
+                    .map_err(|e| drv("alloc: zero-filling", e))
+            },
+        )?;
         Ok(b)
+    }
+
+    fn alloc_uninit(&self, s: &Stream, dtype: DType, len: usize) -> Result<CudaBuf> {
+        self.uninit_buf(s, dtype, len, "alloc")
     }
 
     fn alloc_ids(&self, s: &Stream, len: usize) -> Result<CudaIds> {
@@ -1242,9 +1249,19 @@ impl Backend for CudaBackend {
             what: format!("{len} i32 elements overflow a byte count"),
         })?;
         let (ptr, block) = self.raw_alloc(s, bytes, || format!("alloc_ids of {len} i32 elements"))?;
-        // SAFETY: the block holds at least len * 4 bytes.
-        unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }.map_err(|e| drv("alloc_ids: zero-filling", e))?;
-        Ok(CudaIds { ptr, len, block, pool: self.pool.clone() })
+        // Owned before the fill, so a failed fill frees the block.
+        let ids = CudaIds { ptr, len, block, pool: self.pool.clone() };
+        self.timed_as(
+            s,
+            Work::Copy,
+            || Some("zero-fill (alloc)".into()),
+            || {
+                // SAFETY: the block holds at least len * 4 bytes.
+                unsafe { cu::memset_d8_async(ptr, 0, bytes.max(1), s.raw()) }
+                    .map_err(|e| drv("alloc_ids: zero-filling", e))
+            },
+        )?;
+        Ok(ids)
     }
 
     fn len(&self, b: &CudaBuf) -> usize {
@@ -2637,8 +2654,8 @@ impl CudaBackend {
         let splits = longest.div_ceil(split_keys);
         let warps = (split_keys / DEC_KEYS).clamp(1, DEC_MMA_MAX_WARPS);
         let parts = sh.rows * heads * splits;
-        let part_o = self.alloc_uninit(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
-        let part_ml = self.alloc_uninit(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
+        let part_o = self.uninit_buf(s, DType::F32, parts * hd, "attn_decode's partial outputs")?;
+        let part_ml = self.uninit_buf(s, DType::F32, parts * 2, "attn_decode's partial statistics")?;
         let split = variant(&launch::AttnDecodeMmaBf16Hd::VARIANTS, &hd.to_string()).ok_or_else(no_kernel)?;
         let args = launch::AttnDecodeMmaBf16Hd {
             q: q.at(OP, 0)?,
@@ -2972,10 +2989,10 @@ impl CudaBackend {
         let n_starts = seq_starts.len;
         let slots = split_slots(rows, n_starts);
         let c = GDN_CHUNK;
-        let w = self.alloc_uninit(s, DType::F32, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
-        let uv = self.alloc_uninit(s, DType::F32, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
-        let gs = self.alloc_uninit(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
-        let st = self.alloc_uninit(s, DType::F32, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
+        let w = self.uninit_buf(s, DType::F32, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
+        let uv = self.uninit_buf(s, DType::F32, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
+        let gs = self.uninit_buf(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
+        let st = self.uninit_buf(s, DType::F32, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
         let [sm_prep, sm_state, sm_out] = split_smem(dk, dv);
         let prep = launch::GdnSplitPrep {
             k: k.at(OP, 0)?,
@@ -3051,11 +3068,11 @@ impl CudaBackend {
         let n_starts = seq_starts.len;
         let slots = split_slots(rows, n_starts);
         let c = GDN_CHUNK;
-        let w = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
-        let ke = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's decayed K scratch")?;
-        let uv = self.alloc_uninit(s, DType::BF16, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
-        let gs = self.alloc_uninit(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
-        let st = self.alloc_uninit(s, DType::BF16, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
+        let w = self.uninit_buf(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's W scratch")?;
+        let ke = self.uninit_buf(s, DType::BF16, slots * v_heads * c * dk, "gdn_chunked_fwd's decayed K scratch")?;
+        let uv = self.uninit_buf(s, DType::BF16, slots * v_heads * c * dv, "gdn_chunked_fwd's U/V' scratch")?;
+        let gs = self.uninit_buf(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
+        let st = self.uninit_buf(s, DType::BF16, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
         let [sm_prep, sm_state, sm_out] = fast_smem(dk, dv);
         let prep = launch::GdnFastPrep {
             k: k.at(OP, 0)?,
