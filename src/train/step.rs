@@ -99,7 +99,7 @@ pub fn target_pack<B: Backend>(
     let (tok, pos, starts) = (ids(&hb.ids)?, ids(&hb.pos)?, ids(&hb.seq_starts)?);
     let mut taps = Vec::with_capacity(target.taps.len());
     for _ in 0..target.taps.len() {
-        taps.push(be.alloc(s, DType::BF16, rows * h)?);
+        taps.push(be.alloc_uninit(s, DType::BF16, rows * h)?);
     }
     target.forward_taps(be, s, &TargetInputs { ids: &tok, pos: &pos, seq_starts: &starts, rows }, &mut taps)?;
     let mut x = be.alloc(s, DType::BF16, rows * taps.len() * h)?;
@@ -316,11 +316,11 @@ impl<B: Backend> DrafterSide<B> {
         let dev = DeviceDraftBatch::upload(be, s, &hb)?;
         let rows = hb.rows();
         let h = self.drafter.shape.hidden;
-        let mut dy = be.alloc(s, DType::BF16, rows * h)?;
+        let mut dy = be.alloc_uninit(s, DType::BF16, rows * h)?;
         let out = match ctx {
             Context::Packed(x) => {
                 let fc = self.fc.as_mut().expect("packed context needs the fc group on the drafter side");
-                let mut y = be.alloc(s, DType::BF16, rows * h)?;
+                let mut y = be.alloc_uninit(s, DType::BF16, rows * h)?;
                 {
                     let _fc = profile::enter(Region::Fc);
                     fc_forward(be, s, fc, x, &mut y, rows)?;

@@ -79,7 +79,7 @@ impl<B: Backend> Family<B> for Qwen3 {
     ) -> Result<()> {
         let (rows, h) = (inp.rows, t.shape.hidden);
         let mut sc = Scratch::new(be, s, &t.shape, rows)?;
-        let mut x = be.alloc(s, DType::BF16, rows * h)?;
+        let mut x = be.alloc_uninit(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
         for l in 0..=t.last_layer() {
             layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts), Residual::Applied)?;
@@ -265,17 +265,19 @@ struct Scratch<B: Backend> {
 
 impl<B: Backend> Scratch<B> {
     fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize) -> Result<Self> {
-        let bf = |n: usize| be.alloc(s, DType::BF16, n);
+        // Every buffer is written in full before it is read (the norms, GEMMs and kernels of
+        // each layer write all rows), so none needs a zero fill.
+        let bf = |n: usize| be.alloc_uninit(s, DType::BF16, n);
         Ok(Scratch {
             rows: t,
             xn: bf(t * sh.hidden)?,
-            rstd: be.alloc(s, DType::F32, t * sh.heads.max(1))?,
+            rstd: be.alloc_uninit(s, DType::F32, t * sh.heads.max(1))?,
             qkv: bf(t * (sh.q_width() + 2 * sh.kv_width()))?,
             q: bf(t * sh.q_width())?,
             k: bf(t * sh.kv_width())?,
             v: bf(t * sh.kv_width())?,
             o: bf(t * sh.q_width())?,
-            lse: be.alloc(s, DType::F32, t * sh.heads)?,
+            lse: be.alloc_uninit(s, DType::F32, t * sh.heads)?,
             gu: bf(t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
             tmp: bf(t * sh.hidden)?,
