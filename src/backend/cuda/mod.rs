@@ -536,7 +536,7 @@ impl CudaBackend {
                 let smem = tiles * head_dim * 2 + ATTN_WG_ALIGN;
                 (kernel, ATTN_WG_ROWS, ATTN_WG_THREADS, smem)
             }
-            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong => {
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
                 let variants = if form == AttnForm::WarpSpecialized {
                     &launch::AttnCausalFwdWsBf16Hd::VARIANTS
                 } else {
@@ -555,7 +555,11 @@ impl CudaBackend {
                 (kernel, ATTN_WG_ROWS, ATTN_WS_THREADS, smem)
             }
         };
-        let grid = rows.div_ceil(cta_rows) * heads;
+        let mut grid = rows.div_ceil(cta_rows) * heads;
+        if form == AttnForm::WarpSpecializedPersistent {
+            // One CTA per SM, each walking its share of the (query tile, head) units.
+            grid = grid.min(self.sm_count).max(1);
+        }
         let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
             op: "attn_causal_fwd",
             what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
@@ -582,7 +586,7 @@ impl CudaBackend {
             AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
             AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
             AttnForm::WarpSpecialized => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsBf16Hd)),
-            AttnForm::WarpSpecializedPingPong => {
+            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
                 self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsppBf16Hd))
             }
         }
@@ -646,7 +650,10 @@ impl CudaBackend {
                 let grid = sh.num_blocks * sh.kv_heads;
                 self.launch(s, kernel, (grid, 32 * g.w, smem), args!(AttnDraftFwdBf16Hd))
             }
-            AttnForm::Wgmma | AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 if !form.takes_draft(sh) {
                     return Err(BackendError::Shape {
                         op: OP,
@@ -771,7 +778,10 @@ impl CudaBackend {
                     + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
                 self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
             }
-            AttnForm::Wgmma | AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
                 // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
                 // of block keys per warpgroup, and per warpgroup the f32 P and dS of its block keys
@@ -836,7 +846,10 @@ impl CudaBackend {
                 let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
                 self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
             }
-            AttnForm::Wgmma | AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
                 // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
                 // dsum values.
@@ -2703,6 +2716,11 @@ pub enum AttnForm {
     /// consumer warpgroups take turns at issuing their wgmmas (named barriers), so that one's
     /// softmax runs under the other's products. Same results; not picked by default.
     WarpSpecializedPingPong,
+    /// `WarpSpecializedPingPong` launched persistent: one CTA per SM, each walking (query tile,
+    /// head) units in a snake over the heaviest-first list, so the producer loads the next unit's
+    /// first K/V tile while the consumers finish and store the last one. Same results; not
+    /// picked by default.
+    WarpSpecializedPersistent,
 }
 
 impl AttnForm {
@@ -2751,7 +2769,9 @@ impl AttnForm {
             AttnForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
             AttnForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
             AttnForm::WarpSpecialized => &launch::AttnCausalFwdWsBf16Hd::VARIANTS,
-            AttnForm::WarpSpecializedPingPong => &launch::AttnCausalFwdWsppBf16Hd::VARIANTS,
+            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                &launch::AttnCausalFwdWsppBf16Hd::VARIANTS
+            }
         };
         variant(variants, &head_dim.to_string()).is_some()
     }
@@ -2765,13 +2785,18 @@ impl AttnForm {
                 let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
                 sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
             }
-            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong => false,
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                false
+            }
         }
     }
 
     /// Whether this form has only the causal forward (no drafter kernels).
     pub fn causal_only(self) -> bool {
-        matches!(self, AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong)
+        matches!(
+            self,
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent
+        )
     }
 }
 
@@ -3244,7 +3269,7 @@ mod tests {
         assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
         // The warp-specialised causal forward: the same head dims, never the default (yet), and no
         // drafter kernel.
-        for ws in [AttnForm::WarpSpecialized, AttnForm::WarpSpecializedPingPong] {
+        for ws in [AttnForm::WarpSpecialized, AttnForm::WarpSpecializedPingPong, AttnForm::WarpSpecializedPersistent] {
             assert!(ws.takes_causal(128) && ws.takes_causal(256), "{ws:?}");
             assert!(!ws.takes_causal(64) && !ws.takes_causal(96), "{ws:?}");
             assert!(ws.causal_only() && !ws.takes_draft(&sh(128, 16, 32, 8)), "{ws:?}");
