@@ -159,13 +159,14 @@ fn gpu_causal_attention_forms_match_cpu() {
 
 /// The warp-specialised causal forward (`AttnForm::WarpSpecialized`; with consumer ping-pong,
 /// `WarpSpecializedPingPong`; that launched persistent, `WarpSpecializedPersistent`:
-/// attention_wgmma.cu section 5) on every shape the causal tests above
-/// and the head_dim 256 test (gpu/hybrid.rs) use, plus two long ragged batches that cycle its K/V
-/// rings many times: against the CPU with the tolerance of the test each shape comes from, against
-/// the wgmma form (same math and rounding; the same tolerance), and bit-identical from run to run.
-/// Covers an empty sequence, length-1 sequences, query tiles that straddle sequence starts, row
-/// counts that are not multiples of the 128-row tile (a last tile whose second warpgroup has no
-/// rows), and GQA at 8, 4, 3, 2 and 1 q heads per kv head.
+/// attention_wgmma.cu section 5) on every shape the causal tests above and the head_dim 256 test
+/// (gpu/hybrid.rs) use, plus two long ragged batches that cycle its K/V rings many times and have
+/// more (query tile, head) units (288 and 144) than an H200 has SMs, so that each persistent CTA
+/// walks two or three units: against the CPU with the tolerance of the test each shape comes from,
+/// against the wgmma form (same math and rounding; the same tolerance), and bit-identical from run
+/// to run. Covers an empty sequence, length-1 sequences, query tiles that straddle sequence starts,
+/// row counts that are not multiples of the 128-row tile (a last tile whose second warpgroup has no
+/// rows), and GQA at 1, 2, 3, 4 and 6 q heads per kv head.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma() {
@@ -181,7 +182,7 @@ fn gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma() {
         (256, 6, 2, vec![1, 63, 64, 65, 200], BF16_TOL),
         (256, 24, 4, vec![70, 1, 64], BF16_TOL),
         (256, 2, 2, vec![129], BF16_TOL),
-        (128, 32, 4, vec![3, 1500, 64, 700], ATTN_TOL),
+        (128, 16, 4, vec![3, 1500, 64, 700], ATTN_TOL),
         (256, 8, 8, vec![1500, 3, 700], ATTN_TOL),
     ];
     for (hd, heads, kvh, lens, tol) in cases {
