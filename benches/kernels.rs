@@ -387,14 +387,22 @@ fn main() {
         let mut o = buf(DType::BF16, t_rows * heads * hd);
         let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
         let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
-        // Both kernel forms on the same random inputs: the Hopper warpgroup kernel (the default)
-        // and the mma.sync one it replaced, as the in-run baseline.
+        // Every kernel form on the same random inputs: the warp-specialised ones (producer
+        // warpgroup, mbarrier ring; persistent with consumer ping-pong, ping-pong, neither), the Hopper warpgroup
+        // kernel (the default) and the mma.sync one it replaced, as the in-run baselines; each row
+        // prints its ratio to the cuDNN peer.
         let (qr, kr, vr) = (
             normal_buf(DType::BF16, t_rows * heads * hd, 44),
             normal_buf(DType::BF16, t_rows * kvh * hd, 45),
             normal_buf(DType::BF16, t_rows * kvh * hd, 46),
         );
-        for form in [AttnForm::Wgmma, AttnForm::Mma] {
+        for form in [
+            AttnForm::WarpSpecializedPersistent,
+            AttnForm::WarpSpecializedPingPong,
+            AttnForm::WarpSpecialized,
+            AttnForm::Wgmma,
+            AttnForm::Mma,
+        ] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
             });
@@ -553,7 +561,14 @@ fn main() {
         let mut o = buf(DType::BF16, n * heads * hd);
         let starts = ids(vec![0, n as i32]);
         let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
-        for form in [AttnForm::Wgmma, AttnForm::Mma] {
+        // The five causal forms, as at head_dim 128.
+        for form in [
+            AttnForm::WarpSpecializedPersistent,
+            AttnForm::WarpSpecializedPingPong,
+            AttnForm::WarpSpecialized,
+            AttnForm::Wgmma,
+            AttnForm::Mma,
+        ] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
             });

@@ -1,6 +1,8 @@
 // attention_wgmma.cu: the target's causal GQA prefill attention on Hopper's warpgroup MMA
 // (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention); below it
-// (sections 2 to 4) the drafter's forward and backward at head_dim 128.
+// (sections 2 to 4) the drafter's forward and backward at head_dim 128, and (section 5) the same
+// causal forward warp-specialised: a producer warpgroup and an mbarrier ring instead of the
+// per-tile CTA barrier described below, optionally with consumer ping-pong and persistent CTAs.
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //
@@ -28,9 +30,11 @@
 // Bound: tensor-core compute (4 * hd * heads * sum L(L+1)/2 FLOPs, ~0.31 TFLOP per layer at
 //   4 x 3072 tokens, 32/8 heads, hd 128). Each warpgroup overlaps its softmax with its own O += P V;
 //   the two warpgroups still meet at the per-tile barrier (the copies are everyone's work), so
-//   the tensor cores idle through the copy issue and the barrier wait. Next steps: a producer warp
-//   with mbarriers (or TMA) so the warpgroups never meet, and a persistent tile loop so one tile's
-//   epilogue overlaps the next one's loads.
+//   the tensor cores idle through the copy issue and the barrier wait. Section 5 takes the next
+//   steps: a producer warpgroup with mbarriers (the warpgroups never meet), consumer ping-pong
+//   (one warpgroup's softmax under the other's GEMMs) and a persistent unit loop (the next unit's
+//   first K/V tile loads under the last one's epilogue). Still open: TMA for the copies (the
+//   producer's cp.async zero-fills rows outside a tile's sequences, which a TMA box would not).
 #include <climits>
 
 #include "wgmma.cuh"
@@ -1261,6 +1265,435 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// 5. Causal forward, warp-specialised (the FlashAttention-3 structure): section 1's math, masking,
+// numerics, output layout and preconditions, with the copies taken off the MMA warpgroups.
+// attn_causal_fwd_ws_bf16_hd* (the consumers run independently) and attn_causal_fwd_wspp_bf16_hd*
+// (consumer ping-pong, below); head_dim 128 and 256; both run exact or persistent grids.
+//
+// Work unit = (128-row query tile, q head) as section 1's CTA (same key range and KEYS-row key
+// tiles), listed heaviest first: unit u is query tile ntiles - 1 - u / heads of head u % heads.
+// With the exact grid (ceil(rows / 128) * heads CTAs) CTA b takes unit b, as in section 1. With a
+// smaller grid (persistent: one CTA per SM) CTA b takes in round r unit r * grid + b (r even) or
+// r * grid + grid - 1 - b (r odd): a snake over the sorted list, so that no CTA takes the heaviest
+// unit of every round.
+// CTA = 384 threads = 3 warpgroups:
+//   warpgroup 0     producer. setmaxnreg.dec to ATTN_WS_PRODUCER_REGS (24). Its 128 threads copy,
+//                   per unit, Q once and per key tile t (counted over the CTA's units: the ring
+//                   position g) K_t into K stage g % KS and V_t into V stage g % VS (16-byte
+//                   cp.async into the swizzled layout of section 1; rows outside the unit's key
+//                   range [lo, hi] zero-filled exactly as there, so no other sequence's values reach
+//                   a product). Order per unit: K_0, Q, V_0, K_1, V_1, ...: the next unit's K_0 goes
+//                   out while the consumers still finish the last one. After its copies of a
+//                   buffer each thread issues cp.async.mbarrier.arrive.noinc on the buffer's "full"
+//                   mbarrier (count 128): the phase completes when every thread's copies have
+//                   landed. Before refilling a buffer it waits on the buffer's "empty" mbarrier.
+//                   It runs up to KS K tiles and VS V tiles ahead of the consumers, then waits for
+//                   its own copies (cp.async.wait_all) and exits.
+//   warpgroups 1, 2 consumers. setmaxnreg.inc to ATTN_WS_CONSUMER_REGS (240). Consumer c owns
+//                   rows 64c .. 64c + 63 of the unit's tile and runs section 1's pipeline unchanged
+//                   (S_t issued with P_{t-1} V_{t-1}, the softmax of S_t under the latter, P rounded
+//                   to bf16, no wgmma under a branch, fully masked tiles computed); only the waits
+//                   differ. Before issuing it waits on Q's (first tile), K_t's and V_{t-1}'s full
+//                   mbarriers, then fences the proxies: the copies are generic-proxy writes and
+//                   wgmma reads through the async proxy, so each consumer thread, having observed
+//                   the writes through the mbarrier's acquire, executes fence.proxy.async before its
+//                   wgmmas. When wgmma.wait_group shows S_t complete each warp arrives once on K
+//                   stage t's empty mbarrier, when it shows P_{t-1} V_{t-1} complete on V stage
+//                   t - 1's, and after its output rows are stored on Q's (count 8: every warp of
+//                   both consumers).
+// No CTA-wide barrier after the setup one (mbarrier init): the consumers never wait for the copy
+// issue, only for data, and (without ping-pong) never for each other.
+// Ping-pong (attn_causal_fwd_wspp_*): the consumers take turns at issuing their wgmmas, so that
+// the tensor cores run one's S_t and P_{t-1} V_{t-1} while the other does its softmax. Consumer c
+// waits on named barrier 1 + c (bar.sync, 256 threads: its own 128 waiting, the other's 128
+// arriving) before an issue point and arrives on the other's barrier (bar.arrive) right after it;
+// consumer 1 arrives once up front (when the CTA has a unit), so consumer 0 goes first. Both have
+// the same issue points (n_kt + 1 per unit), and consumer 1 skips its arrival after the CTA's last
+// one: each barrier sees as many arrivals as waits and none is left pending at exit. No deadlock
+// with the mbarriers: a consumer waiting for its turn at issue point j has itself released every
+// buffer up to point j - 1, which is all the producer needs to fill what the other consumer waits
+// for at j - 1 or j.
+// Phases: a buffer of a ring of n is used by positions s, s + n, ...; use u = g / n (Q: use = the
+// round). The consumers wait on full with parity u & 1; the producer waits on empty with parity
+// (u & 1) ^ 1 (use u - 1's release; a fresh mbarrier reports its preceding phase, parity 1,
+// complete, so the first pass does not wait). Neither side can get two phases ahead of the other:
+// the producer refills a buffer only after both consumers released it, and they release it only
+// after waiting for it to be full. No deadlock: a unit's key tile t needs K_t and V_{t-1}; the
+// producer issues V_{t-1} then K_t (or, at t = 0, the last unit's V then K_0, Q), which need
+// P V and S of ring positions VS and KS back and the last unit's output stored, all of earlier
+// steps of the consumers (VS >= 2, KS >= 1).
+// Buffer reuse: a consumer arrives on a K or V empty mbarrier only after wgmma.wait_group has shown
+// the wgmmas that read the stage complete, and on Q's only after its wgmmas are done and its output
+// rows, staged through its own (dead) Q rows as in section 1, are read back; the producer's refill
+// is ordered after the arrive by the mbarrier's release/acquire, so it never overwrites an operand
+// in use.
+//
+// Launch: grid any >= 1 (ceil(rows / ATTN_WG_ROWS) * heads for one unit per CTA; the Rust side's
+//   persistent form launches min(that, SMs)), block ATTN_WS_THREADS (384), dynamic smem
+//   (ATTN_WG_ROWS + (KS + ATTN_WS_V_STAGES) * KEYS) * HD * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN
+//   bytes, KS = ATTN_WS_K_STAGES_HD128 (3) / _HD256 (2), VS = 3, KEYS as section 1 (128 / 64):
+//   230,528 at both head dims (the opt-in maximum is 232,448), one CTA per SM. Layout from the
+//   1024-aligned base: Q, KS K stages, VS V stages, the mbarriers (Q full, Q empty; K full, K
+//   empty, V full, V empty per stage). A block or smem mismatch, or rows >= 2^31 - 128 (the unit
+//   geometry is in 32-bit ints; seq_starts are ints anyway), traps at entry.
+// Registers (ptxas, no spills at either head dim, both kernels): 168 per thread at launch (the
+//   cap of 384 threads: 64,512 of the SM's 65,536); setmaxnreg then gives the producer 24 and each
+//   consumer 240 (128 * 24 + 256 * 240 = 64,512, so setmaxnreg.inc never waits on a short pool).
+//   ptxas allocates the producer's code within 24 (its copy loop walks one row per iteration with
+//   32-bit offsets for that reason) and the consumers' within 240: O, S and P as section 1 without
+//   the copy addressing (the ping-pong kernel at hd 256 just fits: immediate barrier ids, 3
+//   barriers).
+template <int HD>
+struct WsGeo {
+  static constexpr int BM = ATTN_WG_ROWS;
+  static constexpr int BN = HD > 128 ? ATTN_WG_KEYS_HD256 : ATTN_WG_KEYS_HD128;
+  static constexpr int KS = HD > 128 ? ATTN_WS_K_STAGES_HD256 : ATTN_WS_K_STAGES_HD128, VS = ATTN_WS_V_STAGES;
+  static constexpr uint32_t Q_BYTES = BM * HD * 2;
+  static constexpr uint32_t KV_BYTES = BN * HD * 2;
+  static constexpr uint32_t BAR_OFF = Q_BYTES + (KS + VS) * KV_BYTES;
+  static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+  static_assert(HD == 128 || HD == 256, "the warp-specialised causal forward takes head_dim 128 or 256");
+  static_assert((2 + 2 * KS + 2 * VS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
+  static_assert(KS >= 1 && VS >= 2, "V_{t-1} and V_t are in flight together");
+  static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
+};
+
+__device__ __forceinline__ void ws_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Spins until the phase with the given parity has completed (acquire at CTA scope).
+__device__ __forceinline__ void ws_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void ws_mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival on bar once every cp.async this thread issued before has completed (the expected
+// count includes it: .noinc).
+__device__ __forceinline__ void ws_cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void ws_setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void ws_setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// Copies rows [i_lo, i_hi] of an R-row tile (row i at row0 + i * pitch) into an R-row swizzled
+// tile with the 128 threads of the producer warpgroup (t = its thread 0..127), the other rows
+// zero-filled; thread t takes chunk t % C of rows t / C, t / C + 128 / C, ... Written for the
+// producer's 24 registers: one row per iteration, 32-bit row tests and offsets.
+template <int HD, int R>
+__device__ __forceinline__ void ws_load_rows(uint32_t tile, const bf16* row0, int pitch, int i_lo, int i_hi,
+                                             const bf16* any_mapped, int t) {
+  constexpr int C = HD / 8, STEP = 128 / C;
+  static_assert(128 % C == 0 && R % STEP == 0, "every producer thread copies the same number of chunks");
+  const int ch = t % C;
+  int i = t / C;
+  int off = i * pitch + ch * 8;  // < R * pitch: heads * head_dim is far below 2^24
+#pragma unroll 1
+  for (; i < R; i += STEP, off += STEP * pitch) {
+    const bool ok = i >= i_lo && i <= i_hi;
+    cp_async_16(tile + sw128_chunk<R>(i, ch), ok ? row0 + off : any_mapped, ok);
+  }
+}
+
+template <int HD, bool PING_PONG>
+__device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                              const bf16* __restrict__ v, bf16* __restrict__ o,
+                                              const int* __restrict__ seq_starts, int num_seqs, index_t rows,
+                                              int heads, int kv_heads, float scale) {
+  using G = WsGeo<HD>;
+  constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS;
+  require_launch(ATTN_WS_THREADS, G::SMEM);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base;
+  auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
+  auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
+  const uint32_t q_full = base + G::BAR_OFF, q_empty = q_full + 8u;
+  auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(2 + st); };
+  auto k_empty = [&](int st) { return q_full + 8u * (uint32_t)(2 + KS + st); };
+  auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(2 + 2 * KS + st); };
+  auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(2 + 2 * KS + VS + st); };
+
+  const int wg = threadIdx.x >> 7;
+  const index_t ntiles = (rows + BM - 1) / BM;
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+  // Work units u = 0 .. ntiles * heads - 1, heaviest first: unit u is query tile
+  // ntiles - 1 - u / heads of head u % heads. The CTA takes, in round r, unit r * grid + cta (even
+  // r) or r * grid + grid - 1 - cta (odd r): one unit with the exact grid, a snake over the sorted
+  // list with a smaller (persistent) one, which keeps the CTAs' total work within a round's spread.
+  // -1 past the end; a round past the end is followed only by such rounds.
+  const long long units = (long long)ntiles * heads, grid = gridDim.x, cta = blockIdx.x;
+  auto unit_of = [&](int r) -> long long {
+    const long long u = r * grid + ((r & 1) ? grid - 1 - cta : cta);
+    return u < units ? u : -1;
+  };
+  // A unit's query tile and key tiles (section 1's ranges), in 32-bit ints: rows < 2^31 - BM
+  // (checked below; seq_starts are ints, so no longer batch can be described anyway).
+  struct Unit {
+    int q0, lo, hi, kt_lo, h, n_kt;
+  };
+  auto unit_geo = [&](long long u) {
+    Unit w;
+    w.h = (int)(u % heads);
+    w.q0 = (int)((ntiles - 1 - u / heads) * BM);
+    w.lo = (int)seq_start_of(seq_starts, num_seqs, w.q0);  // first key any row of the tile sees
+    w.hi = (int)min((index_t)w.q0 + BM, rows) - 1;          // last key
+    w.kt_lo = w.lo / BN;
+    w.n_kt = w.hi / BN - w.kt_lo + 1;
+    return w;
+  };
+  if (rows > (index_t)(INT_MAX - BM)) __trap();
+
+  if (threadIdx.x == 0) {
+    ws_mbar_init(q_full, 128);
+    ws_mbar_init(q_empty, 2 * 4);
+    for (int st = 0; st < KS; ++st) {
+      ws_mbar_init(k_full(st), 128);
+      ws_mbar_init(k_empty(st), 2 * 4);
+    }
+    for (int st = 0; st < VS; ++st) {
+      ws_mbar_init(v_full(st), 128);
+      ws_mbar_init(v_empty(st), 2 * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the only CTA-wide barrier: the mbarriers are initialised before any use
+
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
+    const int t = threadIdx.x;
+    int g = 0;  // K/V tiles this CTA has loaded so far: the ring position
+    for (int r = 0;; ++r) {
+      const long long u = unit_of(r);
+      if (u < 0) break;
+      const Unit w = unit_geo(u);
+      const int kvh = w.h / (heads / kv_heads);
+      for (int it = 0; it < w.n_kt; ++it, ++g) {
+        const int k0 = (w.kt_lo + it) * BN;
+        // Rows of the tile inside the key range [lo, hi] (empty when i_lo > i_hi).
+        const int i_lo = max(w.lo - k0, 0), i_hi = min(w.hi - k0, BN - 1);
+        const int ks = g % KS, vs = g % VS;
+        ws_mbar_wait(k_empty(ks), (uint32_t)((g / KS) & 1) ^ 1u);
+        ws_load_rows<HD, BN>(sK(ks), k + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, k, t);
+        ws_cp_async_arrive(k_full(ks));
+        if (it == 0) {
+          // Q after K_0: K_0 may go out while the consumers still store the previous unit's
+          // output through the Q rows (q_empty tells when they are done; round r is the Q
+          // buffer's use r).
+          ws_mbar_wait(q_empty, (uint32_t)(r & 1) ^ 1u);
+          ws_load_rows<HD, BM>(sQ, q + (index_t)w.q0 * qw + w.h * HD, (int)qw, 0, min((int)rows - w.q0, BM) - 1,
+                               q, t);
+          ws_cp_async_arrive(q_full);
+        }
+        ws_mbar_wait(v_empty(vs), (uint32_t)((g / VS) & 1) ^ 1u);
+        ws_load_rows<HD, BN>(sV(vs), v + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, v, t);
+        ws_cp_async_arrive(v_full(vs));
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // ---- consumers ----
+  ws_setmaxnreg_inc<ATTN_WS_CONSUMER_REGS>();
+  const int cw = wg - 1, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const float sl2 = scale * LOG2E;
+  const uint32_t sQw = sQ + (uint32_t)(cw * 64 * 128);
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
+  float acc[HD / 8][4];
+  float s[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  auto issue_s = [&](int gi) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(gi % KS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int gi) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(gi % VS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  // One arrival per warp (the empty mbarriers count the 8 consumer warps).
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) ws_mbar_arrive(bar);
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+  // Ping-pong (PING_PONG): the consumers take turns at issuing their wgmmas. Consumer c waits on
+  // named barrier 1 + c before an issue point and, once issued, arrives on the other's (2 - c);
+  // consumer 1 arrives on barrier 1 once up front (if the CTA has any unit) so that consumer 0 goes
+  // first. Both have the same issue points (n_kt + 1 per unit: S_0; S_t with P_{t-1} V_{t-1}; the
+  // last P V), and consumer 1 skips its arrival after the CTA's very last one: every barrier then
+  // sees as many arrivals as waits.
+  // (Immediate barrier ids: one register fewer, and ptxas counts 3 barriers, not 16.)
+  auto turn_wait = [&]() {
+    if constexpr (PING_PONG) {
+      if (cw == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      else asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
+  };
+  auto turn_pass = [&](bool last) {
+    if constexpr (PING_PONG) {
+      if (cw == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      else if (!last) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    }
+  };
+  if (cw == 1 && unit_of(0) >= 0) turn_pass(false);
+
+  int g = 0;  // K/V tiles consumed before this unit: the ring position, as the producer's
+  for (int r = 0;; ++r) {
+    const long long u = unit_of(r);
+    if (u < 0) break;
+    const bool last_unit = unit_of(r + 1) < 0;
+    const Unit w = unit_geo(u);
+    const int q0 = w.q0, n_kt = w.n_kt, nrows = (int)rows;
+    // This warpgroup's rows and sequence starts, this thread's two rows: as section 1, relative
+    // to q0.
+    const int r0 = cw * 64;
+    const bool live = q0 + r0 < nrows;
+    const int ss1 = live ? (int)seq_start_of(seq_starts, num_seqs, min(q0 + r0 + 64, nrows) - 1) - q0 : 0;
+    int row_of[2], ss_of[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      row_of[hh] = r0 + wi * 16 + gr + 8 * hh;
+      ss_of[hh] = q0 + row_of[hh] < nrows ? (int)seq_start_of(seq_starts, num_seqs, q0 + row_of[hh]) - q0 : INT_MAX;
+    }
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    auto softmax = [&](int it, float (&alpha)[2]) {
+      const int k0 = (w.kt_lo + it) * BN - q0, k1 = k0 + BN - 1;
+      const bool masked = !live || !(k0 >= ss1 && k1 <= r0);
+      softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
+        const int t = k0 + col;
+        return t >= ss_of[hh] && t <= row_of[hh];
+      });
+    };
+
+    ws_mbar_wait(q_full, (uint32_t)(r & 1));
+    {  // it = 0: S_0 alone.
+      float alpha[2];
+      ws_mbar_wait(k_full(g % KS), (uint32_t)(g / KS) & 1u);
+      fence_proxy_async();
+      turn_wait();
+      wgmma_fence();
+      issue_s(g);
+      turn_pass(false);
+      wgmma_wait<0>();
+      wg_fence_regs(s);
+      release(k_empty(g % KS));
+      softmax(0, alpha);
+      softmax_rescale<HD>(acc, alpha);
+      pack_p();
+    }
+    for (int it = 1; it < n_kt; ++it) {
+      float alpha[2];
+      const int gi = g + it, ks = gi % KS, pvs = (gi - 1) % VS;
+      ws_mbar_wait(k_full(ks), (uint32_t)(gi / KS) & 1u);
+      ws_mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
+      fence_proxy_async();
+      wg_fence_regs(acc);
+      turn_wait();
+      wgmma_fence();
+      issue_s(gi);
+      issue_pv(gi - 1);
+      turn_pass(false);
+      wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
+      wg_fence_regs(s);
+      release(k_empty(ks));
+      softmax(it, alpha);
+      wgmma_wait<0>();
+      wg_fence_regs(acc);
+      release(v_empty(pvs));
+      softmax_rescale<HD>(acc, alpha);
+      pack_p();
+    }
+    {
+      const int gl = g + n_kt - 1, pvs = gl % VS;
+      ws_mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
+      fence_proxy_async();
+      wg_fence_regs(acc);
+      turn_wait();
+      wgmma_fence();
+      issue_pv(gl);
+      turn_pass(last_unit);
+      wgmma_wait<0>();
+      wg_fence_regs(acc);
+      release(v_empty(pvs));
+    }
+    g += n_kt;
+
+    if (live) {
+      softmax_finish<HD>(acc, l);
+      // Stage the bf16 output in this warpgroup's Q rows (read only by its own, finished,
+      // wgmmas): each warp writes and then reads back its own 16 rows.
+      const int wr = cw * 64 + wi * 16;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        const int col = n * 8 + 2 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
+            pack_bf16x2_rne(acc[n][0], acc[n][1]);
+        *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
+            pack_bf16x2_rne(acc[n][2], acc[n][3]);
+      }
+      __syncwarp();
+      constexpr int C = HD / 8;
+      for (int c = lane; c < 16 * C; c += 32) {
+        const int i = c / C, ch = c % C;
+        const int rr = q0 + wr + i;
+        if (rr < nrows) {
+          *reinterpret_cast<uint4*>(o + (index_t)rr * qw + w.h * HD + ch * 8) =
+              *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+        }
+      }
+    }
+    // The Q rows are free for the next unit's Q (this warp's wgmmas are done with them, and its
+    // output has been read back into registers).
+    release(q_empty);
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -1272,6 +1705,26 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 
 ATTN_WG_EXPORT(128)
 ATTN_WG_EXPORT(256)
+
+// The warp-specialised causal forward (section 5), without and with consumer ping-pong; same
+// arguments as section 1's.
+#define ATTN_WS_EXPORT(D)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_ws_bf16_hd##D(            \
+      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
+      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
+    attn::causal_fwd_ws<D, false>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);          \
+  }
+#define ATTN_WSPP_EXPORT(D)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_wspp_bf16_hd##D(          \
+      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
+      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
+    attn::causal_fwd_ws<D, true>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);           \
+  }
+
+ATTN_WS_EXPORT(128)
+ATTN_WS_EXPORT(256)
+ATTN_WSPP_EXPORT(128)
+ATTN_WSPP_EXPORT(256)
 
 // The drafter forward at head_dim 128 (both drafter recipes); launch above draft_fwd_wg.
 extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_wg_bf16_hd128(

@@ -72,6 +72,26 @@ constexpr int ATTN_WG_BWD_V_STAGES = 2;
 // 133,120 bytes at hd 128, plus the static visible-block list.
 constexpr int ATTN_WG_BWD_KV_ROWS = ATTN_WG_WARPGROUPS * 64;
 
+// The warp-specialised causal forward (attention_wgmma.cu section 5): a producer warpgroup that
+// alone moves Q, K and V (cp.async, completion counted on per-stage "full" mbarriers) and the two
+// consumer warpgroups of the layout above (wgmma; each frees a stage on its "empty" mbarrier):
+// 384 threads. Registers move from the producer to the consumers with setmaxnreg: 128 * 24 +
+// 256 * 240 = 64,512 of the SM's 65,536 (the kernel is compiled for 384 threads, i.e. 168 each).
+constexpr int ATTN_WS_THREADS = (ATTN_WG_WARPGROUPS + 1) * 128;
+constexpr int ATTN_WS_PRODUCER_REGS = 24;
+constexpr int ATTN_WS_CONSUMER_REGS = 240;
+// K/V stages. A K stage is free once S = Q K^T of its tile has completed (within the same
+// iteration), a V stage once O += P V has (one iteration later), so V needs a stage more than K to
+// let the producer run the same distance ahead. Shared memory: (ROWS + (K_STAGES + V_STAGES) *
+// KEYS) * hd * 2 + BAR_BYTES + 1024 bytes = 230,528 at hd 128 (3 + 3 stages of 128 keys) and at hd
+// 256 (2 + 3 stages of 64 keys).
+constexpr int ATTN_WS_K_STAGES_HD128 = 3;
+constexpr int ATTN_WS_K_STAGES_HD256 = 2;
+constexpr int ATTN_WS_V_STAGES = 3;
+// The mbarriers (8 bytes each): Q full, then a full and an empty one per K and per V stage; 16
+// slots, room for 7 + 7 stages.
+constexpr int ATTN_WS_BAR_BYTES = 128;
+
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 // Threads per CTA of the streaming kernel (one CTA per row): 16 warps.
 constexpr int CE_BLOCK = 512;

@@ -5,7 +5,7 @@ use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::{Backend, DraftAttnShape};
 use dflash_engine::tensor::DType;
 
-use super::{bits_equal, get, gpu, ids, put, rand, rel_err};
+use super::{bits_equal, get, gpu, ids, put, rand, rel_err, starts_of, BF16_TOL};
 
 trait AttnTest {
     fn causal(
@@ -153,6 +153,61 @@ fn gpu_causal_attention_forms_match_cpu() {
                 ATTN_TOL,
             );
             bits_equal(&format!("{form:?} hd {hd} rerun"), &run(), &got);
+        }
+    }
+}
+
+/// The warp-specialised causal forward (`AttnForm::WarpSpecialized`; with consumer ping-pong,
+/// `WarpSpecializedPingPong`; that launched persistent, `WarpSpecializedPersistent`:
+/// attention_wgmma.cu section 5) on every shape the causal tests above and the head_dim 256 test
+/// (gpu/hybrid.rs) use, plus two long ragged batches that cycle its K/V rings many times and have
+/// more (query tile, head) units (288 and 144) than an H200 has SMs, so that each persistent CTA
+/// walks two or three units: against the CPU with the tolerance of the test each shape comes from,
+/// against the wgmma form (same math and rounding; the same tolerance), and bit-identical from run
+/// to run. Covers an empty sequence, length-1 sequences, query tiles that straddle sequence starts,
+/// row counts that are not multiples of the 128-row tile (a last tile whose second warpgroup has no
+/// rows), and GQA at 1, 2, 3, 4 and 6 q heads per kv head.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma() {
+    use dflash_engine::backend::cuda::AttnForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let s = g.compute_stream();
+    // (head_dim, heads, kv heads, sequence lengths, tolerance against the CPU)
+    let cases: Vec<(usize, usize, usize, Vec<usize>, f32)> = vec![
+        (128, 4, 2, vec![1, 0, 129, 70], ATTN_TOL),
+        (128, 8, 2, vec![1000, 1, 300, 129], ATTN_TOL),
+        (256, 6, 6, vec![77, 640, 2], ATTN_TOL),
+        (128, 4, 1, vec![2048], ATTN_TOL),
+        (256, 6, 2, vec![1, 63, 64, 65, 200], BF16_TOL),
+        (256, 24, 4, vec![70, 1, 64], BF16_TOL),
+        (256, 2, 2, vec![129], BF16_TOL),
+        (128, 16, 4, vec![3, 1500, 64, 700], ATTN_TOL),
+        (256, 8, 8, vec![1500, 3, 700], ATTN_TOL),
+    ];
+    for (hd, heads, kvh, lens, tol) in cases {
+        let rows: usize = lens.iter().sum();
+        let starts = starts_of(&lens);
+        let q = rand(rows * heads * hd, 270 + hd as u64, 1.0);
+        let k = rand(rows * kvh * hd, 271, 1.0);
+        let v = rand(rows * kvh * hd, 272, 1.0);
+        let want = c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd);
+        let (qb, kb, vb) = (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16));
+        let st = ids(&g, &starts);
+        let run = |form: AttnForm| {
+            assert!(form.takes_causal(hd), "{form:?} has no kernel for head_dim {hd}");
+            let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+            get(&g, &o)
+        };
+        let wg = run(AttnForm::Wgmma);
+        for form in [AttnForm::WarpSpecialized, AttnForm::WarpSpecializedPingPong, AttnForm::WarpSpecializedPersistent]
+        {
+            let what = format!("{form:?} hd {hd}, {heads}/{kvh} heads, lens {lens:?}");
+            let ws = run(form);
+            rel_err(&format!("{what} vs cpu"), &ws, &want, tol);
+            rel_err(&format!("{what} vs Wgmma"), &ws, &wg, tol);
+            bits_equal(&format!("{what} rerun"), &run(form), &ws);
         }
     }
 }

@@ -281,6 +281,10 @@ mod tests {
         assert_eq!(dims, ["128", "16", "256", "32", "64"]);
         let dims: Vec<&str> = AttnCausalFwdWgBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
         assert_eq!(dims, ["128", "256"]);
+        let dims: Vec<&str> = AttnCausalFwdWsBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
+        assert_eq!(dims, ["128", "256"]);
+        let dims: Vec<&str> = AttnCausalFwdWsppBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
+        assert_eq!(dims, ["128", "256"]);
         assert_eq!(variant(&AttnDraftBwdKvBf16Hd::VARIANTS, "64"), Some(Kernel::AttnDraftBwdKvBf16Hd64));
         assert_eq!(CecKernel::VARIANTS.len(), 2);
         assert_eq!(Kernel::PackTapsNoiseBf16.family(), "pack");
@@ -339,10 +343,13 @@ mod tests {
         let dec = text.lines().filter(|l| l.starts_with("DEC_EXPORT(")).count();
         let qkr = text.lines().filter(|l| l.starts_with("QKR_EXPORT(")).count();
         let wg = text.lines().filter(|l| l.starts_with("ATTN_WG_EXPORT(")).count();
+        let ws =
+            text.lines().filter(|l| l.starts_with("ATTN_WS_EXPORT(") || l.starts_with("ATTN_WSPP_EXPORT(")).count();
         let hnr = text.lines().filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(")).count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
-        // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT and HYB_NORM_ROPE_EXPORT one.
-        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + hnr);
+        // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT, ATTN_WS_EXPORT, ATTN_WSPP_EXPORT and
+        // HYB_NORM_ROPE_EXPORT one.
+        assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + ws + hnr);
     }
 
     #[test]

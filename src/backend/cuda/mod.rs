@@ -36,7 +36,8 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_KV_ROWS, ATTN_WG_BWD_K_STAGES,
     ATTN_WG_BWD_V_STAGES, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
-    ATTN_WG_V_STAGES,
+    ATTN_WG_V_STAGES, ATTN_WS_BAR_BYTES, ATTN_WS_K_STAGES_HD128, ATTN_WS_K_STAGES_HD256, ATTN_WS_THREADS,
+    ATTN_WS_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -545,8 +546,30 @@ impl CudaBackend {
                 let smem = tiles * head_dim * 2 + ATTN_WG_ALIGN;
                 (kernel, ATTN_WG_ROWS, ATTN_WG_THREADS, smem)
             }
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                let variants = if form == AttnForm::WarpSpecialized {
+                    &launch::AttnCausalFwdWsBf16Hd::VARIANTS
+                } else {
+                    &launch::AttnCausalFwdWsppBf16Hd::VARIANTS
+                };
+                let kernel = Self::attn_kernel("attn_causal_fwd", variants, head_dim)?;
+                // kernels/attention_wgmma.cu section 5: the rows and key tiles of the wgmma form, its
+                // own K/V stage counts, and the ring's mbarriers.
+                let (keys, k_stages) = if head_dim > 128 {
+                    (ATTN_WG_KEYS_HD256, ATTN_WS_K_STAGES_HD256)
+                } else {
+                    (ATTN_WG_KEYS_HD128, ATTN_WS_K_STAGES_HD128)
+                };
+                let tiles = ATTN_WG_ROWS + (k_stages + ATTN_WS_V_STAGES) * keys;
+                let smem = tiles * head_dim * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+                (kernel, ATTN_WG_ROWS, ATTN_WS_THREADS, smem)
+            }
         };
-        let grid = rows.div_ceil(cta_rows) * heads;
+        let mut grid = rows.div_ceil(cta_rows) * heads;
+        if form == AttnForm::WarpSpecializedPersistent {
+            // One CTA per SM, each walking its share of the (query tile, head) units.
+            grid = grid.min(self.sm_count).max(1);
+        }
         let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
             op: "attn_causal_fwd",
             what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
@@ -572,6 +595,10 @@ impl CudaBackend {
         match form {
             AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
             AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
+            AttnForm::WarpSpecialized => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsBf16Hd)),
+            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsppBf16Hd))
+            }
         }
     }
 
@@ -597,6 +624,11 @@ impl CudaBackend {
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
         const OP: &str = "attn_draft_fwd";
+        if form.causal_only() {
+            return Err(BackendError::Unsupported(format!(
+                "{OP}: the attention form {form:?} has only the causal forward; use AttnForm::Wgmma or AttnForm::Mma"
+            )));
+        }
         macro_rules! args {
             ($ty:ident) => {
                 launch::$ty {
@@ -628,7 +660,10 @@ impl CudaBackend {
                 let grid = sh.num_blocks * sh.kv_heads;
                 self.launch(s, kernel, (grid, 32 * g.w, smem), args!(AttnDraftFwdBf16Hd))
             }
-            AttnForm::Wgmma => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 if !form.takes_draft(sh) {
                     return Err(BackendError::Shape {
                         op: OP,
@@ -691,6 +726,11 @@ impl CudaBackend {
             });
         }
         const OP: &str = "attn_draft_bwd";
+        if form.causal_only() {
+            return Err(BackendError::Unsupported(format!(
+                "{OP}: the attention form {form:?} has only the causal forward; use AttnForm::Wgmma or AttnForm::Mma"
+            )));
+        }
         // Before any launch: the warpgroup form's own limits.
         if form == AttnForm::Wgmma && !form.takes_draft(sh) {
             return Err(BackendError::Shape {
@@ -748,7 +788,10 @@ impl CudaBackend {
                     + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
                 self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
             }
-            AttnForm::Wgmma => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
                 // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
                 // of block keys per warpgroup, and per warpgroup the f32 P and dS of its block keys
@@ -813,7 +856,10 @@ impl CudaBackend {
                 let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
                 self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
             }
-            AttnForm::Wgmma => {
+            AttnForm::Wgmma
+            | AttnForm::WarpSpecialized
+            | AttnForm::WarpSpecializedPingPong
+            | AttnForm::WarpSpecializedPersistent => {
                 // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
                 // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
                 // dsum values.
@@ -2698,6 +2744,20 @@ pub enum AttnForm {
     /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
     /// warpgroup MMAs.
     Wgmma,
+    /// kernels/attention_wgmma.cu section 5 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128 and
+    /// 256): the causal forward only, warp-specialised (a producer warpgroup moves K/V through an
+    /// mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
+    /// `Wgmma` to rounding; not picked by default.
+    WarpSpecialized,
+    /// `WarpSpecialized` with consumer ping-pong (`attn_causal_fwd_wspp_bf16_hd*`): the two
+    /// consumer warpgroups take turns at issuing their wgmmas (named barriers), so that one's
+    /// softmax runs under the other's products. Same results; not picked by default.
+    WarpSpecializedPingPong,
+    /// `WarpSpecializedPingPong` launched persistent: one CTA per SM, each walking (query tile,
+    /// head) units in a snake over the heaviest-first list, so the producer loads the next unit's
+    /// first K/V tile while the consumers finish and store the last one. Same results; not
+    /// picked by default.
+    WarpSpecializedPersistent,
 }
 
 impl AttnForm {
@@ -2745,6 +2805,10 @@ impl AttnForm {
         let variants: &[(&str, launch::Kernel)] = match self {
             AttnForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
             AttnForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
+            AttnForm::WarpSpecialized => &launch::AttnCausalFwdWsBf16Hd::VARIANTS,
+            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                &launch::AttnCausalFwdWsppBf16Hd::VARIANTS
+            }
         };
         variant(variants, &head_dim.to_string()).is_some()
     }
@@ -2758,7 +2822,18 @@ impl AttnForm {
                 let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
                 sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
             }
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
+                false
+            }
         }
+    }
+
+    /// Whether this form has only the causal forward (no drafter kernels).
+    pub fn causal_only(self) -> bool {
+        matches!(
+            self,
+            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent
+        )
     }
 }
 
@@ -3229,6 +3304,17 @@ mod tests {
         assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
         assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
         assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
+        // The warp-specialised causal forward: the same head dims, never the default (yet), and no
+        // drafter kernel.
+        for ws in [AttnForm::WarpSpecialized, AttnForm::WarpSpecializedPingPong, AttnForm::WarpSpecializedPersistent] {
+            assert!(ws.takes_causal(128) && ws.takes_causal(256), "{ws:?}");
+            assert!(!ws.takes_causal(64) && !ws.takes_causal(96), "{ws:?}");
+            assert!(ws.causal_only() && !ws.takes_draft(&sh(128, 16, 32, 8)), "{ws:?}");
+            for hd in [16, 32, 64, 128, 256] {
+                assert_ne!(AttnForm::pick_causal(hd), ws);
+            }
+        }
+        assert!(!AttnForm::Wgmma.causal_only() && !AttnForm::Mma.causal_only());
         // The backward picks as the forward: the warpgroup kernel where it takes the shape and
         // there are two blocks to pair.
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
