@@ -396,13 +396,7 @@ fn main() {
             normal_buf(DType::BF16, t_rows * kvh * hd, 45),
             normal_buf(DType::BF16, t_rows * kvh * hd, 46),
         );
-        for form in [
-            AttnForm::WarpSpecializedPersistent,
-            AttnForm::WarpSpecializedPingPong,
-            AttnForm::WarpSpecialized,
-            AttnForm::Wgmma,
-            AttnForm::Mma,
-        ] {
+        for form in [AttnForm::WarpSpecialized, AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
             });
@@ -561,14 +555,8 @@ fn main() {
         let mut o = buf(DType::BF16, n * heads * hd);
         let starts = ids(vec![0, n as i32]);
         let f = 4.0 * (n as f64 * (n as f64 + 1.0) / 2.0) * heads as f64 * hd as f64;
-        // The five causal forms, as at head_dim 128.
-        for form in [
-            AttnForm::WarpSpecializedPersistent,
-            AttnForm::WarpSpecializedPingPong,
-            AttnForm::WarpSpecialized,
-            AttnForm::Wgmma,
-            AttnForm::Mma,
-        ] {
+        // The three causal forms, as at head_dim 128.
+        for form in [AttnForm::WarpSpecialized, AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
                 be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
             });

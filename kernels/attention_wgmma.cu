@@ -1268,15 +1268,18 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 // ---------------------------------------------------------------------------------------------
 // 5. Causal forward, warp-specialised (the FlashAttention-3 structure): section 1's math, masking,
 // numerics, output layout and preconditions, with the copies taken off the MMA warpgroups.
-// attn_causal_fwd_ws_bf16_hd* (the consumers run independently) and attn_causal_fwd_wspp_bf16_hd*
-// (consumer ping-pong, below); head_dim 128 and 256; both run exact or persistent grids.
+// attn_causal_fwd_ws_bf16_hd* (the consumers run independently); head_dim 128 and 256; one work
+// unit per CTA (exact grid).
 //
 // Work unit = (128-row query tile, q head) as section 1's CTA (same key range and KEYS-row key
 // tiles), listed heaviest first: unit u is query tile ntiles - 1 - u / heads of head u % heads.
-// With the exact grid (ceil(rows / 128) * heads CTAs) CTA b takes unit b, as in section 1. With a
-// smaller grid (persistent: one CTA per SM) CTA b takes in round r unit r * grid + b (r even) or
-// r * grid + grid - 1 - b (r odd): a snake over the sorted list, so that no CTA takes the heaviest
-// unit of every round.
+// With the exact grid (ceil(rows / 128) * heads CTAs) CTA b takes unit b, as in section 1. The
+// unit loop below is written for rounds (CTA b takes unit r * grid + b, or r * grid + grid - 1 - b
+// on odd rounds), but only the exact grid is launched, and the kernel traps on any other: a
+// persistent launch (one CTA per SM) and a consumer ping-pong (named barriers between the two
+// consumers) were built on this code and compute-sanitizer's racecheck reported shared-memory
+// write hazards in them (the exact-grid kernel without ping-pong is racecheck-clean); both were
+// taken out until that is understood.
 // CTA = 384 threads = 3 warpgroups:
 //   warpgroup 0     producer. setmaxnreg.dec to ATTN_WS_PRODUCER_REGS (24). Its 128 threads copy,
 //                   per unit, Q once and per key tile t (counted over the CTA's units: the ring
@@ -1303,17 +1306,7 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 //                   t - 1's, and after its output rows are stored on Q's (count 8: every warp of
 //                   both consumers).
 // No CTA-wide barrier after the setup one (mbarrier init): the consumers never wait for the copy
-// issue, only for data, and (without ping-pong) never for each other.
-// Ping-pong (attn_causal_fwd_wspp_*): the consumers take turns at issuing their wgmmas, so that
-// the tensor cores run one's S_t and P_{t-1} V_{t-1} while the other does its softmax. Consumer c
-// waits on named barrier 1 + c (bar.sync, 256 threads: its own 128 waiting, the other's 128
-// arriving) before an issue point and arrives on the other's barrier (bar.arrive) right after it;
-// consumer 1 arrives once up front (when the CTA has a unit), so consumer 0 goes first. Both have
-// the same issue points (n_kt + 1 per unit), and consumer 1 skips its arrival after the CTA's last
-// one: each barrier sees as many arrivals as waits and none is left pending at exit. No deadlock
-// with the mbarriers: a consumer waiting for its turn at issue point j has itself released every
-// buffer up to point j - 1, which is all the producer needs to fill what the other consumer waits
-// for at j - 1 or j.
+// issue, only for data, and never for each other.
 // Phases: a buffer of a ring of n is used by positions s, s + n, ...; use u = g / n (Q: use = the
 // round). The consumers wait on full with parity u & 1; the producer waits on empty with parity
 // (u & 1) ^ 1 (use u - 1's release; a fresh mbarrier reports its preceding phase, parity 1,
@@ -1329,21 +1322,19 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 // is ordered after the arrive by the mbarrier's release/acquire, so it never overwrites an operand
 // in use.
 //
-// Launch: grid any >= 1 (ceil(rows / ATTN_WG_ROWS) * heads for one unit per CTA; the Rust side's
-//   persistent form launches min(that, SMs)), block ATTN_WS_THREADS (384), dynamic smem
+// Launch: grid ceil(rows / ATTN_WG_ROWS) * heads (exactly: one unit per CTA), block ATTN_WS_THREADS (384), dynamic smem
 //   (ATTN_WG_ROWS + (KS + ATTN_WS_V_STAGES) * KEYS) * HD * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN
 //   bytes, KS = ATTN_WS_K_STAGES_HD128 (3) / _HD256 (2), VS = 3, KEYS as section 1 (128 / 64):
 //   230,528 at both head dims (the opt-in maximum is 232,448), one CTA per SM. Layout from the
 //   1024-aligned base: Q, KS K stages, VS V stages, the mbarriers (Q full, Q empty; K full, K
-//   empty, V full, V empty per stage). A block or smem mismatch, or rows >= 2^31 - 128 (the unit
+//   empty, V full, V empty per stage). A block, grid or smem mismatch, or rows >= 2^31 - 128 (the unit
 //   geometry is in 32-bit ints; seq_starts are ints anyway), traps at entry.
-// Registers (ptxas, no spills at either head dim, both kernels): 168 per thread at launch (the
+// Registers (ptxas, no spills at either head dim): 168 per thread at launch (the
 //   cap of 384 threads: 64,512 of the SM's 65,536); setmaxnreg then gives the producer 24 and each
 //   consumer 240 (128 * 24 + 256 * 240 = 64,512, so setmaxnreg.inc never waits on a short pool).
 //   ptxas allocates the producer's code within 24 (its copy loop walks one row per iteration with
 //   32-bit offsets for that reason) and the consumers' within 240: O, S and P as section 1 without
-//   the copy addressing (the ping-pong kernel at hd 256 just fits: immediate barrier ids, 3
-//   barriers).
+//   the copy addressing.
 template <int HD>
 struct WsGeo {
   static constexpr int BM = ATTN_WG_ROWS;
@@ -1417,7 +1408,7 @@ __device__ __forceinline__ void ws_load_rows(uint32_t tile, const bf16* row0, in
   }
 }
 
-template <int HD, bool PING_PONG>
+template <int HD>
 __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               const int* __restrict__ seq_starts, int num_seqs, index_t rows,
@@ -1465,7 +1456,7 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
     w.n_kt = w.hi / BN - w.kt_lo + 1;
     return w;
   };
-  if (rows > (index_t)(INT_MAX - BM)) __trap();
+  if (rows > (index_t)(INT_MAX - BM) || (long long)gridDim.x != units) __trap();
 
   if (threadIdx.x == 0) {
     ws_mbar_init(q_full, 128);
@@ -1560,32 +1551,11 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
       pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
   };
-  // Ping-pong (PING_PONG): the consumers take turns at issuing their wgmmas. Consumer c waits on
-  // named barrier 1 + c before an issue point and, once issued, arrives on the other's (2 - c);
-  // consumer 1 arrives on barrier 1 once up front (if the CTA has any unit) so that consumer 0 goes
-  // first. Both have the same issue points (n_kt + 1 per unit: S_0; S_t with P_{t-1} V_{t-1}; the
-  // last P V), and consumer 1 skips its arrival after the CTA's very last one: every barrier then
-  // sees as many arrivals as waits.
-  // (Immediate barrier ids: one register fewer, and ptxas counts 3 barriers, not 16.)
-  auto turn_wait = [&]() {
-    if constexpr (PING_PONG) {
-      if (cw == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      else asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    }
-  };
-  auto turn_pass = [&](bool last) {
-    if constexpr (PING_PONG) {
-      if (cw == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-      else if (!last) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-    }
-  };
-  if (cw == 1 && unit_of(0) >= 0) turn_pass(false);
 
   int g = 0;  // K/V tiles consumed before this unit: the ring position, as the producer's
   for (int r = 0;; ++r) {
     const long long u = unit_of(r);
     if (u < 0) break;
-    const bool last_unit = unit_of(r + 1) < 0;
     const Unit w = unit_geo(u);
     const int q0 = w.q0, n_kt = w.n_kt, nrows = (int)rows;
     // This warpgroup's rows and sequence starts, this thread's two rows: as section 1, relative
@@ -1616,10 +1586,8 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
       float alpha[2];
       ws_mbar_wait(k_full(g % KS), (uint32_t)(g / KS) & 1u);
       fence_proxy_async();
-      turn_wait();
       wgmma_fence();
       issue_s(g);
-      turn_pass(false);
       wgmma_wait<0>();
       wg_fence_regs(s);
       release(k_empty(g % KS));
@@ -1634,11 +1602,9 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
       ws_mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
       fence_proxy_async();
       wg_fence_regs(acc);
-      turn_wait();
       wgmma_fence();
       issue_s(gi);
       issue_pv(gi - 1);
-      turn_pass(false);
       wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
       wg_fence_regs(s);
       release(k_empty(ks));
@@ -1654,10 +1620,8 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
       ws_mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
       fence_proxy_async();
       wg_fence_regs(acc);
-      turn_wait();
       wgmma_fence();
       issue_pv(gl);
-      turn_pass(last_unit);
       wgmma_wait<0>();
       wg_fence_regs(acc);
       release(v_empty(pvs));
@@ -1706,25 +1670,15 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
 ATTN_WG_EXPORT(128)
 ATTN_WG_EXPORT(256)
 
-// The warp-specialised causal forward (section 5), without and with consumer ping-pong; same
-// arguments as section 1's.
+// The warp-specialised causal forward (section 5); same arguments as section 1's.
 #define ATTN_WS_EXPORT(D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_ws_bf16_hd##D(            \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
       const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
-    attn::causal_fwd_ws<D, false>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);          \
+    attn::causal_fwd_ws<D>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);          \
   }
-#define ATTN_WSPP_EXPORT(D)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_wspp_bf16_hd##D(          \
-      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
-      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
-    attn::causal_fwd_ws<D, true>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);           \
-  }
-
 ATTN_WS_EXPORT(128)
 ATTN_WS_EXPORT(256)
-ATTN_WSPP_EXPORT(128)
-ATTN_WSPP_EXPORT(256)
 
 // The drafter forward at head_dim 128 (both drafter recipes); launch above draft_fwd_wg.
 extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_wg_bf16_hd128(

@@ -283,8 +283,6 @@ mod tests {
         assert_eq!(dims, ["128", "256"]);
         let dims: Vec<&str> = AttnCausalFwdWsBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
         assert_eq!(dims, ["128", "256"]);
-        let dims: Vec<&str> = AttnCausalFwdWsppBf16Hd::VARIANTS.iter().map(|(d, _)| *d).collect();
-        assert_eq!(dims, ["128", "256"]);
         assert_eq!(variant(&AttnDraftBwdKvBf16Hd::VARIANTS, "64"), Some(Kernel::AttnDraftBwdKvBf16Hd64));
         assert_eq!(CecKernel::VARIANTS.len(), 2);
         assert_eq!(Kernel::PackTapsNoiseBf16.family(), "pack");

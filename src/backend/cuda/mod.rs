@@ -546,13 +546,8 @@ impl CudaBackend {
                 let smem = tiles * head_dim * 2 + ATTN_WG_ALIGN;
                 (kernel, ATTN_WG_ROWS, ATTN_WG_THREADS, smem)
             }
-            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
-                let variants = if form == AttnForm::WarpSpecialized {
-                    &launch::AttnCausalFwdWsBf16Hd::VARIANTS
-                } else {
-                    &launch::AttnCausalFwdWsppBf16Hd::VARIANTS
-                };
-                let kernel = Self::attn_kernel("attn_causal_fwd", variants, head_dim)?;
+            AttnForm::WarpSpecialized => {
+                let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdWsBf16Hd::VARIANTS, head_dim)?;
                 // kernels/attention_wgmma.cu section 5: the rows and key tiles of the wgmma form, its
                 // own K/V stage counts, and the ring's mbarriers.
                 let (keys, k_stages) = if head_dim > 128 {
@@ -565,11 +560,8 @@ impl CudaBackend {
                 (kernel, ATTN_WG_ROWS, ATTN_WS_THREADS, smem)
             }
         };
-        let mut grid = rows.div_ceil(cta_rows) * heads;
-        if form == AttnForm::WarpSpecializedPersistent {
-            // One CTA per SM, each walking its share of the (query tile, head) units.
-            grid = grid.min(self.sm_count).max(1);
-        }
+        // One CTA per (query tile, head): the warp-specialised kernel traps on any other grid.
+        let grid = rows.div_ceil(cta_rows) * heads;
         let num_seqs = seq_starts.len.checked_sub(1).ok_or_else(|| BackendError::Shape {
             op: "attn_causal_fwd",
             what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
@@ -596,9 +588,6 @@ impl CudaBackend {
             AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
             AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
             AttnForm::WarpSpecialized => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsBf16Hd)),
-            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
-                self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsppBf16Hd))
-            }
         }
     }
 
@@ -660,10 +649,7 @@ impl CudaBackend {
                 let grid = sh.num_blocks * sh.kv_heads;
                 self.launch(s, kernel, (grid, 32 * g.w, smem), args!(AttnDraftFwdBf16Hd))
             }
-            AttnForm::Wgmma
-            | AttnForm::WarpSpecialized
-            | AttnForm::WarpSpecializedPingPong
-            | AttnForm::WarpSpecializedPersistent => {
+            AttnForm::Wgmma | AttnForm::WarpSpecialized => {
                 if !form.takes_draft(sh) {
                     return Err(BackendError::Shape {
                         op: OP,
@@ -788,10 +774,7 @@ impl CudaBackend {
                     + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
                 self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
             }
-            AttnForm::Wgmma
-            | AttnForm::WarpSpecialized
-            | AttnForm::WarpSpecializedPingPong
-            | AttnForm::WarpSpecializedPersistent => {
+            AttnForm::Wgmma | AttnForm::WarpSpecialized => {
                 // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
                 // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
                 // of block keys per warpgroup, and per warpgroup the f32 P and dS of its block keys
@@ -856,10 +839,7 @@ impl CudaBackend {
                 let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
                 self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
             }
-            AttnForm::Wgmma
-            | AttnForm::WarpSpecialized
-            | AttnForm::WarpSpecializedPingPong
-            | AttnForm::WarpSpecializedPersistent => {
+            AttnForm::Wgmma | AttnForm::WarpSpecialized => {
                 // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
                 // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
                 // dsum values.
@@ -2747,40 +2727,39 @@ pub enum AttnForm {
     /// kernels/attention_wgmma.cu section 5 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128 and
     /// 256): the causal forward only, warp-specialised (a producer warpgroup moves K/V through an
     /// mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
-    /// `Wgmma` to rounding; not picked by default.
+    /// `Wgmma` to rounding; the default causal forward where it is compiled.
     WarpSpecialized,
-    /// `WarpSpecialized` with consumer ping-pong (`attn_causal_fwd_wspp_bf16_hd*`): the two
-    /// consumer warpgroups take turns at issuing their wgmmas (named barriers), so that one's
-    /// softmax runs under the other's products. Same results; not picked by default.
-    WarpSpecializedPingPong,
-    /// `WarpSpecializedPingPong` launched persistent: one CTA per SM, each walking (query tile,
-    /// head) units in a snake over the heaviest-first list, so the producer loads the next unit's
-    /// first K/V tile while the consumers finish and store the last one. Same results; not
-    /// picked by default.
-    WarpSpecializedPersistent,
 }
 
 impl AttnForm {
-    /// DFLASH_ATTN_FORM=mma picks mma.sync everywhere, for comparisons inside a whole run.
-    fn forced_mma() -> bool {
-        static FORCED_MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FORCED_MMA.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
-            None | Some("wgmma") => false,
-            Some("mma") => true,
+    /// DFLASH_ATTN_FORM=mma picks mma.sync everywhere, =wgmma the warpgroup kernels without the
+    /// warp-specialised causal one, for comparisons inside a whole run.
+    fn forced() -> Option<AttnForm> {
+        static FORCED: std::sync::OnceLock<Option<AttnForm>> = std::sync::OnceLock::new();
+        *FORCED.get_or_init(|| match std::env::var("DFLASH_ATTN_FORM").ok().as_deref() {
+            None => None,
+            Some("mma") => Some(AttnForm::Mma),
+            Some("wgmma") => Some(AttnForm::Wgmma),
             Some(v) => {
                 eprintln!("note: DFLASH_ATTN_FORM={v} is not mma or wgmma; using the default");
-                false
+                None
             }
         })
     }
 
-    /// The causal forward's kernel: the warpgroup one where it is compiled, else mma.sync.
+    fn forced_mma() -> bool {
+        Self::forced() == Some(AttnForm::Mma)
+    }
+
+    /// The causal forward's kernel: the warp-specialised one where it is compiled, else the
+    /// warpgroup one, else mma.sync.
     pub fn pick_causal(head_dim: usize) -> AttnForm {
-        if !Self::forced_mma() && AttnForm::Wgmma.takes_causal(head_dim) {
-            AttnForm::Wgmma
-        } else {
-            AttnForm::Mma
-        }
+        let forced = Self::forced();
+        [AttnForm::WarpSpecialized, AttnForm::Wgmma]
+            .into_iter()
+            .filter(|&f| forced.is_none_or(|x| x == f))
+            .find(|f| f.takes_causal(head_dim))
+            .unwrap_or(AttnForm::Mma)
     }
 
     /// The drafter forward's kernel: the warpgroup one where it takes the shape and there are
@@ -2806,9 +2785,6 @@ impl AttnForm {
             AttnForm::Mma => &launch::AttnCausalFwdBf16Hd::VARIANTS,
             AttnForm::Wgmma => &launch::AttnCausalFwdWgBf16Hd::VARIANTS,
             AttnForm::WarpSpecialized => &launch::AttnCausalFwdWsBf16Hd::VARIANTS,
-            AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
-                &launch::AttnCausalFwdWsppBf16Hd::VARIANTS
-            }
         };
         variant(variants, &head_dim.to_string()).is_some()
     }
@@ -2822,18 +2798,13 @@ impl AttnForm {
                 let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
                 sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
             }
-            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent => {
-                false
-            }
+            AttnForm::WarpSpecialized => false,
         }
     }
 
     /// Whether this form has only the causal forward (no drafter kernels).
     pub fn causal_only(self) -> bool {
-        matches!(
-            self,
-            AttnForm::WarpSpecialized | AttnForm::WarpSpecializedPingPong | AttnForm::WarpSpecializedPersistent
-        )
+        self == AttnForm::WarpSpecialized
     }
 }
 
@@ -3275,18 +3246,14 @@ mod tests {
         be.synchronize(&s2).expect("sync");
     }
 
-    /// The warpgroup kernel takes head_dim 128 and 256 (Qwen3, Qwen3.5/3.6), mma.sync the rest.
+    /// The warpgroup kernels take head_dim 128 and 256 (Qwen3, Qwen3.5/3.6; the warp-specialised
+    /// one by default), mma.sync the rest.
     #[test]
     fn attention_picks_the_warpgroup_kernels_where_they_take_the_shape() {
         assert!(AttnForm::Wgmma.takes_causal(128) && AttnForm::Wgmma.takes_causal(256));
         assert!(!AttnForm::Wgmma.takes_causal(64) && !AttnForm::Wgmma.takes_causal(16));
         for hd in [16, 32, 64, 128, 256] {
             assert!(AttnForm::Mma.takes_causal(hd), "mma.sync has every head dim ({hd})");
-        }
-        if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
-            assert_eq!(AttnForm::pick_causal(128), AttnForm::Wgmma);
-            assert_eq!(AttnForm::pick_causal(256), AttnForm::Wgmma);
-            assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
         assert!(!AttnForm::Mma.takes_causal(96) && !AttnForm::Wgmma.takes_causal(96));
         // The drafter's warpgroup kernel: head_dim 128, block_size <= 16, block_size * G <= 64.
@@ -3304,15 +3271,16 @@ mod tests {
         assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
         assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
         assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
-        // The warp-specialised causal forward: the same head dims, never the default (yet), and no
+        // The warp-specialised causal forward: the same head dims, the default there, and no
         // drafter kernel.
-        for ws in [AttnForm::WarpSpecialized, AttnForm::WarpSpecializedPingPong, AttnForm::WarpSpecializedPersistent] {
-            assert!(ws.takes_causal(128) && ws.takes_causal(256), "{ws:?}");
-            assert!(!ws.takes_causal(64) && !ws.takes_causal(96), "{ws:?}");
-            assert!(ws.causal_only() && !ws.takes_draft(&sh(128, 16, 32, 8)), "{ws:?}");
-            for hd in [16, 32, 64, 128, 256] {
-                assert_ne!(AttnForm::pick_causal(hd), ws);
-            }
+        let ws = AttnForm::WarpSpecialized;
+        assert!(ws.takes_causal(128) && ws.takes_causal(256));
+        assert!(!ws.takes_causal(64) && !ws.takes_causal(96));
+        assert!(ws.causal_only() && !ws.takes_draft(&sh(128, 16, 32, 8)));
+        if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
+            assert_eq!(AttnForm::pick_causal(128), ws);
+            assert_eq!(AttnForm::pick_causal(256), ws);
+            assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
         assert!(!AttnForm::Wgmma.causal_only() && !AttnForm::Mma.causal_only());
         // The backward picks as the forward: the warpgroup kernel where it takes the shape and
