@@ -387,10 +387,9 @@ fn main() {
         let mut o = buf(DType::BF16, t_rows * heads * hd);
         let starts = ids(vec![0, 3072, 6144, 9216, 12288]);
         let causal_f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
-        // Every kernel form on the same random inputs: the warp-specialised ones (producer
-        // warpgroup, mbarrier ring; persistent with consumer ping-pong, ping-pong, neither), the Hopper warpgroup
-        // kernel (the default) and the mma.sync one it replaced, as the in-run baselines; each row
-        // prints its ratio to the cuDNN peer.
+        // Every kernel form on the same random inputs: the warp-specialised one (producer
+        // warpgroup, mbarrier ring; the default), the plain Hopper warpgroup kernel and the
+        // mma.sync one, as the in-run baselines; each row prints its ratio to the cuDNN peer.
         let (qr, kr, vr) = (
             normal_buf(DType::BF16, t_rows * heads * hd, 44),
             normal_buf(DType::BF16, t_rows * kvh * hd, 45),

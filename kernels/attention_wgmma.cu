@@ -2,7 +2,8 @@
 // (wgmma.mma_async, sm_90a), head_dim 128 (Qwen3) and 256 (Qwen3.5/3.6 full attention); below it
 // (sections 2 to 4) the drafter's forward and backward at head_dim 128, and (section 5) the same
 // causal forward warp-specialised: a producer warpgroup and an mbarrier ring instead of the
-// per-tile CTA barrier described below, optionally with consumer ping-pong and persistent CTAs.
+// per-tile CTA barrier described below (the default causal kernel; this section's stays as the
+// baseline the bench and tests compare it with).
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //
@@ -31,10 +32,10 @@
 //   4 x 3072 tokens, 32/8 heads, hd 128). Each warpgroup overlaps its softmax with its own O += P V;
 //   the two warpgroups still meet at the per-tile barrier (the copies are everyone's work), so
 //   the tensor cores idle through the copy issue and the barrier wait. Section 5 takes the next
-//   steps: a producer warpgroup with mbarriers (the warpgroups never meet), consumer ping-pong
-//   (one warpgroup's softmax under the other's GEMMs) and a persistent unit loop (the next unit's
-//   first K/V tile loads under the last one's epilogue). Still open: TMA for the copies (the
-//   producer's cp.async zero-fills rows outside a tile's sequences, which a TMA box would not).
+//   step: a producer warpgroup with mbarriers (the warpgroups never meet). Still open: consumer
+//   ping-pong (one warpgroup's softmax under the other's GEMMs) and persistent CTAs, both tried
+//   there and taken out for racecheck hazards; TMA for the copies (the producer's cp.async
+//   zero-fills rows outside a tile's sequences, which a TMA box would not).
 #include <climits>
 
 #include "wgmma.cuh"
