@@ -1351,30 +1351,6 @@ struct WsGeo {
   static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
 };
 
-__device__ __forceinline__ void ws_mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Spins until the phase with the given parity has completed (acquire at CTA scope).
-__device__ __forceinline__ void ws_mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void ws_mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
 // One arrival on bar once every cp.async this thread issued before has completed (the expected
 // count includes it: .noinc).
 __device__ __forceinline__ void ws_cp_async_arrive(uint32_t bar) {
@@ -1460,15 +1436,15 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
   if (rows > (index_t)(INT_MAX - BM) || (long long)gridDim.x != units) __trap();
 
   if (threadIdx.x == 0) {
-    ws_mbar_init(q_full, 128);
-    ws_mbar_init(q_empty, 2 * 4);
+    mbar_init(q_full, 128);
+    mbar_init(q_empty, 2 * 4);
     for (int st = 0; st < KS; ++st) {
-      ws_mbar_init(k_full(st), 128);
-      ws_mbar_init(k_empty(st), 2 * 4);
+      mbar_init(k_full(st), 128);
+      mbar_init(k_empty(st), 2 * 4);
     }
     for (int st = 0; st < VS; ++st) {
-      ws_mbar_init(v_full(st), 128);
-      ws_mbar_init(v_empty(st), 2 * 4);
+      mbar_init(v_full(st), 128);
+      mbar_init(v_empty(st), 2 * 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -1489,19 +1465,19 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
         // Rows of the tile inside the key range [lo, hi] (empty when i_lo > i_hi).
         const int i_lo = max(w.lo - k0, 0), i_hi = min(w.hi - k0, BN - 1);
         const int ks = g % KS, vs = g % VS;
-        ws_mbar_wait(k_empty(ks), (uint32_t)((g / KS) & 1) ^ 1u);
+        mbar_wait(k_empty(ks), (uint32_t)((g / KS) & 1) ^ 1u);
         ws_load_rows<HD, BN>(sK(ks), k + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, k, t);
         ws_cp_async_arrive(k_full(ks));
         if (it == 0) {
           // Q after K_0: K_0 may go out while the consumers still store the previous unit's
           // output through the Q rows (q_empty tells when they are done; round r is the Q
           // buffer's use r).
-          ws_mbar_wait(q_empty, (uint32_t)(r & 1) ^ 1u);
+          mbar_wait(q_empty, (uint32_t)(r & 1) ^ 1u);
           ws_load_rows<HD, BM>(sQ, q + (index_t)w.q0 * qw + w.h * HD, (int)qw, 0, min((int)rows - w.q0, BM) - 1,
                                q, t);
           ws_cp_async_arrive(q_full);
         }
-        ws_mbar_wait(v_empty(vs), (uint32_t)((g / VS) & 1) ^ 1u);
+        mbar_wait(v_empty(vs), (uint32_t)((g / VS) & 1) ^ 1u);
         ws_load_rows<HD, BN>(sV(vs), v + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, v, t);
         ws_cp_async_arrive(v_full(vs));
       }
@@ -1541,7 +1517,7 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
   // One arrival per warp (the empty mbarriers count the 8 consumer warps).
   auto release = [&](uint32_t bar) {
     __syncwarp();
-    if (lane == 0) ws_mbar_arrive(bar);
+    if (lane == 0) mbar_arrive(bar);
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -1582,10 +1558,10 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
       });
     };
 
-    ws_mbar_wait(q_full, (uint32_t)(r & 1));
+    mbar_wait(q_full, (uint32_t)(r & 1));
     {  // it = 0: S_0 alone.
       float alpha[2];
-      ws_mbar_wait(k_full(g % KS), (uint32_t)(g / KS) & 1u);
+      mbar_wait(k_full(g % KS), (uint32_t)(g / KS) & 1u);
       fence_proxy_async();
       wgmma_fence();
       issue_s(g);
@@ -1599,8 +1575,8 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
     for (int it = 1; it < n_kt; ++it) {
       float alpha[2];
       const int gi = g + it, ks = gi % KS, pvs = (gi - 1) % VS;
-      ws_mbar_wait(k_full(ks), (uint32_t)(gi / KS) & 1u);
-      ws_mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
+      mbar_wait(k_full(ks), (uint32_t)(gi / KS) & 1u);
+      mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
       fence_proxy_async();
       wg_fence_regs(acc);
       wgmma_fence();
@@ -1618,7 +1594,7 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
     }
     {
       const int gl = g + n_kt - 1, pvs = gl % VS;
-      ws_mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
+      mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
       fence_proxy_async();
       wg_fence_regs(acc);
       wgmma_fence();

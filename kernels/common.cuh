@@ -213,3 +213,31 @@ __device__ __forceinline__ void bf16_lane_load(const __nv_bfloat16* p, float (&f
     for (int i = 0; i < V; ++i) f[i] = bf16_to_f32(p[i]);
   }
 }
+
+// ---- mbarriers (shared::cta), for the producer/consumer rings of fc.cu and attention_wgmma.cu ----
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Spins until the phase with the given parity has completed (acquire at CTA scope). A fresh
+// barrier counts its (nonexistent) previous phase, parity 1, as completed: a producer's first pass
+// over its ring does not wait.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
