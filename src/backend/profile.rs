@@ -381,20 +381,17 @@ pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
     }
     iv.sort_by(|a, b| a.1.total_cmp(&b.1));
     let mut by: Vec<(Phase, f64)> = Vec::new();
-    let (first, mut reach, mut gaps) = (iv[0].1, iv[0].1, 0.0);
     for &(p, a, b) in &iv {
         match by.iter_mut().find(|(q, _)| *q == p) {
             Some(e) => e.1 += (b - a).max(0.0),
             None => by.push((p, (b - a).max(0.0))),
         }
-        if a > reach {
-            gaps += a - reach;
-        }
-        reach = reach.max(b);
     }
+    let first = iv[0].1;
+    let (stretches, reach) = idle_stretches(&iv, first);
     StepPhases {
         by_phase: by,
-        gaps,
+        gaps: stretches.iter().map(|&(_, g)| g).sum(),
         span: reach - first,
         step: None,
         intervals: iv.len(),
@@ -506,20 +503,29 @@ pub fn time_step<E, X>(w: &StepWork<E>, mut at: impl FnMut(&E) -> Result<f64, X>
 /// Each idle stretch of a step between markers at `start` and `end`, labelled by the launch that
 /// ends it (`spans[i]` is `ops[i]`'s interval) or "step end"; they sum to `fold_between`'s gaps.
 fn gaps_by_next(spans: &[(Phase, f64, f64)], ops: &[(String, f64)], start: f64, end: f64) -> Vec<(String, f64)> {
-    let mut order: Vec<usize> = (0..spans.len()).collect();
-    order.sort_by(|&i, &j| spans[i].1.total_cmp(&spans[j].1));
-    let (mut reach, mut out) = (start, Vec::new());
-    for i in order {
-        let (_, a, b) = spans[i];
-        if a > reach {
-            out.push((ops[i].0.clone(), a - reach));
-        }
-        reach = reach.max(b);
-    }
+    let (stretches, reach) = idle_stretches(spans, start);
+    let mut out: Vec<(String, f64)> = stretches.into_iter().map(|(i, g)| (ops[i].0.clone(), g)).collect();
     if end > reach {
         out.push(("step end".to_string(), end - reach));
     }
     out
+}
+
+/// The idle stretches among intervals `(phase, start, end)` from time `from` on, in time order:
+/// each as (the index in `spans` of the interval that ends it, its length); and the last end
+/// (`from` without intervals). Overlapping intervals leave no stretch between them.
+fn idle_stretches(spans: &[(Phase, f64, f64)], from: f64) -> (Vec<(usize, f64)>, f64) {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by(|&i, &j| spans[i].1.total_cmp(&spans[j].1));
+    let (mut reach, mut out) = (from, Vec::new());
+    for i in order {
+        let (_, a, b) = spans[i];
+        if a > reach {
+            out.push((i, a - reach));
+        }
+        reach = reach.max(b);
+    }
+    (out, reach)
 }
 
 #[cfg(test)]
