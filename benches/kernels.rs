@@ -2,7 +2,8 @@
 //! copy bandwidth (memory-bound kernels) and a cuBLASLt bf16 8192^3 GEMM (compute-bound ones).
 //! Timings: warm-up excluded, median of repeated runs, inputs larger than L2 (so L2 stays out).
 //! `cargo bench` on a GPU machine (prints a note and exits 0 without one).
-//! `DFLASH_BENCH_KERNELS="cross-entropy;fc"` measures only the groups named (see `want` below).
+//! `DFLASH_BENCH_KERNELS="cross-entropy;fc"` measures only the groups named (see `want` below);
+//! `DFLASH_BENCH_REPS=N` times every row N times (after 2 warm-ups), e.g. 1 under ncu.
 //! `DFLASH_PEERS=peers.json` (written by `tests/reference/bench_attention_peers.py` on the same GPU
 //! just before) adds each attention row's peer time (cuDNN SDPA, FlexAttention with the DFlash
 //! mask) and the speed ratio peer time / engine time (above 1: the engine is faster).
@@ -14,7 +15,11 @@ use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
 use dflash_engine::tensor::DType;
 
 /// Median seconds of `reps` runs of `f` (each synchronised), after 2 warm-ups.
+/// `DFLASH_BENCH_REPS=N` overrides every row's `reps` (e.g. 1 under a profiler such as ncu, so
+/// each kernel is launched 3 times instead of 7 to 22).
 fn time(be: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
+    let reps =
+        std::env::var("DFLASH_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0).unwrap_or(reps);
     let s = be.compute_stream();
     for _ in 0..2 {
         f();

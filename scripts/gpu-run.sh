@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
-# named (not part of all),
+# named (not part of all), and so does ncu (Nsight Compute over the attention and GDN kernels),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -168,6 +168,22 @@ if named target8b; then
   echo "== the target's forward with taps at the Qwen3-8B shape, 4 x 3072 tokens, layers 0..31"
   $B/dflash-engine bench-target --device cuda --target qwen3-8b-shape --init-std 0.02 --batch 4 --seq-len 3072 \
     --steps 5 --profile 2>&1 | tee "$OUT/target8b.log" || status=1
+fi
+if named ncu; then
+  echo "== Nsight Compute over the attention and Gated DeltaNet kernels and their peers' kernels"
+  # Hardware counters per kernel (clocks left alone, as measuring here requires), summarised per
+  # kernel name: the engine's warp-specialised causal forward and drafter wgmma kernels and the
+  # fast Gated DeltaNet kernels (the bench with one timed run per row), cuDNN's SDPA and
+  # FlexAttention's kernels, flash-linear-attention's chunk_gated_delta_rule kernels.
+  NCU="ncu --clock-control none --print-summary per-kernel --section SpeedOfLight --section MemoryWorkloadAnalysis
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+  DFLASH_BENCH_REPS=1 DFLASH_BENCH_KERNELS="attention;gdn" $NCU \
+    -k regex:'^(attn_causal_fwd_ws|attn_draft_.*_wg|gdn_fast_)' $B/bench-kernels > "$OUT/ncu-engine.txt" 2>&1 || status=1
+  $NCU -k regex:'cudnn|triton_tem' python3 tests/reference/bench_attention_peers.py --reps 1 --out /tmp/ncu-peers.json \
+    > "$OUT/ncu-peers.txt" 2>&1 || status=1
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} $NCU -k regex:'chunk|solve_tril|recompute|cumsum' \
+    python3 $B/bench_fla_gdn.py --reps 1 > "$OUT/ncu-fla.txt" 2>&1 || status=1
+  tail -3 "$OUT"/ncu-*.txt
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

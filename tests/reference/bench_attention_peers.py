@@ -13,7 +13,7 @@ Peers:
 
 Writes one JSON object {key: milliseconds} to --out (and prints a table). A peer that cannot run
 here (a backend missing from this torch build) is left out and reported on stderr.
-Usage: python3 tests/reference/bench_attention_peers.py --out peers.json
+Usage: python3 tests/reference/bench_attention_peers.py --out peers.json [--reps 20]
 """
 import argparse
 import json
@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 
 
-def median_ms(fn, reps=20, warmup=5):
+# Timed calls per peer and warm-ups before them (--reps; a profiler such as ncu wants few).
+REPS, WARMUP = 20, 5
+
+
+def median_ms(fn):
+    reps, warmup = REPS, WARMUP
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -98,7 +103,7 @@ def drafter(results, window):
     # The backward alone: each sample runs a fresh forward (untimed; compiled backward graphs do
     # not allow retaining the graph), then times the backward.
     times = []
-    for i in range(25):
+    for i in range(WARMUP + REPS):
         out = flex(q, k, v, block_mask=mask, enable_gqa=True)
         torch.cuda.synchronize()
         a = torch.cuda.Event(enable_timing=True)
@@ -107,7 +112,7 @@ def drafter(results, window):
         torch.autograd.grad(out, (q, k, v), dout)
         b.record()
         b.synchronize()
-        if i >= 5:
+        if i >= WARMUP:
             times.append(a.elapsed_time(b))
     times.sort()
     results["draft_bwd" + suffix] = times[len(times) // 2]
@@ -116,7 +121,10 @@ def drafter(results, window):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=20, help="timed calls per peer (1 under a profiler: 2 warm-ups then)")
     args = p.parse_args()
+    global REPS, WARMUP
+    REPS, WARMUP = max(args.reps, 1), (5 if args.reps >= 5 else 2)
     results = {}
     causal(results, "causal128", 4, 3072, 32, 8, 128)
     causal(results, "causal256", 1, 4096, 24, 4, 256)
