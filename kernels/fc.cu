@@ -70,10 +70,9 @@
 //   W tile (a third less L2 traffic, as cuBLAS does) would lift that ceiling.
 // Measured (H200, 12288 x 4096 x 20480): 0.87 x cuBLASLt. benches/kernels.rs prints the ratio
 //   ("fc kernel / cuBLASLt"); tests/gpu/gemm.rs gpu_fc_kernel_matches_cpu checks both symbols.
-#include <cuda.h>  // CUtensorMap (the kernel parameter type of the TMA descriptors)
-
 #include "common.cuh"
 #include "launch.cuh"
+#include "tma.cuh"  // CUtensorMap and the TMA wrappers
 
 namespace fc {
 
@@ -113,30 +112,6 @@ __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
   uint32_t r;
   asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
   return r;
-}
-
-// Makes the initialised mbarriers visible to the TMA unit (the async proxy) before first use.
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// 2-D TMA box load: element coordinates {c0 (innermost, K), c1 (rows)}; completion is signalled
-// as transaction bytes on `bar`.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
 // wgmma shared-memory matrix descriptor for a K-major tile of 128-byte rows with the 128-byte
