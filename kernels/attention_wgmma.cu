@@ -38,6 +38,7 @@
 //   zero-fills rows outside a tile's sequences, which a TMA box would not).
 #include <climits>
 
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace attn {
@@ -1268,74 +1269,67 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 
 // ---------------------------------------------------------------------------------------------
 // 5. Causal forward, warp-specialised (the FlashAttention-3 structure): section 1's math, masking,
-// numerics, output layout and preconditions, with the copies taken off the MMA warpgroups.
-// attn_causal_fwd_ws_bf16_hd* (the consumers run independently); head_dim 128 and 256; one work
-// unit per CTA (exact grid).
+// numerics, output layout and preconditions, with the copies taken off the MMA warpgroups and done
+// by TMA. attn_causal_fwd_ws_bf16_hd* (the consumers run independently); head_dim 128 and 256.
 //
-// Work unit = (128-row query tile, q head) as section 1's CTA (same key range and KEYS-row key
-// tiles), listed heaviest first: unit u is query tile ntiles - 1 - u / heads of head u % heads.
-// With the exact grid (ceil(rows / 128) * heads CTAs) CTA b takes unit b, as in section 1. The
-// unit loop below is written for rounds (CTA b takes unit r * grid + b, or r * grid + grid - 1 - b
-// on odd rounds), but only the exact grid is launched, and the kernel traps on any other: a
-// persistent launch (one CTA per SM) and a consumer ping-pong (named barriers between the two
-// consumers) were built on this code and compute-sanitizer's racecheck reported shared-memory
-// write hazards in them (the exact-grid kernel without ping-pong is racecheck-clean); both were
-// taken out until that is understood.
+// CTA b = section 1's CTA b: (128-row query tile ntiles - 1 - b / heads, q head b % heads),
+// heaviest first, the same key range [lo, hi] and KEYS-row key tiles. A persistent launch (one CTA
+// per SM) and a consumer ping-pong (named barriers between the two consumers) were built on the
+// cp.async form of this kernel; compute-sanitizer's racecheck reported shared-memory write hazards
+// in them, and neither was faster, so they were taken out.
 // CTA = 384 threads = 3 warpgroups:
-//   warpgroup 0     producer. setmaxnreg.dec to ATTN_WS_PRODUCER_REGS (24). Its 128 threads copy,
-//                   per unit, Q once and per key tile t (counted over the CTA's units: the ring
-//                   position g) K_t into K stage g % KS and V_t into V stage g % VS (16-byte
-//                   cp.async into the swizzled layout of section 1; rows outside the unit's key
-//                   range [lo, hi] zero-filled exactly as there, so no other sequence's values reach
-//                   a product). Order per unit: K_0, Q, V_0, K_1, V_1, ...: the next unit's K_0 goes
-//                   out while the consumers still finish the last one. After its copies of a
-//                   buffer each thread issues cp.async.mbarrier.arrive.noinc on the buffer's "full"
-//                   mbarrier (count 128): the phase completes when every thread's copies have
-//                   landed. Before refilling a buffer it waits on the buffer's "empty" mbarrier.
-//                   It runs up to KS K tiles and VS V tiles ahead of the consumers, then waits for
-//                   its own copies (cp.async.wait_all) and exits.
+//   warpgroup 0     producer. setmaxnreg.dec to ATTN_WS_PRODUCER_REGS (24). Per key tile t it
+//                   fills K stage t % KS with K_t and V stage t % VS with V_t, and Q once after
+//                   K_0 (order K_0, Q, V_0, K_1, V_1, ...), each fill after waiting on the stage's
+//                   "empty" mbarrier:
+//                   - by TMA when the tile starts inside the key range (every tile but a first one
+//                     that a sequence start cuts): thread 0 arrives on the stage's "full" mbarrier
+//                     with expect-tx of the tile's bytes and issues HD / 64 box loads (64 columns x
+//                     KEYS rows each, the 128-byte swizzle of section 1's layout; Q: 128 rows).
+//                     Rows past hi are past `rows` (hi is the tile's last query row and KEYS
+//                     divides 128), which TMA reads as zero; Q's rows past `rows` likewise.
+//                   - by cp.async otherwise: all 128 threads meet at a named barrier (so threads
+//                     1..127, which skip the TMA tiles, wait on the empty mbarrier at thread 0's
+//                     ring position: parity waits are never more than one phase behind), copy the
+//                     rows [lo, hi] of the tile with the rows before lo zero-filled, exactly as
+//                     section 1 (so the previous sequence's values reach no product), wait for
+//                     their copies, meet again, and thread 0 arrives on "full".
+//                   "Full" mbarriers count one arrival (thread 0's) plus, for TMA, the bytes.
 //   warpgroups 1, 2 consumers. setmaxnreg.inc to ATTN_WS_CONSUMER_REGS (240). Consumer c owns
-//                   rows 64c .. 64c + 63 of the unit's tile and runs section 1's pipeline unchanged
+//                   rows 64c .. 64c + 63 of the tile and runs section 1's pipeline unchanged
 //                   (S_t issued with P_{t-1} V_{t-1}, the softmax of S_t under the latter, P rounded
 //                   to bf16, no wgmma under a branch, fully masked tiles computed); only the waits
 //                   differ. Before issuing it waits on Q's (first tile), K_t's and V_{t-1}'s full
-//                   mbarriers, then fences the proxies: the copies are generic-proxy writes and
-//                   wgmma reads through the async proxy, so each consumer thread, having observed
-//                   the writes through the mbarrier's acquire, executes fence.proxy.async before its
-//                   wgmmas. When wgmma.wait_group shows S_t complete each warp arrives once on K
-//                   stage t's empty mbarrier, when it shows P_{t-1} V_{t-1} complete on V stage
-//                   t - 1's, and after its output rows are stored on Q's (count 8: every warp of
-//                   both consumers).
+//                   mbarriers and executes fence.proxy.async (the cp.async fills are generic-proxy
+//                   writes; wgmma reads through the async proxy). When wgmma.wait_group shows S_t
+//                   complete each warp arrives once on K stage t's empty mbarrier, and when it shows
+//                   P_{t-1} V_{t-1} complete on V stage t - 1's (count 8: every consumer warp).
 // No CTA-wide barrier after the setup one (mbarrier init): the consumers never wait for the copy
 // issue, only for data, and never for each other.
-// Phases: a buffer of a ring of n is used by positions s, s + n, ...; use u = g / n (Q: use = the
-// round). The consumers wait on full with parity u & 1; the producer waits on empty with parity
-// (u & 1) ^ 1 (use u - 1's release; a fresh mbarrier reports its preceding phase, parity 1,
-// complete, so the first pass does not wait). Neither side can get two phases ahead of the other:
-// the producer refills a buffer only after both consumers released it, and they release it only
-// after waiting for it to be full. No deadlock: a unit's key tile t needs K_t and V_{t-1}; the
-// producer issues V_{t-1} then K_t (or, at t = 0, the last unit's V then K_0, Q), which need
-// P V and S of ring positions VS and KS back and the last unit's output stored, all of earlier
-// steps of the consumers (VS >= 2, KS >= 1).
-// Buffer reuse: a consumer arrives on a K or V empty mbarrier only after wgmma.wait_group has shown
-// the wgmmas that read the stage complete, and on Q's only after its wgmmas are done and its output
-// rows, staged through its own (dead) Q rows as in section 1, are read back; the producer's refill
-// is ordered after the arrive by the mbarrier's release/acquire, so it never overwrites an operand
-// in use.
+// Phases: a stage of a ring of n is used by tiles s, s + n, ...; use u = t / n. The consumers wait
+// on full with parity u & 1; the producer waits on empty with parity (u & 1) ^ 1 (use u - 1's
+// release; a fresh mbarrier reports its preceding phase, parity 1, complete, so the first pass
+// does not wait). Neither side can get two phases ahead of the other: the producer refills a stage
+// only after both consumers released it, and they release it only after waiting for it to be full.
+// No deadlock: tile t needs K_t and V_{t-1}; the producer issues V_{t-1} then K_t, which need the
+// P V and S of tiles VS and KS back, earlier steps of the consumers (VS >= 2, KS >= 1).
+// Buffer reuse: a consumer arrives on an empty mbarrier only after wgmma.wait_group has shown the
+// wgmmas that read the stage complete; the producer's refill is ordered after the arrive by the
+// mbarrier's release/acquire, so it never overwrites an operand in use. The output is staged
+// through the consumer's own Q rows (section 1), which nothing refills.
 //
-// Launch: grid ceil(rows / ATTN_WG_ROWS) * heads (exactly: one unit per CTA), block ATTN_WS_THREADS (384), dynamic smem
-//   (ATTN_WG_ROWS + (KS + ATTN_WS_V_STAGES) * KEYS) * HD * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN
-//   bytes, KS = ATTN_WS_K_STAGES_HD128 (3) / _HD256 (2), VS = 3, KEYS as section 1 (128 / 64):
-//   230,528 at both head dims (the opt-in maximum is 232,448), one CTA per SM. Layout from the
-//   1024-aligned base: Q, KS K stages, VS V stages, the mbarriers (Q full, Q empty; K full, K
-//   empty, V full, V empty per stage). A block, grid or smem mismatch, or rows >= 2^31 - 128 (the unit
-//   geometry is in 32-bit ints; seq_starts are ints anyway), traps at entry.
-// Registers (ptxas, no spills at either head dim): 168 per thread at launch (the
-//   cap of 384 threads: 64,512 of the SM's 65,536); setmaxnreg then gives the producer 24 and each
-//   consumer 240 (128 * 24 + 256 * 240 = 64,512, so setmaxnreg.inc never waits on a short pool).
-//   ptxas allocates the producer's code within 24 (its copy loop walks one row per iteration with
-//   32-bit offsets for that reason) and the consumers' within 240: O, S and P as section 1 without
-//   the copy addressing.
+// Launch: grid ceil(rows / ATTN_WG_ROWS) * heads (exactly), block ATTN_WS_THREADS (384), dynamic
+//   smem (ATTN_WG_ROWS + (KS + ATTN_WS_V_STAGES) * KEYS) * HD * 2 + ATTN_WS_BAR_BYTES +
+//   ATTN_WG_ALIGN bytes, KS = ATTN_WS_K_STAGES_HD128 (3) / _HD256 (2), VS = 3, KEYS as section 1
+//   (128 / 64): 230,528 at both head dims (the opt-in maximum is 232,448), one CTA per SM. Layout
+//   from the 1024-aligned base (TMA's 128-byte swizzle and wgmma's agree on 1024-aligned tiles):
+//   Q, KS K stages, VS V stages, the mbarriers (Q full; K full, K empty, V full, V empty per
+//   stage). A block, grid or smem mismatch, or rows >= 2^31 - 128 (the tile geometry is in 32-bit
+//   ints; seq_starts are ints anyway), traps at entry; rows = 0 is not launched.
+// Registers (ptxas): 168 per thread at launch (the cap of 384 threads: 64,512 of the SM's 65,536);
+//   setmaxnreg then gives the producer 24 and each consumer 240 (128 * 24 + 256 * 240 = 64,512, so
+//   setmaxnreg.inc never waits on a short pool). The consumers fit 240 without spills; at hd 128
+//   the producer's cp.async path spills 8 bytes (once per cut tile), the TMA path none.
 template <int HD>
 struct WsGeo {
   static constexpr int BM = ATTN_WG_ROWS;
@@ -1346,7 +1340,7 @@ struct WsGeo {
   static constexpr uint32_t BAR_OFF = Q_BYTES + (KS + VS) * KV_BYTES;
   static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
   static_assert(HD == 128 || HD == 256, "the warp-specialised causal forward takes head_dim 128 or 256");
-  static_assert((2 + 2 * KS + 2 * VS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
+  static_assert((1 + 2 * KS + 2 * VS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
   static_assert(KS >= 1 && VS >= 2, "V_{t-1} and V_t are in flight together");
   static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
 };
@@ -1386,7 +1380,8 @@ __device__ __forceinline__ void ws_load_rows(uint32_t tile, const bf16* row0, in
 }
 
 template <int HD>
-__device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const bf16* __restrict__ k,
+__device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CUtensorMap* map_k,
+                                              const CUtensorMap* map_v, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               const int* __restrict__ seq_starts, int num_seqs, index_t rows,
                                               int heads, int kv_heads, float scale) {
@@ -1399,54 +1394,38 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
   const uint32_t sQ = base;
   auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
   auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
-  const uint32_t q_full = base + G::BAR_OFF, q_empty = q_full + 8u;
-  auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(2 + st); };
-  auto k_empty = [&](int st) { return q_full + 8u * (uint32_t)(2 + KS + st); };
-  auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(2 + 2 * KS + st); };
-  auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(2 + 2 * KS + VS + st); };
+  const uint32_t q_full = base + G::BAR_OFF;
+  auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + st); };
+  auto k_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + KS + st); };
+  auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + st); };
+  auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + VS + st); };
 
   const int wg = threadIdx.x >> 7;
   const index_t ntiles = (rows + BM - 1) / BM;
-  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
-  // Work units u = 0 .. ntiles * heads - 1, heaviest first: unit u is query tile
-  // ntiles - 1 - u / heads of head u % heads. The CTA takes, in round r, unit r * grid + cta (even
-  // r) or r * grid + grid - 1 - cta (odd r): one unit with the exact grid, a snake over the sorted
-  // list with a smaller (persistent) one, which keeps the CTAs' total work within a round's spread.
-  // -1 past the end; a round past the end is followed only by such rounds.
-  const long long units = (long long)ntiles * heads, grid = gridDim.x, cta = blockIdx.x;
-  auto unit_of = [&](int r) -> long long {
-    const long long u = r * grid + ((r & 1) ? grid - 1 - cta : cta);
-    return u < units ? u : -1;
-  };
-  // A unit's query tile and key tiles (section 1's ranges), in 32-bit ints: rows < 2^31 - BM
-  // (checked below; seq_starts are ints, so no longer batch can be described anyway).
-  struct Unit {
-    int q0, lo, hi, kt_lo, h, n_kt;
-  };
-  auto unit_geo = [&](long long u) {
-    Unit w;
-    w.h = (int)(u % heads);
-    w.q0 = (int)((ntiles - 1 - u / heads) * BM);
-    w.lo = (int)seq_start_of(seq_starts, num_seqs, w.q0);  // first key any row of the tile sees
-    w.hi = (int)min((index_t)w.q0 + BM, rows) - 1;          // last key
-    w.kt_lo = w.lo / BN;
-    w.n_kt = w.hi / BN - w.kt_lo + 1;
-    return w;
-  };
-  if (rows > (index_t)(INT_MAX - BM) || (long long)gridDim.x != units) __trap();
+  const index_t qw = (index_t)heads * HD;
+  // The CTA's unit: query tile ntiles - 1 - b / heads of head b % heads (heaviest first), its key
+  // tiles section 1's, in 32-bit ints: rows < 2^31 - BM (checked below; seq_starts are ints, so
+  // no longer batch can be described anyway).
+  const int h = (int)(blockIdx.x % (unsigned)heads);
+  const int q0 = (int)((ntiles - 1 - blockIdx.x / (unsigned)heads) * BM);
+  const int lo = (int)seq_start_of(seq_starts, num_seqs, q0);  // first key any row of the tile sees
+  const int hi = (int)min((index_t)q0 + BM, rows) - 1;         // last key
+  const int kt_lo = lo / BN, n_kt = hi / BN - kt_lo + 1;
+  if (rows > (index_t)(INT_MAX - BM) || (long long)gridDim.x != (long long)ntiles * heads) __trap();
 
   if (threadIdx.x == 0) {
-    mbar_init(q_full, 128);
-    mbar_init(q_empty, 2 * 4);
+    // Full: one arrival (the producer's thread 0: expect-tx for a TMA fill, a plain arrive after
+    // a cp.async fill). Empty: one arrival per consumer warp.
+    mbar_init(q_full, 1);
     for (int st = 0; st < KS; ++st) {
-      mbar_init(k_full(st), 128);
+      mbar_init(k_full(st), 1);
       mbar_init(k_empty(st), 2 * 4);
     }
     for (int st = 0; st < VS; ++st) {
-      mbar_init(v_full(st), 128);
+      mbar_init(v_full(st), 1);
       mbar_init(v_empty(st), 2 * 4);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_barrier_init();
   }
   __syncthreads();  // the only CTA-wide barrier: the mbarriers are initialised before any use
 
@@ -1454,35 +1433,54 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
     // ---- producer ----
     ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
     const int t = threadIdx.x;
-    int g = 0;  // K/V tiles this CTA has loaded so far: the ring position
-    for (int r = 0;; ++r) {
-      const long long u = unit_of(r);
-      if (u < 0) break;
-      const Unit w = unit_geo(u);
-      const int kvh = w.h / (heads / kv_heads);
-      for (int it = 0; it < w.n_kt; ++it, ++g) {
-        const int k0 = (w.kt_lo + it) * BN;
-        // Rows of the tile inside the key range [lo, hi] (empty when i_lo > i_hi).
-        const int i_lo = max(w.lo - k0, 0), i_hi = min(w.hi - k0, BN - 1);
-        const int ks = g % KS, vs = g % VS;
-        mbar_wait(k_empty(ks), (uint32_t)((g / KS) & 1) ^ 1u);
-        ws_load_rows<HD, BN>(sK(ks), k + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, k, t);
-        ws_cp_async_arrive(k_full(ks));
-        if (it == 0) {
-          // Q after K_0: K_0 may go out while the consumers still store the previous unit's
-          // output through the Q rows (q_empty tells when they are done; round r is the Q
-          // buffer's use r).
-          mbar_wait(q_empty, (uint32_t)(r & 1) ^ 1u);
-          ws_load_rows<HD, BM>(sQ, q + (index_t)w.q0 * qw + w.h * HD, (int)qw, 0, min((int)rows - w.q0, BM) - 1,
-                               q, t);
-          ws_cp_async_arrive(q_full);
-        }
-        mbar_wait(v_empty(vs), (uint32_t)((g / VS) & 1) ^ 1u);
-        ws_load_rows<HD, BN>(sV(vs), v + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, v, t);
-        ws_cp_async_arrive(v_full(vs));
-      }
+    if (t == 0) {
+      prefetch_tensor_map(map_q);
+      prefetch_tensor_map(map_k);
+      prefetch_tensor_map(map_v);
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    // One K or V tile into a stage: by TMA from thread 0 (HD / 64 boxes of 64 columns x BN rows,
+    // the 128-byte swizzle of the consumers' descriptors; rows past `rows` read as zero) when the
+    // tile starts inside the unit's key range, else (a sequence starts inside the tile) by
+    // cp.async from all 128 threads with the rows before `lo` zero-filled, then a producer-wide
+    // named barrier and thread 0's plain arrive. Every thread of the warpgroup takes the same
+    // branch (it depends on the unit and tile only); in the cp.async case the named barrier also
+    // brings threads 1..127, which skip the TMA tiles, back to thread 0's ring position before
+    // they wait on an empty mbarrier, so their parity waits are never more than one phase behind.
+    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int kvh, int k0, int i_lo, int i_hi,
+                    uint32_t full, uint32_t empty, uint32_t parity) {
+      if (i_lo == 0) {
+        if (t == 0) {
+          mbar_wait(empty, parity);
+          mbar_arrive_expect_tx(full, G::KV_BYTES);
+#pragma unroll
+          for (int p = 0; p < HD / 64; ++p) tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, kvh * HD + p * 64, k0);
+        }
+        return;
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      mbar_wait(empty, parity);
+      const index_t kw = (index_t)kv_heads * HD;
+      ws_load_rows<HD, BN>(dst, src + (index_t)k0 * kw + kvh * HD, (int)kw, i_lo, i_hi, src, t);
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      if (t == 0) mbar_arrive(full);
+    };
+    const int kvh = h / (heads / kv_heads);
+    for (int it = 0; it < n_kt; ++it) {
+      const int k0 = (kt_lo + it) * BN;
+      // Rows of the tile inside the key range [lo, hi] (empty when i_lo > i_hi). Rows past hi are
+      // past `rows` (hi is the tile's last query row, and BN divides BM): zero under TMA too.
+      const int i_lo = max(lo - k0, 0), i_hi = min(hi - k0, BN - 1);
+      const int ks = it % KS, vs = it % VS;
+      fill(sK(ks), map_k, k, kvh, k0, i_lo, i_hi, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
+      if (it == 0 && t == 0) {
+        // Q after K_0 (rows past `rows` read as zero).
+        mbar_arrive_expect_tx(q_full, G::Q_BYTES);
+#pragma unroll
+        for (int p = 0; p < HD / 64; ++p) tma_load_2d(sQ + (uint32_t)(p * BM * 128), map_q, q_full, h * HD + p * 64, q0);
+      }
+      fill(sV(vs), map_v, v, kvh, k0, i_lo, i_hi, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
+    }
     return;
   }
 
@@ -1529,109 +1527,99 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
     }
   };
 
-  int g = 0;  // K/V tiles consumed before this unit: the ring position, as the producer's
-  for (int r = 0;; ++r) {
-    const long long u = unit_of(r);
-    if (u < 0) break;
-    const Unit w = unit_geo(u);
-    const int q0 = w.q0, n_kt = w.n_kt, nrows = (int)rows;
-    // This warpgroup's rows and sequence starts, this thread's two rows: as section 1, relative
-    // to q0.
-    const int r0 = cw * 64;
-    const bool live = q0 + r0 < nrows;
-    const int ss1 = live ? (int)seq_start_of(seq_starts, num_seqs, min(q0 + r0 + 64, nrows) - 1) - q0 : 0;
-    int row_of[2], ss_of[2];
+  const int nrows = (int)rows;
+  // This warpgroup's rows and sequence starts, this thread's two rows: as section 1, relative
+  // to q0.
+  const int r0 = cw * 64;
+  const bool live = q0 + r0 < nrows;
+  const int ss1 = live ? (int)seq_start_of(seq_starts, num_seqs, min(q0 + r0 + 64, nrows) - 1) - q0 : 0;
+  int row_of[2], ss_of[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      row_of[hh] = r0 + wi * 16 + gr + 8 * hh;
-      ss_of[hh] = q0 + row_of[hh] < nrows ? (int)seq_start_of(seq_starts, num_seqs, q0 + row_of[hh]) - q0 : INT_MAX;
-    }
+  for (int hh = 0; hh < 2; ++hh) {
+    row_of[hh] = r0 + wi * 16 + gr + 8 * hh;
+    ss_of[hh] = q0 + row_of[hh] < nrows ? (int)seq_start_of(seq_starts, num_seqs, q0 + row_of[hh]) - q0 : INT_MAX;
+  }
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    auto softmax = [&](int it, float (&alpha)[2]) {
-      const int k0 = (w.kt_lo + it) * BN - q0, k1 = k0 + BN - 1;
-      const bool masked = !live || !(k0 >= ss1 && k1 <= r0);
-      softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
-        const int t = k0 + col;
-        return t >= ss_of[hh] && t <= row_of[hh];
-      });
-    };
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  auto softmax = [&](int it, float (&alpha)[2]) {
+    const int k0 = (kt_lo + it) * BN - q0, k1 = k0 + BN - 1;
+    const bool masked = !live || !(k0 >= ss1 && k1 <= r0);
+    softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
+      const int t = k0 + col;
+      return t >= ss_of[hh] && t <= row_of[hh];
+    });
+  };
 
-    mbar_wait(q_full, (uint32_t)(r & 1));
-    {  // it = 0: S_0 alone.
-      float alpha[2];
-      mbar_wait(k_full(g % KS), (uint32_t)(g / KS) & 1u);
-      fence_proxy_async();
-      wgmma_fence();
-      issue_s(g);
-      wgmma_wait<0>();
-      wg_fence_regs(s);
-      release(k_empty(g % KS));
-      softmax(0, alpha);
-      softmax_rescale<HD>(acc, alpha);
-      pack_p();
-    }
-    for (int it = 1; it < n_kt; ++it) {
-      float alpha[2];
-      const int gi = g + it, ks = gi % KS, pvs = (gi - 1) % VS;
-      mbar_wait(k_full(ks), (uint32_t)(gi / KS) & 1u);
-      mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
-      fence_proxy_async();
-      wg_fence_regs(acc);
-      wgmma_fence();
-      issue_s(gi);
-      issue_pv(gi - 1);
-      wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
-      wg_fence_regs(s);
-      release(k_empty(ks));
-      softmax(it, alpha);
-      wgmma_wait<0>();
-      wg_fence_regs(acc);
-      release(v_empty(pvs));
-      softmax_rescale<HD>(acc, alpha);
-      pack_p();
-    }
-    {
-      const int gl = g + n_kt - 1, pvs = gl % VS;
-      mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
-      fence_proxy_async();
-      wg_fence_regs(acc);
-      wgmma_fence();
-      issue_pv(gl);
-      wgmma_wait<0>();
-      wg_fence_regs(acc);
-      release(v_empty(pvs));
-    }
-    g += n_kt;
+  mbar_wait(q_full, 0u);
+  {  // it = 0: S_0 alone.
+    float alpha[2];
+    mbar_wait(k_full(0), 0u);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_s(0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    release(k_empty(0));
+    softmax(0, alpha);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    float alpha[2];
+    const int gi = it, ks = gi % KS, pvs = (gi - 1) % VS;
+    mbar_wait(k_full(ks), (uint32_t)(gi / KS) & 1u);
+    mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
+    fence_proxy_async();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_s(gi);
+    issue_pv(gi - 1);
+    wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
+    wg_fence_regs(s);
+    release(k_empty(ks));
+    softmax(it, alpha);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(v_empty(pvs));
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  {
+    const int gl = n_kt - 1, pvs = gl % VS;
+    mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
+    fence_proxy_async();
+    wg_fence_regs(acc);
+    wgmma_fence();
+    issue_pv(gl);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(v_empty(pvs));
+  }
 
-    if (live) {
-      softmax_finish<HD>(acc, l);
-      // Stage the bf16 output in this warpgroup's Q rows (read only by its own, finished,
-      // wgmmas): each warp writes and then reads back its own 16 rows.
-      const int wr = cw * 64 + wi * 16;
+  if (live) {
+    softmax_finish<HD>(acc, l);
+    // Stage the bf16 output in this warpgroup's Q rows (read only by its own, finished,
+    // wgmmas): each warp writes and then reads back its own 16 rows.
+    const int wr = cw * 64 + wi * 16;
 #pragma unroll
-      for (int n = 0; n < HD / 8; ++n) {
-        const int col = n * 8 + 2 * (lane & 3);
-        *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
-            pack_bf16x2_rne(acc[n][0], acc[n][1]);
-        *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
-            pack_bf16x2_rne(acc[n][2], acc[n][3]);
-      }
-      __syncwarp();
-      constexpr int C = HD / 8;
-      for (int c = lane; c < 16 * C; c += 32) {
-        const int i = c / C, ch = c % C;
-        const int rr = q0 + wr + i;
-        if (rr < nrows) {
-          *reinterpret_cast<uint4*>(o + (index_t)rr * qw + w.h * HD + ch * 8) =
-              *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
-        }
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = n * 8 + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
+          pack_bf16x2_rne(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
+          pack_bf16x2_rne(acc[n][2], acc[n][3]);
+    }
+    __syncwarp();
+    constexpr int C = HD / 8;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const int rr = q0 + wr + i;
+      if (rr < nrows) {
+        *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) =
+            *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
       }
     }
-    // The Q rows are free for the next unit's Q (this warp's wgmmas are done with them, and its
-    // output has been read back into registers).
-    release(q_empty);
   }
 }
 
@@ -1647,12 +1635,17 @@ __device__ __forceinline__ void causal_fwd_ws(const bf16* __restrict__ q, const 
 ATTN_WG_EXPORT(128)
 ATTN_WG_EXPORT(256)
 
-// The warp-specialised causal forward (section 5); same arguments as section 1's.
+// The warp-specialised causal forward (section 5): section 1's arguments, with TMA descriptors of
+// q, k and v (bf16 [rows, heads * HD] and [rows, kv_heads * HD], boxes of 64 columns x 128 / KEYS
+// rows, 128-byte swizzle) in place of q; k and v also by pointer for cp.async-filled tiles.
 #define ATTN_WS_EXPORT(D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_ws_bf16_hd##D(            \
-      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,             \
-      const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads, float scale) {            \
-    attn::causal_fwd_ws<D>(q, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads, scale);          \
+      const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,                  \
+      const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* k, const __nv_bfloat16* v,            \
+      __nv_bfloat16* o, const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads,         \
+      float scale) {                                                                                          \
+    attn::causal_fwd_ws<D>(&map_q, &map_k, &map_v, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads,    \
+                           scale);                                                                            \
   }
 ATTN_WS_EXPORT(128)
 ATTN_WS_EXPORT(256)

@@ -73,7 +73,8 @@ constexpr int ATTN_WG_BWD_V_STAGES = 2;
 constexpr int ATTN_WG_BWD_KV_ROWS = ATTN_WG_WARPGROUPS * 64;
 
 // The warp-specialised causal forward (attention_wgmma.cu section 5): a producer warpgroup that
-// alone moves Q, K and V (cp.async, completion counted on per-stage "full" mbarriers) and the two
+// alone moves Q, K and V (TMA, or cp.async for tiles a sequence start cuts; completion on
+// per-stage "full" mbarriers) and the two
 // consumer warpgroups of the layout above (wgmma; each frees a stage on its "empty" mbarrier):
 // 384 threads. Registers move from the producer to the consumers with setmaxnreg: 128 * 24 +
 // 256 * 240 = 64,512 of the SM's 65,536 (the kernel is compiled for 384 threads, i.e. 168 each).

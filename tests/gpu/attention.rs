@@ -208,6 +208,47 @@ fn gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma() {
     }
 }
 
+/// A sequence's keys and values reach no product of a query tile that begins after the sequence
+/// ends: with the first sequence's V rows NaN and K rows inf, every row from the first 128-row
+/// tile boundary after it on (every form's query tiles divide 128) is finite and equal to the
+/// CPU's, in every causal form and at both head dims. The second sequence starts inside a tile, so
+/// its first key tile holds rows of the first (zero-filled: the warp-specialised form's cp.async
+/// path); the later ones start on a tile boundary (its TMA path). (Rows of the second sequence in
+/// the first sequence's last query tile share that tile's key range, which begins at the first
+/// sequence's start: there the masked keys' values are read, with P = 0, in every form.)
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_keeps_non_finite_values_inside_their_sequence() {
+    use dflash_engine::backend::cuda::AttnForm;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let s = g.compute_stream();
+    for (hd, heads, kvh, lens) in [(128, 8, 2, vec![100usize, 284, 256, 70]), (256, 6, 2, vec![70, 186, 128, 90])] {
+        let rows: usize = lens.iter().sum();
+        let starts = starts_of(&lens);
+        let q = rand(rows * heads * hd, 280, 1.0);
+        let mut k = rand(rows * kvh * hd, 281, 1.0);
+        let mut v = rand(rows * kvh * hd, 282, 1.0);
+        let bad = lens[0] * kvh * hd;
+        k[..bad].iter_mut().for_each(|x| *x = f32::INFINITY);
+        v[..bad].iter_mut().for_each(|x| *x = f32::NAN);
+        let want = c.causal(&q, &k, &v, &starts, rows, heads, kvh, hd);
+        let later = lens[0].next_multiple_of(128) * heads * hd..;
+        assert!(want[later.clone()].iter().all(|x| x.is_finite()), "the CPU reference isolates sequences");
+        let (qb, kb, vb) = (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16));
+        let st = ids(&g, &starts);
+        for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
+            if !form.takes_causal(hd) {
+                continue;
+            }
+            let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+            let got = get(&g, &o);
+            let what = format!("{form:?} hd {hd}, lens {lens:?}, sequence 0 non-finite: later tiles");
+            rel_err(&what, &got[later.clone()], &want[later.clone()], ATTN_TOL);
+        }
+    }
+}
+
 /// Drafter: two sequences, anchors at 0 and at the end, padded blocks, block sizes 16 and 1.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -53,15 +53,26 @@ fn fast_path_blocker(x: u64, w: u64, y: u64, w_off: usize, h: usize, k: usize) -
     }
 }
 
+/// bf16 elements in one 128-byte swizzle row: the inner box size of every TMA descriptor here.
+const SWIZZLE_ROW: usize = 64;
+const _: () = assert!(FC_BK == SWIZZLE_ROW, "fc.cu's k-block is one swizzle row");
+
 /// A 2-D TMA descriptor over a row-major bf16 matrix `[outer, inner]` at `ptr`, read in boxes of
-/// `FC_BK` x `box_outer` elements with the 128-byte swizzle the kernel's wgmma descriptors expect;
-/// out-of-bounds box elements read as zero.
-fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: usize) -> Result<sys::CUtensorMap> {
+/// 64 x `box_outer` elements (one 128-byte row by `box_outer` rows) with the 128-byte swizzle the
+/// kernels' wgmma descriptors expect; out-of-bounds box elements read as zero. `op` names the
+/// caller in the error.
+pub(super) fn tensor_map_2d(
+    op: &'static str,
+    ptr: u64,
+    inner: usize,
+    outer: usize,
+    box_outer: usize,
+) -> Result<sys::CUtensorMap> {
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let dims: [u64; 2] = [inner as u64, outer as u64];
     let pitch: [u64; 1] = [inner as u64 * 2];
-    let tile = |n: usize| u32::try_from(n).expect("launch.cuh's FC tiles are small");
-    let boxes: [u32; 2] = [tile(FC_BK), tile(box_outer)];
+    let tile = |n: usize| u32::try_from(n).expect("launch.cuh's tiles are small");
+    let boxes: [u32; 2] = [tile(SWIZZLE_ROW), tile(box_outer)];
     let element_strides: [u32; 2] = [1, 1];
     // SAFETY: every array has the length rank 2 asks for (strides: rank - 1) and outlives the
     // call; `map` is a writable CUtensorMap. The call only encodes a descriptor on the host.
@@ -82,7 +93,7 @@ fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: usize) -> Resu
         )
     }
     .result()
-    .map_err(|e| drv(format!("fc_project: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix"), e))?;
+    .map_err(|e| drv(format!("{op}: cuTensorMapEncodeTiled for a {outer} x {inner} bf16 matrix"), e))?;
     Ok(map)
 }
 
@@ -148,8 +159,8 @@ impl CudaBackend {
                 if let Some(why) = fast_path_blocker(xp.addr(), wp.addr(), yp.addr(), w_off, h, k) {
                     return Err(BackendError::Shape { op: OP, what: format!("fc_wgmma_bf16 cannot run: {why}") });
                 }
-                let map_x = tensor_map_2d(xp.addr(), k, rows, FC_BM)?;
-                let map_w = tensor_map_2d(wp.addr(), k, h, FC_BN)?;
+                let map_x = tensor_map_2d(OP, xp.addr(), k, rows, FC_BM)?;
+                let map_w = tensor_map_2d(OP, wp.addr(), k, h, FC_BN)?;
                 let tiles = rows.div_ceil(FC_BM) * h.div_ceil(FC_BN);
                 // Persistent: one CTA per SM at most (197 KB of shared memory each), >= 1 here.
                 let grid = tiles.min(self.sm_count);

@@ -526,6 +526,11 @@ impl CudaBackend {
         head_dim: usize,
     ) -> Result<()> {
         check_causal_attn(q.len, k.len, v.len, o.len, rows, heads, kv_heads, head_dim)?;
+        if rows == 0 {
+            // Nothing to attend; the warp-specialised kernel's exact-grid check and its TMA
+            // descriptors (dimensions >= 1) need at least one row.
+            return Ok(());
+        }
         let (kernel, cta_rows, threads, smem) = match form {
             AttnForm::Mma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
@@ -566,8 +571,8 @@ impl CudaBackend {
             op: "attn_causal_fwd",
             what: "seq_starts is empty (it holds num_seqs + 1 offsets)".into(),
         })?;
-        // Both forms take the same arguments (kernels/attention_wgmma.cu repeats attention.cu's
-        // signature).
+        // The mma.sync and wgmma forms take the same arguments (kernels/attention_wgmma.cu repeats
+        // attention.cu's signature); the warp-specialised one takes TMA descriptors (below).
         macro_rules! args {
             ($ty:ident) => {
                 launch::$ty {
@@ -587,7 +592,28 @@ impl CudaBackend {
         match form {
             AttnForm::Mma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdBf16Hd)),
             AttnForm::Wgmma => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWgBf16Hd)),
-            AttnForm::WarpSpecialized => self.launch(s, kernel, (grid, threads, smem), args!(AttnCausalFwdWsBf16Hd)),
+            AttnForm::WarpSpecialized => {
+                // TMA descriptors: q in boxes of the 128-row query tile, k and v of the key tile,
+                // each box one 128-byte swizzle row (64 columns) wide.
+                const OP: &str = "attn_causal_fwd";
+                let keys = if head_dim > 128 { ATTN_WG_KEYS_HD256 } else { ATTN_WG_KEYS_HD128 };
+                let (qp, kp, vp) = (q.at::<half::bf16>(OP, 0)?, k.at::<half::bf16>(OP, 0)?, v.at::<half::bf16>(OP, 0)?);
+                let args = launch::AttnCausalFwdWsBf16Hd {
+                    map_q: fc::tensor_map_2d(OP, qp.addr(), heads * head_dim, rows, ATTN_WG_ROWS)?,
+                    map_k: fc::tensor_map_2d(OP, kp.addr(), kv_heads * head_dim, rows, keys)?,
+                    map_v: fc::tensor_map_2d(OP, vp.addr(), kv_heads * head_dim, rows, keys)?,
+                    k: kp,
+                    v: vp,
+                    o: o.at(OP, 0)?,
+                    seq_starts: seq_starts.at(OP, 0)?,
+                    num_seqs,
+                    rows,
+                    heads,
+                    kv_heads,
+                    scale: 1.0f32 / (head_dim as f32).sqrt(),
+                };
+                self.launch(s, kernel, (grid, threads, smem), args)
+            }
         }
     }
 
