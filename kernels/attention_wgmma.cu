@@ -1351,6 +1351,12 @@ __device__ __forceinline__ void ws_cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Named barriers 2 and 3 hand the consumers' turn to issue wgmmas back and forth (ping-pong,
+// below): bar.sync waits for the own barrier's 256 arrivals (its own 128 threads and the other
+// consumer's 128), bar.arrive adds the other consumer's 128 without waiting.
+__device__ __forceinline__ void ws_turn_wait(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void ws_turn_pass(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+
 template <int N>
 __device__ __forceinline__ void ws_setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -1527,6 +1533,20 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
     }
   };
 
+  // Ping-pong (ATTN_WS_PINGPONG): the consumers issue their wgmma batches in turns, consumer 0
+  // first, so that one's softmax runs under the other's products instead of both softmaxes at once
+  // with the tensor cores idle. Consumer c waits on barrier 2 + c before each batch and passes the
+  // turn to barrier 3 - c after issuing it. Both issue n_kt + 1 batches (same tile); consumer 1
+  // passes once at the start and skips its last pass, so every arrival is matched by a wait.
+  const int my_turn = 2 + cw, their_turn = 3 - cw;
+  auto turn_wait = [&]() {
+    if (ATTN_WS_PINGPONG) ws_turn_wait(my_turn);
+  };
+  auto turn_pass = [&](bool last) {
+    if (ATTN_WS_PINGPONG && !(last && cw == 1)) ws_turn_pass(their_turn);
+  };
+  if (ATTN_WS_PINGPONG && cw == 1) ws_turn_pass(their_turn);
+
   const int nrows = (int)rows;
   // This warpgroup's rows and sequence starts, this thread's two rows: as section 1, relative
   // to q0.
@@ -1556,8 +1576,10 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
     float alpha[2];
     mbar_wait(k_full(0), 0u);
     fence_proxy_async();
+    turn_wait();
     wgmma_fence();
     issue_s(0);
+    turn_pass(false);
     wgmma_wait<0>();
     wg_fence_regs(s);
     release(k_empty(0));
@@ -1572,9 +1594,11 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
     mbar_wait(v_full(pvs), (uint32_t)((gi - 1) / VS) & 1u);
     fence_proxy_async();
     wg_fence_regs(acc);
+    turn_wait();
     wgmma_fence();
     issue_s(gi);
     issue_pv(gi - 1);
+    turn_pass(false);
     wgmma_wait<1>();  // S_it (groups complete in order; P_{it-1} V_{it-1} may still run)
     wg_fence_regs(s);
     release(k_empty(ks));
@@ -1590,8 +1614,10 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
     mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
     fence_proxy_async();
     wg_fence_regs(acc);
+    turn_wait();
     wgmma_fence();
     issue_pv(gl);
+    turn_pass(true);
     wgmma_wait<0>();
     wg_fence_regs(acc);
     release(v_empty(pvs));

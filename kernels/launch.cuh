@@ -89,6 +89,9 @@ constexpr int ATTN_WS_CONSUMER_REGS = 240;
 constexpr int ATTN_WS_K_STAGES_HD128 = 3;
 constexpr int ATTN_WS_K_STAGES_HD256 = 2;
 constexpr int ATTN_WS_V_STAGES = 3;
+// Consumer ping-pong (attention_wgmma.cu section 5): 1 = the two consumers issue their wgmma
+// batches in turns (named barriers 2 and 3), 0 = independently.
+constexpr int ATTN_WS_PINGPONG = 1;
 // The mbarriers (8 bytes each): Q full, then a full and an empty one per K and per V stage; 16
 // slots, room for 7 + 7 stages.
 constexpr int ATTN_WS_BAR_BYTES = 128;
