@@ -431,8 +431,8 @@ fn main() {
         let vb = buf(DType::BF16, nb * 16 * kvh * hd);
         let mut od = buf(DType::BF16, nb * 16 * heads * hd);
         let mut lse = buf(DType::F32, nb * 16 * heads);
-        // Both forward forms (the warpgroup kernel is the default).
-        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+        // The three forward forms (the warp-specialised kernel is the default).
+        for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
             let t = time(&be, 5, || {
                 be.attn_draft_fwd_with(form, &s, &sh, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()
             });
@@ -442,7 +442,7 @@ fn main() {
                 4.0 * visible * heads as f64 * hd as f64,
             );
         }
-        // The sliding-window layer (W 2048, causal inside the block), both forms: FLOPs for the
+        // The sliding-window layer (W 2048, causal inside the block), every form: FLOPs for the
         // keys each slot sees, min(a, W - 1 - r) context rows and r + 1 block rows.
         let win = 2048usize;
         let sh_sl = DraftAttnShape { window: Some(win), ..sh };
@@ -451,7 +451,7 @@ fn main() {
             .iter()
             .map(|&a| (0..16usize).map(|r| (a.min((win - 1).saturating_sub(r)) + r + 1) as f64).sum::<f64>())
             .sum();
-        for form in [AttnForm::Mma, AttnForm::Wgmma] {
+        for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
             let t = time(&be, 5, || {
                 be.attn_draft_fwd_with(form, &s, &sh_sl, &qd, &k, &vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap()
             });

@@ -287,6 +287,47 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
 //   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + ATTN_WG_ALIGN = 214,016 bytes. Preconditions as
 //   attention.cu's draft_fwd, plus block_size <= 16 and M <= 64 (the Rust launcher checks both
 //   and otherwise runs the mma.sync kernel); violations trap.
+// The drafter forward's epilogue (sections 2 and 6), for block j of consumer warpgroup w (rows
+// 64 w .. 64 w + 63 of the 128-row Q tile, whose rows it stages the output through): lse and o of
+// the block's M rows; a padded block (anchor < 0) writes exact zeros and lse 0, never NaN.
+template <int HD>
+__device__ __forceinline__ void draft_fwd_store(float (&acc)[HD / 8][4], const float (&m)[2], float (&l)[2],
+                                                bool padded, const int (&mrow)[2], int M, int bs, index_t j, int g,
+                                                int Gq, int heads, index_t qw, int w, int wi, int gr, int lane,
+                                                unsigned char* base_ptr, bf16* __restrict__ o,
+                                                float* __restrict__ lse) {
+  constexpr int BM = ATTN_WG_ROWS;
+  softmax_finish<HD>(acc, l);
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int mm = mrow[hh];
+      if (mm < M) {
+        lse[(j * bs + mm % bs) * heads + g * Gq + mm / bs] = padded ? 0.f : m[hh] * LN2 + logf(l[hh]);
+      }
+    }
+  }
+  const int wr = w * 64 + wi * 16;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  constexpr int C = HD / 8;
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const int mm = wi * 16 + i;
+    if (mm < M) {
+      *reinterpret_cast<uint4*>(o + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                              const bf16* __restrict__ vc, const bf16* __restrict__ kb,
@@ -524,37 +565,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
   }
   cp_async_wait<0>();
   if (j >= num_blocks) return;
-
-  softmax_finish<HD>(acc, l);
-  const bool padded = a < 0;  // exact zeros, never NaN
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int mm = mrow[hh];
-      if (mm < M) {
-        lse[(j * bs + mm % bs) * heads + g * Gq + mm / bs] = padded ? 0.f : m[hh] * LN2 + logf(l[hh]);
-      }
-    }
-  }
-  const int wr = wg * 64 + wi * 16;
-#pragma unroll
-  for (int n = 0; n < HD / 8; ++n) {
-    const int col = n * 8 + 2 * (lane & 3);
-    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr, col)) =
-        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
-    *reinterpret_cast<uint32_t*>(base_ptr + sw128_elem<BM>(wr + gr + 8, col)) =
-        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
-  }
-  __syncwarp();
-  constexpr int C = HD / 8;
-  for (int c = lane; c < 16 * C; c += 32) {
-    const int i = c / C, ch = c % C;
-    const int mm = wi * 16 + i;
-    if (mm < M) {
-      *reinterpret_cast<uint4*>(o + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
-          *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
-    }
-  }
+  draft_fwd_store<HD>(acc, m, l, a < 0, mrow, M, bs, j, g, Gq, heads, qw, wg, wi, gr, lane, base_ptr, o, lse);
 }
 
 
@@ -1651,6 +1662,374 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 6. Drafter forward, warp-specialised: section 2's math, masks, numerics, outputs (o, lse) and
+// preconditions with section 5's structure. attn_draft_fwd_ws_bf16_hd128.
+// CTA b = section 2's CTA b: the block pair (2c, 2c + 1) of kv head g, one consumer warpgroup per
+// block, the context rows either block sees streamed once as KEYS-row tiles over the union
+// [Tlo, Thi), then each consumer's own 16 block keys.
+// CTA = 384 threads:
+//   warpgroup 0     producer (setmaxnreg.dec to ATTN_WS_PRODUCER_REGS). Per context tile t it fills
+//                   K stage t % KS and V stage t % VS, each after waiting on the stage's empty
+//                   mbarrier: by TMA (thread 0: expect-tx, HD / 64 boxes of 64 columns x KEYS rows
+//                   from context row Tlo + t * KEYS) when every row of the tile is one a block
+//                   sees, else by cp.async from all 128 threads with the other rows zero-filled,
+//                   as section 2 (a named barrier before, so every thread waits at thread 0's ring
+//                   position, and after the copies; then thread 0 arrives). After K_0 all 128
+//                   threads copy Q (row i of the tile: row i % 64 of block 2c + i / 64, rows past M
+//                   zero) and both blocks' keys (rows past block_size zero) by cp.async, and
+//                   thread 0 arrives on Q's full mbarrier once they have landed.
+//   warpgroups 1, 2 consumers (setmaxnreg.inc to ATTN_WS_CONSUMER_REGS): section 2's pipeline per
+//                   block (S_t with P_{t-1} V_{t-1}, masks by the block's own range, the block-key
+//                   tile last), with section 5's waits, releases and ping-pong (ATTN_WS_PINGPONG;
+//                   n_kt + 1 turns each: the context tiles and the last one, which issues the
+//                   block-key S with the last P V).
+// Phases, buffer reuse and deadlock freedom as section 5 (the ring positions are the context
+// tiles). Q and the block keys are loaded once and never refilled; the output is staged through
+// the consumer's own Q rows.
+// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic smem
+//   (ATTN_WG_ROWS + (ATTN_WS_DRAFT_K_STAGES + ATTN_WS_DRAFT_V_STAGES) * ATTN_WG_KEYS_HD128 +
+//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN = 214,144 bytes, a TMA
+//   descriptor each of kc and vc ([ctx_rows, kv_heads * 128] bf16, boxes of 64 columns x KEYS
+//   rows, 128-byte swizzle); ctx_rows >= 1. Preconditions as section 2; violations trap.
+template <int HD>
+struct WsDraftGeo {
+  static constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WG_KEYS_HD128, BB = ATTN_WG_BLOCK_KEYS;
+  static constexpr int KS = ATTN_WS_DRAFT_K_STAGES, VS = ATTN_WS_DRAFT_V_STAGES;
+  static constexpr uint32_t Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, B_BYTES = BB * HD * 2;
+  static constexpr uint32_t B_OFF = Q_BYTES + (KS + VS) * KV_BYTES;
+  static constexpr uint32_t BAR_OFF = B_OFF + 4 * B_BYTES;
+  static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+  static_assert(HD == 128, "the warp-specialised drafter forward takes head_dim 128");
+  static_assert((1 + 2 * KS + 2 * VS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
+  static_assert(KS >= 1 && VS >= 2, "V_{t-1} and V_t are in flight together");
+  static_assert(B_BYTES % 1024 == 0, "block-key tiles start on swizzle atoms");
+  static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
+};
+
+// Copies rows of an R-row swizzled tile with the producer warpgroup's 128 threads (t = 0..127);
+// src(i) is row i's global address or nullptr for a zero row (section 1's wg_load_rows for 128
+// threads).
+template <int HD, int R, class Src>
+__device__ __forceinline__ void ws_load_rows_at(uint32_t tile, const bf16* any_mapped, int t, Src src) {
+  constexpr int C = HD / 8;
+  static_assert((R * C) % 128 == 0, "every producer thread copies the same number of chunks");
+#pragma unroll 1
+  for (int c = t; c < R * C; c += 128) {
+    const int i = c / C, ch = c % C;
+    const bf16* p = src(i);
+    cp_async_16(tile + sw128_chunk<R>(i, ch), p ? p + ch * 8 : any_mapped, p != nullptr);
+  }
+}
+
+template <int HD>
+__device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUtensorMap* map_v,
+                                             const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                             const bf16* __restrict__ vc, const bf16* __restrict__ kb,
+                                             const bf16* __restrict__ vb, bf16* __restrict__ o,
+                                             float* __restrict__ lse, const int* __restrict__ anchors,
+                                             const int* __restrict__ ctx_start, int num_blocks, int block_size,
+                                             index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
+  using G = WsDraftGeo<HD>;
+  constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = G::BB;
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
+  require_launch(ATTN_WS_THREADS, G::SMEM);
+  if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > 64 ||
+      (long long)gridDim.x != ((long long)num_blocks + 1) / 2 * kv_heads) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base;
+  auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
+  auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
+  // Block keys of consumer w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  auto sB = [&](int w, int kv) { return base + G::B_OFF + (uint32_t)(2 * w + kv) * G::B_BYTES; };
+  const uint32_t q_full = base + G::BAR_OFF;
+  auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + st); };
+  auto k_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + KS + st); };
+  auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + st); };
+  auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + VS + st); };
+
+  const int wg = threadIdx.x >> 7;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t npairs = ((index_t)num_blocks + 1) / 2;
+  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Both blocks' context ranges [lo, hi) in absolute context rows (empty: lo >= hi), as section 2.
+  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+  // Rows either block sees, relative to Tlo (empty: lo > hi - 1).
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < KS; ++st) {
+      mbar_init(k_full(st), 1);
+      mbar_init(k_empty(st), 2 * 4);
+    }
+    for (int st = 0; st < VS; ++st) {
+      mbar_init(v_full(st), 1);
+      mbar_init(v_empty(st), 2 * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
+    const int t = threadIdx.x;
+    if (t == 0) {
+      prefetch_tensor_map(map_k);
+      prefetch_tensor_map(map_v);
+    }
+    // Whether every row of the tile starting at relative row u0 is one a block sees: inside one
+    // block's range, or inside their union where the two ranges overlap or touch.
+    auto clean = [&](int u0) {
+      const int u1 = u0 + BN;
+      const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
+      const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
+      return in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi));
+    };
+    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int it, uint32_t full, uint32_t empty,
+                    uint32_t parity) {
+      const int u0 = it * BN;
+      if (clean(u0)) {
+        if (t == 0) {
+          mbar_wait(empty, parity);
+          mbar_arrive_expect_tx(full, G::KV_BYTES);
+#pragma unroll
+          for (int p = 0; p < HD / 64; ++p)
+            tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
+        }
+        return;
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      mbar_wait(empty, parity);
+      const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
+      ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
+        const int u = u0 + i;
+        return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
+      });
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      if (t == 0) mbar_arrive(full);
+    };
+    for (int it = 0; it < n_kt; ++it) {
+      const int ks = it % KS, vs = it % VS;
+      fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
+      if (it == 0) {
+        // Q: row i of the tile is row i % 64 of block 2 * pair + i / 64 (rows past M zero).
+        ws_load_rows_at<HD, BM>(sQ, q, t, [&](int i) -> const bf16* {
+          const index_t jj = 2 * pair + i / 64;
+          const int mm = i % 64;
+          return jj < num_blocks && mm < M ? q + (jj * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD
+                                           : nullptr;
+        });
+#pragma unroll 1
+        for (int w = 0; w < 2; ++w) {
+          const index_t jj = 2 * pair + w;
+          const bool live = jj < num_blocks && a_w[w] >= 0;
+          ws_load_rows_at<HD, BB>(sB(w, 0), kb, t, [&](int i) -> const bf16* {
+            return live && i < bs ? kb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+          });
+          ws_load_rows_at<HD, BB>(sB(w, 1), vb, t, [&](int i) -> const bf16* {
+            return live && i < bs ? vb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
+          });
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+        if (t == 0) mbar_arrive(q_full);
+      }
+      fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  ws_setmaxnreg_inc<ATTN_WS_CONSUMER_REGS>();
+  const int cw = wg - 1, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  // This consumer's block and this thread's two rows: slot, head, and context range relative to
+  // Tlo (empty: vlo > vhi), as section 2.
+  const index_t j = 2 * pair + cw;
+  const index_t a = cw ? a_w[1] : a_w[0], cs = cw ? cs_w[1] : cs_w[0];
+  int mrow[2], vlo[2], vhi[2];
+  bool rvalid[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mrow[hh] = wi * 16 + gr + 8 * hh;
+    rvalid[hh] = a >= 0 && mrow[hh] < M;
+    const int r = mrow[hh] % bs;
+    if (rvalid[hh] && a > 0) {
+      const index_t first = window > 0 ? max((index_t)0, a + r - (index_t)(window - 1)) : (index_t)0;
+      vlo[hh] = (int)(cs + first - Tlo);
+      vhi[hh] = (int)(cs + a - Tlo) - 1;
+    } else {
+      vlo[hh] = 1;
+      vhi[hh] = 0;
+    }
+  }
+  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
+  const bool wg_any = a > 0 && all_first < a;
+  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+
+  float acc[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sl2 = scale * LOG2E;
+  const uint32_t sQw = sQ + (uint32_t)(cw * 64 * 128);
+  float s[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  const uint64_t dq = wg_desc(sQw, 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);
+  const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
+  auto issue_s = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int it) {
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  // Ping-pong as section 5: consumer c waits on barrier 2 + c and passes to 3 - c; consumer 1
+  // passes once first and skips its last pass.
+  const int my_turn = 2 + cw, their_turn = 3 - cw;
+  auto turn_wait = [&]() {
+    if (ATTN_WS_PINGPONG) ws_turn_wait(my_turn);
+  };
+  auto turn_pass = [&](bool last) {
+    if (ATTN_WS_PINGPONG && !(last && cw == 1)) ws_turn_pass(their_turn);
+  };
+  if (ATTN_WS_PINGPONG && cw == 1) ws_turn_pass(their_turn);
+  auto softmax = [&](int it, float (&alpha)[2]) {
+    const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
+    const bool masked = !(k0 >= wlo && k1 <= whi);
+    softmax_p<BN / 8>(s, m, l, alpha, sl2, masked, lane, [&](int hh, int col) {
+      const int tt = k0 + col;
+      return tt >= vlo[hh] && tt <= vhi[hh];
+    });
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
+  mbar_wait(q_full, 0u);
+  {  // context tile 0 alone
+    float alpha[2];
+    mbar_wait(k_full(0), 0u);
+    fence_proxy_async();
+    turn_wait();
+    wgmma_fence();
+    issue_s(0);
+    turn_pass(false);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    release(k_empty(0));
+    softmax(0, alpha);
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    float alpha[2];
+    const int ks = it % KS, pvs = (it - 1) % VS;
+    mbar_wait(k_full(ks), (uint32_t)(it / KS) & 1u);
+    mbar_wait(v_full(pvs), (uint32_t)((it - 1) / VS) & 1u);
+    fence_proxy_async();
+    wg_fence_regs(acc);
+    turn_wait();
+    wgmma_fence();
+    issue_s(it);
+    issue_pv(it - 1);
+    turn_pass(false);
+    wgmma_wait<1>();
+    wg_fence_regs(s);
+    release(k_empty(ks));
+    softmax(it, alpha);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(v_empty(pvs));
+    softmax_rescale<HD>(acc, alpha);
+    pack_p();
+  }
+  {  // the block's own keys, issued with the last context tile's P V
+    float sb[BB / 8][4], alpha[2];
+    const int gl = n_kt - 1, pvs = gl % VS;
+    mbar_wait(v_full(pvs), (uint32_t)(gl / VS) & 1u);
+    fence_proxy_async();
+    wg_fence_regs(acc);
+    turn_wait();
+    wgmma_fence();
+    const uint64_t dkb = wg_desc(sB(cw, 0), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(sb, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+    issue_pv(gl);
+    turn_pass(true);
+    wgmma_wait<1>();
+    wg_fence_regs(sb);
+    softmax_p<BB / 8>(sb, m, l, alpha, sl2, true, lane, [&](int hh, int col) {
+      return rvalid[hh] && col < bs && (window == 0 || col <= mrow[hh] % bs);
+    });
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(v_empty(pvs));
+    softmax_rescale<HD>(acc, alpha);
+    uint32_t pb[4];
+    pb[0] = pack_op(sb[0][0], sb[0][1]);
+    pb[1] = pack_op(sb[0][2], sb[0][3]);
+    pb[2] = pack_op(sb[1][0], sb[1][1]);
+    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    wgmma_fence();
+    wg_pb<HD>(acc, pb, wg_desc(sB(cw, 1), BB * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+  }
+  if (j >= num_blocks) return;
+  draft_fwd_store<HD>(acc, m, l, a < 0, mrow, M, bs, j, g, Gq, heads, qw, cw, wi, gr, lane, base_ptr, o, lse);
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -1685,6 +2064,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_
     int block_size, long long ctx_rows, int heads, int kv_heads, float scale, int window) {
   attn::draft_fwd_wg<128>(q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size, ctx_rows, heads,
                           kv_heads, scale, window);
+}
+
+// The warp-specialised drafter forward at head_dim 128 (section 6): section 2's arguments with TMA
+// descriptors of kc and vc in front.
+extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_fwd_ws_bf16_hd128(
+    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* q,
+    const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb, const __nv_bfloat16* vb,
+    __nv_bfloat16* o, float* lse, const int* anchors, const int* ctx_start, int num_blocks, int block_size,
+    long long ctx_rows, int heads, int kv_heads, float scale, int window) {
+  attn::draft_fwd_ws<128>(&map_k, &map_v, q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size,
+                          ctx_rows, heads, kv_heads, scale, window);
 }
 
 // The drafter backward over queries at head_dim 128; launch above draft_bwd_q_wg.

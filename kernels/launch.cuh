@@ -89,7 +89,12 @@ constexpr int ATTN_WS_CONSUMER_REGS = 240;
 constexpr int ATTN_WS_K_STAGES_HD128 = 3;
 constexpr int ATTN_WS_K_STAGES_HD256 = 2;
 constexpr int ATTN_WS_V_STAGES = 3;
-// Consumer ping-pong (attention_wgmma.cu section 5): 1 = the two consumers issue their wgmma
+// The warp-specialised drafter forward (section 6): K/V stages of ATTN_WG_KEYS_HD128 keys beside
+// the 128-row Q tile and the 4 block-key tiles: (128 + (2 + 3) * 128 + 4 * 16) * 256 + 128 + 1024 =
+// 214,144 bytes.
+constexpr int ATTN_WS_DRAFT_K_STAGES = 2;
+constexpr int ATTN_WS_DRAFT_V_STAGES = 3;
+// Consumer ping-pong (attention_wgmma.cu sections 5 and 6): 1 = the two consumers issue their wgmma
 // batches in turns (named barriers 2 and 3), 0 = independently.
 constexpr int ATTN_WS_PINGPONG = 1;
 // The mbarriers (8 bytes each): Q full, then a full and an empty one per K and per V stage; 16

@@ -291,8 +291,10 @@ fn gpu_drafter_attention_matches_cpu() {
     }
 }
 
-/// Both drafter forward kernels (mma.sync and the Hopper warpgroup one, which takes two blocks
-/// per CTA and streams their shared context once) against the CPU, o and lse, into NaN-filled
+/// Every drafter forward kernel (mma.sync, the Hopper warpgroup one, which takes two blocks per CTA
+/// and streams their shared context once, and its warp-specialised form, which loads the context
+/// tiles every row of which a block sees by TMA and the others by cp.async with the rest
+/// zero-filled) against the CPU, o and lse, into NaN-filled
 /// outputs: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in two
 /// sequences, an odd block count (a CTA with one block), padding rows (block_size * G < 64), full
 /// and sliding layers (windows shorter than a block too), and contexts of thousands of rows (many
@@ -366,7 +368,7 @@ fn gpu_drafter_forward_forms_match_cpu() {
                     be.attn_draft_fwd_with(form, s, &sh, &b[0], &b[1], &b[2], &b[3], &b[4], a, st, o, lse).unwrap()
                 })
             };
-            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
                 assert!(form.takes_draft(&sh), "{form:?} takes bs {bs}, {heads}/{kvh} heads");
                 let what = format!("{form:?} drafter fwd bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
                 let got = gpu_fwd(form);

@@ -36,8 +36,8 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_KV_ROWS, ATTN_WG_BWD_K_STAGES,
     ATTN_WG_BWD_V_STAGES, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
-    ATTN_WG_V_STAGES, ATTN_WS_BAR_BYTES, ATTN_WS_K_STAGES_HD128, ATTN_WS_K_STAGES_HD256, ATTN_WS_THREADS,
-    ATTN_WS_V_STAGES,
+    ATTN_WG_V_STAGES, ATTN_WS_BAR_BYTES, ATTN_WS_DRAFT_K_STAGES, ATTN_WS_DRAFT_V_STAGES, ATTN_WS_K_STAGES_HD128,
+    ATTN_WS_K_STAGES_HD256, ATTN_WS_THREADS, ATTN_WS_V_STAGES,
 };
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
@@ -639,11 +639,6 @@ impl CudaBackend {
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
         const OP: &str = "attn_draft_fwd";
-        if form.causal_only() {
-            return Err(BackendError::Unsupported(format!(
-                "{OP}: the attention form {form:?} has only the causal forward; use AttnForm::Wgmma or AttnForm::Mma"
-            )));
-        }
         macro_rules! args {
             ($ty:ident) => {
                 launch::$ty {
@@ -680,11 +675,45 @@ impl CudaBackend {
                     return Err(BackendError::Shape {
                         op: OP,
                         what: format!(
-                            "the warpgroup kernel takes head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
-                             block_size * heads / kv_heads <= 64, not head_dim {}, block_size {}, {}/{} heads",
-                            sh.head_dim, sh.block_size, sh.heads, sh.kv_heads
+                            "the warpgroup kernels take head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
+                             block_size * heads / kv_heads <= 64 (the warp-specialised one also ctx_rows >= 1), \
+                             not head_dim {}, block_size {}, {}/{} heads, {} context rows",
+                            sh.head_dim, sh.block_size, sh.heads, sh.kv_heads, sh.ctx_rows
                         ),
                     });
+                }
+                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
+                if form == AttnForm::WarpSpecialized {
+                    // kernels/attention_wgmma.cu section 6: section 2's layout with its own stage
+                    // counts and the mbarrier ring; K/V context tiles by TMA.
+                    let keys = ATTN_WG_KEYS_HD128;
+                    let tiles = ATTN_WG_ROWS
+                        + (ATTN_WS_DRAFT_K_STAGES + ATTN_WS_DRAFT_V_STAGES) * keys
+                        + 4 * ATTN_WG_BLOCK_KEYS;
+                    let smem = tiles * sh.head_dim * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+                    let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
+                    let args = launch::AttnDraftFwdWsBf16Hd128 {
+                        map_k: fc::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                        map_v: fc::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                        q: q.at(OP, 0)?,
+                        kc: kcp,
+                        vc: vcp,
+                        kb: kb.at(OP, 0)?,
+                        vb: vb.at(OP, 0)?,
+                        o: o.at(OP, 0)?,
+                        lse: lse.at(OP, 0)?,
+                        anchors: anchors.at(OP, 0)?,
+                        ctx_start: ctx_start.at(OP, 0)?,
+                        num_blocks: sh.num_blocks,
+                        block_size: sh.block_size,
+                        ctx_rows: sh.ctx_rows,
+                        heads: sh.heads,
+                        kv_heads: sh.kv_heads,
+                        scale: sh.scale(),
+                        window: sh.window.unwrap_or(0),
+                    };
+                    let kernel = launch::Kernel::AttnDraftFwdWsBf16Hd128;
+                    return self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args);
                 }
                 // kernels/attention_wgmma.cu draft_fwd_wg: two blocks per CTA, the causal layout
                 // (128 query rows, K/V stages of ATTN_WG_KEYS_HD128 keys) plus a 16-row K and V
@@ -692,7 +721,6 @@ impl CudaBackend {
                 let keys = ATTN_WG_KEYS_HD128;
                 let tiles = ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
                 let smem = tiles * sh.head_dim * 2 + ATTN_WG_ALIGN;
-                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
                 let kernel = launch::Kernel::AttnDraftFwdWgBf16Hd128;
                 self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), args!(AttnDraftFwdWgBf16Hd128))
             }
@@ -738,9 +766,9 @@ impl CudaBackend {
             });
         }
         const OP: &str = "attn_draft_bwd";
-        if form.causal_only() {
+        if form.forward_only() {
             return Err(BackendError::Unsupported(format!(
-                "{OP}: the attention form {form:?} has only the causal forward; use AttnForm::Wgmma or AttnForm::Mma"
+                "{OP}: the attention form {form:?} has only forward kernels; use AttnForm::Wgmma or AttnForm::Mma"
             )));
         }
         // Before any launch: the warpgroup form's own limits.
@@ -2750,10 +2778,11 @@ pub enum AttnForm {
     /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
     /// warpgroup MMAs.
     Wgmma,
-    /// kernels/attention_wgmma.cu section 5 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128 and
-    /// 256): the causal forward only, warp-specialised (a producer warpgroup moves K/V through an
-    /// mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
-    /// `Wgmma` to rounding; the default causal forward where it is compiled.
+    /// kernels/attention_wgmma.cu sections 5 and 6 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128
+    /// and 256, `attn_draft_fwd_ws_bf16_hd128` at the `Wgmma` drafter shapes): the forwards
+    /// only, warp-specialised (a producer warpgroup loads by TMA into an mbarrier ring, two
+    /// consumer warpgroups run the wgmma form's pipeline in ping-pong). Same results as `Wgmma` to
+    /// rounding; the default forward where it is compiled. The drafter backward has no such form.
     WarpSpecialized,
 }
 
@@ -2788,21 +2817,27 @@ impl AttnForm {
             .unwrap_or(AttnForm::Mma)
     }
 
-    /// The drafter forward's kernel: the warpgroup one where it takes the shape and there are
-    /// at least two blocks (it pairs them per CTA; a lone block, as in speculative decoding at
-    /// batch 1, would leave half of each CTA computing masked tiles), else mma.sync.
+    /// The drafter forward's kernel: the warp-specialised one where it takes the shape, else the
+    /// warpgroup one, where there are at least two blocks (both pair them per CTA; a lone block,
+    /// as in speculative decoding at batch 1, would leave half of each CTA computing masked
+    /// tiles), else mma.sync.
     pub fn pick_draft(sh: &DraftAttnShape) -> AttnForm {
+        let forced = Self::forced();
+        [AttnForm::WarpSpecialized, AttnForm::Wgmma]
+            .into_iter()
+            .filter(|&f| forced.is_none_or(|x| x == f))
+            .find(|f| sh.num_blocks >= 2 && f.takes_draft(sh))
+            .unwrap_or(AttnForm::Mma)
+    }
+
+    /// The drafter backward's kernels: the warpgroup ones under the forward's conditions (the
+    /// query-side kernel pairs blocks per CTA the same way), else mma.sync.
+    pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
         if !Self::forced_mma() && sh.num_blocks >= 2 && AttnForm::Wgmma.takes_draft(sh) {
             AttnForm::Wgmma
         } else {
             AttnForm::Mma
         }
-    }
-
-    /// The drafter backward's kernels: the warpgroup ones under the same conditions as the forward
-    /// (`pick_draft`: the query-side kernel pairs blocks per CTA the same way), else mma.sync.
-    pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
-        Self::pick_draft(sh)
     }
 
     /// Whether this form has a causal kernel for `head_dim`.
@@ -2816,20 +2851,20 @@ impl AttnForm {
     }
 
     /// Whether this form has a drafter forward for the shape (the mma.sync kernel: every compiled
-    /// head dim; its own limits are checked by the launcher).
+    /// head dim; its own limits are checked by the launcher). The warp-specialised one also needs
+    /// a context (its TMA descriptors span at least one row).
     pub fn takes_draft(self, sh: &DraftAttnShape) -> bool {
+        let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
+        let wg_shape = sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64;
         match self {
             AttnForm::Mma => variant(&launch::AttnDraftFwdBf16Hd::VARIANTS, &sh.head_dim.to_string()).is_some(),
-            AttnForm::Wgmma => {
-                let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
-                sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64
-            }
-            AttnForm::WarpSpecialized => false,
+            AttnForm::Wgmma => wg_shape,
+            AttnForm::WarpSpecialized => wg_shape && sh.ctx_rows > 0,
         }
     }
 
-    /// Whether this form has only the causal forward (no drafter kernels).
-    pub fn causal_only(self) -> bool {
+    /// Whether this form has only forward kernels (no drafter backward).
+    pub fn forward_only(self) -> bool {
         self == AttnForm::WarpSpecialized
     }
 }
@@ -3297,21 +3332,27 @@ mod tests {
         assert!(!AttnForm::Wgmma.takes_draft(&sh(64, 16, 32, 8)));
         assert!(!AttnForm::Wgmma.takes_draft(&sh(128, 32, 8, 8)), "block_size 32");
         assert!(AttnForm::Mma.takes_draft(&sh(64, 16, 32, 8)));
-        // The warp-specialised causal forward: the same head dims, the default there, and no
-        // drafter kernel.
+        // The warp-specialised forwards: the same head dims and drafter shapes (with a context),
+        // the default there, and no drafter backward.
         let ws = AttnForm::WarpSpecialized;
         assert!(ws.takes_causal(128) && ws.takes_causal(256));
         assert!(!ws.takes_causal(64) && !ws.takes_causal(96));
-        assert!(ws.causal_only() && !ws.takes_draft(&sh(128, 16, 32, 8)));
+        assert!(ws.forward_only() && ws.takes_draft(&sh(128, 16, 32, 8)));
+        assert!(!ws.takes_draft(&sh(128, 16, 32, 4)) && !ws.takes_draft(&sh(64, 16, 32, 8)));
+        assert!(!ws.takes_draft(&DraftAttnShape { ctx_rows: 0, ..sh(128, 16, 32, 8) }), "no context");
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
             assert_eq!(AttnForm::pick_causal(128), ws);
             assert_eq!(AttnForm::pick_causal(256), ws);
             assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
-        assert!(!AttnForm::Wgmma.causal_only() && !AttnForm::Mma.causal_only());
-        // The backward picks as the forward: the warpgroup kernel where it takes the shape and
-        // there are two blocks to pair.
+        assert!(!AttnForm::Wgmma.forward_only() && !AttnForm::Mma.forward_only());
+        // The forward picks the warp-specialised kernel, the backward the warpgroup ones, where
+        // they take the shape and there are two blocks to pair.
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
+            assert_eq!(AttnForm::pick_draft(&sh(128, 16, 32, 8)), ws);
+            assert_eq!(AttnForm::pick_draft(&sh(128, 16, 32, 4)), AttnForm::Mma);
+            let lone = DraftAttnShape { num_blocks: 1, ..sh(128, 16, 32, 8) };
+            assert_eq!(AttnForm::pick_draft(&lone), AttnForm::Mma);
             assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 8)), AttnForm::Wgmma);
             assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 4)), AttnForm::Mma);
             assert_eq!(AttnForm::pick_draft_bwd(&sh(64, 16, 32, 8)), AttnForm::Mma);
