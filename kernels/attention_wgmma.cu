@@ -69,6 +69,39 @@ __device__ __forceinline__ void wg_load_rows(uint32_t tile, const bf16* any_mapp
   }
 }
 
+// The wgmma batches every kernel of this file issues per key tile, each committed as one group:
+//   wg_issue_s   S = Q K^T: HD/16 m64nBNk16 steps, Q (a BM-row tile) and K (the stage at dk) from
+//                swizzled shared memory, HD/64 panels of 128-byte rows each;
+//   wg_issue_pv  O += P V: BN/16 m64nHDk16 steps, P from registers (wg_pack_p), V N-major (the stage
+//                at dv);
+//   wg_pack_p    P (the softmax's f32 tile) rounded to the bf16 A fragments of wg_issue_pv.
+template <int HD, int BM, int BN>
+__device__ __forceinline__ void wg_issue_s(float (&s)[BN / 8][4], uint64_t dq, uint64_t dk) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const uint32_t off = (uint32_t)((kk & 3) * 32);
+    wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
+               wg_desc_at(dk, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+  }
+  wgmma_commit();
+}
+template <int HD, int BN>
+__device__ __forceinline__ void wg_issue_pv(float (&acc)[HD / 8][4], const uint32_t (&pa)[BN / 16][4], uint64_t dv) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dv, (uint32_t)(kk * 16 * 128)), 1);
+  wgmma_commit();
+}
+template <int BN>
+__device__ __forceinline__ void wg_pack_p(uint32_t (&pa)[BN / 16][4], const float (&s)[BN / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
@@ -165,20 +198,10 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
   const uint64_t dk = wg_desc(sK(0), 16, 1024);
   const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
-    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BN>(s, dq, wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES));
   };
   auto issue_pv = [&](int it) {
-    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BN>(acc, pa, wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES));
   };
   // Tile it + 1's copies go out while the tensor cores work on tile it.
   auto prefetch = [&](int it) {
@@ -195,15 +218,7 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
       return t >= ss_of[hh] && t <= row_of[hh];
     });
   };
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&]() { wg_pack_p<BN>(pa, s); };
 
   {  // it = 0: S_0 alone.
     float alpha[2];
@@ -466,20 +481,10 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
   const uint64_t dk = wg_desc(sK(0), 16, 1024);
   const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
-    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BN>(s, dq, wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES));
   };
   auto issue_pv = [&](int it) {
-    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BN>(acc, pa, wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES));
   };
   auto prefetch = [&](int it) {
     if (it + 1 < n_kt) load_kv(it + 1);
@@ -493,15 +498,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
       return t >= vlo[hh] && t <= vhi[hh];
     });
   };
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&]() { wg_pack_p<BN>(pa, s); };
 
   {  // context tile 0 (with the block keys and Q)
     float alpha[2];
@@ -535,14 +532,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
     float sb[BB / 8][4], alpha[2];
     wg_fence_regs(acc);
     wgmma_fence();
-    const uint64_t dkb = wg_desc(sB(wg, 0), 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BB>(sb, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dkb, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BB>(sb, dq, wg_desc(sB(wg, 0), 16, 1024));
     issue_pv(n_kt - 1);
     wgmma_wait<1>();
     wg_fence_regs(sb);
@@ -552,14 +542,10 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
     wgmma_wait<0>();
     wg_fence_regs(acc);
     softmax_rescale<HD>(acc, alpha);
-    uint32_t pb[4];
-    pb[0] = pack_op(sb[0][0], sb[0][1]);
-    pb[1] = pack_op(sb[0][2], sb[0][3]);
-    pb[2] = pack_op(sb[1][0], sb[1][1]);
-    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    uint32_t pb[1][4];
+    wg_pack_p<BB>(pb, sb);
     wgmma_fence();
-    wg_pb<HD>(acc, pb, wg_desc(sB(wg, 1), BB * 128, 1024), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BB>(acc, pb, wg_desc(sB(wg, 1), BB * 128, 1024));
     wgmma_wait<0>();
     wg_fence_regs(acc);
   }
@@ -1516,35 +1502,17 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
   float s[BN / 8][4];
   uint32_t pa[BN / 16][4];
   auto issue_s = [&](int gi) {
-    const uint64_t dks = wg_desc_at(dk, (uint32_t)(gi % KS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BN>(s, dq, wg_desc_at(dk, (uint32_t)(gi % KS) * G::KV_BYTES));
   };
   auto issue_pv = [&](int gi) {
-    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(gi % VS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BN>(acc, pa, wg_desc_at(dv, (uint32_t)(gi % VS) * G::KV_BYTES));
   };
   // One arrival per warp (the empty mbarriers count the 8 consumer warps).
   auto release = [&](uint32_t bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&]() { wg_pack_p<BN>(pa, s); };
 
   // Ping-pong (ATTN_WS_PINGPONG): the consumers issue their wgmma batches in turns, consumer 0
   // first, so that one's softmax runs under the other's products instead of both softmaxes at once
@@ -1903,20 +1871,10 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
   const uint64_t dk = wg_desc(sK(0), 16, 1024);
   const uint64_t dv = wg_desc(sV(0), BN * 128, 1024);
   auto issue_s = [&](int it) {
-    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BN>(s, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BN>(s, dq, wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES));
   };
   auto issue_pv = [&](int it) {
-    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dvs, (uint32_t)(kk * 16 * 128)), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BN>(acc, pa, wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES));
   };
   auto release = [&](uint32_t bar) {
     __syncwarp();
@@ -1940,15 +1898,7 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
       return tt >= vlo[hh] && tt <= vhi[hh];
     });
   };
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&]() { wg_pack_p<BN>(pa, s); };
 
   mbar_wait(q_full, 0u);
   {  // context tile 0 alone
@@ -1996,14 +1946,7 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
     wg_fence_regs(acc);
     turn_wait();
     wgmma_fence();
-    const uint64_t dkb = wg_desc(sB(cw, 0), 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const uint32_t off = (uint32_t)((kk & 3) * 32);
-      wg_abt<BB>(sb, wg_desc_at(dq, (uint32_t)((kk >> 2) * BM * 128) + off),
-                 wg_desc_at(dkb, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
-    }
-    wgmma_commit();
+    wg_issue_s<HD, BM, BB>(sb, dq, wg_desc(sB(cw, 0), 16, 1024));
     issue_pv(gl);
     turn_pass(true);
     wgmma_wait<1>();
@@ -2015,14 +1958,10 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
     wg_fence_regs(acc);
     release(v_empty(pvs));
     softmax_rescale<HD>(acc, alpha);
-    uint32_t pb[4];
-    pb[0] = pack_op(sb[0][0], sb[0][1]);
-    pb[1] = pack_op(sb[0][2], sb[0][3]);
-    pb[2] = pack_op(sb[1][0], sb[1][1]);
-    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    uint32_t pb[1][4];
+    wg_pack_p<BB>(pb, sb);
     wgmma_fence();
-    wg_pb<HD>(acc, pb, wg_desc(sB(cw, 1), BB * 128, 1024), 1);
-    wgmma_commit();
+    wg_issue_pv<HD, BB>(acc, pb, wg_desc(sB(cw, 1), BB * 128, 1024));
     wgmma_wait<0>();
     wg_fence_regs(acc);
   }

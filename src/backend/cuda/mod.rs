@@ -639,9 +639,11 @@ impl CudaBackend {
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
         const OP: &str = "attn_draft_fwd";
+        // Every form's arguments, and (the warp-specialised form) its TMA descriptors in front.
         macro_rules! args {
-            ($ty:ident) => {
+            ($ty:ident $(, $f:ident: $e:expr)*) => {
                 launch::$ty {
+                    $($f: $e,)*
                     q: q.at(OP, 0)?,
                     kc: kc.at(OP, 0)?,
                     vc: vc.at(OP, 0)?,
@@ -692,26 +694,11 @@ impl CudaBackend {
                         + 4 * ATTN_WG_BLOCK_KEYS;
                     let smem = tiles * sh.head_dim * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
                     let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
-                    let args = launch::AttnDraftFwdWsBf16Hd128 {
+                    let args = args!(
+                        AttnDraftFwdWsBf16Hd128,
                         map_k: fc::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        map_v: fc::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        q: q.at(OP, 0)?,
-                        kc: kcp,
-                        vc: vcp,
-                        kb: kb.at(OP, 0)?,
-                        vb: vb.at(OP, 0)?,
-                        o: o.at(OP, 0)?,
-                        lse: lse.at(OP, 0)?,
-                        anchors: anchors.at(OP, 0)?,
-                        ctx_start: ctx_start.at(OP, 0)?,
-                        num_blocks: sh.num_blocks,
-                        block_size: sh.block_size,
-                        ctx_rows: sh.ctx_rows,
-                        heads: sh.heads,
-                        kv_heads: sh.kv_heads,
-                        scale: sh.scale(),
-                        window: sh.window.unwrap_or(0),
-                    };
+                        map_v: fc::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?
+                    );
                     let kernel = launch::Kernel::AttnDraftFwdWsBf16Hd128;
                     return self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args);
                 }
