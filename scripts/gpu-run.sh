@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|attn]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
-# named (not part of all), and so does ncu (Nsight Compute over the attention and GDN kernels),
+# named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels) and
+# attn (every attention test, the four sanitizers on the forms tests, the bench with peers),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -168,6 +169,26 @@ if named target8b; then
   echo "== the target's forward with taps at the Qwen3-8B shape, 4 x 3072 tokens, layers 0..31"
   $B/dflash-engine bench-target --device cuda --target qwen3-8b-shape --init-std 0.02 --batch 4 --seq-len 3072 \
     --steps 5 --profile 2>&1 | tee "$OUT/target8b.log" || status=1
+fi
+if named attn; then
+  echo "== attention: every gpu::attention test, the four compute-sanitizer tools on the forms tests, the bench with peers"
+  # What a change to kernels/attention_wgmma.cu needs before it merges: each form against the CPU
+  # (and the head_dim-256 hybrid case), racecheck / synccheck / memcheck / initcheck on the tests
+  # that run every form, and the attention rows beside cuDNN and FlexAttention in the same call.
+  $B/integration --include-ignored --test-threads=1 --nocapture gpu::attention:: gpu_attn_causal_hd256 \
+    > "$OUT/attn-tests.log" 2>&1 || status=1
+  grep -E "test result|panicked" "$OUT/attn-tests.log" | tail -5
+  for t in gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma gpu_drafter_forward_forms_match_cpu \
+    gpu_drafter_backward_forms_match_cpu; do
+    for tool in racecheck synccheck memcheck initcheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --exact gpu::attention::$t \
+        --test-threads=1 > /tmp/attn-san.log 2>&1 || status=1
+      echo "$tool $t: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/attn-san.log | tail -1)" | tee -a "$OUT/attn-san.txt"
+    done
+  done
+  python3 tests/reference/bench_attention_peers.py --out "$OUT/peers.json" > /dev/null 2>&1 || status=1
+  DFLASH_PEERS="$OUT/peers.json" DFLASH_BENCH_KERNELS=attention $B/bench-kernels 2>&1 | tee "$OUT/attn-bench.log" \
+    | grep -E "causal|drafter|peers" || status=1
 fi
 if named ncu; then
   echo "== Nsight Compute over the attention and Gated DeltaNet kernels and their peers' kernels"
