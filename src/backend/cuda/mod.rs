@@ -12,6 +12,7 @@ mod device;
 mod fc;
 pub mod launch;
 mod nccl;
+mod tma;
 mod transport;
 
 use std::collections::HashMap;
@@ -531,6 +532,8 @@ impl CudaBackend {
             // descriptors (dimensions >= 1) need at least one row.
             return Ok(());
         }
+        // Keys per K/V tile of the wgmma and warp-specialised forms (kernels/attention_wgmma.cu).
+        let keys = if head_dim > 128 { ATTN_WG_KEYS_HD256 } else { ATTN_WG_KEYS_HD128 };
         let (kernel, cta_rows, threads, smem) = match form {
             AttnForm::Mma => {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdBf16Hd::VARIANTS, head_dim)?;
@@ -546,7 +549,6 @@ impl CudaBackend {
                 // kernels/attention_wgmma.cu: ATTN_WG_ROWS query rows of one head per CTA, and
                 // ATTN_WG_K_STAGES K and ATTN_WG_V_STAGES V tiles of the head dim's key count,
                 // unpadded (swizzled).
-                let keys = if head_dim > 128 { ATTN_WG_KEYS_HD256 } else { ATTN_WG_KEYS_HD128 };
                 let tiles = ATTN_WG_ROWS + (ATTN_WG_K_STAGES + ATTN_WG_V_STAGES) * keys;
                 let smem = tiles * head_dim * 2 + ATTN_WG_ALIGN;
                 (kernel, ATTN_WG_ROWS, ATTN_WG_THREADS, smem)
@@ -555,11 +557,7 @@ impl CudaBackend {
                 let kernel = Self::attn_kernel("attn_causal_fwd", &launch::AttnCausalFwdWsBf16Hd::VARIANTS, head_dim)?;
                 // kernels/attention_wgmma.cu section 5: the rows and key tiles of the wgmma form, its
                 // own K/V stage counts, and the ring's mbarriers.
-                let (keys, k_stages) = if head_dim > 128 {
-                    (ATTN_WG_KEYS_HD256, ATTN_WS_K_STAGES_HD256)
-                } else {
-                    (ATTN_WG_KEYS_HD128, ATTN_WS_K_STAGES_HD128)
-                };
+                let k_stages = if head_dim > 128 { ATTN_WS_K_STAGES_HD256 } else { ATTN_WS_K_STAGES_HD128 };
                 let tiles = ATTN_WG_ROWS + (k_stages + ATTN_WS_V_STAGES) * keys;
                 let smem = tiles * head_dim * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
                 (kernel, ATTN_WG_ROWS, ATTN_WS_THREADS, smem)
@@ -596,12 +594,11 @@ impl CudaBackend {
                 // TMA descriptors: q in boxes of the 128-row query tile, k and v of the key tile,
                 // each box one 128-byte swizzle row (64 columns) wide.
                 const OP: &str = "attn_causal_fwd";
-                let keys = if head_dim > 128 { ATTN_WG_KEYS_HD256 } else { ATTN_WG_KEYS_HD128 };
                 let (qp, kp, vp) = (q.at::<half::bf16>(OP, 0)?, k.at::<half::bf16>(OP, 0)?, v.at::<half::bf16>(OP, 0)?);
                 let args = launch::AttnCausalFwdWsBf16Hd {
-                    map_q: fc::tensor_map_2d(OP, qp.addr(), heads * head_dim, rows, ATTN_WG_ROWS)?,
-                    map_k: fc::tensor_map_2d(OP, kp.addr(), kv_heads * head_dim, rows, keys)?,
-                    map_v: fc::tensor_map_2d(OP, vp.addr(), kv_heads * head_dim, rows, keys)?,
+                    map_q: tma::tensor_map_2d(OP, qp.addr(), heads * head_dim, rows, ATTN_WG_ROWS)?,
+                    map_k: tma::tensor_map_2d(OP, kp.addr(), kv_heads * head_dim, rows, keys)?,
+                    map_v: tma::tensor_map_2d(OP, vp.addr(), kv_heads * head_dim, rows, keys)?,
                     k: kp,
                     v: vp,
                     o: o.at(OP, 0)?,
@@ -696,8 +693,8 @@ impl CudaBackend {
                     let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
                     let args = args!(
                         AttnDraftFwdWsBf16Hd128,
-                        map_k: fc::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        map_v: fc::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?
+                        map_k: tma::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                        map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?
                     );
                     let kernel = launch::Kernel::AttnDraftFwdWsBf16Hd128;
                     return self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args);
