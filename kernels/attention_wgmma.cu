@@ -117,7 +117,7 @@ __device__ __forceinline__ void causal_fwd_wg(const bf16* __restrict__ q, const 
   auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
   auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
 
-  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, wg = warpgroup_index(), wi = (threadIdx.x >> 5) & 3;
   const int gr = lane >> 2;
   const index_t ntiles = (rows + BM - 1) / BM;
   const int h = (int)(blockIdx.x % (unsigned)heads);
@@ -370,7 +370,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
   // Block keys of warpgroup w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
   auto sB = [&](int w, int kv) { return base + G::SMEM - ATTN_WG_ALIGN + (uint32_t)(2 * w + kv) * B_BYTES; };
 
-  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, wg = warpgroup_index(), wi = (threadIdx.x >> 5) & 3;
   const int gr = lane >> 2;
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
   const int g = (int)(blockIdx.x % (unsigned)kv_heads);
@@ -645,7 +645,7 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
   // f32 P (kind 0) and dS (kind 1) of warpgroup w's block keys, [64 rows][BB keys].
   auto fbuf = [&](int w, int kind) { return reinterpret_cast<float*>(base_ptr + F_OFF + (uint32_t)(2 * w + kind) * F_BYTES); };
 
-  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, wg = warpgroup_index(), wi = (threadIdx.x >> 5) & 3;
   const int gr = lane >> 2;
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
   const int g = (int)(blockIdx.x % (unsigned)kv_heads);
@@ -997,7 +997,7 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
   __shared__ int s_red[2][WARPS];
   __shared__ int s_cnt[WARPS];
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warpgroup_index(), wi = (threadIdx.x >> 5) & 3;
   const int gr = lane >> 2, tq = lane & 3;
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
   const int g = (int)(blockIdx.x % (unsigned)kv_heads);
@@ -1405,7 +1405,7 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
   auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + st); };
   auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + VS + st); };
 
-  const int wg = threadIdx.x >> 7;
+  const int wg = warpgroup_index();
   const index_t ntiles = (rows + BM - 1) / BM;
   const index_t qw = (index_t)heads * HD;
   // The CTA's unit: query tile ntiles - 1 - b / heads of head b % heads (heaviest first), its key
@@ -1722,7 +1722,7 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
   auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + st); };
   auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + VS + st); };
 
-  const int wg = threadIdx.x >> 7;
+  const int wg = warpgroup_index();
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
   const int g = (int)(blockIdx.x % (unsigned)kv_heads);
   const index_t npairs = ((index_t)num_blocks + 1) / 2;
