@@ -181,8 +181,10 @@ if named attn; then
   for t in gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma gpu_drafter_forward_forms_match_cpu \
     gpu_drafter_backward_forms_match_cpu; do
     for tool in racecheck synccheck memcheck initcheck; do
+      # A failing tool's report (its first 6 KB: which instructions, which kind of hazard) goes to
+      # attn-san-detail.txt, so a hazard can be located without another call.
       compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --exact gpu::attention::$t \
-        --test-threads=1 > /tmp/attn-san.log 2>&1 || status=1
+        --test-threads=1 > /tmp/attn-san.log 2>&1 || { status=1; { echo "== $tool $t"; head -c 6000 /tmp/attn-san.log; } >> "$OUT/attn-san-detail.txt"; }
       echo "$tool $t: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/attn-san.log | tail -1)" | tee -a "$OUT/attn-san.txt"
     done
   done
