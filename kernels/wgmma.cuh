@@ -39,7 +39,7 @@ __device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
 // warp-uniform, so what derives from it (a warpgroup's row offset, its wgmma descriptors, stage
 // addresses) stays on the uniform datapath. Computed from threadIdx.x directly, the descriptors
 // lived in vector registers and every wgmma paid R2UR moves for them (warp-specialised causal
-// forward: 1062 -> 1016 SASS instructions per key tile at hd 128, 808 -> 715 at hd 256). All 32
+// forward: 1062 -> 1012 SASS instructions per key tile at hd 128, 808 -> 714 at hd 256). All 32
 // lanes must be active.
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0); }
 
