@@ -1305,10 +1305,12 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 // Measured (H200, 4 x 3072, 32/8 heads, hd 128): 0.861 ms with 128-thread cp.async fills, 0.691
 // with TMA, 0.681 with ping-pong (cuDNN 0.56), 0.644 with the warpgroup index uniform
 // (warpgroup_index; cuDNN 0.595 in that run); 1 x 4096, 24/4, hd 256: 0.510, 0.386, 0.388, 0.364
-// (cuDNN 0.38-0.41). A persistent form (one CTA per SM taking units from an atomic counter, rings
-// running on across units; branch causal-persistent) measured 0.631 / 0.372 ms against 0.650 /
-// 0.377 for the same code with a CTA per unit, and racecheck flags its unit-number hand-off (a
-// shared-memory word ordered by Q's mbarriers), so this form keeps one unit per CTA.
+// (cuDNN 0.38-0.41). A persistent form was measured and not kept: one CTA per SM taking units
+// from an atomic counter, the rings running on across units, the unit number handed to the
+// consumers in a shared-memory word ordered by Q's full/empty mbarriers. It ran 0.631 / 0.372 ms
+// against 0.650 / 0.377 for the same code with a CTA per unit (2% faster at hd 128, 2% slower at
+// hd 256 than this form), and racecheck flagged that hand-off, so this form keeps one unit per
+// CTA. Its stage indices had to restart at 0 each unit to stay on the uniform datapath.
 // Phases: a stage of a ring of n is used by tiles s, s + n, ...; use u = t / n. The consumers wait
 // on full with parity u & 1; the producer waits on empty with parity (u & 1) ^ 1 (use u - 1's
 // release; a fresh mbarrier reports its preceding phase, parity 1, complete, so the first pass
