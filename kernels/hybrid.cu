@@ -531,11 +531,16 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //   gdn_conv_qkv     conv1d_silu of the f32 q|k|v projection, then the per-head L2 norms of q
 //                    (times q_scale) and k, written to q, k, v [rows, key_dim|key_dim|value_dim]
 //                    (f32): the conv's output, the split copies and the norms' reads are gone.
-//                    One item per (row, four channels), each row's channel groups padded to whole
-//                    warps, so a warp's lanes share one row: a key head (head_lanes = k_dim / 4
+//                    One item per warp: a run of R = HYB_CONV_QKV_WINDOW + 1 - K rows (8 at
+//                    K = 4) of 32 groups of four channels (each row's groups padded to whole
+//                    warps), so a warp's lanes share each row: a key head (head_lanes = k_dim / 4
 //                    lanes, a power of two <= 32) sums its squares over its lanes with shuffles.
-//                    An item loads its K window rows itself (neighbours' rows hit L1/L2).
-//                    Bytes: 8 * rows * channels.
+//                    A lane loads its run's R + K - 1 window rows at once (16-byte loads, all in
+//                    flight together) and the weights once per run. Bytes: 8 * rows * channels
+//                    (+ (K - 1) / R of the reads, mostly L2 hits). At the 27B shape (4 x 3072
+//                    rows, 10240 channels) 567 us a layer inside the forward on the H200, 917
+//                    with one item per (row, four channels): that form's 64-bit division and
+//                    sequence-start search per item made it instruction-bound.
 //   rmsnorm1p_rope_partial_bf16_hd<D>
 //                    per head: y = bf16(rmsnorm1p(x)), then rope_partial on y (same products and
 //                    roundings), heads read at x + i * x_stride (the query half of q | gate), written
@@ -599,53 +604,73 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
                                            float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
                                            const int* __restrict__ seq_starts, int n_starts, long long rows,
                                            int key_dim, int value_dim, int head_lanes, float eps, float q_scale) {
-  constexpr int V = 4;
+  constexpr int V = 4, W = HYB_CONV_QKV_WINDOW, R = W + 1 - K;
+  static_assert(R >= 1, "HYB_CONV_QKV_WINDOW >= HYB_CONV_MAX_K: a run of at least one row");
   const int channels = 2 * key_dim + value_dim;
   const int groups = channels / V;         // the launcher checks key_dim % 4 == value_dim % 4 == 0
-  const int padded = (groups + 31) & ~31;  // whole warps per row
-  const index_t total = (index_t)rows * padded;
-  // total, the grid stride and every warp's first index are multiples of 32: a warp's lanes
-  // share e / padded (the row), so the head shuffles run converged. The K window rows are loaded
-  // per item (the neighbours' loads of the same rows hit L1/L2): K independent loads in flight
-  // per thread, where a lane walking a run of rows had one.
-  for (index_t e = grid_thread_index(); e < total; e += grid_thread_count()) {
-    const index_t t = e / padded;
-    const int gi = (int)(e - t * padded);
+  const int wpr = (groups + 31) >> 5;      // warps per row: each row's groups padded to whole warps
+  const index_t runs = (rows + R - 1) / R;
+  const index_t total = runs * wpr;        // items: (run of R rows, 32 channel groups), one a warp
+  const int lane = threadIdx.x & 31;
+  // Every lane of a warp has the same item: the head shuffles run converged.
+  for (index_t item = grid_thread_index() >> 5; item < total; item += grid_thread_count() >> 5) {
+    const index_t run = item / wpr;
+    const int gi = (int)(item - run * wpr) * 32 + lane;
     const bool active = gi < groups;
     const int c0 = active ? gi * V : 0;
-    const index_t ss = hyb::seq_start_of(seq_starts, n_starts, t);
-    float xw[K][V];
+    const index_t t0 = run * R;
+    const int nr = (int)min((index_t)R, (index_t)rows - t0);
+    index_t cur = hyb::seq_start_of(seq_starts, n_starts, t0);
+    index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
+    // The run's window, rows t0 - K + 1 .. t0 + nr - 1, all loads issued before any is used (W
+    // 16-byte loads in flight a lane); rows before the run's first sequence start stay zero.
+    float xw[W][V];
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const index_t src = t - (K - 1) + j;
+    for (int u = 0; u < W; ++u) {
+      const index_t src = t0 - (K - 1) + u;
 #pragma unroll
-      for (int i = 0; i < V; ++i) xw[j][i] = 0.f;  // rows before the sequence's start: zeros
-      if (src >= ss) load_vec<V>(x + src * channels + c0, xw[j]);
+      for (int i = 0; i < V; ++i) xw[u][i] = 0.f;
+      if (u < nr + K - 1 && src >= cur) load_vec<V>(x + src * channels + c0, xw[u]);
     }
-    float out[V];
+    float wk[K][V];
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      float acc = 0.f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) acc += bf16_to_f32(w[(index_t)(c0 + i) * K + j]) * xw[j][i];
-      out[i] = hyb::silu(acc);
+      for (int j = 0; j < K; ++j) wk[j][i] = bf16_to_f32(w[(index_t)(c0 + i) * K + j]);
     }
-    // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes and
-    // padding lanes form groups of their own and ignore the result).
-    float sq = 0.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) sq = fmaf(out[i], out[i], sq);
-    for (int o = head_lanes >> 1; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    if (!active) continue;
-    // Where this lane's four channels go: q (scaled), k, or v.
-    const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
-    if (is_q || is_k) {
-      const float inv = (is_q ? q_scale : 1.f) / sqrtf(sq + eps);
+    for (int r = 0; r < R; ++r) {
+      if (r >= nr) break;
+      const index_t t = t0 + r;
+      if (t == next) {  // a sequence starts at t: nothing before it is visible from here on
+        cur = t;
+        next = hyb::next_start_after(seq_starts, n_starts, t);
+      }
+      float out[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
-      store_vec<V>((is_q ? q + c0 : k + (c0 - key_dim)) + t * key_dim, out);
-    } else {
-      store_vec<V>(v + (c0 - 2 * key_dim) + t * value_dim, out);
+      for (int i = 0; i < V; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) acc += wk[j][i] * (t - (K - 1) + j >= cur ? xw[r + j][i] : 0.f);
+        out[i] = hyb::silu(acc);
+      }
+      // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes and
+      // padding lanes form groups of their own and ignore the result).
+      float sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) sq = fmaf(out[i], out[i], sq);
+      for (int o = head_lanes >> 1; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      if (!active) continue;
+      // Where this lane's four channels go: q (scaled), k, or v.
+      const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
+      if (is_q || is_k) {
+        const float inv = (is_q ? q_scale : 1.f) / sqrtf(sq + eps);
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
+        store_vec<V>((is_q ? q + c0 : k + (c0 - key_dim)) + t * key_dim, out);
+      } else {
+        store_vec<V>(v + (c0 - 2 * key_dim) + t * value_dim, out);
+      }
     }
   }
 }

@@ -176,6 +176,9 @@ constexpr int HYB_BLOCK = 256;
 // once per run), and the largest kernel size its register window holds (Qwen3.5/3.6: 4).
 constexpr int HYB_CONV_ROWS = 16;
 constexpr int HYB_CONV_MAX_K = 8;
+// gdn_conv_qkv_f32: window rows a lane holds (its run of R = WINDOW + 1 - K rows and the K - 1
+// before it, loaded at once: 8 rows a run at kernel size 4).
+constexpr int HYB_CONV_QKV_WINDOW = 11;
 
 // ---- gdn.cu ----------------------------------------------------------------------------------
 // Tokens per chunk of the chunked gated delta rule (flash-linear-attention's chunk size; the Rust
