@@ -975,7 +975,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
 //   prep   grid n_slots * v_heads, GDN_THREADS;
 //          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 4 C)        (108,544; 2 CTAs/SM)
-//   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS;
+//   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS (gdn_fast_state_nk8
+//          where dk = 128 and BV divides dv, gdn_fast_state_nk0 otherwise);
 //          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
 //   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
 //          2 [2 C lq + max(2 C (dk+P), C (BO+P+C+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
@@ -1008,9 +1009,22 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //          -> ~1,000 shared-memory wavefronts a CTA, of ~8,000 in all: with 2 CTAs per SM the
 //          shared-memory pipe is a likely bound), Ke^T reads exp(G_L - G_j) per row from shared
 //          memory: ~0.6-0.8 ms.
-//   Whole call ~1.5-2.0 ms in the forward, ~1.3-1.7 ms in the kernel bench (fla: 1.29 ms);
-//   not yet measured. Registers (ptxas,
-//   sm_90a): prep 125, state 168, out 124; no spills.
+//   Measured (H200, Nsight Compute, one launch each at 4 x 3072): prep 642 us, state 581, out
+//   521; kernel bench 1.844 ms at 4 x 3072 and 0.840 at 1 x 4096. All three were issue-bound,
+//   not memory-bound: the state pass issued ~1,600 warp instructions per chunk step for its 64
+//   MMAs (43% of issue slots busy, 2.9 warps per scheduler), most of them integer work: the
+//   tile copies' divisions by a run-time column count, 64-bit chunk offsets recomputed per
+//   step, the software bf16 rounding (~14 instructions per pair) and a branch around every
+//   ldmatrix + MMA pair for partial tiles. Then:
+//   state  one kernel per shape class (gdn_fast_state_nk8: dk = 128, whole value blocks; every
+//          loop bound a constant, no branches in the MMA loops, the tile copies by shifts,
+//          chunk pointers advanced by a stride, G_L loaded two chunks ahead) and the hardware's
+//          cvt.rn.bf16x2.f32 (pack_bf16x2_rn_fast: the same bits for every non-NaN input) in
+//          all three kernels: 1,080 SASS instructions for the whole nk8 kernel. Kernel bench
+//          1.411 ms at 4 x 3072 (fla 1.379 in the same run: 0.98x) and 0.542 ms at 1 x 4096
+//          (fla 1.077: 1.99x); inside the 27B forward prep 769 us, state 364, out 641 per layer
+//          (before: 841, 773, 671).
+//   Registers (ptxas, sm_90a): prep 125, state 168 (nk8 and nk0; nk0 spills 8 bytes), out 124.
 // Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
@@ -1130,6 +1144,29 @@ __device__ __forceinline__ void prefetch_l2_part(const void* p, int bytes, int p
   if (len > 0)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<const char*>(p) + off), "r"(len)
                  : "memory");
+}
+
+// tile_async_bf16 and tile_store_bf16 for a ROWS x COLS tile (every row valid) copied by NT
+// threads: a constant trip count and shifts where the run-time forms divide by cols / 8.
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void tile_async_fixed(bf16* dst, int dld, const bf16* src, index_t sld, int tid) {
+  constexpr int C8 = COLS / 8, N = ROWS * C8;
+  static_assert(N % NT == 0, "whole rounds of the CTA");
+#pragma unroll
+  for (int it = 0; it < N / NT; ++it) {
+    const unsigned e = (unsigned)(tid + it * NT), i = e / C8, c = (e % C8) * 8;
+    attn::cp_async_16(attn::smem_u32(dst + i * dld + c), src + (index_t)i * sld + c, true);
+  }
+}
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void tile_store_fixed(bf16* dst, index_t dld, const bf16* src, int sld, int tid) {
+  constexpr int C8 = COLS / 8, N = ROWS * C8;
+  static_assert(N % NT == 0, "whole rounds of the CTA");
+#pragma unroll
+  for (int it = 0; it < N / NT; ++it) {
+    const unsigned e = (unsigned)(tid + it * NT), i = e / C8, c = (e % C8) * 8;
+    *reinterpret_cast<uint4*>(dst + (index_t)i * dld + c) = *reinterpret_cast<const uint4*>(src + i * sld + c);
+  }
 }
 
 }  // namespace gdn
@@ -1357,8 +1394,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
         for (int n = 0; n < 16; ++n) {
           const int c = n0 + n * 8 + 2 * tq;
           if (c < ncols) {
-            *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
-            *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+            *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rn_fast(acc[n][0], acc[n][1]);
+            *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rn_fast(acc[n][2], acc[n][3]);
           }
         }
       } else {
@@ -1367,10 +1404,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           if (kt < nk) {
-            const uint4 f = make_uint4(pack_bf16x2_rne(acc[2 * kt][0], acc[2 * kt][1]),
-                                       pack_bf16x2_rne(acc[2 * kt][2], acc[2 * kt][3]),
-                                       pack_bf16x2_rne(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
-                                       pack_bf16x2_rne(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
+            const uint4 f = make_uint4(pack_bf16x2_rn_fast(acc[2 * kt][0], acc[2 * kt][1]),
+                                       pack_bf16x2_rn_fast(acc[2 * kt][2], acc[2 * kt][3]),
+                                       pack_bf16x2_rn_fast(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
+                                       pack_bf16x2_rn_fast(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
             *reinterpret_cast<uint4*>(dst + gdn::frag_index(rb, kt, nk, lane)) = f;
           }
         }
@@ -1392,7 +1429,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
       const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
       const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
       const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
-      f[r] = pack_bf16x2_rne(x0 * Ef[j], x1 * Ef[j + 1]);
+      f[r] = pack_bf16x2_rn_fast(x0 * Ef[j], x1 * Ef[j + 1]);
     }
     *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
   }
@@ -1406,34 +1443,35 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
 // current ones are used (W after V', Ke^T after the update), so their latency hides behind the
 // rest of the chunk. Only the shared operands go through shared memory. Two barriers per chunk.
 // Shared memory (bf16): 2 stages of U [C][BV+P] | S_c [dk][BV+P] | V' [C][BV+P].
-extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_STATE_CTAS) gdn_fast_state(
-    const __nv_bfloat16* __restrict__ w_in, const __nv_bfloat16* __restrict__ ke_in, __nv_bfloat16* __restrict__ u_v,
-    const float* __restrict__ g_in, __nv_bfloat16* __restrict__ s_out, float* __restrict__ state, int state_seqs,
-    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+// The body is compiled twice: NK = 8 for dk = 128 with whole value blocks (dv % BV == 0, every
+// 27B-shaped call), where every tile count and loop bound is a constant, so the MMA loops have no
+// branches, the tile copies no divisions and ptxas can overlap each ldmatrix with the MMAs before
+// it; NK = 0 reads dk and the block width at run time (any dk <= 128 and dv that tile by 16). The
+// chunk pointers advance by a stride per chunk, and G_L is loaded two chunks ahead (a load one
+// chunk ahead still stalled the loop's head: it queues behind the chunk's 16-byte loads).
+template <int NK>
+__device__ __forceinline__ void fast_state_body(const gdn::bf16* __restrict__ w_in, const gdn::bf16* __restrict__ ke_in,
+                                                gdn::bf16* __restrict__ u_v, const float* __restrict__ g_in,
+                                                gdn::bf16* __restrict__ s_out, float* __restrict__ state, index_t r0,
+                                                index_t r1, int b, int h, int vb, int nvb, int v_heads, int dk_rt,
+                                                int dv, float* smem) {
   using gdn::C;
   using gdn::FBV;
   using gdn::bf16;
-  extern __shared__ __align__(128) float smem[];
   constexpr int lb = FBV + gdn::FP;
-  constexpr int KT = C / 16;   // k-steps of the update (the chunk's rows)
+  constexpr int KT = C / 16;  // k-steps of the update (the chunk's rows)
+  constexpr int NT = GDN_FAST_STATE_THREADS;
+  const int dk = NK > 0 ? 16 * NK : dk_rt;
   bf16* sU = reinterpret_cast<bf16*>(smem);  // 2 stages of [C][lb]
   bf16* sS = sU + 2 * C * lb;                 // [dk][lb]
   bf16* sV = sS + dk * lb;                    // [C][lb]
-  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
-  if (blockDim.x != GDN_FAST_STATE_THREADS || (dk % 16) != 0 || dk > 32 * gdn::FW_S || (dv % 16) != 0) __trap();
-  const int nvb = (dv + FBV - 1) / FBV;
-  const int vb = (int)(blockIdx.x % (unsigned)nvb);
-  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
-  const int b = (int)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
-  index_t r0, r1;
-  gdn::seq_range(seq_starts, n_starts, rows, b, r0, r1);
-  if (r1 <= r0) return;
-  const int v0 = vb * FBV, bw = min(FBV, dv - v0);  // a multiple of 16
+  const int v0 = vb * FBV;
+  const int bw = NK > 0 ? FBV : min(FBV, dv - v0);  // a multiple of 16
   const int nb = bw / 8;                            // n8 tiles in use
   const int nk = dk / 16;                           // k-steps of V' = U - W S_c (<= 8)
-  (void)k_heads;
-  float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;
+  float* st = state;
   // The state block: warp w owns dk rows [16 m, 16 m + 16) for m = w, w + FW_S (those < dk / 16).
   float acc[2][FBV / 8][4];
 #pragma unroll
@@ -1450,30 +1488,43 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
   }
   const index_t base = r0 / C + b;
   const index_t n_chunks = (r1 - r0 + C - 1) / C;
+  // Chunk j's scratch, advanced by one chunk's stride (v_heads slots) per step.
+  const index_t sh0 = base * v_heads + h;
+  const index_t step_wk = (index_t)v_heads * C * dk, step_u = (index_t)v_heads * C * dv;
+  const index_t step_s = (index_t)v_heads * dk * dv, step_g = (index_t)v_heads * C;
+  const bf16* wq = w_in + sh0 * C * dk;
+  const bf16* kq = ke_in + sh0 * C * dk;
+  bf16* uq = u_v + sh0 * C * dv;  // the head's U / V' rows (column 0)
+  bf16* sq = s_out + sh0 * dk * dv + v0;
+  const float* gq = g_in + sh0 * C + C - 1;  // G's pad repeats G_L
   // A fragments: W rows [16 warp, 16 warp + 16) (k: dk), Ke^T rows of dk tiles warp, warp + FW_S
-  // (k: the chunk's rows).
+  // (k: the chunk's rows). Offsets in 16-byte units (gdn::frag_index / 8).
+  const int w_off = warp * nk * 32 + lane;
   uint4 wf[8], kf[2][KT];
-  auto load_w = [&](index_t j) {
-    const uint4* p = reinterpret_cast<const uint4*>(w_in + ((base + j) * v_heads + h) * C * dk);
+  auto load_w = [&](const bf16* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p) + w_off;
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
-      if (kt < nk) wf[kt] = __ldg(p + gdn::frag_index(warp, kt, nk, lane) / 8);
+      if (kt < nk) wf[kt] = __ldg(q + kt * 32);
     }
   };
-  auto load_k = [&](index_t j) {
-    const uint4* p = reinterpret_cast<const uint4*>(ke_in + ((base + j) * v_heads + h) * C * dk);
+  auto load_k = [&](const bf16* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p) + lane;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = warp + u * gdn::FW_S;
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
-        if (m < nk) kf[u][kt] = __ldg(p + gdn::frag_index(m, kt, KT, lane) / 8);
+        if (m < nk) kf[u][kt] = __ldg(q + (m * KT + kt) * 32);
       }
     }
   };
-  auto load_u = [&](index_t j) {
-    const index_t sh = (base + j) * v_heads + h;
-    gdn::tile_async_bf16(sU + (int)(j & 1) * C * lb, lb, u_v + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  auto load_u = [&](const bf16* p, int stage) {
+    if constexpr (NK > 0) {
+      gdn::tile_async_fixed<C, FBV, NT>(sU + stage * C * lb, lb, p + v0, dv, tid);
+    } else {
+      gdn::tile_async_bf16(sU + stage * C * lb, lb, p + v0, dv, C, bw, C, tid, NT);
+    }
   };
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) wf[kt] = make_uint4(0u, 0u, 0u, 0u);
@@ -1482,26 +1533,25 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) kf[u][kt] = make_uint4(0u, 0u, 0u, 0u);
   }
-  load_w(0);
-  load_k(0);
-  load_u(0);
+  load_w(wq);
+  load_k(kq);
+  load_u(uq, 0);
   attn::cp_async_commit();
-  float gl = g_in[base * v_heads * C + h * C + C - 1];  // G's pad repeats G_L
+  float gl = gq[0], gl1 = n_chunks > 1 ? gq[step_g] : 0.f;
   for (index_t j = 0; j < n_chunks; ++j) {
+    const bool more = j + 1 < n_chunks;
     // Chunk j + 2's W, Ke^T and U (the whole head's rows) into L2, this CTA its share of each
     // (the value blocks of a head split every range), so the loads issued during chunk j + 1
     // hit L2 rather than HBM.
     if (tid == 0 && j + 2 < n_chunks) {
-      const index_t s2 = (base + j + 2) * v_heads + h;
-      gdn::prefetch_l2_part(w_in + s2 * C * dk, 2 * C * dk, vb, nvb);
-      gdn::prefetch_l2_part(ke_in + s2 * C * dk, 2 * C * dk, vb, nvb);
-      gdn::prefetch_l2_part(u_v + s2 * C * dv, 2 * C * dv, vb, nvb);
+      gdn::prefetch_l2_part(wq + 2 * step_wk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(kq + 2 * step_wk, 2 * C * dk, vb, nvb);
+      gdn::prefetch_l2_part(uq + 2 * step_u, 2 * C * dv, vb, nvb);
     }
     // U's other stage was last read before the previous chunk's second barrier.
-    if (j + 1 < n_chunks) load_u(j + 1);
+    if (more) load_u(uq + step_u, (int)(j & 1) ^ 1);
     attn::cp_async_commit();
-    const index_t sh = (base + j) * v_heads + h;
-    const float gl_next = j + 1 < n_chunks ? g_in[(sh + v_heads) * C + C - 1] : 0.f;
+    const float gl2 = j + 2 < n_chunks ? gq[2 * step_g] : 0.f;
     // S_c = bf16(S) into sS (each warp its own rows; every read of the previous S_c was before
     // the previous chunk's second barrier).
 #pragma unroll
@@ -1512,14 +1562,18 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
       for (int n = 0; n < FBV / 8; ++n) {
         if (n >= nb) continue;
         bf16* p = sS + (m * 16 + gr) * lb + n * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(acc[u][n][0], acc[u][n][1]);
-        *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(acc[u][n][2], acc[u][n][3]);
+        *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(acc[u][n][0], acc[u][n][1]);
+        *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rn_fast(acc[u][n][2], acc[u][n][3]);
       }
     }
     attn::cp_async_wait<1>();  // this chunk's U
     __syncthreads();           // S_c complete; every read of the previous V' is done
     const bf16* cU = sU + (int)(j & 1) * C * lb;
-    gdn::tile_store_bf16(s_out + sh * dk * dv + v0, dv, sS, lb, dk, bw, tid, nt);
+    if constexpr (NK > 0) {
+      gdn::tile_store_fixed<16 * NK, FBV, NT>(sq, dv, sS, lb, tid);
+    } else {
+      gdn::tile_store_bf16(sq, dv, sS, lb, dk, bw, tid, NT);
+    }
     // V' = U - W S_c for rows [16 warp, 16 warp + 16): W's fragments negated (exact in bf16).
     float pv[FBV / 8][4];
 #pragma unroll
@@ -1550,16 +1604,20 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
         }
       }
     }
-    if (j + 1 < n_chunks) load_w(j + 1);
+    if (more) load_w(wq + step_wk);
 #pragma unroll
     for (int n = 0; n < FBV / 8; ++n) {
       if (n >= nb) continue;
       bf16* p = sV + (warp * 16 + gr) * lb + n * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(pv[n][0], pv[n][1]);
-      *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rne(pv[n][2], pv[n][3]);
+      *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(pv[n][0], pv[n][1]);
+      *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rn_fast(pv[n][2], pv[n][3]);
     }
     __syncthreads();  // V' complete; every read of S_c and of this U stage is done
-    gdn::tile_store_bf16(u_v + sh * C * dv + v0, dv, sV, lb, C, bw, tid, nt);
+    if constexpr (NK > 0) {
+      gdn::tile_store_fixed<C, FBV, NT>(uq + v0, dv, sV, lb, tid);
+    } else {
+      gdn::tile_store_bf16(uq + v0, dv, sV, lb, C, bw, tid, NT);
+    }
     // S = exp(G_L) S + Ke^T V': B = V' [C][bw] (transposed loads).
     const float end_decay = expf(gl);
     {
@@ -1587,8 +1645,14 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
         }
       }
     }
-    if (j + 1 < n_chunks) load_k(j + 1);
-    gl = gl_next;
+    if (more) load_k(kq + step_wk);
+    gl = gl1;
+    gl1 = gl2;
+    wq += step_wk;
+    kq += step_wk;
+    uq += step_u;
+    sq += step_s;
+    gq += step_g;
   }
   attn::cp_async_wait<0>();
   if (st) {
@@ -1608,6 +1672,34 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_ST
     }
   }
 }
+
+// Two kernels, one per body (each with its own register allocation: one kernel holding both
+// spilled): gdn_fast_state_nk8 for dk = 128 and dv % BV == 0, gdn_fast_state_nk0 otherwise.
+#define GDN_FAST_STATE_EXPORT(NK)                                                                                \
+  extern "C" __global__ void __launch_bounds__(GDN_FAST_STATE_THREADS, GDN_FAST_STATE_CTAS) gdn_fast_state_nk##NK( \
+      const __nv_bfloat16* __restrict__ w_in, const __nv_bfloat16* __restrict__ ke_in,                             \
+      __nv_bfloat16* __restrict__ u_v, const float* __restrict__ g_in, __nv_bfloat16* __restrict__ s_out,         \
+      float* __restrict__ state, int state_seqs, const int* __restrict__ seq_starts, int n_starts, long long rows, \
+      int k_heads, int v_heads, int dk, int dv) {                                                                  \
+    using gdn::FBV;                                                                                              \
+    if (blockDim.x != GDN_FAST_STATE_THREADS || (dk % 16) != 0 || dk > 32 * gdn::FW_S || (dv % 16) != 0 ||      \
+        (NK > 0 && (dk != 16 * NK || dv % FBV != 0)))                                                            \
+      __trap();                                                                                                  \
+    const int nvb = (dv + FBV - 1) / FBV;                                                                        \
+    const int vb = (int)(blockIdx.x % (unsigned)nvb);                                                            \
+    const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);                                       \
+    const int b = (int)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);                                         \
+    index_t r0, r1;                                                                                              \
+    gdn::seq_range(seq_starts, n_starts, rows, b, r0, r1);                                                       \
+    if (r1 <= r0) return;                                                                                        \
+    (void)k_heads;                                                                                               \
+    float* st = (state != nullptr && b < state_seqs) ? state + ((index_t)b * v_heads + h) * dk * dv : nullptr;   \
+    extern __shared__ __align__(128) float smem[];                                                               \
+    fast_state_body<NK>(w_in, ke_in, u_v, g_in, s_out, st, r0, r1, b, h, vb, nvb, v_heads, dk, dv, smem);       \
+  }
+
+GDN_FAST_STATE_EXPORT(0)
+GDN_FAST_STATE_EXPORT(8)
 
 // One CTA per (chunk slot, value head, block of BO = GDN_FAST_OUT_BV value columns), 8 warps:
 // warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
@@ -1782,8 +1874,8 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   for (int n = 0; n < HB / 8; ++n) {
     if (n >= nb) continue;
     bf16* p = sO + gr * lq + n * 8 + 2 * tq;
-    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rne(po[n][0], po[n][1]);
-    *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rne(po[n][2], po[n][3]);
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(po[n][0], po[n][1]);
+    *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rn_fast(po[n][2], po[n][3]);
   }
   __syncwarp();
   __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;

@@ -422,6 +422,19 @@ fn gpu_gdn_state_restarts_at_every_sequence_start() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_fast_constant_shape_state_pass_matches_cpu() {
+    // The fast form's state pass at dk = 128 with whole value blocks runs its constant-shape
+    // kernel (gdn_fast_state_nk8): the ragged packed batch at dv = 128 and at dv = 256 (eight
+    // value blocks a head), only the fast form, so that compute-sanitizer's racecheck can cover
+    // that kernel in seconds (the 27B head-shape test below takes minutes under it).
+    let rows: usize = LENS.iter().sum();
+    let fast = [GdnForm::ChunkedFast];
+    gdn_check_forms("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 40), &starts_of(&LENS), &fast);
+    gdn_check_forms("1/2 heads 128x256 packed", &gdn_inputs(rows, 1, 2, 128, 256, 41), &starts_of(&LENS), &fast);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn gpu_gdn_split_matches_cpu_at_the_27b_head_shape() {
     // Qwen3.6-27B's Gated DeltaNet heads (48 value heads over 16 key heads, dk = dv = 128) on the
     // ragged packed batch, from a zero state and from a given one: the fast split form (the

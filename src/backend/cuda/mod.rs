@@ -2870,7 +2870,7 @@ pub enum GdnForm {
     /// over value-column blocks); tensor cores, head dims multiples of 16, f32 scratch in device
     /// memory (kernels/gdn.cu's header has the bytes).
     ChunkedSplit,
-    /// `gdn_fast_prep`, `gdn_fast_state`, `gdn_fast_out`: the split form with bf16 scratch (W,
+    /// `gdn_fast_prep`, `gdn_fast_state_nk*`, `gdn_fast_out`: the split form with bf16 scratch (W,
     /// U/V', the chunk states) and bf16 tensor-core operands (mma.sync, f32 accumulators), the
     /// state block in registers; head dims multiples of 16, dk <= 128.
     ChunkedFast,
@@ -2921,7 +2921,7 @@ pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
     ]
 }
 
-/// Dynamic shared memory in bytes of gdn_fast_prep, gdn_fast_state and gdn_fast_out
+/// Dynamic shared memory in bytes of gdn_fast_prep, gdn_fast_state_nk* and gdn_fast_out
 /// (kernels/gdn.cu's fast-form header has the layouts).
 pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
     let (c, p) = (GDN_CHUNK, GDN_FAST_PAD);
@@ -3185,7 +3185,7 @@ impl CudaBackend {
             dv,
         };
         self.launch(s, launch::GdnFastPrep::KERNEL, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
-        let state_args = launch::GdnFastState {
+        let state_args = launch::GdnFastStateNk {
             w_in: w.at(OP, 0)?,
             ke_in: ke.at(OP, 0)?,
             u_v: uv.at(OP, 0)?,
@@ -3203,7 +3203,13 @@ impl CudaBackend {
         };
         let blocks = dv.div_ceil(GDN_FAST_BV);
         let cfg = (n_starts * v_heads * blocks, GDN_FAST_STATE_THREADS, sm_state);
-        self.launch(s, launch::GdnFastState::KERNEL, cfg, state_args)?;
+        // The constant-shape body where dk = 128 and the value blocks are whole (the 27B shape).
+        let kernel = if dk == 128 && dv % GDN_FAST_BV == 0 {
+            launch::Kernel::GdnFastStateNk8
+        } else {
+            launch::Kernel::GdnFastStateNk0
+        };
+        self.launch(s, kernel, cfg, state_args)?;
         let out = launch::GdnFastOut {
             q: q.at(OP, 0)?,
             k: k.at(OP, 0)?,
