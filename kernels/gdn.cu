@@ -1146,27 +1146,30 @@ __device__ __forceinline__ void prefetch_l2_part(const void* p, int bytes, int p
                  : "memory");
 }
 
-// tile_async_bf16 and tile_store_bf16 for a ROWS x COLS tile (every row valid) copied by NT
-// threads: a constant trip count and shifts where the run-time forms divide by cols / 8.
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void tile_async_fixed(bf16* dst, int dld, const bf16* src, index_t sld, int tid) {
+// The 16-byte units of a ROWS x COLS bf16 tile (every row valid) split over NT threads, as
+// tile_async_bf16 and tile_store_bf16 split them but with a constant trip count and shifts where
+// those divide by a run-time cols / 8: f(row, column) for each of this thread's units.
+template <int ROWS, int COLS, int NT, class F>
+__device__ __forceinline__ void tile_units_fixed(int tid, F f) {
   constexpr int C8 = COLS / 8, N = ROWS * C8;
   static_assert(N % NT == 0, "whole rounds of the CTA");
 #pragma unroll
   for (int it = 0; it < N / NT; ++it) {
-    const unsigned e = (unsigned)(tid + it * NT), i = e / C8, c = (e % C8) * 8;
-    attn::cp_async_16(attn::smem_u32(dst + i * dld + c), src + (index_t)i * sld + c, true);
+    const unsigned e = (unsigned)(tid + it * NT);
+    f(e / C8, (e % C8) * 8);
   }
 }
 template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void tile_async_fixed(bf16* dst, int dld, const bf16* src, index_t sld, int tid) {
+  tile_units_fixed<ROWS, COLS, NT>(tid, [&](unsigned i, unsigned c) {
+    attn::cp_async_16(attn::smem_u32(dst + i * dld + c), src + (index_t)i * sld + c, true);
+  });
+}
+template <int ROWS, int COLS, int NT>
 __device__ __forceinline__ void tile_store_fixed(bf16* dst, index_t dld, const bf16* src, int sld, int tid) {
-  constexpr int C8 = COLS / 8, N = ROWS * C8;
-  static_assert(N % NT == 0, "whole rounds of the CTA");
-#pragma unroll
-  for (int it = 0; it < N / NT; ++it) {
-    const unsigned e = (unsigned)(tid + it * NT), i = e / C8, c = (e % C8) * 8;
+  tile_units_fixed<ROWS, COLS, NT>(tid, [&](unsigned i, unsigned c) {
     *reinterpret_cast<uint4*>(dst + (index_t)i * dld + c) = *reinterpret_cast<const uint4*>(src + i * sld + c);
-  }
+  });
 }
 
 }  // namespace gdn
