@@ -1024,6 +1024,11 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //          1.411 ms at 4 x 3072 (fla 1.379 in the same run: 0.98x) and 0.542 ms at 1 x 4096
 //          (fla 1.077: 1.99x); inside the 27B forward prep 769 us, state 364, out 641 per layer
 //          (before: 841, 773, 671).
+//   What bounds prep and out now (same profile, before the state change; their code is
+//   unchanged but for the rounding): prep ~4,200 warp instructions per warp (IMAD 22%), 27% of
+//   its stall samples at the inverse's barriers (one per distance step) and 24% on fixed-latency
+//   dependencies; out waits mostly on its q/k staging loads (one batch per CTA, nothing
+//   overlapping it at 2 CTAs per SM) and on the barrier after Q K^T.
 //   Registers (ptxas, sm_90a): prep 125, state 168 (nk8 and nk0; nk0 spills 8 bytes), out 124.
 // Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
