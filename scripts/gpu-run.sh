@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|attn]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|ncusrc|attn]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
-# named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels) and
+# named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels), ncusrc
+# (Nsight Compute's full set with per-instruction samples over NCU_KERNELS, a kernel-name regex,
+# default the fast GDN kernels, in the bench group NCU_BENCH, default gdn, NCU_COUNT launches) and
 # attn (every attention test, the four sanitizers on the forms tests, the bench with peers),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
@@ -207,6 +209,18 @@ if named ncu; then
   PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} $NCU -k regex:'chunk|solve_tril|recompute|cumsum' \
     python3 $B/bench_fla_gdn.py --reps 1 > "$OUT/ncu-fla.txt" 2>&1 || status=1
   tail -3 "$OUT"/ncu-*.txt
+fi
+if named ncusrc; then
+  echo "== Nsight Compute, full set with source counters: ${NCU_KERNELS:=^gdn_fast_} in bench group ${NCU_BENCH:=gdn}"
+  # Where a kernel spends its issue slots and stalls, per SASS instruction: the report's source
+  # page as CSV (sass.csv.gz), its details page, and scripts/ncu-sass-summary.py's digest
+  # (opcode mix, stall reasons, hottest instructions) printed here.
+  DFLASH_BENCH_REPS=1 DFLASH_BENCH_KERNELS=$NCU_BENCH ncu --clock-control none --set full --import-source no \
+    -k regex:"$NCU_KERNELS" -c ${NCU_COUNT:-3} -o /tmp/ncusrc -f $B/bench-kernels > "$OUT/ncusrc-run.txt" 2>&1 || status=1
+  ncu --import /tmp/ncusrc.ncu-rep --page source --csv --print-source sass > /tmp/sass.csv 2>&1 || status=1
+  ncu --import /tmp/ncusrc.ncu-rep --page details > "$OUT/ncusrc-details.txt" 2>&1 || status=1
+  gzip -c /tmp/sass.csv > "$OUT/sass.csv.gz"
+  python3 $B/ncu-sass-summary.py /tmp/sass.csv | tee "$OUT/ncusrc-summary.txt" || status=1
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"
