@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|ncusrc|attn]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|ncusrc|attn|gdn]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
 # named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels), ncusrc
 # (Nsight Compute's full set with per-instruction samples over NCU_KERNELS, a kernel-name regex,
 # default the fast GDN kernels, in the bench group NCU_BENCH, default gdn, NCU_COUNT launches) and
-# attn (every attention test, the four sanitizers on the forms tests, the bench with peers),
+# attn (every attention test, the four sanitizers on the forms tests, the bench with peers), gdn
+# (what a change to kernels/gdn.cu or hybrid.cu needs: every gpu::hybrid / hybrid_fused test and the
+# hybrid training test, the sanitizers on the Gated DeltaNet and conv tests, the 27B-shaped bench
+# beside flash-linear-attention),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -209,6 +212,28 @@ if named ncu; then
   PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} $NCU -k regex:'chunk|solve_tril|recompute|cumsum' \
     python3 $B/bench_fla_gdn.py --reps 1 > "$OUT/ncu-fla.txt" 2>&1 || status=1
   tail -3 "$OUT"/ncu-*.txt
+fi
+if named gdn; then
+  echo "== Gated DeltaNet and hybrid kernels: tests, sanitizers, the 27B-shaped rows beside fla"
+  $B/integration --include-ignored --test-threads=1 gpu::hybrid:: gpu::hybrid_fused:: gpu::training::gpu_hybrid \
+    > "$OUT/gdn-tests.log" 2>&1 || status=1
+  grep -E "test result|panicked|FAILED" "$OUT/gdn-tests.log" | tail -5
+  # racecheck instruments every shared-memory access: over the GDN tests that run every form it
+  # takes more than 400 s, so it covers the fast form's test alone (every fast kernel, dk = 128);
+  # the other tools take the GDN and conv tests whole.
+  gt="gpu::hybrid::gpu_gdn_chunked gpu::hybrid::gpu_gdn_state gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_split"
+  gt="$gt gpu::hybrid_fused::gpu_fused_gdn_conv"
+  for tool in racecheck memcheck initcheck synccheck; do
+    tests=$gt; [ $tool = racecheck ] && tests=gpu::hybrid::gpu_gdn_fast
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 \
+      $tests > /tmp/gdn-san.log 2>&1 || { status=1; { echo "== $tool"; head -c 6000 /tmp/gdn-san.log; } >> "$OUT/gdn-san-detail.txt"; }
+    echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gdn-san.log | tail -1)" | tee -a "$OUT/gdn-san.txt"
+  done
+  rm -f "$OUT/gdn_peers.json"
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" > "$OUT/gdn-fla.log" 2>&1 || status=1
+  grep -E "^fla" "$OUT/gdn-fla.log"
+  DFLASH_PEERS="$OUT/gdn_peers.json" DFLASH_BENCH_KERNELS=gdn $B/bench-kernels 2>&1 | tee "$OUT/gdn-bench.log" \
+    | grep -E "gdn chunked ChunkedFast|peers" || status=1
 fi
 if named ncusrc; then
   echo "== Nsight Compute, full set with source counters: ${NCU_KERNELS:=^gdn_fast_} in bench group ${NCU_BENCH:=gdn}"
