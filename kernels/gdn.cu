@@ -1457,10 +1457,12 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
 // it; NK = 0 reads dk and the block width at run time (any dk <= 128 and dv that tile by 16). The
 // chunk pointers advance by a stride per chunk, and G_L is loaded two chunks ahead (a load one
 // chunk ahead still stalled the loop's head: it queues behind the chunk's 16-byte loads).
+// st: this (sequence, head)'s [dk][dv] f32 state, read at the start and written at the end, or
+// null (zero start, nothing kept); the kernel wrapper resolves it.
 template <int NK>
 __device__ __forceinline__ void fast_state_body(const gdn::bf16* __restrict__ w_in, const gdn::bf16* __restrict__ ke_in,
                                                 gdn::bf16* __restrict__ u_v, const float* __restrict__ g_in,
-                                                gdn::bf16* __restrict__ s_out, float* __restrict__ state, index_t r0,
+                                                gdn::bf16* __restrict__ s_out, float* __restrict__ st, index_t r0,
                                                 index_t r1, int b, int h, int vb, int nvb, int v_heads, int dk_rt,
                                                 int dv, float* smem) {
   using gdn::C;
@@ -1479,7 +1481,6 @@ __device__ __forceinline__ void fast_state_body(const gdn::bf16* __restrict__ w_
   const int bw = NK > 0 ? FBV : min(FBV, dv - v0);  // a multiple of 16
   const int nb = bw / 8;                            // n8 tiles in use
   const int nk = dk / 16;                           // k-steps of V' = U - W S_c (<= 8)
-  float* st = state;
   // The state block: warp w owns dk rows [16 m, 16 m + 16) for m = w, w + FW_S (those < dk / 16).
   float acc[2][FBV / 8][4];
 #pragma unroll
