@@ -973,7 +973,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 // Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
-//   prep   grid n_slots * v_heads, GDN_THREADS;
+//   prep   grid n_slots * v_heads, GDN_THREADS (gdn_fast_prep_nk8 where dk = dv = 128,
+//          gdn_fast_prep_nk0 otherwise; likewise gdn_fast_out_nk8 / _nk0);
 //          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 4 C)        (108,544; 2 CTAs/SM)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS (gdn_fast_state_nk8
 //          where dk = 128 and BV divides dv, gdn_fast_state_nk0 otherwise);
@@ -1029,7 +1030,12 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   its stall samples at the inverse's barriers (one per distance step) and 24% on fixed-latency
 //   dependencies; out waits mostly on its q/k staging loads (one batch per CTA, nothing
 //   overlapping it at 2 CTAs per SM) and on the barrier after Q K^T.
-//   Registers (ptxas, sm_90a): prep 125, state 168 (nk8 and nk0; nk0 spills 8 bytes), out 124.
+//   prep and out, the same treatment (NOT YET RUN ON A GPU): their bodies compiled for
+//   dk = dv = 128 (nk8) and for run-time shapes (nk0), the thread count a constant in both;
+//   static SASS prep 3,584 -> 3,016 instructions, out 2,784 -> 2,336 (their staging loops
+//   divided by dk / 4 at run time).
+//   Registers (ptxas, sm_90a): prep 126 (nk8 and nk0), state 168 (nk8 and nk0; nk0 spills 8
+//   bytes), out 105 (nk8) / 122 (nk0).
 // Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
@@ -1199,15 +1205,19 @@ __device__ __forceinline__ void tile_store_fixed(bf16* dst, index_t dld, const b
 // Shared memory (bytes): bf16 Kh, Kl [C][dk+FP] | Vh, Vl [C][dv+FP] | f32 A, Ai [C][C+4] |
 //   T [3][16][16] | G, beta, beta exp(G), exp(G_L - G) [C] = 2 (2 C (dk+FP) + 2 C (dv+FP))
 //   + 4 (2 C (C+4) + 768 + 4 C)  (128/128: 108,544; 2 CTAs per SM).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
+// The prep body, compiled twice as the state pass's is: DK = 128 for dk = dv = 128 (the 27B
+// shape: every staging loop, K K^T and W/U loop bound a constant, the tile copies by shifts) and
+// DK = 0 for the run-time shapes. The thread count is the constant GDN_THREADS in both.
+template <int DK>
+__device__ __forceinline__ void fast_prep_body(
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out,
     __nv_bfloat16* __restrict__ ke_out, float* __restrict__ g_out, const int* __restrict__ seq_starts, int n_starts,
-    long long rows, int k_heads, int v_heads, int dk, int dv) {
+    long long rows, int k_heads, int v_heads, int dk_rt, int dv_rt, float* smem) {
   using gdn::bf16;
   using gdn::C;
   using gdn::FP;
-  extern __shared__ __align__(128) float smem[];
+  const int dk = DK > 0 ? DK : dk_rt, dv = DK > 0 ? DK : dv_rt;
   constexpr int LA = C + 4;  // f32 pitch of A, Ai
   const int lk = dk + FP, lv = dv + FP;
   bf16* Kh = reinterpret_cast<bf16*>(smem);
@@ -1221,7 +1231,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   float* Bt = G + C;
   float* Sw = Bt + C;  // beta_j exp(G_j)
   float* Ef = Sw + C;  // exp(G_L - G_j) (0 for j >= L)
-  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int nt = GDN_THREADS;  // the kernel traps on any other block size
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_THREADS || (dk % 16) != 0 || (dv % 16) != 0 || dk > 128) __trap();
   const int h = (int)(blockIdx.x % (unsigned)v_heads);
@@ -1443,6 +1454,21 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep(
   }
   for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
 }
+
+#define GDN_FAST_PREP_EXPORT(NK)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_fast_prep_nk##NK(                                \
+      const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,                        \
+      const __nv_bfloat16* __restrict__ beta, __nv_bfloat16* __restrict__ w_out, __nv_bfloat16* __restrict__ u_out, \
+      __nv_bfloat16* __restrict__ ke_out, float* __restrict__ g_out, const int* __restrict__ seq_starts,            \
+      int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {                                     \
+    if (NK > 0 && (dk != 16 * NK || dv != 16 * NK)) __trap();                                                       \
+    extern __shared__ __align__(128) float smem[];                                                                  \
+    fast_prep_body<16 * NK>(k, v, g, beta, w_out, u_out, ke_out, g_out, seq_starts, n_starts, rows, k_heads,        \
+                            v_heads, dk, dv, smem);                                                                 \
+  }
+
+GDN_FAST_PREP_EXPORT(0)
+GDN_FAST_PREP_EXPORT(8)
 
 // One CTA per (sequence, value head, block of BV value columns), the chunks in order, the state
 // block in the warps' accumulators. W and Ke^T come from global memory straight into registers as
@@ -1724,15 +1750,19 @@ GDN_FAST_STATE_EXPORT(8)
 // Shared memory (bf16): Q hi, Q lo [C][lq] (then each warp's output tile: half 0 in hi, half 1 in
 // lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | A [C][C+P] | S_c [dk][BO+P] |
 // G [C] f32; lq = max(dk, BO/2) + P.
-extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out(
+// The output body, compiled twice as the state pass's is: DK = 128 for dk = dv = 128 (one value
+// block; every loop bound a constant) and DK = 0 for the run-time shapes.
+template <int DK>
+__device__ __forceinline__ void fast_out_body(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
-    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) {
+    const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk_rt, int dv_rt,
+    float* smem) {
   using gdn::C;
   using gdn::FBO;
   using gdn::bf16;
   constexpr int HB = FBO / 2;  // value columns per warp
-  extern __shared__ __align__(128) float smem[];
+  const int dk = DK > 0 ? DK : dk_rt, dv = DK > 0 ? DK : dv_rt;
   const int lk = dk + gdn::FP;
   const int lq = (dk > HB ? dk : HB) + gdn::FP;
   constexpr int lb = FBO + gdn::FP;
@@ -1744,7 +1774,8 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
   bf16* sA = sV + C * lb;                    // [C][la] once K is dead
   bf16* sS = sK + kreg;                      // [dk][lb]
   float* sG = reinterpret_cast<float*>(sS + dk * lb);
-  const int tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int nt = GDN_FAST_OUT_THREADS;  // the kernel traps on any other block size
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_OUT_THREADS || (dk % 16) != 0 || (dv % 16) != 0) __trap();
   const int nvb = (dv + FBO - 1) / FBO;
@@ -1894,3 +1925,16 @@ extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_o
     *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
   }
 }
+
+#define GDN_FAST_OUT_EXPORT(NK)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out_nk##NK(                       \
+      const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,              \
+      const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,       \
+      const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) { \
+    if (NK > 0 && (dk != 16 * NK || dv != 16 * NK)) __trap();                                                      \
+    extern __shared__ __align__(128) float smem[];                                                                 \
+    fast_out_body<16 * NK>(q, k, vp, g_in, s_in, o, seq_starts, n_starts, rows, k_heads, v_heads, dk, dv, smem);  \
+  }
+
+GDN_FAST_OUT_EXPORT(0)
+GDN_FAST_OUT_EXPORT(8)

@@ -344,10 +344,17 @@ mod tests {
         let ws =
             text.lines().filter(|l| l.starts_with("ATTN_WS_EXPORT(") || l.starts_with("ATTN_WSPP_EXPORT(")).count();
         let hnr = text.lines().filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(")).count();
-        let gfs = text.lines().filter(|l| l.starts_with("GDN_FAST_STATE_EXPORT(")).count();
+        let gfs = text
+            .lines()
+            .filter(|l| {
+                ["GDN_FAST_PREP_EXPORT(", "GDN_FAST_STATE_EXPORT(", "GDN_FAST_OUT_EXPORT("]
+                    .iter()
+                    .any(|m| l.starts_with(m))
+            })
+            .count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
         // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT, ATTN_WS_EXPORT, ATTN_WSPP_EXPORT,
-        // HYB_NORM_ROPE_EXPORT and GDN_FAST_STATE_EXPORT one.
+        // HYB_NORM_ROPE_EXPORT and the three GDN_FAST_*_EXPORT one.
         assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + ws + hnr + gfs);
     }
 

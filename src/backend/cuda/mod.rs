@@ -2870,7 +2870,7 @@ pub enum GdnForm {
     /// over value-column blocks); tensor cores, head dims multiples of 16, f32 scratch in device
     /// memory (kernels/gdn.cu's header has the bytes).
     ChunkedSplit,
-    /// `gdn_fast_prep`, `gdn_fast_state_nk*`, `gdn_fast_out`: the split form with bf16 scratch (W,
+    /// `gdn_fast_prep_nk*`, `gdn_fast_state_nk*`, `gdn_fast_out_nk*`: the split form with bf16 scratch (W,
     /// U/V', the chunk states) and bf16 tensor-core operands (mma.sync, f32 accumulators), the
     /// state block in registers; head dims multiples of 16, dk <= 128.
     ChunkedFast,
@@ -2921,7 +2921,7 @@ pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
     ]
 }
 
-/// Dynamic shared memory in bytes of gdn_fast_prep, gdn_fast_state_nk* and gdn_fast_out
+/// Dynamic shared memory in bytes of gdn_fast_prep_nk*, gdn_fast_state_nk* and gdn_fast_out_nk*
 /// (kernels/gdn.cu's fast-form header has the layouts).
 pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
     let (c, p) = (GDN_CHUNK, GDN_FAST_PAD);
@@ -3167,7 +3167,7 @@ impl CudaBackend {
         let gs = self.uninit_buf(s, DType::F32, slots * v_heads * c, "gdn_chunked_fwd's G scratch")?;
         let st = self.uninit_buf(s, DType::BF16, slots * v_heads * dk * dv, "gdn_chunked_fwd's chunk states")?;
         let [sm_prep, sm_state, sm_out] = fast_smem(dk, dv);
-        let prep = launch::GdnFastPrep {
+        let prep = launch::GdnFastPrepNk {
             k: k.at(OP, 0)?,
             v: v.at(OP, 0)?,
             g: g.at(OP, 0)?,
@@ -3184,7 +3184,14 @@ impl CudaBackend {
             dk,
             dv,
         };
-        self.launch(s, launch::GdnFastPrep::KERNEL, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
+        // The constant-shape bodies where dk = dv = 128 (the 27B shape), state: dk = 128 and whole
+        // value blocks.
+        let (prep_k, out_k) = if dk == 128 && dv == 128 {
+            (launch::Kernel::GdnFastPrepNk8, launch::Kernel::GdnFastOutNk8)
+        } else {
+            (launch::Kernel::GdnFastPrepNk0, launch::Kernel::GdnFastOutNk0)
+        };
+        self.launch(s, prep_k, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
         let state_args = launch::GdnFastStateNk {
             w_in: w.at(OP, 0)?,
             ke_in: ke.at(OP, 0)?,
@@ -3210,7 +3217,7 @@ impl CudaBackend {
             launch::Kernel::GdnFastStateNk0
         };
         self.launch(s, kernel, cfg, state_args)?;
-        let out = launch::GdnFastOut {
+        let out = launch::GdnFastOutNk {
             q: q.at(OP, 0)?,
             k: k.at(OP, 0)?,
             vp: uv.at(OP, 0)?,
@@ -3226,7 +3233,7 @@ impl CudaBackend {
             dv,
         };
         let blocks = dv.div_ceil(GDN_FAST_OUT_BV);
-        self.launch(s, launch::GdnFastOut::KERNEL, (slots * v_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
+        self.launch(s, out_k, (slots * v_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
     }
 }
 
