@@ -1056,6 +1056,14 @@ constexpr int FW_O = GDN_FAST_OUT_THREADS / 32;
 static_assert(FW_S * 16 == C, "state pass: one warp per 16 rows of a chunk");
 static_assert(FW_O * 16 == 2 * C && FBO % 32 == 0, "output: two warps (column halves) per 16 rows");
 static_assert(FBV % 16 == 0 && FBO % 16 == 0, "value blocks of whole 16-column tiles");
+static_assert(FBO == 128, "the fused gated norm: four value columns a lane, one head a warp");
+
+// Four bf16 (one 8-byte load) as f32.
+__device__ __forceinline__ void load_bf16x4(const bf16* p, float (&f)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  f[0] = __uint_as_float(u.x << 16), f[1] = __uint_as_float(u.x & 0xFFFF0000u);
+  f[2] = __uint_as_float(u.y << 16), f[3] = __uint_as_float(u.y & 0xFFFF0000u);
+}
 
 // rows x cols bf16 (cols % 8 == 0) from global src (row pitch sld elements, 16-byte aligned
 // rows) to shared dst (pitch dld); rows >= valid_rows zero-filled.
@@ -1751,11 +1759,16 @@ GDN_FAST_STATE_EXPORT(8)
 // lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | A [C][C+P] | S_c [dk][BO+P] |
 // G [C] f32; lq = max(dk, BO/2) + P.
 // The output body, compiled twice as the state pass's is: DK = 128 for dk = dv = 128 (one value
-// block; every loop bound a constant) and DK = 0 for the run-time shapes.
+// block; every loop bound a constant) and DK = 0 for the run-time shapes. With norm set (DK = 128
+// only) it writes the Gated DeltaNet's gated RMSNorm of its output instead of the output
+// (gdn_chunked_norm_fwd): z's rows load during the products, the row-block pair meets at a named
+// barrier, and each warp normalises eight whole 128-value rows from the bf16 tile; the unfused
+// pair's core write, its reread and the norm kernel's launch are gone.
 template <int DK>
 __device__ __forceinline__ void fast_out_body(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
     const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,
+    const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ nw, float eps, int norm,
     const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk_rt, int dv_rt,
     float* smem) {
   using gdn::C;
@@ -1858,6 +1871,19 @@ __device__ __forceinline__ void fast_out_body(
       }
     }
   }
+  // The fused norm's z rows (this warp's eight of the block, see the end) and weights: loads in
+  // flight during the products below.
+  const bool fuse = DK == FBO && norm && live;
+  uint2 zr[8], wr = make_uint2(0u, 0u);
+  if (fuse) {
+    const index_t col = (index_t)h * dv + 4 * lane;
+    wr = *reinterpret_cast<const uint2*>(nw + 4 * lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = 8 * hf + j;
+      zr[j] = i < L - i0 ? *reinterpret_cast<const uint2*>(z + (c0 + i0 + i) * vw + col) : make_uint2(0u, 0u);
+    }
+  }
   // o = exp(G_i) (Q S_c) + A V'.
   float po[HB / 8][4];
 #pragma unroll
@@ -1918,8 +1944,45 @@ __device__ __forceinline__ void fast_out_body(
     *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rn_fast(po[n][2], po[n][3]);
   }
   __syncwarp();
-  __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
   const int nrows = min(16, L - i0);
+  if (fuse) {
+    // The gated RMSNorm over each whole value head (dv = FBO: this CTA holds every column), with
+    // gated_rmsnorm_fwd_bf16's sums, products and roundings in the same order: its input is the
+    // bf16 tile above. Both warps of the row block (w and 7 - w) wait for each other's half, then
+    // warp hf takes rows [8 hf, 8 hf + 8) of the block, lane l elements 4l .. 4l + 3 (half l / 16).
+    // (Immediate barrier ids: a register id makes ptxas reserve all sixteen.)
+    switch (rb) {
+      case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
+      case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
+      case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
+      default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+    }
+    const int c = 4 * lane;
+    const bf16* src = sQ + (lane >> 4) * C * lq + i0 * lq + (c & (HB - 1));
+    const float wv[4] = {__uint_as_float(wr.x << 16), __uint_as_float(wr.x & 0xFFFF0000u),
+                         __uint_as_float(wr.y << 16), __uint_as_float(wr.y & 0xFFFF0000u)};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = 8 * hf + j;
+      if (i >= nrows) break;  // warp-uniform
+      float xv[4];
+      gdn::load_bf16x4(src + i * lq, xv);
+      const float zv[4] = {__uint_as_float(zr[j].x << 16), __uint_as_float(zr[j].x & 0xFFFF0000u),
+                           __uint_as_float(zr[j].y << 16), __uint_as_float(zr[j].y & 0xFFFF0000u)};
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ss = fmaf(xv[e], xv[e], ss);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      const float inv = 1.f / sqrtf(ss / (float)dv + eps);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xv[e] = xv[e] * inv * wv[e] * (zv[e] / (1.f + expf(-zv[e])));
+      *reinterpret_cast<uint2*>(o + (c0 + i0 + i) * vw + (index_t)h * dv + c) =
+          make_uint2(pack_bf16x2_rne(xv[0], xv[1]), pack_bf16x2_rne(xv[2], xv[3]));
+    }
+    return;
+  }
+  __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
   for (int e = lane; e < nrows * nb; e += 32) {
     const int i = e / nb, c = (e - i * nb) * 8;
     *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
@@ -1930,10 +1993,13 @@ __device__ __forceinline__ void fast_out_body(
   extern "C" __global__ void __launch_bounds__(GDN_FAST_OUT_THREADS, 2) gdn_fast_out_nk##NK(                       \
       const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,              \
       const float* __restrict__ g_in, const __nv_bfloat16* __restrict__ s_in, __nv_bfloat16* __restrict__ o,       \
+      const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ nw, float eps, int norm,              \
       const int* __restrict__ seq_starts, int n_starts, long long rows, int k_heads, int v_heads, int dk, int dv) { \
     if (NK > 0 && (dk != 16 * NK || dv != 16 * NK)) __trap();                                                      \
+    if (norm && 16 * NK != gdn::FBO) __trap(); /* the fused norm needs whole value heads in one CTA */          \
     extern __shared__ __align__(128) float smem[];                                                                 \
-    fast_out_body<16 * NK>(q, k, vp, g_in, s_in, o, seq_starts, n_starts, rows, k_heads, v_heads, dk, dv, smem);  \
+    fast_out_body<16 * NK>(q, k, vp, g_in, s_in, o, z, nw, eps, norm, seq_starts, n_starts, rows, k_heads, v_heads, \
+                           dk, dv, smem);                                                                          \
   }
 
 GDN_FAST_OUT_EXPORT(0)

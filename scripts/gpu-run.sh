@@ -222,9 +222,9 @@ if named gdn; then
   # takes more than 400 s, so it covers the fast form's test alone (every fast kernel, dk = 128);
   # the other tools take the GDN and conv tests whole.
   gt="gpu::hybrid::gpu_gdn_chunked gpu::hybrid::gpu_gdn_state gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_split"
-  gt="$gt gpu::hybrid_fused::gpu_fused_gdn_conv"
+  gt="$gt gpu::hybrid::gpu_gdn_fused gpu::hybrid_fused::gpu_fused_gdn_conv"
   for tool in racecheck memcheck initcheck synccheck; do
-    tests=$gt; [ $tool = racecheck ] && tests=gpu::hybrid::gpu_gdn_fast
+    tests=$gt; [ $tool = racecheck ] && tests="gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_fused"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 \
       $tests > /tmp/gdn-san.log 2>&1 || { status=1; { echo "== $tool"; head -c 6000 /tmp/gdn-san.log; } >> "$OUT/gdn-san-detail.txt"; }
     echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gdn-san.log | tail -1)" | tee -a "$OUT/gdn-san.txt"

@@ -3,7 +3,7 @@
 //! those of the unfused ops bit for bit), and what a backend falls back to for a shape its fused
 //! kernel does not take.
 
-use super::{Backend, Result};
+use super::{Backend, GdnShape, Result};
 
 /// The Gated DeltaNet's convolution over its `q | k | v` projection, then the split and the
 /// per-head L2 norms (`Backend::gdn_conv_qkv`).
@@ -47,6 +47,33 @@ pub struct NormRope {
     pub x_stride: usize,
     /// The norm weight's offset in the weight buffer.
     pub w_off: usize,
+}
+
+/// The Gated DeltaNet's output norm after its delta rule (`Backend::gdn_chunked_norm_fwd`):
+/// `gated_rmsnorm_fwd` over each value head, its weight (`v_dim` values) at `w_off`.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnOutNorm {
+    pub w_off: usize,
+    pub eps: f32,
+}
+
+/// `gdn_chunked_fwd` into `core`, then `gated_rmsnorm_fwd(core, z)` into `y`.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_chunked_norm_fwd<B: Backend + ?Sized>(
+    be: &B,
+    s: &B::Stream,
+    sh: &GdnShape,
+    [q, k, v, g, beta]: [&B::Buf; 5],
+    seq_starts: &B::Ids,
+    state: Option<&mut B::Buf>,
+    z: &B::Buf,
+    w: &B::Buf,
+    norm: &GdnOutNorm,
+    core: &mut B::Buf,
+    y: &mut B::Buf,
+) -> Result<()> {
+    be.gdn_chunked_fwd(s, sh, q, k, v, g, beta, seq_starts, core, state)?;
+    be.gated_rmsnorm_fwd(s, core, z, w, norm.w_off, y, sh.rows * sh.v_heads, sh.v_dim, norm.eps)
 }
 
 /// `add_inplace`, then `rmsnorm1p_fwd` of the sum.

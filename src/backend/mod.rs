@@ -1038,4 +1038,25 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         Err(no_kernel("gdn_chunked_fwd"))
     }
+    /// The Gated DeltaNet's delta rule and output norm: `gdn_chunked_fwd` of `q, k, v, g, beta`
+    /// (its bf16 output) then `gated_rmsnorm_fwd` of it gated by `z` per value head, into `y`
+    /// ([`fused::GdnOutNorm`]). A backend may apply the norm inside the delta rule's output pass,
+    /// with the same roundings; `core` (`[rows, v_heads * v_dim]` bf16) is then scratch it may
+    /// leave unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_chunked_norm_fwd(
+        &self,
+        s: &Self::Stream,
+        sh: &GdnShape,
+        qkvgb: [&Self::Buf; 5],
+        seq_starts: &Self::Ids,
+        state: Option<&mut Self::Buf>,
+        z: &Self::Buf,
+        w: &Self::Buf,
+        norm: &fused::GdnOutNorm,
+        core: &mut Self::Buf,
+        y: &mut Self::Buf,
+    ) -> Result<()> {
+        fused::gdn_chunked_norm_fwd(self, s, sh, qkvgb, seq_starts, state, z, w, norm, core, y)
+    }
 }

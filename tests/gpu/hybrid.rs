@@ -8,6 +8,7 @@
 
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::cuda::{CudaBackend, GdnForm};
+use dflash_engine::backend::fused::GdnOutNorm;
 use dflash_engine::backend::{Backend, GdnShape};
 use dflash_engine::rng::Philox;
 use dflash_engine::tensor::DType;
@@ -431,6 +432,65 @@ fn gpu_gdn_fast_constant_shape_state_pass_matches_cpu() {
     let fast = [GdnForm::ChunkedFast];
     gdn_check_forms("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 40), &starts_of(&LENS), &fast);
     gdn_check_forms("1/2 heads 128x256 packed", &gdn_inputs(rows, 1, 2, 128, 256, 41), &starts_of(&LENS), &fast);
+}
+
+/// The delta rule and its gated output norm: through `gdn_chunked_norm_fwd` (`fused`) or as
+/// `gdn_chunked_fwd` then `gated_rmsnorm_fwd`. Returns y and what `core` holds afterwards (filled
+/// with 7.0 before the call).
+fn gdn_norm_run<B: Backend>(be: &B, x: &GdnInputs, starts: &[i32], z: &[f32], nw: &[f32], fused: bool) -> [Vec<f32>; 2] {
+    let s = be.compute_stream();
+    let sh = &x.sh;
+    let n = sh.rows * sh.v_heads * sh.v_dim;
+    let (q, k, v) = (put(be, &x.q, DType::F32), put(be, &x.k, DType::F32), put(be, &x.v, DType::F32));
+    let (g, beta) = (put(be, &x.g, DType::F32), put(be, &x.beta, DType::BF16));
+    let zb = put(be, z, DType::BF16);
+    // The norm weight at an offset, as in the target's parameter buffer.
+    let w_off = 8;
+    let wb = put(be, &[vec![0.5; w_off], nw.to_vec()].concat(), DType::BF16);
+    let mut core = be.alloc(&s, DType::BF16, n).unwrap();
+    be.fill(&s, &mut core, 7.0).unwrap();
+    let mut y = be.alloc(&s, DType::BF16, n).unwrap();
+    let st_ids = ids(be, starts);
+    if fused {
+        let norm = GdnOutNorm { w_off, eps: 1e-6 };
+        let qkvgb = [&q, &k, &v, &g, &beta];
+        be.gdn_chunked_norm_fwd(&s, sh, qkvgb, &st_ids, None, &zb, &wb, &norm, &mut core, &mut y).unwrap();
+    } else {
+        be.gdn_chunked_fwd(&s, sh, &q, &k, &v, &g, &beta, &st_ids, &mut core, None).unwrap();
+        be.gated_rmsnorm_fwd(&s, &core, &zb, &wb, w_off, &mut y, sh.rows * sh.v_heads, sh.v_dim, 1e-6).unwrap();
+    }
+    [get(be, &y), get(be, &core)]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_fused_output_norm_equals_the_two_ops() {
+    // At dk = dv = 128 the fast form's output pass applies the gated RMSNorm itself (the core
+    // output is never stored: `core` keeps its fill); its result must equal the delta rule then
+    // gated_rmsnorm_fwd bit for bit, and the CPU within bf16 rounding. At 32 x 64 the two ops run
+    // (core written).
+    let (g, c) = (gpu(), CpuBackend::new());
+    let cases = [
+        ("1/3 heads 128x128", LENS.to_vec(), 1, 3, 128, 128, true),
+        ("16/48 heads 128x128, 129/3/64", vec![129, 3, 64], 16, 48, 128, 128, true),
+        ("2/4 heads 32x64", LENS.to_vec(), 2, 4, 32, 64, false),
+    ];
+    for (seed, (what, lens, kh, vh, dk, dv, fuses)) in cases.into_iter().enumerate() {
+        let seed = 60 + 10 * seed as u64;
+        let rows: usize = lens.iter().sum();
+        let x = gdn_inputs(rows, kh, vh, dk, dv, seed);
+        let starts = starts_of(&lens);
+        let z = rand(rows * vh * dv, seed + 5, 2.0);
+        let nw: Vec<f32> = rand(dv, seed + 6, 0.3).iter().map(|w| 1.0 + w).collect();
+        let [fused, core] = gdn_norm_run(&g, &x, &starts, &z, &nw, true);
+        let [two, core2] = gdn_norm_run(&g, &x, &starts, &z, &nw, false);
+        bits_equal(&format!("{what}: gdn_chunked_norm_fwd vs the two ops"), &fused, &two);
+        assert_eq!(core.iter().all(|&c| c == 7.0), fuses, "{what}: core left unwritten iff the norm was fused");
+        assert!(core2.iter().any(|&c| c != 7.0), "{what}: the unfused delta rule wrote core");
+        let [cpu, _] = gdn_norm_run(&c, &x, &starts, &z, &nw, true);
+        rel_err(&format!("{what}: gdn_chunked_norm_fwd cuda vs cpu"), &fused, &cpu, BF16_TOL);
+        assert!(fused.iter().all(|v| v.is_finite()) && fused.iter().any(|&v| v != 0.0), "{what}: y is finite, not all zero");
+    }
 }
 
 #[test]

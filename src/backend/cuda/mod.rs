@@ -2600,6 +2600,52 @@ impl Backend for CudaBackend {
         o: &mut CudaBuf,
         state: Option<&mut CudaBuf>,
     ) -> Result<()> {
+        let form = self.gdn_chunked_form(sh);
+        self.gdn_launch(form, s, sh, [q, k, v, g, beta], seq_starts, o, state)
+    }
+
+    fn gdn_chunked_norm_fwd(
+        &self,
+        s: &Stream,
+        sh: &GdnShape,
+        qkvgb: [&CudaBuf; 5],
+        seq_starts: &CudaIds,
+        state: Option<&mut CudaBuf>,
+        z: &CudaBuf,
+        w: &CudaBuf,
+        norm: &fused::GdnOutNorm,
+        core: &mut CudaBuf,
+        y: &mut CudaBuf,
+    ) -> Result<()> {
+        const OP: &str = "gdn_chunked_norm_fwd";
+        // The fast form's constant-shape output pass applies the norm itself where one CTA holds
+        // whole value heads (dk = dv = 128, every Qwen3.5/3.6 config): the core output never
+        // leaves the chip. Elsewhere the two ops run one after the other.
+        let whole = sh.k_dim == 128 && sh.v_dim == GDN_FAST_OUT_BV;
+        let bf = [z, w, &*y].iter().all(|b| b.dtype == DType::BF16);
+        if !(whole && bf && norm.w_off % 4 == 0 && self.gdn_chunked_form(sh) == GdnForm::ChunkedFast) {
+            return fused::gdn_chunked_norm_fwd(self, s, sh, qkvgb, seq_starts, state, z, w, norm, core, y);
+        }
+        let n = sh.rows * sh.v_heads * sh.v_dim;
+        check_len(OP, "z", z.len, 0, n)?;
+        check_len(OP, "w", w.len, norm.w_off, sh.v_dim)?;
+        check_len(OP, "core", core.len, 0, n)?;
+        let out_norm = OutNorm { z: z.at(OP, 0)?, w: w.at(OP, norm.w_off)?, eps: norm.eps };
+        self.gdn_launch_with(GdnForm::ChunkedFast, s, sh, qkvgb, seq_starts, y, state, Some(out_norm))
+    }
+}
+
+/// The gated RMSNorm the fast form's output pass applies (`gdn_chunked_norm_fwd`).
+#[derive(Clone, Copy)]
+struct OutNorm {
+    z: DevPtr<half::bf16>,
+    w: DevPtr<half::bf16>,
+    eps: f32,
+}
+
+impl CudaBackend {
+    /// The chunked form `gdn_chunked_fwd` runs at this shape.
+    fn gdn_chunked_form(&self, sh: &GdnShape) -> GdnForm {
         // The fast split kernels (bf16 scratch and operands) where the head dims tile by 16 and
         // dk <= 128 (every Qwen3.5/3.6 config), else the f32 split kernels, else the
         // one-CTA-per-sequence tensor-core kernel, else the CUDA-core kernel, said once.
@@ -2621,7 +2667,7 @@ impl Backend for CudaBackend {
             };
             Some(f)
         });
-        let form = if let Some(f) = picked.filter(|&f| f == GdnForm::ChunkedSimt || fits(f)) {
+        if let Some(f) = picked.filter(|&f| f == GdnForm::ChunkedSimt || fits(f)) {
             f
         } else if fits(GdnForm::ChunkedFast) {
             GdnForm::ChunkedFast
@@ -2638,8 +2684,7 @@ impl Backend for CudaBackend {
                 )
             });
             GdnForm::ChunkedSimt
-        };
-        self.gdn_launch(form, s, sh, [q, k, v, g, beta], seq_starts, o, state)
+        }
     }
 }
 
@@ -2968,10 +3013,27 @@ impl CudaBackend {
         form: GdnForm,
         s: &Stream,
         sh: &GdnShape,
+        qkvgb: [&CudaBuf; 5],
+        seq_starts: &CudaIds,
+        o: &mut CudaBuf,
+        state: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        self.gdn_launch_with(form, s, sh, qkvgb, seq_starts, o, state, None)
+    }
+
+    /// `gdn_launch`, with the fast form's output pass writing the gated norm of its output
+    /// (`norm`; the caller checked the shape: dk = dv = 128) instead of the output itself.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_launch_with(
+        &self,
+        form: GdnForm,
+        s: &Stream,
+        sh: &GdnShape,
         [q, k, v, g, beta]: [&CudaBuf; 5],
         seq_starts: &CudaIds,
         o: &mut CudaBuf,
         state: Option<&mut CudaBuf>,
+        norm: Option<OutNorm>,
     ) -> Result<()> {
         let op = match form {
             GdnForm::Recurrent => "gdn_recurrent_fwd",
@@ -3031,7 +3093,10 @@ impl CudaBackend {
             return self.gdn_split(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs);
         }
         if form == GdnForm::ChunkedFast {
-            return self.gdn_fast(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs);
+            return self.gdn_fast(s, sh, [q, k, v, g, beta], seq_starts, o, state_ptr, state_seqs, norm);
+        }
+        if norm.is_some() {
+            return Err(BackendError::Shape { op, what: format!("{form:?} has no fused output norm") });
         }
         macro_rules! args {
             ($ty:ident) => {
@@ -3155,9 +3220,16 @@ impl CudaBackend {
         o: &mut CudaBuf,
         state: DevPtr<f32>,
         state_seqs: usize,
+        norm: Option<OutNorm>,
     ) -> Result<()> {
         const OP: &str = "gdn_chunked_fwd";
         let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
+        if norm.is_some() && !(dk == 128 && dv == GDN_FAST_OUT_BV) {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: format!("the fused output norm needs dk = dv = {GDN_FAST_OUT_BV}, not {dk} x {dv}"),
+            });
+        }
         let n_starts = seq_starts.len;
         let slots = split_slots(rows, n_starts);
         let c = GDN_CHUNK;
@@ -3217,6 +3289,11 @@ impl CudaBackend {
             launch::Kernel::GdnFastStateNk0
         };
         self.launch(s, kernel, cfg, state_args)?;
+        let (nz, nw) = match norm {
+            Some(n) => (n.z, n.w),
+            // Never read (norm 0), but a launch argument must be a live pointer.
+            None => (o.at(OP, 0)?, o.at(OP, 0)?),
+        };
         let out = launch::GdnFastOutNk {
             q: q.at(OP, 0)?,
             k: k.at(OP, 0)?,
@@ -3224,6 +3301,10 @@ impl CudaBackend {
             g_in: gs.at(OP, 0)?,
             s_in: st.at(OP, 0)?,
             o: o.at(OP, 0)?,
+            z: nz,
+            nw,
+            eps: norm.map_or(0.0, |n| n.eps),
+            norm: norm.is_some() as usize,
             seq_starts: seq_starts.at(OP, 0)?,
             n_starts,
             rows,

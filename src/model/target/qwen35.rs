@@ -14,7 +14,7 @@ use super::{
     attend, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
     Target, TargetInputs, TargetShape,
 };
-use crate::backend::fused::{GdnConvQkv, NormRope};
+use crate::backend::fused::{GdnConvQkv, GdnOutNorm, NormRope};
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
 use crate::model::ParamTable;
@@ -400,10 +400,18 @@ fn gated_delta_net<B: Backend>(
     let (a_log, dt_bias) = (off("linear_attn.A_log"), off("linear_attn.dt_bias"));
     be.gdn_gates_ba(s, &sc.ba, w, a_log, dt_bias, &mut sc.beta, &mut sc.g, rows, hv)?;
     let (q, k, v, g, beta) = (&sc.qn, &sc.kn, &sc.lv, &sc.g, &sc.beta);
-    match core {
-        Core::Chunked(seq_starts) => be.gdn_chunked_fwd(s, &gsh, q, k, v, g, beta, seq_starts, &mut sc.core, None)?,
+    let norm_w = off("linear_attn.norm.weight");
+    let normed = match core {
+        Core::Chunked(seq_starts) => {
+            // The delta rule and its gated output norm in one call (fused where the backend can).
+            let norm = GdnOutNorm { w_off: norm_w, eps: sh.eps };
+            let qkvgb = [q, k, v, g, beta];
+            be.gdn_chunked_norm_fwd(s, &gsh, qkvgb, seq_starts, None, &sc.z, w, &norm, &mut sc.core, &mut sc.y)?;
+            true
+        }
         Core::Recurrent(state, starts) => {
-            be.gdn_recurrent_fwd(s, &gsh, q, k, v, g, beta, starts, &mut sc.core, Some(state))?
+            be.gdn_recurrent_fwd(s, &gsh, q, k, v, g, beta, starts, &mut sc.core, Some(state))?;
+            false
         }
         Core::Carried { state, seq, undo } => {
             let keep = |x: &B::Buf| -> Result<B::Buf> {
@@ -427,9 +435,12 @@ fn gated_delta_net<B: Backend>(
             } else {
                 be.gdn_chunked_fwd(s, &gsh, q, k, v, g, beta, seq, &mut sc.core, Some(state))?
             }
+            false
         }
+    };
+    if !normed {
+        be.gated_rmsnorm_fwd(s, &sc.core, &sc.z, w, norm_w, &mut sc.y, rows * hv, dv, sh.eps)?;
     }
-    be.gated_rmsnorm_fwd(s, &sc.core, &sc.z, w, off("linear_attn.norm.weight"), &mut sc.y, rows * hv, dv, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, h, vd), &sc.y, 0, w, off("linear_attn.out_proj.weight"), &mut sc.tmp, 0)
 }
 
