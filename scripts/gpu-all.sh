@@ -25,7 +25,12 @@ timeout 120 python3 tests/reference/bench_attention_peers.py --out $OUT/peers.js
 fla_path=""
 if ls $B/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $B/whl/*.whl; then fla_path=/tmp/site; fi
-PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 $B/bench_fla_gdn.py --peers $OUT/peers.json > $OUT/hybridbench.log 2>&1; echo "gdn reference rc $?"; tail -12 $OUT/hybridbench.log
+# Twice, keeping fla's better time (its time moves from process to process; bench_fla_gdn.py says).
+for run in 1 2; do
+  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 $B/bench_fla_gdn.py --peers $OUT/peers.json --keep-best \
+    >> $OUT/hybridbench.log 2>&1; echo "gdn reference run $run rc $?"
+done
+tail -12 $OUT/hybridbench.log
 DFLASH_PEERS=$OUT/peers.json timeout 150 $B/bench-kernels > $OUT/bench.log 2>&1; echo "bench rc $?"
 grep "measured peaks\|fc kernel /" $OUT/bench.log; sed -n '/^kernel  /,/^$/p' $OUT/bench.log
 el "parallel: tests | 4 sanitizers | stream-order"

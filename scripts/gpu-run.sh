@@ -61,8 +61,12 @@ if has hybridbench; then
   echo "== Qwen3.6-27B-shaped kernels: the chunked Gated DeltaNet and head_dim-256 causal attention,"
   echo "   flash-linear-attention's chunk_gated_delta_rule and torch SDPA, then the engine's kernels"
   echo "   (each gdn row with its ratio to fla at its shape)"
-  rm -f "$OUT/gdn_peers.json"
-  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" 2>&1 | tee "$OUT/hybridbench.log" || status=1
+  rm -f "$OUT/gdn_peers.json" "$OUT/hybridbench.log"
+  # Twice, keeping fla's better time (its time moves from process to process).
+  for run in 1 2; do
+    PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" --keep-best 2>&1 \
+      | tee -a "$OUT/hybridbench.log" || status=1
+  done
   DFLASH_PEERS="$OUT/gdn_peers.json" DFLASH_BENCH_KERNELS="gdn;attention" $B/bench-kernels 2>&1 | tee -a "$OUT/hybridbench.log" || status=1
 fi
 W=/tmp/q8b
@@ -229,8 +233,11 @@ if named gdn; then
       $tests > /tmp/gdn-san.log 2>&1 || { status=1; { echo "== $tool"; head -c 6000 /tmp/gdn-san.log; } >> "$OUT/gdn-san-detail.txt"; }
     echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gdn-san.log | tail -1)" | tee -a "$OUT/gdn-san.txt"
   done
-  rm -f "$OUT/gdn_peers.json"
-  PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" > "$OUT/gdn-fla.log" 2>&1 || status=1
+  rm -f "$OUT/gdn_peers.json" "$OUT/gdn-fla.log"
+  for run in 1 2; do  # fla's better time of two processes
+    PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 $B/bench_fla_gdn.py --peers "$OUT/gdn_peers.json" --keep-best \
+      >> "$OUT/gdn-fla.log" 2>&1 || status=1
+  done
   grep -E "^fla" "$OUT/gdn-fla.log"
   DFLASH_PEERS="$OUT/gdn_peers.json" DFLASH_BENCH_KERNELS=gdn $B/bench-kernels 2>&1 | tee "$OUT/gdn-bench.log" \
     | grep -E "gdn chunked ChunkedFast|peers" || status=1

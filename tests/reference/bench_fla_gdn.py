@@ -17,7 +17,9 @@ throughput in the same FLOP count the engine's bench prints (the chunk form's pr
 delta rule; 4 * hd * heads * L(L+1)/2 for causal attention), so the rows compare side by side.
 With --peers, the fla milliseconds are also merged into that JSON file (created if missing) as
 gdn_fla_4x3072 and gdn_fla_1x4096: benches/kernels.rs reads it from $DFLASH_PEERS and prints each
-`gdn chunked` row's ratio to fla's time at its shape.
+`gdn chunked` row's ratio to fla's time at its shape. fla's time moves from process to process
+(on the H200: 1.17 to 1.36 ms at 4 x 3072 in two processes of one call), so the GPU scripts run this
+script twice with --keep-best: the ratio is taken against fla's better run.
 Exit status 0 even when fla is missing (the SDPA rows still print); non-zero without CUDA.
 """
 
@@ -121,6 +123,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peers", help="merge the fla times into this JSON file (benches/kernels.rs's DFLASH_PEERS)")
+    ap.add_argument(
+        "--keep-best",
+        action="store_true",
+        help="where the file already has an fla time, keep the lower one (run the script more than once this way: "
+        "fla's time moves from process to process, and the engine is then compared with its best)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_fla_gdn.py: no CUDA device", file=sys.stderr)
@@ -129,14 +137,24 @@ def main():
     peers = {}
     bench_fla(args.reps, peers)
     if args.peers and peers:
-        merged = {}
-        if os.path.exists(args.peers):
-            with open(args.peers) as f:
-                merged = json.load(f)
-        merged.update(peers)
-        with open(args.peers, "w") as f:
-            json.dump(merged, f, indent=1)
+        merge_peers(args.peers, peers, args.keep_best)
     bench_sdpa(args.reps)
+
+
+def merge_peers(path, peers, keep_best):
+    """Writes `peers` into the JSON file at `path`, over what it holds (or the lower time, with keep_best)."""
+    merged = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            merged = json.load(f)
+    for key, ms in peers.items():
+        if keep_best and key in merged:
+            if merged[key] <= ms:
+                print(f"{key}: {ms:.3f} ms this run, keeping the earlier run's {merged[key]:.3f} ms")
+            ms = min(ms, merged[key])
+        merged[key] = ms
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
 
 
 if __name__ == "__main__":
