@@ -437,7 +437,14 @@ fn gpu_gdn_fast_constant_shape_state_pass_matches_cpu() {
 /// The delta rule and its gated output norm: through `gdn_chunked_norm_fwd` (`fused`) or as
 /// `gdn_chunked_fwd` then `gated_rmsnorm_fwd`. Returns y and what `core` holds afterwards (filled
 /// with 7.0 before the call).
-fn gdn_norm_run<B: Backend>(be: &B, x: &GdnInputs, starts: &[i32], z: &[f32], nw: &[f32], fused: bool) -> [Vec<f32>; 2] {
+fn gdn_norm_run<B: Backend>(
+    be: &B,
+    x: &GdnInputs,
+    starts: &[i32],
+    z: &[f32],
+    nw: &[f32],
+    fused: bool,
+) -> [Vec<f32>; 2] {
     let s = be.compute_stream();
     let sh = &x.sh;
     let n = sh.rows * sh.v_heads * sh.v_dim;
@@ -489,7 +496,10 @@ fn gpu_gdn_fused_output_norm_equals_the_two_ops() {
         assert!(core2.iter().any(|&c| c != 7.0), "{what}: the unfused delta rule wrote core");
         let [cpu, _] = gdn_norm_run(&c, &x, &starts, &z, &nw, true);
         rel_err(&format!("{what}: gdn_chunked_norm_fwd cuda vs cpu"), &fused, &cpu, BF16_TOL);
-        assert!(fused.iter().all(|v| v.is_finite()) && fused.iter().any(|&v| v != 0.0), "{what}: y is finite, not all zero");
+        assert!(
+            fused.iter().all(|v| v.is_finite()) && fused.iter().any(|&v| v != 0.0),
+            "{what}: y is finite, not all zero"
+        );
     }
 }
 
