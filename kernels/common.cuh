@@ -97,6 +97,12 @@ __device__ __forceinline__ void bf16x8_unpack(const uint4 v, float (&f)[8]) {
   f[6] = bf16x2_lo_to_f32(v.w); f[7] = bf16x2_hi_to_f32(v.w);
 }
 
+// One 8-byte access of 4 bf16 -> 4 f32 (memory order). Exact.
+__device__ __forceinline__ void bf16x4_unpack(const uint2 v, float (&f)[4]) {
+  f[0] = bf16x2_lo_to_f32(v.x); f[1] = bf16x2_hi_to_f32(v.x);
+  f[2] = bf16x2_lo_to_f32(v.y); f[3] = bf16x2_hi_to_f32(v.y);
+}
+
 // 8 f32 -> 8 bf16 in one uint4, each rounded once like half::bf16::from_f32.
 __device__ __forceinline__ uint4 bf16x8_pack_rne(const float (&f)[8]) {
   return make_uint4(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]),
@@ -203,11 +209,7 @@ __device__ __forceinline__ void bf16_lane_load(const __nv_bfloat16* p, float (&f
   if constexpr (V == 8) {
     bf16x8_unpack(*reinterpret_cast<const uint4*>(p), f);
   } else if constexpr (V == 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(p);
-    f[0] = bf16x2_lo_to_f32(w.x);
-    f[1] = bf16x2_hi_to_f32(w.x);
-    f[2] = bf16x2_lo_to_f32(w.y);
-    f[3] = bf16x2_hi_to_f32(w.y);
+    bf16x4_unpack(*reinterpret_cast<const uint2*>(p), f);
   } else {
 #pragma unroll
     for (int i = 0; i < V; ++i) f[i] = bf16_to_f32(p[i]);

@@ -1058,13 +1058,6 @@ static_assert(FW_O * 16 == 2 * C && FBO % 32 == 0, "output: two warps (column ha
 static_assert(FBV % 16 == 0 && FBO % 16 == 0, "value blocks of whole 16-column tiles");
 static_assert(FBO == 128, "the fused gated norm: four value columns a lane, one head a warp");
 
-// Four bf16 (one 8-byte load) as f32.
-__device__ __forceinline__ void load_bf16x4(const bf16* p, float (&f)[4]) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  f[0] = __uint_as_float(u.x << 16), f[1] = __uint_as_float(u.x & 0xFFFF0000u);
-  f[2] = __uint_as_float(u.y << 16), f[3] = __uint_as_float(u.y & 0xFFFF0000u);
-}
-
 // rows x cols bf16 (cols % 8 == 0) from global src (row pitch sld elements, 16-byte aligned
 // rows) to shared dst (pitch dld); rows >= valid_rows zero-filled.
 __device__ __forceinline__ void tile_async_bf16(bf16* dst, int dld, const bf16* src, index_t sld, int rows, int cols,
@@ -1959,16 +1952,15 @@ __device__ __forceinline__ void fast_out_body(
     }
     const int c = 4 * lane;
     const bf16* src = sQ + (lane >> 4) * C * lq + i0 * lq + (c & (HB - 1));
-    const float wv[4] = {__uint_as_float(wr.x << 16), __uint_as_float(wr.x & 0xFFFF0000u),
-                         __uint_as_float(wr.y << 16), __uint_as_float(wr.y & 0xFFFF0000u)};
+    float wv[4];
+    bf16x4_unpack(wr, wv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int i = 8 * hf + j;
       if (i >= nrows) break;  // warp-uniform
-      float xv[4];
-      gdn::load_bf16x4(src + i * lq, xv);
-      const float zv[4] = {__uint_as_float(zr[j].x << 16), __uint_as_float(zr[j].x & 0xFFFF0000u),
-                           __uint_as_float(zr[j].y << 16), __uint_as_float(zr[j].y & 0xFFFF0000u)};
+      float xv[4], zv[4];
+      bf16_lane_load<4>(src + i * lq, xv);
+      bf16x4_unpack(zr[j], zv);
       float ss = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) ss = fmaf(xv[e], xv[e], ss);

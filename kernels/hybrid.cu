@@ -109,11 +109,7 @@ using hyb::bf16;
 namespace hyb {
 
 // Four bf16 at p (8-byte aligned) as f32, and four f32 stored as bf16 (RNE).
-__device__ __forceinline__ void load4(const bf16* p, float (&f)[4]) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  f[0] = __uint_as_float(u.x << 16), f[1] = __uint_as_float(u.x & 0xFFFF0000u);
-  f[2] = __uint_as_float(u.y << 16), f[3] = __uint_as_float(u.y & 0xFFFF0000u);
-}
+__device__ __forceinline__ void load4(const bf16* p, float (&f)[4]) { bf16_lane_load<4>(p, f); }
 __device__ __forceinline__ void store4_rne(bf16* p, const float (&f)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]));
 }
