@@ -2621,9 +2621,12 @@ impl Backend for CudaBackend {
         // The fast form's constant-shape output pass applies the norm itself where one CTA holds
         // whole value heads (dk = dv = 128, every Qwen3.5/3.6 config): the core output never
         // leaves the chip. Elsewhere the two ops run one after the other.
-        let whole = sh.k_dim == 128 && sh.v_dim == GDN_FAST_OUT_BV;
         let bf = [z, w, &*y].iter().all(|b| b.dtype == DType::BF16);
-        if !(whole && bf && norm.w_off % 4 == 0 && self.gdn_chunked_form(sh) == GdnForm::ChunkedFast) {
+        if !(fast_out_nk8(sh.k_dim, sh.v_dim)
+            && bf
+            && norm.w_off % 4 == 0
+            && self.gdn_chunked_form(sh) == GdnForm::ChunkedFast)
+        {
             return fused::gdn_chunked_norm_fwd(self, s, sh, qkvgb, seq_starts, state, z, w, norm, core, y);
         }
         let n = sh.rows * sh.v_heads * sh.v_dim;
@@ -2981,6 +2984,13 @@ pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
     ]
 }
 
+/// Whether the fast form's prep and output passes run their constant-shape bodies (`_nk8`,
+/// dk = dv = 128: one output CTA, GDN_FAST_OUT_BV = 128 columns (kernels/gdn.cu asserts it), holds
+/// whole value heads, so it can also apply the output norm).
+fn fast_out_nk8(dk: usize, dv: usize) -> bool {
+    dk == 128 && dv == 128
+}
+
 /// Bytes of the fast form's scratch (W, Ke, U then V', the chunk-start states in bf16; G in f32).
 pub fn fast_scratch_bytes(rows: usize, n_starts: usize, v_heads: usize, dk: usize, dv: usize) -> usize {
     let c = GDN_CHUNK;
@@ -3224,10 +3234,10 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "gdn_chunked_fwd";
         let GdnShape { rows, k_heads, v_heads, k_dim: dk, v_dim: dv } = *sh;
-        if norm.is_some() && !(dk == 128 && dv == GDN_FAST_OUT_BV) {
+        if norm.is_some() && !fast_out_nk8(dk, dv) {
             return Err(BackendError::Shape {
                 op: OP,
-                what: format!("the fused output norm needs dk = dv = {GDN_FAST_OUT_BV}, not {dk} x {dv}"),
+                what: format!("the fused output norm needs dk = dv = 128, not {dk} x {dv}"),
             });
         }
         let n_starts = seq_starts.len;
@@ -3258,7 +3268,7 @@ impl CudaBackend {
         };
         // The constant-shape bodies where dk = dv = 128 (the 27B shape), state: dk = 128 and whole
         // value blocks.
-        let (prep_k, out_k) = if dk == 128 && dv == 128 {
+        let (prep_k, out_k) = if fast_out_nk8(dk, dv) {
             (launch::Kernel::GdnFastPrepNk8, launch::Kernel::GdnFastOutNk8)
         } else {
             (launch::Kernel::GdnFastPrepNk0, launch::Kernel::GdnFastOutNk0)
