@@ -33,16 +33,20 @@ done
 tail -12 $OUT/hybridbench.log
 DFLASH_PEERS=$OUT/peers.json timeout 150 $B/bench-kernels > $OUT/bench.log 2>&1; echo "bench rc $?"
 grep "measured peaks\|fc kernel /" $OUT/bench.log; sed -n '/^kernel  /,/^$/p' $OUT/bench.log
-el "parallel: tests | 4 sanitizers | stream-order"
+el "parallel: tests | memcheck | initcheck | synccheck | racecheck | stream-order"
 ( OUT=$OUT TESTS=gpu_ timeout 420 bash $B/run.sh tests > $L/tests.txt 2>&1; echo "tests rc $?" > $L/tests.rc
   grep -E "two-GPU tests" $OUT/tests.log >> $L/tests.rc ) &
 # racecheck over the hybrid kernels runs in models.sh: with them it does not fit beside the tests.
 # RACE_TESTS (env) narrows racecheck further, e.g. to the tests of the kernels a change touched.
-( OUT=$L STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::}" \
-  timeout 420 bash $B/sanitize.sh $B > $L/san4.txt 2>&1; echo "san4 rc $?" >> $L/san4.txt ) &
+# One process per tool: one after the other they need more than the window (memcheck alone ~100 s,
+# initcheck longer); side by side they share the 16 host cores, where the instrumentation runs.
+for tool in memcheck initcheck synccheck racecheck; do
+  ( OUT=$L SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::}" \
+    timeout 420 bash $B/sanitize.sh $B > $L/san-$tool.txt 2>&1; echo "$tool rc $?" >> $L/san-$tool.txt ) &
+done
 ( OUT=$L SANITIZERS=" " timeout 420 bash $B/sanitize.sh $B > $L/stream.txt 2>&1; echo "stream rc $?" >> $L/stream.txt ) &
 wait
-{ cat $L/tests.rc $L/san4.txt $L/stream.txt; for f in $L/sanitize-*.log; do echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20; done; } > $OUT/summary.txt
+{ cat $L/tests.rc $L/san-*.txt $L/stream.txt; for f in $L/sanitize-*.log; do echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20; done; } > $OUT/summary.txt
 grep -E "^test .*(FAILED|panicked)|panicked at" $OUT/tests.log | head -20; grep "test result" $OUT/tests.log
-cat $L/tests.rc $L/san4.txt $L/stream.txt
+cat $L/tests.rc $L/san-*.txt $L/stream.txt
 el done
