@@ -123,7 +123,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
+    // decode, gdn-conv, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
     // measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
@@ -373,6 +373,33 @@ fn main() {
                 mem(&format!("decode attention c{c} ({rows_} x {len}, {heads}/{kvh}, {hd})"), t, bytes);
             }
         }
+    }
+
+    if want("gdn-conv") {
+        // The Gated DeltaNet's convolution + SiLU + q/k L2 norms (gdn_conv_qkv) at the 27B shape:
+        // 4 x 3072 rows of the f32 q|k|v projection (16 key heads of 128, 6144 value channels),
+        // kernel size 4. Bytes: the f32 input read once and q, k, v written once.
+        let (n, hk, dk, vd, ks) = (4 * 3072usize, 16usize, 128usize, 6144usize, 4usize);
+        let sh = dflash_engine::backend::fused::GdnConvQkv {
+            rows: n,
+            k_heads: hk,
+            k_dim: dk,
+            value_dim: vd,
+            kernel: ks,
+            w_off: 0,
+            eps: 1e-6,
+            q_scale: 1.0 / (dk as f32).sqrt(),
+        };
+        let c = sh.channels();
+        let x = normal_buf(DType::F32, n * c, 51);
+        let w = normal_buf(DType::BF16, c * ks, 52);
+        let (mut q, mut k, mut v) =
+            (buf(DType::F32, n * hk * dk), buf(DType::F32, n * hk * dk), buf(DType::F32, n * vd));
+        let starts = ids((0..=4).map(|b| b * 3072).collect());
+        let t = time_per_call(&be, 10, MEM_CALLS, || {
+            be.gdn_conv_qkv(&s, &sh, &x, &w, &starts, &mut q, &mut k, &mut v).unwrap()
+        });
+        mem("gdn conv + q/k norms (4 x 3072, 10240 ch, K 4)", t, 8.0 * (n * c) as f64);
     }
 
     // Compute-bound: attention (FLOPs counted for the visible keys only).

@@ -527,16 +527,22 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //   gdn_conv_qkv     conv1d_silu of the f32 q|k|v projection, then the per-head L2 norms of q
 //                    (times q_scale) and k, written to q, k, v [rows, key_dim|key_dim|value_dim]
 //                    (f32): the conv's output, the split copies and the norms' reads are gone.
-//                    One item per warp: a run of R = HYB_CONV_QKV_WINDOW + 1 - K rows (8 at
-//                    K = 4) of 32 groups of four channels (each row's groups padded to whole
-//                    warps), so a warp's lanes share each row: a key head (head_lanes = k_dim / 4
-//                    lanes, a power of two <= 32) sums its squares over its lanes with shuffles.
-//                    A lane loads its run's R + K - 1 window rows at once (16-byte loads, all in
-//                    flight together) and the weights once per run. Bytes: 8 * rows * channels
-//                    (+ (K - 1) / R of the reads, mostly L2 hits). At the 27B shape (4 x 3072
-//                    rows, 10240 channels) 567 us a layer inside the forward on the H200, 917
-//                    with one item per (row, four channels): that form's 64-bit division and
-//                    sequence-start search per item made it instruction-bound.
+//                    One item per warp: a run of HYB_CONV_QKV_STEPS steps of P = WINDOW + 1 - K
+//                    rows (4 at K = 4: 32 rows a run) of 32 groups of four channels (each row's
+//                    groups padded to whole warps), so a warp's lanes share each row: a key head
+//                    (head_lanes = k_dim / 4 lanes, a power of two <= 32) sums its squares over
+//                    its lanes with shuffles. A lane holds its step's window (the K - 1 rows
+//                    before it and its P rows, 16-byte loads) while the next step's P rows load;
+//                    a sequence start zeroes the window rows before it. SiLU and the norms' inverse
+//                    square root use the fast intrinsics (a few ulp from the CPU's f32; the test
+//                    allows 1e-5). Bytes: 8 * rows * channels (+ (K - 1) / 32 of the reads, L2
+//                    hits). At the 27B shape (4 x 3072 rows, 10240 channels, K = 4) on the H200:
+//                    0.280 ms in the bench (85% of copy bandwidth), 358 us a layer inside the
+//                    forward; the form before it (8-row runs loaded at once, then computed, IEEE
+//                    division in SiLU, a select per window row for the sequence start) took
+//                    0.442 / 567 us: 118 registers, 2 blocks an SM, and the lanes idle in turn
+//                    on loads and on arithmetic. Capping this form at 3 blocks an SM (80
+//                    registers, spills) measured 0.348 ms.
 //   rmsnorm1p_rope_partial_bf16_hd<D>
 //                    per head: y = bf16(rmsnorm1p(x)), then rope_partial on y (same products and
 //                    roundings), heads read at x + i * x_stride (the query half of q | gate), written
@@ -595,18 +601,23 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16(
   }
 }
 
+// silu with the fast exponential and division (a few ulp from silu above; exp(-x) = inf gives 0).
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+
 template <int K>
 __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                            float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
                                            const int* __restrict__ seq_starts, int n_starts, long long rows,
                                            int key_dim, int value_dim, int head_lanes, float eps, float q_scale) {
-  constexpr int V = 4, W = HYB_CONV_QKV_WINDOW, R = W + 1 - K;
-  static_assert(R >= 1, "HYB_CONV_QKV_WINDOW >= HYB_CONV_MAX_K: a run of at least one row");
+  // A step of P rows (P = W + 1 - K, at least 1) reads the window xw: the K - 1 rows before it
+  // and its own P; the next step's P rows load during this one's arithmetic.
+  constexpr int V = 4, W = HYB_CONV_QKV_WINDOW, P = W + 1 - K > 1 ? W + 1 - K : 1, XW = K - 1 + P;
+  constexpr int NS = HYB_CONV_QKV_STEPS, RUN = NS * P;
   const int channels = 2 * key_dim + value_dim;
   const int groups = channels / V;         // the launcher checks key_dim % 4 == value_dim % 4 == 0
   const int wpr = (groups + 31) >> 5;      // warps per row: each row's groups padded to whole warps
-  const index_t runs = (rows + R - 1) / R;
-  const index_t total = runs * wpr;        // items: (run of R rows, 32 channel groups), one a warp
+  const index_t runs = (rows + RUN - 1) / RUN;
+  const index_t total = runs * wpr;        // items: (run of RUN rows, 32 channel groups), one a warp
   const int lane = threadIdx.x & 31;
   // Every lane of a warp has the same item: the head shuffles run converged.
   for (index_t item = grid_thread_index() >> 5; item < total; item += grid_thread_count() >> 5) {
@@ -614,19 +625,25 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
     const int gi = (int)(item - run * wpr) * 32 + lane;
     const bool active = gi < groups;
     const int c0 = active ? gi * V : 0;
-    const index_t t0 = run * R;
-    const int nr = (int)min((index_t)R, (index_t)rows - t0);
+    const index_t t0 = run * RUN;
+    const int nr = (int)min((index_t)RUN, (index_t)rows - t0);
     index_t cur = hyb::seq_start_of(seq_starts, n_starts, t0);
     index_t next = hyb::next_start_after(seq_starts, n_starts, t0);
-    // The run's window, rows t0 - K + 1 .. t0 + nr - 1, all loads issued before any is used (W
-    // 16-byte loads in flight a lane); rows before the run's first sequence start stay zero.
-    float xw[W][V];
+    // Where this lane's four channels go: q (scaled), k, or v; rows ld apart.
+    const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
+    const int ld = is_q || is_k ? key_dim : value_dim;
+    float* dst = (is_q ? q + c0 : is_k ? k + (c0 - key_dim) : v + (c0 - 2 * key_dim)) + t0 * ld;
+    const float scale = is_q ? q_scale : 1.f;
+    const float* xs = x + c0;
+    // The first step's window, rows t0 - K + 1 .. t0 + P - 1; rows before the run's first
+    // sequence start (and past the run) stay zero.
+    float xw[XW][V];
 #pragma unroll
-    for (int u = 0; u < W; ++u) {
+    for (int u = 0; u < XW; ++u) {
       const index_t src = t0 - (K - 1) + u;
 #pragma unroll
       for (int i = 0; i < V; ++i) xw[u][i] = 0.f;
-      if (u < nr + K - 1 && src >= cur) load_vec<V>(x + src * channels + c0, xw[u]);
+      if (u < nr + K - 1 && src >= cur) load_vec<V>(xs + src * channels, xw[u]);
     }
     float wk[K][V];
 #pragma unroll
@@ -634,38 +651,62 @@ __device__ __forceinline__ void conv_qkv_k(const float* __restrict__ x, const __
 #pragma unroll
       for (int j = 0; j < K; ++j) wk[j][i] = bf16_to_f32(w[(index_t)(c0 + i) * K + j]);
     }
+    for (int st = 0; st < NS; ++st) {
+      const int r0 = st * P;
+      if (r0 >= nr) break;
+      // The next step's rows, in flight during this step (never before a sequence start that
+      // matters: they follow every row of this step).
+      float nx[P][V];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r >= nr) break;
-      const index_t t = t0 + r;
-      if (t == next) {  // a sequence starts at t: nothing before it is visible from here on
-        cur = t;
-        next = hyb::next_start_after(seq_starts, n_starts, t);
+      for (int u = 0; u < P; ++u) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) nx[u][i] = 0.f;
+        if (r0 + P + u < nr) load_vec<V>(xs + (t0 + r0 + P + u) * channels, nx[u]);
       }
-      float out[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        float acc = 0.f;
+      for (int r = 0; r < P; ++r) {
+        if (r0 + r >= nr) break;
+        const index_t t = t0 + r0 + r;
+        if (t == next) {  // a sequence starts at t: the window's rows before it read as zero
 #pragma unroll
-        for (int j = 0; j < K; ++j) acc += wk[j][i] * (t - (K - 1) + j >= cur ? xw[r + j][i] : 0.f);
-        out[i] = hyb::silu(acc);
+          for (int j = 0; j < K - 1; ++j) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) xw[r + j][i] = 0.f;
+          }
+          cur = t;
+          next = hyb::next_start_after(seq_starts, n_starts, t);
+        }
+        float out[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          float acc = 0.f;
+#pragma unroll
+          for (int j = 0; j < K; ++j) acc += wk[j][i] * xw[r + j][i];
+          out[i] = silu_fast(acc);
+        }
+        // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes
+        // and padding lanes form groups of their own and ignore the result).
+        float sq = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) sq = fmaf(out[i], out[i], sq);
+        for (int o = head_lanes >> 1; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        if (!active) continue;
+        if (is_q || is_k) {
+          const float inv = scale * rsqrtf(sq + eps);
+#pragma unroll
+          for (int i = 0; i < V; ++i) out[i] *= inv;
+        }
+        store_vec<V>(dst + (index_t)(r0 + r) * ld, out);
       }
-      // The key head's sum of squares over its head_lanes lanes (every lane shuffles; v lanes and
-      // padding lanes form groups of their own and ignore the result).
-      float sq = 0.f;
 #pragma unroll
-      for (int i = 0; i < V; ++i) sq = fmaf(out[i], out[i], sq);
-      for (int o = head_lanes >> 1; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      if (!active) continue;
-      // Where this lane's four channels go: q (scaled), k, or v.
-      const bool is_q = c0 < key_dim, is_k = !is_q && c0 < 2 * key_dim;
-      if (is_q || is_k) {
-        const float inv = (is_q ? q_scale : 1.f) / sqrtf(sq + eps);
+      for (int j = 0; j < K - 1; ++j) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = out[i] * inv;
-        store_vec<V>((is_q ? q + c0 : k + (c0 - key_dim)) + t * key_dim, out);
-      } else {
-        store_vec<V>(v + (c0 - 2 * key_dim) + t * value_dim, out);
+        for (int i = 0; i < V; ++i) xw[j][i] = xw[P + j][i];
+      }
+#pragma unroll
+      for (int u = 0; u < P; ++u) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) xw[K - 1 + u][i] = nx[u][i];
       }
     }
   }

@@ -176,9 +176,10 @@ constexpr int HYB_BLOCK = 256;
 // once per run), and the largest kernel size its register window holds (Qwen3.5/3.6: 4).
 constexpr int HYB_CONV_ROWS = 16;
 constexpr int HYB_CONV_MAX_K = 8;
-// gdn_conv_qkv_f32: window rows a lane holds (its run of R = WINDOW + 1 - K rows and the K - 1
-// before it, loaded at once: 8 rows a run at kernel size 4).
-constexpr int HYB_CONV_QKV_WINDOW = 11;
+// gdn_conv_qkv_f32: window rows a lane holds (a step of P = WINDOW + 1 - K rows, at least 1, and
+// the K - 1 before it: 4 rows a step at kernel size 4), and steps per item (a warp's run of rows).
+constexpr int HYB_CONV_QKV_WINDOW = 7;
+constexpr int HYB_CONV_QKV_STEPS = 8;
 
 // ---- gdn.cu ----------------------------------------------------------------------------------
 // Tokens per chunk of the chunked gated delta rule (flash-linear-attention's chunk size; the Rust

@@ -78,7 +78,7 @@ fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
     let packed = starts_of(&LENS);
     // (key heads, k_dim, value_dim, kernel): the 27B heads (a key head per warp), the tiny and
     // small presets' (4 and 8 lanes a head), channel groups padded to whole warps (146 -> 160),
-    // another kernel size; then shapes the fused kernel does not take (k_dim 12: 3 lanes; k_dim
+    // other kernel sizes (3; the largest, 8, one row a step; 1, no window); then shapes the fused kernel does not take (k_dim 12: 3 lanes; k_dim
     // 256: 64 lanes; value_dim 42: not whole 16-byte groups).
     for (hk, dk, vd, kernel) in [
         (16, 128, 6144, 4),
@@ -86,6 +86,8 @@ fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
         (4, 32, 256, 4),
         (3, 64, 200, 4),
         (4, 32, 128, 3),
+        (2, 16, 64, 8),
+        (2, 16, 64, 1),
         (2, 12, 40, 4),
         (1, 256, 256, 4),
         (2, 32, 42, 4),

@@ -43,7 +43,7 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
     GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
-    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, QKR_WARPS,
+    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_STEPS, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, QKR_WARPS,
 };
 use crate::tensor::{self, DType};
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
@@ -2415,9 +2415,10 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        // A warp per run of HYB_CONV_QKV_WINDOW + 1 - kernel rows and 32 channel groups.
+        // A warp per run of HYB_CONV_QKV_STEPS steps of HYB_CONV_QKV_WINDOW + 1 - kernel rows
+        // (at least 1) and 32 channel groups.
         let padded = (c / 4).div_ceil(32) * 32;
-        let run = HYB_CONV_QKV_WINDOW + 1 - sh.kernel;
+        let run = HYB_CONV_QKV_STEPS * (HYB_CONV_QKV_WINDOW + 1).saturating_sub(sh.kernel).max(1);
         let cfg = (self.hyb_grid(rows.div_ceil(run) * padded), HYB_BLOCK, 0);
         let args = launch::GdnConvQkvF32 {
             x: x.at(OP, 0)?,
