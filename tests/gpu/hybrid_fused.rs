@@ -78,8 +78,9 @@ fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
     let packed = starts_of(&LENS);
     // (key heads, k_dim, value_dim, kernel): the 27B heads (a key head per warp), the tiny and
     // small presets' (4 and 8 lanes a head), channel groups padded to whole warps (146 -> 160),
-    // other kernel sizes (3; the largest, 8, one row a step; 1, no window); then shapes the fused kernel does not take (k_dim 12: 3 lanes; k_dim
-    // 256: 64 lanes; value_dim 42: not whole 16-byte groups).
+    // other kernel sizes (3; the largest, 8, one row a step; 1, no window); then shapes the
+    // fused kernel does not take (k_dim 12: 3 lanes; k_dim 256: 64 lanes; value_dim 42: not
+    // whole 16-byte groups).
     for (hk, dk, vd, kernel) in [
         (16, 128, 6144, 4),
         (2, 16, 64, 4),
