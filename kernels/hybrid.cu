@@ -601,6 +601,76 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16(
   }
 }
 
+// add_rmsnorm1p_fwd_bf16's operations with a block per row (NT = dim / (8 VPT) threads, a multiple
+// of 32): thread i holds the row's 16-byte groups i, i + NT, ... (VPT of them, coalesced across
+// the block), loads its x and t groups at once, keeps the rounded sums in registers for the
+// norm (no reread of x), loads w while the warps' sums meet in shared memory. The warp-per-row
+// kernel above handles 5120 elements a warp in 40 dependent rounds and 12288 rows as 1.45 waves
+// of warps; this one has every load of a row in flight at once.
+template <int VPT>
+__device__ __forceinline__ void add_norm_rows(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
+                                              const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                                              long long rows, int dim, float eps) {
+  __shared__ float part[2][32];
+  const int tid = threadIdx.x, nt = blockDim.x, nw = nt >> 5;
+  if (nt * 8 * VPT != dim || (nt & 31) != 0) __trap();
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  int parity = 0;
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {
+    uint4* x4 = reinterpret_cast<uint4*>(x + r * dim);
+    const uint4* t4 = reinterpret_cast<const uint4*>(t + r * dim);
+    uint4 xv[VPT], tv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      xv[i] = x4[i * nt + tid];
+      tv[i] = t4[i * nt + tid];
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float a[8], b[8];
+      bf16x8_unpack(xv[i], a);
+      bf16x8_unpack(tv[i], b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        a[e] = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(a[e], b[e])));
+        ss = fmaf(a[e], a[e], ss);
+      }
+      xv[i] = bf16x8_pack_rne(a);  // a holds bf16 values: the rounding is exact
+      x4[i * nt + tid] = xv[i];
+    }
+    uint4 wv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) wv[i] = w4[i * nt + tid];
+    ss = hyb::warp_sum(ss);
+    if ((tid & 31) == 0) part[parity][tid >> 5] = ss;
+    __syncthreads();  // (the other parity's slots are free: every thread read them a row ago)
+    float tot = 0.f;
+    for (int i = 0; i < nw; ++i) tot += part[parity][i];
+    const float inv = 1.f / sqrtf(tot / (float)dim + eps);
+    uint4* y4 = reinterpret_cast<uint4*>(y + r * dim);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float v[8], wf[8];
+      bf16x8_unpack(xv[i], v);
+      bf16x8_unpack(wv[i], wf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * (1.f + wf[e]);
+      y4[i * nt + tid] = bf16x8_pack_rne(v);
+    }
+  }
+}
+
+#define HYB_ADD_NORM_EXPORT(V)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) add_rmsnorm1p_rows_bf16_v##V(                               \
+      __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t, const __nv_bfloat16* __restrict__ w, \
+      __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {                                     \
+    add_norm_rows<V>(x, t, w, y, rows, dim, eps);                                                              \
+  }
+
+HYB_ADD_NORM_EXPORT(4)
+HYB_ADD_NORM_EXPORT(5)
+
 // silu with the fast exponential and division (a few ulp from silu above; exp(-x) = inf gives 0).
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 

@@ -15,6 +15,10 @@ B=gpu-bundle
 export DFLASH_REPO_ROOT=$PWD DFLASH_BIN=$PWD/gpu-bundle/dflash-engine
 L=/tmp/L; mkdir -p $L
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# BENCH=0 leaves out the first part (peers and bench) where a call runs it separately; WINDOW is
+# the parallel part's limit in seconds.
+W=${WINDOW:-420}
+if [ "${BENCH:-1}" != 0 ]; then
 el "attention peers, kernel bench, Gated DeltaNet reference"
 # The attention peers first (cuDNN SDPA, FlexAttention with the DFlash mask), on the same GPU, so
 # the bench table prints each attention row's ratio to its peer.
@@ -33,18 +37,20 @@ done
 tail -12 $OUT/hybridbench.log
 DFLASH_PEERS=$OUT/peers.json timeout 150 $B/bench-kernels > $OUT/bench.log 2>&1; echo "bench rc $?"
 grep "measured peaks\|fc kernel /" $OUT/bench.log; sed -n '/^kernel  /,/^$/p' $OUT/bench.log
+fi
 el "parallel: tests | memcheck | initcheck | synccheck | racecheck | stream-order"
-( OUT=$OUT TESTS=gpu_ timeout 420 bash $B/run.sh tests > $L/tests.txt 2>&1; echo "tests rc $?" > $L/tests.rc
+( OUT=$OUT TESTS=gpu_ timeout $W bash $B/run.sh tests > $L/tests.txt 2>&1; echo "tests rc $?" > $L/tests.rc
   grep -E "two-GPU tests" $OUT/tests.log >> $L/tests.rc ) &
-# racecheck over the hybrid kernels runs in models.sh: with them it does not fit beside the tests.
+# racecheck over the Gated DeltaNet kernels (gpu::hybrid::) runs in models.sh: with them it does not
+# fit beside the tests; the fused passes (gpu::hybrid_fused::) are quick and run here.
 # RACE_TESTS (env) narrows racecheck further, e.g. to the tests of the kernels a change touched.
 # One process per tool: one after the other they need more than the window (memcheck alone ~100 s,
 # initcheck longer); side by side they share the 16 host cores, where the instrumentation runs.
 for tool in memcheck initcheck synccheck racecheck; do
-  ( OUT=$L SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::cross_entropy:: gpu::optimizer::}" \
-    timeout 420 bash $B/sanitize.sh $B > $L/san-$tool.txt 2>&1; echo "$tool rc $?" >> $L/san-$tool.txt ) &
+  ( OUT=$L SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::}" \
+    timeout $W bash $B/sanitize.sh $B > $L/san-$tool.txt 2>&1; echo "$tool rc $?" >> $L/san-$tool.txt ) &
 done
-( OUT=$L SANITIZERS=" " timeout 420 bash $B/sanitize.sh $B > $L/stream.txt 2>&1; echo "stream rc $?" >> $L/stream.txt ) &
+( OUT=$L SANITIZERS=" " timeout $W bash $B/sanitize.sh $B > $L/stream.txt 2>&1; echo "stream rc $?" >> $L/stream.txt ) &
 wait
 { cat $L/tests.rc $L/san-*.txt $L/stream.txt; for f in $L/sanitize-*.log; do echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20; done; } > $OUT/summary.txt
 grep -E "^test .*(FAILED|panicked)|panicked at" $OUT/tests.log | head -20; grep "test result" $OUT/tests.log

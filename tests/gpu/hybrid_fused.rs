@@ -46,8 +46,19 @@ fn add_norm<B: Backend>(
 #[ignore = "needs a CUDA GPU"]
 fn gpu_fused_add_rmsnorm1p_matches_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
-    // The 27B hidden size; 4-wide lanes; scalar lanes (dims that are not multiples of 4).
-    for (rows, dim, w_off) in [(393, 5120, 0), (37, 100, 4), (1, 16, 0), (200, 33, 2), (5, 5122, 1)] {
+    // A block per row: the 27B hidden size (128 threads of 5 groups), 4096 (128 of 4), 2560 (64
+    // of 5); a warp per row: 5120 with w 8 bytes off 16-byte alignment, 4-wide lanes, scalar lanes
+    // (dims that are not multiples of 4).
+    for (rows, dim, w_off) in [
+        (393, 5120, 0),
+        (17, 4096, 8),
+        (9, 2560, 0),
+        (7, 5120, 4),
+        (37, 100, 4),
+        (1, 16, 0),
+        (200, 33, 2),
+        (5, 5122, 1),
+    ] {
         let x = rand(rows * dim, 70, 2.0);
         let t = rand(rows * dim, 71, 1.0);
         let w = rand(dim + w_off, 72, 0.3);
