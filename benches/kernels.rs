@@ -123,7 +123,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, gdn-conv add-norm, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
+    // decode, gdn-conv add-norm norm-rope, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
     // measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
@@ -375,7 +375,7 @@ fn main() {
         }
     }
 
-    if want("gdn-conv add-norm") {
+    if want("gdn-conv add-norm norm-rope") {
         // The Gated DeltaNet's convolution + SiLU + q/k L2 norms (gdn_conv_qkv) at the 27B shape:
         // 4 x 3072 rows of the f32 q|k|v projection (16 key heads of 128, 6144 value channels),
         // kernel size 4. Bytes: the f32 input read once and q, k, v written once.
@@ -410,6 +410,28 @@ fn main() {
             be.add_rmsnorm1p_fwd(&s, &mut xr, &tr, &wn, 0, &mut yn, n, hd, 1e-6).unwrap()
         });
         mem("add + rmsnorm1p (12288 x 5120)", t, 8.0 * (n * hd) as f64);
+        // The full-attention layer's per-head `1 + w` norm and partial RoPE of q (24 heads of 256,
+        // 64 rotated, read from the q | gate projection at a stride of 512). Bytes: q read, y
+        // written.
+        let (heads, qd, rot) = (24usize, 256usize, 64usize);
+        let sh = dflash_engine::backend::fused::NormRope {
+            rows: n,
+            heads,
+            head_dim: qd,
+            rot_dim: rot,
+            theta: 1e7,
+            eps: 1e-6,
+            x_off: 0,
+            x_stride: 2 * qd,
+            w_off: 0,
+        };
+        let qg = normal_buf(DType::BF16, n * heads * 2 * qd, 56);
+        let wq = normal_buf(DType::BF16, qd, 57);
+        let mut yq = buf(DType::BF16, n * heads * qd);
+        let pos = ids((0..n).map(|i| (i % 3072) as i32).collect());
+        let t =
+            time_per_call(&be, 10, MEM_CALLS, || be.rmsnorm1p_rope_partial(&s, &sh, &qg, &wq, &mut yq, &pos).unwrap());
+        mem("rmsnorm1p + rope q (12288 x 24 x 256, rot 64)", t, 4.0 * (n * heads * qd) as f64);
     }
 
     // Compute-bound: attention (FLOPs counted for the visible keys only).

@@ -811,42 +811,72 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
                                                     __nv_bfloat16* __restrict__ y, const int* __restrict__ pos,
                                                     const float* __restrict__ inv_freq, long long n, int heads,
                                                     int rot_dim, float eps) {
-  constexpr int V = bf16_lane_dims(D);
+  constexpr int V = bf16_lane_dims(D), G = HYB_NORM_ROPE_HEADS;
   const int lane = threadIdx.x & 31;
   const bool active = lane * V < D;
   const int c0 = active ? lane * V : 0;
   const int half = rot_dim / 2, partner = half / V;  // lanes between c and c + half
   // Lanes holding rotated dims exchange with their partner, the rest read their own value.
   const int src = lane * V < half ? lane + partner : lane * V < rot_dim ? lane - partner : lane;
-  float wf[V];
+  // rot_dim / 2 is a multiple of V (the launcher checks): a lane's elements all rotate or none.
+  const bool rotates = active && c0 < rot_dim;
+  float wf[V], fr[V];
   bf16_lane_load<V>(w + c0, wf);
-  for (index_t i = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); i < n; i += (index_t)gridDim.x * hyb::WARPS) {
-    float xv[V];
-    bf16_lane_load<V>(x + i * x_stride + c0, xv);
-    float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[j], xv[j], ss) : ss;
-    const float inv = 1.f / sqrtf(hyb::warp_sum(ss) / (float)D + eps);
-    float yv[V], other[V];
+  for (int j = 0; j < V; ++j) {
+    const int c = c0 + j;
+    fr[j] = rotates ? inv_freq[c < half ? c : c - half] : 0.f;
+  }
+  // An item is G heads of one row: they share the row's position, so the angles' sin and cos
+  // are computed once for them, and their loads are in flight together.
+  const index_t rows = n / heads;
+  const int groups = (heads + G - 1) / G;
+  const index_t items = rows * groups;
+  for (index_t it = (index_t)blockIdx.x * hyb::WARPS + (threadIdx.x >> 5); it < items;
+       it += (index_t)gridDim.x * hyb::WARPS) {
+    const index_t row = it / groups;
+    const int h0 = (int)(it - row * groups) * G, nh = min(G, heads - h0);
+    float xv[G][V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) yv[j] = bf16_to_f32(f32_to_bf16_rne(xv[j] * inv * (1.f + wf[j])));
+    for (int g = 0; g < G; ++g) {
+      if (g < nh) bf16_lane_load<V>(x + (row * heads + h0 + g) * x_stride + c0, xv[g]);
+    }
+    float sn[V], cs[V];
+    if (rotates) {
+      const float p = (float)pos[row];
 #pragma unroll
-    for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, yv[j], src);
-    if (!active) continue;
-    const float p = (float)pos[i / heads];
-    __nv_bfloat16* out = y + i * D + c0;
+      for (int j = 0; j < V; ++j) sincosf(__fmul_rn(p, fr[j]), &sn[j], &cs[j]);
+    }
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int c = c0 + j;
-      float o = yv[j];
-      if (c < rot_dim) {
-        float sn, cs;
-        sincosf(__fmul_rn(p, inv_freq[c < half ? c : c - half]), &sn, &cs);
+    for (int g = 0; g < G; ++g) {
+      if (g >= nh) break;  // warp-uniform
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[g][j], xv[g][j], ss) : ss;
+      const float inv = 1.f / sqrtf(hyb::warp_sum(ss) / (float)D + eps);
+      float yv[V], other[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) yv[j] = bf16_to_f32(f32_to_bf16_rne(xv[g][j] * inv * (1.f + wf[j])));
+#pragma unroll
+      for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, yv[j], src);
+      if (!active) continue;
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        o[j] = yv[j];
         // rope_partial: first half a*c - b*s (a = y, b = partner), second half b*c + a*s (b = y).
-        o = c < half ? __fsub_rn(__fmul_rn(yv[j], cs), __fmul_rn(other[j], sn))
-                     : __fadd_rn(__fmul_rn(yv[j], cs), __fmul_rn(other[j], sn));
+        if (rotates) {
+          o[j] = c0 < half ? __fsub_rn(__fmul_rn(yv[j], cs[j]), __fmul_rn(other[j], sn[j]))
+                           : __fadd_rn(__fmul_rn(yv[j], cs[j]), __fmul_rn(other[j], sn[j]));
+        }
       }
-      out[j] = f32_to_bf16_rne(o);
+      __nv_bfloat16* out = y + (row * heads + h0 + g) * D + c0;
+      if constexpr (V == 8) {
+        *reinterpret_cast<uint4*>(out) = bf16x8_pack_rne(o);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) out[j] = f32_to_bf16_rne(o[j]);
+      }
     }
   }
 }

@@ -180,6 +180,8 @@ constexpr int HYB_CONV_MAX_K = 8;
 // the K - 1 before it: 4 rows a step at kernel size 4), and steps per item (a warp's run of rows).
 constexpr int HYB_CONV_QKV_WINDOW = 7;
 constexpr int HYB_CONV_QKV_STEPS = 8;
+// rmsnorm1p_rope_partial: heads of one row a warp takes together (one sin/cos of the row's angles).
+constexpr int HYB_NORM_ROPE_HEADS = 4;
 
 // ---- gdn.cu ----------------------------------------------------------------------------------
 // Tokens per chunk of the chunked gated delta rule (flash-linear-attention's chunk size; the Rust

@@ -43,7 +43,7 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
     GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
-    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_STEPS, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, QKR_WARPS,
+    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_STEPS, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, HYB_NORM_ROPE_HEADS, QKR_WARPS,
 };
 use crate::tensor::{self, DType};
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
@@ -2482,7 +2482,7 @@ impl Backend for CudaBackend {
         check_len(OP, "w", w.len, sh.w_off, hd)?;
         check_len(OP, "y", y.len, 0, n * hd)?;
         check_len(OP, "pos", pos.len, 0, sh.rows)?;
-        // A warp per head, head_dim / 32 elements a lane (one below 32): the rows, the weight
+        // head_dim / 32 elements a lane (one below 32): the rows, the weight
         // and the rotation's halves start on such a boundary.
         let v = (hd / 32).max(1);
         let kernel = variant(&launch::Rmsnorm1pRopePartialBf16Hd::VARIANTS, &hd.to_string());
@@ -2505,7 +2505,9 @@ impl Backend for CudaBackend {
             rot_dim: rot,
             eps: sh.eps,
         };
-        self.launch(s, kernel, (hyb_row_grid(n), HYB_BLOCK, 0), args)
+        // A warp per HYB_NORM_ROPE_HEADS heads of a row.
+        let items = sh.rows * sh.heads.div_ceil(HYB_NORM_ROPE_HEADS);
+        self.launch(s, kernel, (hyb_row_grid(items), HYB_BLOCK, 0), args)
     }
 
     fn sigmoid_mul_strided(
