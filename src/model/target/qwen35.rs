@@ -490,10 +490,8 @@ struct Scratch<B: Backend> {
 impl<B: Backend> Scratch<B> {
     fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize, cached: bool) -> Result<Self> {
         let hy = hybrid(sh);
-        // Every temporary is written in full before a layer reads it: no zero fill (the CPU
-        // backend's NaN fill makes a read before the write fail its tests).
-        let bf = |n: usize| be.alloc_uninit(s, DType::BF16, n);
-        let f32 = |n: usize| be.alloc_uninit(s, DType::F32, n);
+        let bf = |n: usize| be.alloc(s, DType::BF16, n);
+        let f32 = |n: usize| be.alloc(s, DType::F32, n);
         let (qw, kw, hv) = (sh.q_width(), sh.kv_width(), hy.linear_num_value_heads);
         Ok(Scratch {
             rows: t,
