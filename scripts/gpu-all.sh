@@ -46,6 +46,9 @@ el "parallel: tests | memcheck | initcheck | synccheck | racecheck | stream-orde
 # RACE_TESTS (env) narrows racecheck further, e.g. to the tests of the kernels a change touched.
 # One process per tool: one after the other they need more than the window (memcheck alone ~100 s,
 # initcheck longer); side by side they share the 16 host cores, where the instrumentation runs.
+# Measured on the H200 beside the tests: memcheck 288 s, synccheck 303 s, stream order 143 s;
+# initcheck and racecheck did not finish in 420 s and need a call of their own
+# (SANITIZERS="initcheck racecheck" bash gpu-bundle/sanitize.sh).
 for tool in memcheck initcheck synccheck racecheck; do
   ( OUT=$L SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::}" \
     timeout $W bash $B/sanitize.sh $B > $L/san-$tool.txt 2>&1; echo "$tool rc $?" >> $L/san-$tool.txt ) &
