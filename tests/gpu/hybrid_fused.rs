@@ -6,7 +6,7 @@
 
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::fused::{GdnConvQkv, NormRope};
-use dflash_engine::backend::Backend;
+use dflash_engine::backend::{Backend, Gemm};
 use dflash_engine::tensor::DType;
 
 use super::{bits_equal, get, gpu, ids, positions, put, rand, rel_err, starts_of, BF16_TOL};
@@ -128,6 +128,55 @@ fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
             rel_err(&format!("gdn_conv_qkv k {tag}"), &a[1], &b[1], 1e-5);
             rel_err(&format!("gdn_conv_qkv v {tag}"), &a[2], &b[2], 1e-5);
         }
+    }
+}
+
+/// The q|k|v projection as the Qwen3.5 forward makes it (an f32-output GEMM into a buffer from
+/// `alloc_uninit`), then the convolution, split and norms reading it.
+fn projected_conv<B: Backend>(be: &B, sh: &GdnConvQkv, h: usize, xn: &[f32], wp: &[f32], wc: &[f32]) -> [Vec<f32>; 3] {
+    let s = be.compute_stream();
+    let (rows, ch) = (sh.rows, sh.channels());
+    let mut proj = be.alloc_uninit(&s, DType::F32, rows * ch).unwrap();
+    be.gemm(&s, &Gemm::linear(rows, ch, h), &put(be, xn, DType::BF16), 0, &put(be, wp, DType::BF16), 0, &mut proj, 0)
+        .unwrap();
+    let kd = sh.key_dim();
+    let mut q = be.alloc(&s, DType::F32, rows * kd).unwrap();
+    let mut k = be.alloc(&s, DType::F32, rows * kd).unwrap();
+    let mut v = be.alloc(&s, DType::F32, rows * sh.value_dim).unwrap();
+    let starts = starts_of(&LENS);
+    be.gdn_conv_qkv(&s, sh, &proj, &put(be, wc, DType::BF16), &ids(be, &starts), &mut q, &mut k, &mut v).unwrap();
+    [get(be, &q), get(be, &k), get(be, &v)]
+}
+
+/// The convolution of a projection that an f32-output GEMM wrote into an `alloc_uninit` buffer,
+/// at the qwen3.5-tiny linear layer's shape, against the CPU (whose `alloc_uninit` is NaN: a read
+/// before the GEMM's write would show). Under compute-sanitizer's initcheck this is also the
+/// probe of whether the tool sees the GEMM's stores: the Qwen3.5 forward's temporaries keep their
+/// zero fill until initcheck reports nothing here.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_conv_of_an_f32_gemm_output_in_an_uninit_buffer_matches_cpu() {
+    let (g, c) = (gpu(), CpuBackend::new());
+    let (h, hk, dk, vd, kernel) = (64, 2, 16, 64, 4);
+    let sh = GdnConvQkv {
+        rows: LENS.iter().sum(),
+        k_heads: hk,
+        k_dim: dk,
+        value_dim: vd,
+        kernel,
+        w_off: 0,
+        eps: 1e-6,
+        q_scale: 1.0 / (dk as f32).sqrt(),
+    };
+    let ch = sh.channels();
+    let xn = rand(sh.rows * h, 85, 1.0);
+    let wp = rand(ch * h, 86, 0.1);
+    let wc = rand(ch * kernel, 87, 0.5);
+    let a = projected_conv(&g, &sh, h, &xn, &wp, &wc);
+    let b = projected_conv(&c, &sh, h, &xn, &wp, &wc);
+    // The GEMM's f32 sums differ in order between the backends (~1e-6 relative).
+    for (what, i) in [("q", 0), ("k", 1), ("v", 2)] {
+        rel_err(&format!("conv of an f32 GEMM output, {what}"), &a[i], &b[i], 1e-4);
     }
 }
 
