@@ -3,7 +3,8 @@
 # bench) with every kernel required, strips it, and collects it with a runner into the
 # git-ignored gpu-bundle/. On the GPU machine (no Rust there) run, from the repository root:
 #   bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b]   logs go to $OUT (or ./gpu-logs)
-#   bash gpu-bundle/all.sh     everything in one ~7-minute call (tests and sanitizers in parallel)
+#   bash gpu-bundle/all.sh     every GPU test, memcheck, synccheck and the bench in one ~10-minute call
+#                              (initcheck and racecheck: a second call, see all.sh)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export DFLASH_REQUIRE_KERNELS=1
