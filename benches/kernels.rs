@@ -123,8 +123,8 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, gdn-conv add-norm norm-rope, attention, gdn, fc, gemm-algos) whose name contains a pattern; the peaks are always
-    // measured.
+    // decode, gdn-conv add-norm norm-rope, attention, gdn, fc, gemm-algos) whose name contains a
+    // pattern; the peaks are always measured.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();

@@ -560,9 +560,10 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //   gdn_gates_ba     gdn_gates with b and a read from one [rows, 2 * heads] b | a projection (one
 //                    GEMM instead of two, each of which read the whole normed input).
 
-extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16(
-    __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t, const __nv_bfloat16* __restrict__ w,
-    __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {
+// add_rmsnorm1p with a warp per row (any dim; 8-byte accesses where dim % 4 == 0 and aligned).
+__device__ __forceinline__ void add_norm_warp(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
+                                              const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                                              long long rows, int dim, float eps) {
   using namespace hyb;
   const bool vec = dim % 4 == 0 && aligned8(x) && aligned8(t) && aligned8(w) && aligned8(y);
   const int lane = threadIdx.x & 31;
@@ -606,7 +607,7 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16(
   }
 }
 
-// add_rmsnorm1p_fwd_bf16's operations with a block per row (NT = dim / (8 VPT) threads, a multiple
+// add_norm_warp's operations with a block per row (NT = dim / (8 VPT) threads, a multiple
 // of 32): thread i holds the row's 16-byte groups i, i + NT, ... (VPT of them, coalesced across
 // the block), loads its x and t groups at once, keeps the rounded sums in registers for the
 // norm (no reread of x), loads w while the warps' sums meet in shared memory. The warp-per-row
@@ -668,13 +669,27 @@ __device__ __forceinline__ void add_norm_rows(__nv_bfloat16* __restrict__ x, con
   }
 }
 
+// add_rmsnorm1p_fwd_bf16_v0: a warp per row, any dim; _v4, _v5: a block per row of VPT = 4 or 5
+// 16-byte groups a thread (the launcher picks; one argument list for all three).
+template <int V>
+__device__ __forceinline__ void add_norm(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
+                                         const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                                         long long rows, int dim, float eps) {
+  if constexpr (V == 0) {
+    add_norm_warp(x, t, w, y, rows, dim, eps);
+  } else {
+    add_norm_rows<V>(x, t, w, y, rows, dim, eps);
+  }
+}
+
 #define HYB_ADD_NORM_EXPORT(V)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(256) add_rmsnorm1p_rows_bf16_v##V(                               \
+  extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16_v##V(                         \
       __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t, const __nv_bfloat16* __restrict__ w, \
       __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {                                     \
-    add_norm_rows<V>(x, t, w, y, rows, dim, eps);                                                              \
+    add_norm<V>(x, t, w, y, rows, dim, eps);                                                                   \
   }
 
+HYB_ADD_NORM_EXPORT(0)
 HYB_ADD_NORM_EXPORT(4)
 HYB_ADD_NORM_EXPORT(5)
 

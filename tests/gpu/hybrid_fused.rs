@@ -70,6 +70,21 @@ fn gpu_fused_add_rmsnorm1p_matches_cpu() {
     }
 }
 
+/// The convolution's shape: `hk` key heads of `dk`, `vd` value channels, its weights at `w_off`;
+/// the forward's eps and q scale.
+fn conv_shape(rows: usize, hk: usize, dk: usize, vd: usize, kernel: usize, w_off: usize) -> GdnConvQkv {
+    GdnConvQkv {
+        rows,
+        k_heads: hk,
+        k_dim: dk,
+        value_dim: vd,
+        kernel,
+        w_off,
+        eps: 1e-6,
+        q_scale: 1.0 / (dk as f32).sqrt(),
+    }
+}
+
 fn conv_qkv<B: Backend>(be: &B, sh: &GdnConvQkv, x: &[f32], w: &[f32], starts: &[i32]) -> [Vec<f32>; 3] {
     let s = be.compute_stream();
     let kd = sh.key_dim();
@@ -104,16 +119,7 @@ fn gpu_fused_gdn_conv_qkv_matches_cpu_on_ragged_batches() {
         (1, 256, 256, 4),
         (2, 32, 42, 4),
     ] {
-        let sh = GdnConvQkv {
-            rows,
-            k_heads: hk,
-            k_dim: dk,
-            value_dim: vd,
-            kernel,
-            w_off: 3,
-            eps: 1e-6,
-            q_scale: 1.0 / (dk as f32).sqrt(),
-        };
+        let sh = conv_shape(rows, hk, dk, vd, kernel, 3);
         let ch = sh.channels();
         let x = rand(rows * ch, 80, 1.0);
         let w = rand(3 + ch * kernel, 81, 0.5);
@@ -158,16 +164,7 @@ fn projected_conv<B: Backend>(be: &B, sh: &GdnConvQkv, h: usize, xn: &[f32], wp:
 fn gpu_conv_of_an_f32_gemm_output_in_an_uninit_buffer_matches_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
     let (h, hk, dk, vd, kernel) = (64, 2, 16, 64, 4);
-    let sh = GdnConvQkv {
-        rows: LENS.iter().sum(),
-        k_heads: hk,
-        k_dim: dk,
-        value_dim: vd,
-        kernel,
-        w_off: 0,
-        eps: 1e-6,
-        q_scale: 1.0 / (dk as f32).sqrt(),
-    };
+    let sh = conv_shape(LENS.iter().sum(), hk, dk, vd, kernel, 0);
     let ch = sh.channels();
     let xn = rand(sh.rows * h, 85, 1.0);
     let wp = rand(ch * h, 86, 0.1);

@@ -2362,26 +2362,19 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        // A block per row where the row is whole 16-byte groups of VPT per thread over 32..=256
-        // threads (hidden 1024 .. 8192 in steps of 1024, and 2560) and every row starts 16-byte
-        // aligned; a warp per row otherwise.
+        // A block per row (variant VPT) where the row is whole 16-byte groups of VPT per thread over
+        // 32..=256 threads (hidden 1024 .. 8192 in steps of 1024, and 2560) and every row starts
+        // 16-byte aligned; a warp per row (variant 0) otherwise.
         let aligned = [off_ptr(x, 0), off_ptr(t, 0), off_ptr(w, w_off), off_ptr(y, 0)].iter().all(|p| p % 16 == 0);
         let vpt = [5usize, 4].into_iter().find(|v| aligned && dim % (256 * v) == 0 && dim / (8 * v) <= 256);
-        let rows_kernel =
-            vpt.and_then(|v| Some((v, variant(&launch::AddRmsnorm1pRowsBf16V::VARIANTS, &v.to_string())?)));
-        if let Some((vpt, kernel)) = rows_kernel {
-            let args = launch::AddRmsnorm1pRowsBf16V {
-                x: x.at(OP, 0)?,
-                t: t.at(OP, 0)?,
-                w: w.at(OP, w_off)?,
-                y: y.at(OP, 0)?,
-                rows,
-                dim,
-                eps,
-            };
-            return self.launch(s, kernel, (rows.min(i32::MAX as usize), dim / (8 * vpt), 0), args);
-        }
-        let args = launch::AddRmsnorm1pFwdBf16 {
+        let cfg = match vpt {
+            Some(v) => (rows.min(i32::MAX as usize), dim / (8 * v), 0),
+            None => (hyb_row_grid(rows), HYB_BLOCK, 0),
+        };
+        let name = vpt.unwrap_or(0).to_string();
+        let kernel = variant(&launch::AddRmsnorm1pFwdBf16V::VARIANTS, &name)
+            .ok_or_else(|| BackendError::Shape { op: OP, what: format!("no add_rmsnorm1p_fwd_bf16_v{name} kernel") })?;
+        let args = launch::AddRmsnorm1pFwdBf16V {
             x: x.at(OP, 0)?,
             t: t.at(OP, 0)?,
             w: w.at(OP, w_off)?,
@@ -2390,7 +2383,7 @@ impl Backend for CudaBackend {
             dim,
             eps,
         };
-        self.launch(s, launch::AddRmsnorm1pFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+        self.launch(s, kernel, cfg, args)
     }
 
     fn gdn_conv_qkv(
