@@ -958,14 +958,15 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //                   fragments, the next chunk's issued as soon as the current ones are consumed;
 //                   U arrives by cp.async a chunk ahead; the chunk after that is prefetched
 //                   into L2 by the bulk copy engine. The last S (f32) is the state out.
-//   gdn_fast_out    per (chunk slot, value head, block of GDN_FAST_OUT_BV = 128 value columns),
+//   gdn_fast_out    per (chunk slot, key head, block of GDN_FAST_OUT_BV = 128 value columns),
+//                   the key head's value heads in turn (q, k and Q K^T shared by them),
 //                   8 warps, two per 16 rows of the chunk (64 value columns each): A = mask(Q
 //                   K^T) exp(G_i - G_j) (f32 accumulators, half the 16-column tiles each, then
 //                   rounded to bf16 as the A operand and shared), o = exp(G_i) (Q S_c) + A V'.
 //                   q and k are read as f32 and staged as bf16 hi + lo pairs (Q K^T in three
 //                   products, Q S_c in two: ~f32 q and k; rounding them to bf16 was the largest
 //                   single error term, tests/reference/gdn_bf16_rounding.py), once per chunk
-//                   and head at dv <= 128.
+//                   and key head at dv <= 128.
 // Scratch: W, Ke^T [n_slots][v_heads][C * dk] bf16 (fragment order); U then V'
 //   [n_slots][v_heads][C][dv] bf16; G [n_slots][v_heads][C] f32; S_c [n_slots][v_heads][dk][dv]
 //   bf16 = n_slots * v_heads * (2 C (2 dk + dv) + 4 C + 2 dk dv) bytes (27B shape at 4 x 3072:
@@ -979,9 +980,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS (gdn_fast_state_nk8
 //          where dk = 128 and BV divides dv, gdn_fast_state_nk0 otherwise);
 //          2 [2 C (BV+P) + dk (BV+P) + C (BV+P)]             (25,600; registers: 3 CTAs/SM)
-//   out    grid n_slots * v_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS;
-//          2 [2 C lq + max(2 C (dk+P), C (BO+P+C+P)) + dk (BO+P)] + 4 C, lq = max(dk, BO/2) + P
-//                                                                          (104,704; 2 CTAs/SM)
+//   out    grid n_slots * k_heads * ceil(dv / BO), GDN_FAST_OUT_THREADS (the CTA takes its key
+//          head's v_heads / k_heads value heads in turn);
+//          2 [2 C (dk+P) + max(2 C (dk+P), 2 C (BO+P)) + dk (BO+P)] + 4 (2 C)   (104,960; 2 CTAs/SM)
 // Time at the 27B shape, 4 x 3072 tokens (H200, nsys inside the 27B forward, measured with the
 //   previous version of these kernels): out 1.28 ms, prep 0.94, state 0.90 (kernel bench: 2.54
 //   ms in all at 4 x 3072, 0.95 at 1 x 4096; fla 1.29 and 0.93). The
@@ -1737,26 +1738,31 @@ __device__ __forceinline__ void fast_state_body(const gdn::bf16* __restrict__ w_
 GDN_FAST_STATE_EXPORT(0)
 GDN_FAST_STATE_EXPORT(8)
 
-// One CTA per (chunk slot, value head, block of BO = GDN_FAST_OUT_BV value columns), 8 warps:
-// warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
+// One CTA per (chunk slot, key head, block of BO = GDN_FAST_OUT_BV value columns), 8 warps; the
+// CTA takes the key head's value heads (v_heads / k_heads of them, 3 at the 27B shape) one after
+// another. q and k are staged once per (chunk, key head) as bf16 hi + lo parts and their raw
+// Q K^T taken once, kept in registers: only the decay exp(G_i - G_j) and the states differ from
+// one value head to the next. (One CTA per value head staged and multiplied them once per value
+// head: 9,408 CTAs at 4 x 3072 tokens, now 3,136.)
+// Warp w takes the chunk's rows [16 rb, 16 rb + 16) and the value columns [64 hf, 64 hf + 64) of
 // the block, hf = w >> 2, rb = w & 3 for hf = 0 and 3 - (w & 3) for hf = 1 (warps w and w + 4 share
 // a scheduler, so each scheduler gets the row blocks rb and 3 - rb: the causal Q K^T and A V'
-// work grows with rb, and this pairing gives every scheduler about the same total). q and k are
-// staged once per (chunk, head) as bf16 hi + lo parts: Q K^T takes hi hi + hi lo + lo hi, Q S_c
-// takes hi + lo (S_c is bf16); the two warps of a row block take alternate 16-column tiles of its
-// Q K^T (this warp those with nn & 1 == hf) and exchange them, masked, decayed and rounded to
-// bf16, through shared memory. Steps: S_c by cp.async while q, k load; Q K^T; barrier (K is
-// dead); V' by cp.async over K, and A's tiles beside it, while Q S_c runs; barrier; A V'; the
-// output rows through Q's space.
-// Shared memory (bf16): Q hi, Q lo [C][lq] (then each warp's output tile: half 0 in hi, half 1 in
-// lo, rows of its block) | K hi, K lo [C][lk], then V' [C][BO+P] | A [C][C+P] | S_c [dk][BO+P] |
-// G [C] f32; lq = max(dk, BO/2) + P.
+// work grows with rb, and this pairing gives every scheduler about the same total). Q K^T takes
+// hi hi + hi lo + lo hi, Q S_c takes hi + lo (S_c is bf16); the two warps of a row block take
+// alternate 16-column tiles of its Q K^T (this warp those with nn & 1 == hf, at most two) and
+// exchange them, masked, decayed and rounded to bf16 per value head, through shared memory.
+// Steps: S_c of the first head by cp.async while q, k load; Q K^T; barrier (K is dead); then per
+// value head: A's tiles, Q S_c, A V', the output rows (or their gated norm); the next head's S_c
+// loads during A V' and the output, its V' during the output.
+// Shared memory (bf16): Q hi, Q lo [C][lq] | K hi, K lo [C][lk], then V' [C][BO+P] and A [C][C+P],
+// the output tile [C][BO+P] over A once A V' is done (so the K region holds 2 C (BO+P)) | S_c
+// [dk][BO+P] | G [2][C] f32 (this head's and the next); lq = lk = dk + P.
 // The output body, compiled twice as the state pass's is: DK = 128 for dk = dv = 128 (one value
 // block; every loop bound a constant) and DK = 0 for the run-time shapes. With norm set (DK = 128
 // only) it writes the Gated DeltaNet's gated RMSNorm of its output instead of the output
-// (gdn_chunked_norm_fwd): z's rows load during the products, the row-block pair meets at a named
-// barrier, and each warp normalises eight whole 128-value rows from the bf16 tile; the unfused
-// pair's core write, its reread and the norm kernel's launch are gone.
+// (gdn_chunked_norm_fwd): z's rows load during the products, the warps meet at a barrier once the
+// output tile is written, and each warp normalises eight whole 128-value rows from the bf16 tile;
+// the unfused pair's core write, its reread and the norm kernel's launch are gone.
 template <int DK>
 __device__ __forceinline__ void fast_out_body(
     const float* __restrict__ q, const float* __restrict__ k, const __nv_bfloat16* __restrict__ vp,
@@ -1769,54 +1775,57 @@ __device__ __forceinline__ void fast_out_body(
   using gdn::bf16;
   constexpr int HB = FBO / 2;  // value columns per warp
   const int dk = DK > 0 ? DK : dk_rt, dv = DK > 0 ? DK : dv_rt;
-  const int lk = dk + gdn::FP;
-  const int lq = (dk > HB ? dk : HB) + gdn::FP;
+  const int lk = dk + gdn::FP, lq = lk;
   constexpr int lb = FBO + gdn::FP;
   constexpr int la = C + gdn::FP;
-  const int kreg = 2 * C * lk > C * (lb + la) ? 2 * C * lk : C * (lb + la);  // K hi + lo, then V' | A
+  static_assert(lb >= la, "A lies inside the output tile's space");
+  const int kreg = 2 * C * lk > 2 * C * lb ? 2 * C * lk : 2 * C * lb;  // K hi + lo, then V' | A (then O)
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // [C][lq], the lo part C * lq further
   bf16* sK = sQ + 2 * C * lq;                // [C][lk], the lo part C * lk further
   bf16* sV = sK;                             // [C][lb] once K is dead
   bf16* sA = sV + C * lb;                    // [C][la] once K is dead
+  bf16* sO = sA;                             // [C][lb] once A V' is done
   bf16* sS = sK + kreg;                      // [dk][lb]
-  float* sG = reinterpret_cast<float*>(sS + dk * lb);
+  float* sG = reinterpret_cast<float*>(sS + dk * lb);  // [2][C]
   constexpr int nt = GDN_FAST_OUT_THREADS;  // the kernel traps on any other block size
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_FAST_OUT_THREADS || (dk % 16) != 0 || (dv % 16) != 0) __trap();
   const int nvb = (dv + FBO - 1) / FBO;
   const int vb = (int)(blockIdx.x % (unsigned)nvb);
-  const int h = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)v_heads);
-  const index_t slot = (index_t)(blockIdx.x / (unsigned)nvb / (unsigned)v_heads);
+  const int kh = (int)((blockIdx.x / (unsigned)nvb) % (unsigned)k_heads);
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)nvb / (unsigned)k_heads);
   int b;
   index_t c0;
   int L;
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
+  const int gv = v_heads / k_heads, h0 = kh * gv;  // this CTA's value heads h0 .. h0 + gv - 1
   const int v0 = vb * FBO, bw = min(FBO, dv - v0);  // a multiple of 16
   const int hf = warp >> 2, rb = hf ? 3 - (warp & 3) : (warp & 3);
   const int nb = min(max(bw - hf * HB, 0), HB) / 8;  // this warp's n8 tiles (even)
   const int i0 = rb * 16;
   const bool qk_rows = i0 < L;          // the pair's Q K^T share (warp-uniform)
   const bool live = qk_rows && nb > 0;  // this warp's output columns (warp-uniform)
-  const int kh = h / (v_heads / k_heads);
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
-  const index_t sh = slot * v_heads + h;
-  gdn::tile_async_bf16(sS, lb, s_in + sh * dk * dv + v0, dv, dk, bw, dk, tid, nt);
+  const index_t sh0 = slot * v_heads + h0;
+  gdn::tile_async_bf16(sS, lb, s_in + sh0 * dk * dv + v0, dv, dk, bw, dk, tid, nt);
   attn::cp_async_commit();
   // G into a register first (nt >= C), stored after q and k: its load is in flight with theirs.
-  const float gv = tid < C ? g_in[sh * C + tid] : 0.f;
+  float gv_next = tid < C ? g_in[sh0 * C + tid] : 0.f;
   gdn::tiles2_f32_to_bf16x2({sQ, C * lq, lq, q + c0 * kw + (index_t)kh * dk, kw, dk},
                             {sK, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk}, C, L, tid, nt);
-  if (tid < C) sG[tid] = gv;
+  if (tid < C) sG[tid] = gv_next;
   attn::cp_async_wait<0>();
   __syncthreads();
   const uint32_t q_base = attn::smem_u32(sQ) + (uint32_t)(i0 * lq * 2) + gdn::off_a_rows(lane, lq);
   const uint32_t q_lo = (uint32_t)(C * lq * 2);  // bytes from a hi fragment to its lo one
-  // A = Q K^T for columns [0, i0 + 16), masked and decayed: the pair's warps take alternate
-  // 16-column tiles (this warp those with nn & 1 == hf) and exchange them through shared memory.
-  float pa[C / 8][4];
+  // Raw Q K^T of this warp's (at most two) 16-column tiles nn = hf + 2 t <= rb of its row block.
+  float pq[2][2][4];
 #pragma unroll
-  for (int n = 0; n < C / 8; ++n) pa[n][0] = pa[n][1] = pa[n][2] = pa[n][3] = 0.f;
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) pq[t][u][0] = pq[t][u][1] = pq[t][u][2] = pq[t][u][3] = 0.f;
+  }
   if (qk_rows) {
     const uint32_t k_base = attn::smem_u32(sK) + gdn::off_b_cols(lane, lk);
     const uint32_t k_lo = (uint32_t)(C * lk * 2);
@@ -1825,159 +1834,183 @@ __device__ __forceinline__ void fast_out_body(
       attn::ldsm_x4(a, q_base + kk * 32);
       attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
-      for (int nn = 0; nn < C / 16; ++nn) {
-        if (nn > rb || (nn & 1) != hf) continue;
+      for (int t = 0; t < 2; ++t) {
+        const int nn = hf + 2 * t;
+        if (nn > rb) continue;
         uint32_t bq[4], bl[4];
         attn::ldsm_x4(bq, k_base + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
         attn::ldsm_x4(bl, k_base + k_lo + (uint32_t)(nn * 16 * lk * 2) + kk * 32);
-        attn::mma16816(pa[2 * nn], al, bq[0], bq[1]);
-        attn::mma16816(pa[2 * nn + 1], al, bq[2], bq[3]);
-        attn::mma16816(pa[2 * nn], a, bl[0], bl[1]);
-        attn::mma16816(pa[2 * nn + 1], a, bl[2], bl[3]);
-        attn::mma16816(pa[2 * nn], a, bq[0], bq[1]);
-        attn::mma16816(pa[2 * nn + 1], a, bq[2], bq[3]);
-      }
-    }
-    const float gi[2] = {sG[i0 + gr], sG[i0 + gr + 8]};
-#pragma unroll
-    for (int n = 0; n < C / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = i0 + gr + 8 * (e >> 1), j = n * 8 + 2 * tq + (e & 1);
-        pa[n][e] = (j <= i && i < L) ? pa[n][e] * expf(gi[e >> 1] - sG[j]) : 0.f;
+        attn::mma16816(pq[t][0], al, bq[0], bq[1]);
+        attn::mma16816(pq[t][1], al, bq[2], bq[3]);
+        attn::mma16816(pq[t][0], a, bl[0], bl[1]);
+        attn::mma16816(pq[t][1], a, bl[2], bl[3]);
+        attn::mma16816(pq[t][0], a, bq[0], bq[1]);
+        attn::mma16816(pq[t][1], a, bq[2], bq[3]);
       }
     }
   }
-  __syncthreads();  // every warp is done with K: V' and A take its place while Q S_c runs
-  gdn::tile_async_bf16(sV, lb, vp + sh * C * dv + v0, dv, C, bw, C, tid, nt);
+  __syncthreads();  // every warp is done with K: V' and A take its place
+  gdn::tile_async_bf16(sV, lb, vp + sh0 * C * dv + v0, dv, C, bw, C, tid, nt);
   attn::cp_async_commit();
-  if (qk_rows) {
-    // This warp's tiles of A as bf16 (the A operand of A V', rounded as pack_op rounds it).
-#pragma unroll
-    for (int nn = 0; nn < C / 16; ++nn) {
-      if (nn > rb || (nn & 1) != hf) continue;
+  const bool fuse = DK == FBO && norm && live;
+  uint2 wr = make_uint2(0u, 0u);
+  if (fuse) wr = *reinterpret_cast<const uint2*>(nw + 4 * lane);
+  const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+  const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
+  const uint32_t a_base = attn::smem_u32(sA) + (uint32_t)(i0 * la * 2) + gdn::off_a_rows(lane, la);
+  const int nrows = min(16, L - i0);
+  for (int j = 0; j < gv; ++j) {
+    // Outstanding copies here: this head's V' (and its S_c unless j = 0); sG[j & 1] holds its G.
+    const int h = h0 + j;
+    const index_t sh = sh0 + j;
+    const bool more = j + 1 < gv;  // CTA-uniform
+    const float* gb = sG + (j & 1) * C;
+    if (qk_rows) {
+      // This warp's tiles of A = mask(Q K^T) exp(G_i - G_j) as bf16 (the A operand of A V',
+      // rounded as pack_op rounds it).
+      const float gi[2] = {gb[i0 + gr], gb[i0 + gr + 8]};
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
-        bf16* p = sA + (i0 + gr) * la + nn * 16 + t * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(p) = attn::pack_op(pa[2 * nn + t][0], pa[2 * nn + t][1]);
-        *reinterpret_cast<uint32_t*>(p + 8 * la) = attn::pack_op(pa[2 * nn + t][2], pa[2 * nn + t][3]);
+        const int nn = hf + 2 * t;
+        if (nn > rb) continue;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          float e4[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + gr + 8 * (e >> 1), jc = nn * 16 + u * 8 + 2 * tq + (e & 1);
+            e4[e] = (jc <= i && i < L) ? pq[t][u][e] * expf(gi[e >> 1] - gb[jc]) : 0.f;
+          }
+          bf16* p = sA + (i0 + gr) * la + nn * 16 + u * 8 + 2 * tq;
+          *reinterpret_cast<uint32_t*>(p) = attn::pack_op(e4[0], e4[1]);
+          *reinterpret_cast<uint32_t*>(p + 8 * la) = attn::pack_op(e4[2], e4[3]);
+        }
       }
     }
-  }
-  // The fused norm's z rows (this warp's eight of the block, see the end) and weights: loads in
-  // flight during the products below.
-  const bool fuse = DK == FBO && norm && live;
-  uint2 zr[8], wr = make_uint2(0u, 0u);
-  if (fuse) {
-    const index_t col = (index_t)h * dv + 4 * lane;
-    wr = *reinterpret_cast<const uint2*>(nw + 4 * lane);
+    // The fused norm's z rows (this warp's eight of the block, see the end): loads in flight
+    // during the products below.
+    uint2 zr[8];
+    if (fuse) {
+      const index_t col = (index_t)h * dv + 4 * lane;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = 8 * hf + j;
-      zr[j] = i < L - i0 ? *reinterpret_cast<const uint2*>(z + (c0 + i0 + i) * vw + col) : make_uint2(0u, 0u);
-    }
-  }
-  // o = exp(G_i) (Q S_c) + A V'.
-  float po[HB / 8][4];
-#pragma unroll
-  for (int n = 0; n < HB / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
-  if (live) {
-    const uint32_t s_base = attn::smem_u32(sS) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
-    for (int kk = 0; kk < dk / 16; ++kk) {
-      uint32_t a[4], al[4];
-      attn::ldsm_x4(a, q_base + kk * 32);
-      attn::ldsm_x4(al, q_base + q_lo + kk * 32);
-#pragma unroll
-      for (int nn = 0; nn < HB / 16; ++nn) {
-        if (2 * nn >= nb) continue;
-        uint32_t bq[4];
-        attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-        attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
-        attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
-        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+      for (int r = 0; r < 8; ++r) {
+        const int i = 8 * hf + r;
+        zr[r] = i < L - i0 ? *reinterpret_cast<const uint2*>(z + (c0 + i0 + i) * vw + col) : make_uint2(0u, 0u);
       }
     }
-    const float eg[2] = {expf(sG[i0 + gr]), expf(sG[i0 + gr + 8])};
+    if (j > 0) attn::cp_async_wait<1>();  // this head's S_c (its V' may still be in flight)
+    __syncthreads();                      // S_c and A visible
+    // o = exp(G_i) (Q S_c) + A V'.
+    float po[HB / 8][4];
 #pragma unroll
-    for (int n = 0; n < HB / 8; ++n) {
+    for (int n = 0; n < HB / 8; ++n) po[n][0] = po[n][1] = po[n][2] = po[n][3] = 0.f;
+    if (live) {
+      for (int kk = 0; kk < dk / 16; ++kk) {
+        uint32_t a[4], al[4];
+        attn::ldsm_x4(a, q_base + kk * 32);
+        attn::ldsm_x4(al, q_base + q_lo + kk * 32);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) po[n][e] *= eg[e >> 1];
-    }
-  }
-  attn::cp_async_wait<0>();
-  __syncthreads();  // V' and A have landed; every warp is done with Q
-  if (!live) return;  // no barrier below
-  {
-    const uint32_t v_base = attn::smem_u32(sV) + gdn::off_b_rows(lane, lb) + (uint32_t)(hf * HB * 2);
-    const uint32_t a_base = attn::smem_u32(sA) + (uint32_t)(i0 * la * 2) + gdn::off_a_rows(lane, la);
+        for (int nn = 0; nn < HB / 16; ++nn) {
+          if (2 * nn >= nb) continue;
+          uint32_t bq[4];
+          attn::ldsm_x4_t(bq, s_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(po[2 * nn], al, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], al, bq[2], bq[3]);
+          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
+      const float eg[2] = {expf(gb[i0 + gr]), expf(gb[i0 + gr + 8])};
 #pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      if (kk > rb) continue;
-      uint32_t a[4];
-      attn::ldsm_x4(a, a_base + kk * 32);
+      for (int n = 0; n < HB / 8; ++n) {
 #pragma unroll
-      for (int nn = 0; nn < HB / 16; ++nn) {
-        if (2 * nn >= nb) continue;
-        uint32_t bq[4];
-        attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
-        attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
-        attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+        for (int e = 0; e < 4; ++e) po[n][e] *= eg[e >> 1];
       }
     }
-  }
-  // The warp's output tile [16][HB] in Q's space (hi for half 0, lo for half 1, its own rows: no
-  // other warp touches it), then 16-byte stores.
-  bf16* sO = sQ + hf * C * lq + i0 * lq;
-#pragma unroll
-  for (int n = 0; n < HB / 8; ++n) {
-    if (n >= nb) continue;
-    bf16* p = sO + gr * lq + n * 8 + 2 * tq;
-    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(po[n][0], po[n][1]);
-    *reinterpret_cast<uint32_t*>(p + 8 * lq) = pack_bf16x2_rn_fast(po[n][2], po[n][3]);
-  }
-  __syncwarp();
-  const int nrows = min(16, L - i0);
-  if (fuse) {
-    // The gated RMSNorm over each whole value head (dv = FBO: this CTA holds every column), with
-    // gated_rmsnorm_fwd_bf16's sums, products and roundings in the same order: its input is the
-    // bf16 tile above. Both warps of the row block (w and 7 - w) wait for each other's half, then
-    // warp hf takes rows [8 hf, 8 hf + 8) of the block, lane l elements 4l .. 4l + 3 (half l / 16).
-    // (Immediate barrier ids: a register id makes ptxas reserve all sixteen.)
-    switch (rb) {
-      case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
-      case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
-      case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
-      default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+    attn::cp_async_wait<0>();
+    __syncthreads();  // V' has landed; every warp is done with S_c and with gb
+    if (more) {
+      gdn::tile_async_bf16(sS, lb, s_in + (sh + 1) * dk * dv + v0, dv, dk, bw, dk, tid, nt);
+      attn::cp_async_commit();
+      gv_next = tid < C ? g_in[(sh + 1) * C + tid] : 0.f;  // stored below, after the product
     }
-    const int c = 4 * lane;
-    const bf16* src = sQ + (lane >> 4) * C * lq + i0 * lq + (c & (HB - 1));
-    float wv[4];
-    bf16x4_unpack(wr, wv);
+    if (live) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = 8 * hf + j;
-      if (i >= nrows) break;  // warp-uniform
-      float xv[4], zv[4];
-      bf16_lane_load<4>(src + i * lq, xv);
-      bf16x4_unpack(zr[j], zv);
-      float ss = 0.f;
+      for (int kk = 0; kk < C / 16; ++kk) {
+        if (kk > rb) continue;
+        uint32_t a[4];
+        attn::ldsm_x4(a, a_base + kk * 32);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ss = fmaf(xv[e], xv[e], ss);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      const float inv = 1.f / sqrtf(ss / (float)dv + eps);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) xv[e] = xv[e] * inv * wv[e] * (zv[e] / (1.f + expf(-zv[e])));
-      *reinterpret_cast<uint2*>(o + (c0 + i0 + i) * vw + (index_t)h * dv + c) =
-          make_uint2(pack_bf16x2_rne(xv[0], xv[1]), pack_bf16x2_rne(xv[2], xv[3]));
+        for (int nn = 0; nn < HB / 16; ++nn) {
+          if (2 * nn >= nb) continue;
+          uint32_t bq[4];
+          attn::ldsm_x4_t(bq, v_base + (uint32_t)(kk * 16 * lb * 2) + nn * 32);
+          attn::mma16816(po[2 * nn], a, bq[0], bq[1]);
+          attn::mma16816(po[2 * nn + 1], a, bq[2], bq[3]);
+        }
+      }
     }
-    return;
-  }
-  __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
-  for (int e = lane; e < nrows * nb; e += 32) {
-    const int i = e / nb, c = (e - i * nb) * 8;
-    *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sO + i * lq + c);
+    if (more && tid < C) sG[((j + 1) & 1) * C + tid] = gv_next;
+    __syncthreads();  // every warp is done with A and V': the output tile takes A's place
+    if (more) {
+      gdn::tile_async_bf16(sV, lb, vp + (sh + 1) * C * dv + v0, dv, C, bw, C, tid, nt);
+      attn::cp_async_commit();
+    }
+    if (live) {
+      // The warp's output tile [16][HB] (rows i0.., columns hf HB..: no other warp touches it),
+      // then 16-byte stores.
+      bf16* sOw = sO + i0 * lb + hf * HB;
+#pragma unroll
+      for (int n = 0; n < HB / 8; ++n) {
+        if (n >= nb) continue;
+        bf16* p = sOw + gr * lb + n * 8 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(po[n][0], po[n][1]);
+        *reinterpret_cast<uint32_t*>(p + 8 * lb) = pack_bf16x2_rn_fast(po[n][2], po[n][3]);
+      }
+      if (!fuse) {
+        __syncwarp();
+        __nv_bfloat16* oh = o + (c0 + i0) * vw + (index_t)h * dv + v0 + hf * HB;
+        for (int e = lane; e < nrows * nb; e += 32) {
+          const int i = e / nb, c = (e - i * nb) * 8;
+          *reinterpret_cast<uint4*>(oh + (index_t)i * vw + c) = *reinterpret_cast<const uint4*>(sOw + i * lb + c);
+        }
+      }
+    }
+    if (DK == FBO && norm) {
+      // The gated RMSNorm over each whole value head (dv = FBO: this CTA holds every column),
+      // with gated_rmsnorm_fwd_bf16's sums, products and roundings in the same order: its input
+      // is the bf16 tile above. Once both warps of a row block have written their halves, warp
+      // hf takes rows [8 hf, 8 hf + 8) of the block, lane l elements 4l .. 4l + 3. (A CTA
+      // barrier: with a named barrier per row-block pair here, racecheck reported the shared
+      // reads before this loop's later CTA barriers as racing with the copies issued after
+      // them, 12 hazards on the H200, none without the norm; so the loop keeps to CTA barriers.)
+      __syncthreads();
+      if (fuse) {
+        const int c = 4 * lane;
+        const bf16* src = sO + i0 * lb + c;
+        float wv[4];
+        bf16x4_unpack(wr, wv);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          const int i = 8 * hf + r;
+          if (i >= nrows) break;  // warp-uniform
+          float xv[4], zv[4];
+          bf16_lane_load<4>(src + i * lb, xv);
+          bf16x4_unpack(zr[r], zv);
+          float ss = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ss = fmaf(xv[e], xv[e], ss);
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+          const float inv = 1.f / sqrtf(ss / (float)dv + eps);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xv[e] = xv[e] * inv * wv[e] * (zv[e] / (1.f + expf(-zv[e])));
+          *reinterpret_cast<uint2*>(o + (c0 + i0 + i) * vw + (index_t)h * dv + c) =
+              make_uint2(pack_bf16x2_rne(xv[0], xv[1]), pack_bf16x2_rne(xv[2], xv[3]));
+        }
+      }
+    }
+    if (more) __syncthreads();  // the output tile is read: the next head's A takes its place
   }
 }
 

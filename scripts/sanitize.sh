@@ -25,6 +25,12 @@ for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   # racecheck instruments shared memory per access: the kernel tests are enough there.
   # RACE_TESTS narrows racecheck (the slowest tool) where a call splits it (all.sh / models.sh).
   tests="${RACE_TESTS:-$KERNEL_TESTS}"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
+  # initcheck does not see the stores of cuBLASLt's f32-output GEMM. The probe test (an
+  # alloc_uninit buffer the GEMM fills, then read by the conv) passes against the CPU, so every
+  # value the conv reads was written, yet initcheck reports those reads (10,652 on the H200).
+  # The forward's buffers that such a GEMM writes are zero-filled first, so only the probe reads
+  # one uninitialised; initcheck leaves it out.
+  [ "$tool" = initcheck ] && tests="$tests --skip gpu_conv_of_an_f32_gemm_output_in_an_uninit_buffer"
   timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"

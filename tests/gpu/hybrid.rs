@@ -434,6 +434,23 @@ fn gpu_gdn_fast_constant_shape_state_pass_matches_cpu() {
     gdn_check_forms("1/2 heads 128x256 packed", &gdn_inputs(rows, 1, 2, 128, 256, 41), &starts_of(&LENS), &fast);
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_fast_output_takes_each_key_heads_value_heads_in_turn() {
+    // The fast form's output pass runs one CTA per (chunk, key head) over that key head's value
+    // heads: groups of 1, 2 and 4 value heads (the 27B shape's 3 is in the tests above), at the
+    // constant-shape body (128 x 128) and the run-time one (64 x 64, 32 x 160: two value blocks),
+    // on the ragged packed batch, only the fast form (about a minute under racecheck).
+    let rows: usize = LENS.iter().sum();
+    let fast = [GdnForm::ChunkedFast];
+    for (i, (kh, vh, dk, dv)) in
+        [(2, 2, 128, 128), (2, 4, 128, 128), (1, 4, 128, 128), (2, 4, 64, 64), (1, 4, 32, 160)].into_iter().enumerate()
+    {
+        let what = format!("{kh}/{vh} heads {dk}x{dv} packed");
+        gdn_check_forms(&what, &gdn_inputs(rows, kh, vh, dk, dv, 90 + i as u64), &starts_of(&LENS), &fast);
+    }
+}
+
 /// The delta rule and its gated output norm: through `gdn_chunked_norm_fwd` (`fused`) or as
 /// `gdn_chunked_fwd` then `gated_rmsnorm_fwd`. Returns y and what `core` holds afterwards (filled
 /// with 7.0 before the call).
@@ -480,6 +497,7 @@ fn gpu_gdn_fused_output_norm_equals_the_two_ops() {
     let cases = [
         ("1/3 heads 128x128", LENS.to_vec(), 1, 3, 128, 128, true),
         ("16/48 heads 128x128, 129/3/64", vec![129, 3, 64], 16, 48, 128, 128, true),
+        ("2/8 heads 128x128", LENS.to_vec(), 2, 8, 128, 128, true),
         ("2/4 heads 32x64", LENS.to_vec(), 2, 4, 32, 64, false),
     ];
     for (seed, (what, lens, kh, vh, dk, dv, fuses)) in cases.into_iter().enumerate() {

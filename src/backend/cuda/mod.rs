@@ -2989,13 +2989,12 @@ pub fn split_smem(dk: usize, dv: usize) -> [usize; 3] {
 pub fn fast_smem(dk: usize, dv: usize) -> [usize; 3] {
     let (c, p) = (GDN_CHUNK, GDN_FAST_PAD);
     let (lk, lb, lo) = (dk + p, GDN_FAST_BV + p, GDN_FAST_OUT_BV + p);
-    let lq = dk.max(GDN_FAST_OUT_BV / 2) + p;
     [
         2 * (2 * c * lk + 2 * c * (dv + p)) + 4 * (2 * c * (c + 4) + 3 * 256 + 4 * c),
         // 2 stages of U | S_c | V' (W and Ke^T go straight to registers).
         2 * (2 * c * lb + dk * lb + c * lb),
-        // Q hi + lo | K hi + lo, then V' and A | S_c | G.
-        2 * (2 * c * lq + (2 * c * lk).max(c * (lo + c + p)) + dk * lo) + 4 * c,
+        // Q hi + lo | K hi + lo, then V' and A (then the output tile) | S_c | G of two heads.
+        2 * (2 * c * lk + (2 * c * lk).max(2 * c * lo) + dk * lo) + 4 * 2 * c,
     ]
 }
 
@@ -3338,8 +3337,9 @@ impl CudaBackend {
             dk,
             dv,
         };
+        // One CTA per (chunk slot, key head, value block): it takes the key head's value heads in turn.
         let blocks = dv.div_ceil(GDN_FAST_OUT_BV);
-        self.launch(s, out_k, (slots * v_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
+        self.launch(s, out_k, (slots * k_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
     }
 }
 
@@ -3522,7 +3522,7 @@ mod tests {
         assert_eq!(split_scratch_bytes(4096, 2, 48, 128, 128), 416_047_104);
         // The fast form (bf16 scratch and operands), as its header says: each kernel at least
         // two CTAs per SM, the state pass three (its registers decide); dk up to 128.
-        assert_eq!(fast_smem(128, 128), [108_544, 25_600, 104_704]);
+        assert_eq!(fast_smem(128, 128), [108_544, 25_600, 104_960]);
         assert!(3 * (fast_smem(128, 128)[1] + 1024) <= 228 * 1024);
         assert_eq!(GdnForm::ChunkedFast.smem_bytes(128, 128), 108_544);
         assert!(fast_smem(128, 128).iter().all(|&b| 2 * (b + 1024) <= 228 * 1024));
