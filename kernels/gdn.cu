@@ -602,7 +602,7 @@ __device__ __forceinline__ void mma_acc3(Acc& acc, const float* a, int lda, cons
 
 namespace gdn {
 
-// The split forms' prep up to the solve (gdn_split_prep, gdn_fast_prep): CTA (slot, value head)
+// The split form's prep up to the solve (gdn_split_prep): CTA (slot, value head)
 // loads its chunk, takes G, A and solves (I + A) [W | U] = [diag(beta exp(G)) K | diag(beta) V];
 // on return (after a barrier) smem holds W [C][dk+P] | U [C][dv+P] | A [C][C+P] | G [C] | beta [C]
 // in f32 (rows >= L zero, G's pad repeats G_L). False (before any barrier, so the whole CTA
@@ -974,8 +974,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 // Requires dk % 16 == 0, dk <= 128 (two 16-row state tiles per warp), dv % 16 == 0 (the Rust
 //   launcher uses the split form otherwise).
 // Launch (dynamic shared memory in bytes, P = GDN_FAST_PAD bf16, 128/128):
-//   prep   grid n_slots * v_heads, GDN_THREADS (gdn_fast_prep_nk8 where dk = dv = 128,
-//          gdn_fast_prep_nk0 otherwise; likewise gdn_fast_out_nk8 / _nk0);
+//   prep   grid n_slots * k_heads, GDN_THREADS (gdn_fast_prep_nk8 where dk = dv = 128,
+//          gdn_fast_prep_nk0 otherwise; likewise gdn_fast_out_nk8 / _nk0; the CTA takes its
+//          key head's value heads in turn);
 //          2 (2 C (dk+P) + 2 C (dv+P)) + 4 (2 C (C+4) + 768 + 4 C)        (108,544; 2 CTAs/SM)
 //   state  grid n_starts * v_heads * ceil(dv / BV), GDN_FAST_STATE_THREADS (gdn_fast_state_nk8
 //          where dk = 128 and BV divides dv, gdn_fast_state_nk0 otherwise);
@@ -1037,6 +1038,10 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS, 2) gdn_split_out(
 //   divided by dk / 4 at run time).
 //   Registers (ptxas, sm_90a): prep 126 (nk8 and nk0), state 168 (nk8 and nk0; nk0 spills 8
 //   bytes), out 105 (nk8) / 122 (nk0).
+//   Then prep and out took one CTA per (chunk, key head) over its value heads (k, q staged and
+//   K K^T, Q K^T taken once per key head, kept in registers): kernel bench 1.321 -> 1.132 ms at
+//   4 x 3072 (fla 1.137 in the same run) with the output pass alone. Registers: prep 126 (nk8;
+//   nk0 128, spilling 24 bytes), out 124 (nk8) / 128 (nk0).
 // Precision: S_c, V', W, U, Ke^T and A are rounded to bf16 as MMA operands (8 mantissa bits,
 //   ~2e-3 relative each), q and k kept as hi + lo pairs (the prep's k, v and scaled inverse
 //   too: its products drop only lo x lo, ~2^-17 relative), the running state and every accumulator
@@ -1092,9 +1097,11 @@ struct TileF32 {
   index_t sld;
   int cols;  // % 4 == 0
 };
+// (TWO = false: t0 alone, t1 is not read.)
+template <bool TWO = true>
 __device__ __forceinline__ void tiles2_f32_to_bf16x2(const TileF32 t0, const TileF32 t1, int rows, int valid_rows,
                                                      int tid, int nt) {
-  const int c0 = t0.cols / 4, c1 = t1.cols / 4, n0 = rows * c0, n1 = rows * c1;
+  const int c0 = t0.cols / 4, c1 = TWO ? t1.cols / 4 : 1, n0 = rows * c0, n1 = TWO ? rows * c1 : 0;
   const int n = n0 > n1 ? n0 : n1;
   for (int e0 = tid; e0 < n; e0 += FB * nt) {
     float4 x0[FB], x1[FB];
@@ -1187,14 +1194,16 @@ __device__ __forceinline__ void tile_store_fixed(bf16* dst, index_t dld, const b
 
 }  // namespace gdn
 
-// One CTA (GDN_THREADS = 8 warps) per (chunk slot, value head): G, A, the explicit inverse
-// (I + A)^-1 and W, U as its products, written as bf16 W, U and Ke^T (see above).
-// Steps (each ends at a barrier):
-//   1. k, v (f32) staged as bf16 hi + lo pairs (one load batch for both); g, beta; thread 0
-//      sums G (as cpu.rs, unrolled).
+// One CTA (GDN_THREADS = 8 warps) per (chunk slot, key head), taking the key head's value heads
+// in turn: G, A, the explicit inverse (I + A)^-1 and W, U as its products, written as bf16 W, U
+// and Ke^T (see above). k is staged and K K^T taken once for all of them (one CTA per value head
+// did both three times at the 27B shape).
+// Steps (each ends at a barrier), per value head:
+//   1. v (f32; with k for the first head) staged as bf16 hi + lo pairs (one load batch); g,
+//      beta; thread 0 sums G (as cpu.rs, unrolled).
 //   2. K K^T on tensor cores (3 bf16 MMAs per step: hi hi, hi lo, lo hi; ~f32), warp w the row
-//      block w & 3 and the column half w >> 2; masked, decayed and scaled by beta in registers
-//      into A (f32).
+//      block w & 3 and the column half w >> 2, for the first head only (kept in registers);
+//      masked, decayed and scaled by this head's beta into A (f32).
 //   3. Ai = (I + A)^-1 in f32 on CUDA cores: the four 16 x 16 diagonal blocks by substitution
 //      (one column a thread, 16 steps), then the off-diagonal blocks by distance d = 1, 2, 3:
 //      Ai[i][i-d] = -Ai[i][i] (sum_{m=i-d}^{i-1} A[i][m] Ai[m][i-d]) (two barriers each).
@@ -1237,224 +1246,233 @@ __device__ __forceinline__ void fast_prep_body(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   if (blockDim.x != GDN_THREADS || (dk % 16) != 0 || (dv % 16) != 0 || dk > 128) __trap();
-  const int h = (int)(blockIdx.x % (unsigned)v_heads);
-  const index_t slot = (index_t)(blockIdx.x / (unsigned)v_heads);
+  const int kh = (int)(blockIdx.x % (unsigned)k_heads);
+  const index_t slot = (index_t)(blockIdx.x / (unsigned)k_heads);
   int b;
   index_t c0;
   int L;
   if (!gdn::slot_chunk(seq_starts, n_starts, rows, slot, b, c0, L)) return;
-  const int kh = h / (v_heads / k_heads);
+  const int gv = v_heads / k_heads, h0 = kh * gv;  // this CTA's value heads h0 .. h0 + gv - 1
   const index_t kw = (index_t)k_heads * dk, vw = (index_t)v_heads * dv;
-  // beta and g into registers first (nt >= C), stored after k and v: their loads are in flight
-  // with those of k and v (G is summed below).
-  const float bv = tid < L ? bf16_to_f32(beta[(c0 + tid) * v_heads + h]) : 0.f;
-  const float gv = tid < L ? g[(c0 + tid) * v_heads + h] : 0.f;
-  gdn::tiles2_f32_to_bf16x2({Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk},
-                            {Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, dv}, C, L, tid, nt);
-  if (tid < C) {
-    Bt[tid] = bv;
-    G[tid] = gv;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // Sequential, as cpu.rs accumulates it; the pad repeats G_L. Unrolled, so the C shared-memory
-    // loads issue together and only the adds are in a chain.
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      if (i < L) acc += G[i];
-      G[i] = acc;
-    }
-  }
-  // 2. K K^T: warp w rows rb*16.., columns ch*32..ch*32+31 (skipped where wholly above the
-  // diagonal: nothing reads those entries of A).
+  // 2. K K^T (raw, kept in registers for every value head of the key head): warp w rows
+  // rb*16.., columns ch*32..ch*32+31 (skipped where wholly above the diagonal: nothing reads
+  // those entries of A).
   const int rb = warp & 3, ch = warp >> 2;
-  const uint32_t kh_s = attn::smem_u32(Kh), kl_s = attn::smem_u32(Kl);
+  const bool kk_live = ch * 32 <= rb * 16 + 15;
   float kk_acc[4][4];
 #pragma unroll
   for (int n = 0; n < 4; ++n) kk_acc[n][0] = kk_acc[n][1] = kk_acc[n][2] = kk_acc[n][3] = 0.f;
-  const bool kk_live = ch * 32 <= rb * 16 + 15;
-  if (kk_live) {
-    const uint32_t a_off = gdn::off_a_rows(lane, lk) + (uint32_t)(rb * 16 * lk * 2);
-    const uint32_t b_off = gdn::off_b_cols(lane, lk) + (uint32_t)(ch * 32 * lk * 2);
-    for (int k0 = 0; k0 < dk; k0 += 16) {
-      uint32_t ah[4], al[4];
-      attn::ldsm_x4(ah, kh_s + a_off + k0 * 2);
-      attn::ldsm_x4(al, kl_s + a_off + k0 * 2);
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn) {
-        uint32_t bh[4], bl[4];
-        attn::ldsm_x4(bh, kh_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
-        attn::ldsm_x4(bl, kl_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
-        attn::mma16816(kk_acc[2 * nn], al, bh[0], bh[1]);
-        attn::mma16816(kk_acc[2 * nn], ah, bl[0], bl[1]);
-        attn::mma16816(kk_acc[2 * nn], ah, bh[0], bh[1]);
-        attn::mma16816(kk_acc[2 * nn + 1], al, bh[2], bh[3]);
-        attn::mma16816(kk_acc[2 * nn + 1], ah, bl[2], bl[3]);
-        attn::mma16816(kk_acc[2 * nn + 1], ah, bh[2], bh[3]);
-      }
+  for (int jh = 0; jh < gv; ++jh) {
+    const int h = h0 + jh;
+    // beta and g into registers first (nt >= C), stored after v (and k): their loads are in
+    // flight with those (G is summed below).
+    const float bv = tid < L ? bf16_to_f32(beta[(c0 + tid) * v_heads + h]) : 0.f;
+    const float gv_ = tid < L ? g[(c0 + tid) * v_heads + h] : 0.f;
+    const gdn::TileF32 vt = {Vh, C * lv, lv, v + c0 * vw + (index_t)h * dv, vw, dv};
+    if (jh == 0) {
+      gdn::tiles2_f32_to_bf16x2({Kh, C * lk, lk, k + c0 * kw + (index_t)kh * dk, kw, dk}, vt, C, L, tid, nt);
+    } else {
+      gdn::tiles2_f32_to_bf16x2<false>(vt, vt, C, L, tid, nt);
     }
-  }
-  __syncthreads();  // G summed
-  if (kk_live) {
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = rb * 16 + gr + 8 * (e >> 1), j = ch * 32 + n * 8 + 2 * tq + (e & 1);
-        A[i * LA + j] = (j < i && i < L) ? Bt[i] * kk_acc[n][e] * expf(G[i] - G[j]) : 0.f;
-      }
-    }
-  }
-  for (int i = tid; i < C; i += nt) {
-    Sw[i] = Bt[i] * expf(G[i]);
-    Ef[i] = i < L ? expf(G[L - 1] - G[i]) : 0.f;
-  }
-  __syncthreads();
-  // 3. Diagonal blocks of Ai: thread t < C solves column t & 15 of block t >> 4.
-  if (tid < C) {
-    const int base = (tid >> 4) * 16, c = tid & 15;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float s = i == c ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s -= A[(base + i) * LA + base + j] * x[j];
-      x[i] = s;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) Ai[(base + i) * LA + base + c] = x[i];
-  }
-  __syncthreads();
-  // Each thread takes 4 adjacent columns of one row (a float4 of the right operand, its left
-  // operand entry used 4 times): a quarter of the shared-memory loads of one entry a thread, the
-  // same sums in the same order.
-  for (int d = 1; d < 4; ++d) {
-    const int nb = 4 - d;
-    for (int e = tid; e < nb * 64; e += nt) {
-      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
-      const float* a = A + (i * 16 + r) * LA + m * 16;
-      const float* x = Ai + (m * 16) * LA + m * 16 + c;
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int t = 0; t < 16 * d; ++t) {
-        const float av = a[t];
-        const float4 xv = *reinterpret_cast<const float4*>(x + t * LA);
-        s.x += av * xv.x;
-        s.y += av * xv.y;
-        s.z += av * xv.z;
-        s.w += av * xv.w;
-      }
-      *reinterpret_cast<float4*>(Tm + m * 256 + r * 16 + c) = s;
+    if (tid < C) {
+      Bt[tid] = bv;
+      G[tid] = gv_;
     }
     __syncthreads();
-    for (int e = tid; e < nb * 64; e += nt) {
-      const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
-      const float* a = Ai + (i * 16 + r) * LA + i * 16;
-      const float* t = Tm + m * 256 + c;
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (tid == 0) {
+      // Sequential, as cpu.rs accumulates it; the pad repeats G_L. Unrolled, so the C shared-memory
+      // loads issue together and only the adds are in a chain.
+      float acc = 0.f;
 #pragma unroll
-      for (int u = 0; u < 16; ++u) {
-        const float av = a[u];
-        const float4 tv = *reinterpret_cast<const float4*>(t + u * 16);
-        s.x += av * tv.x;
-        s.y += av * tv.y;
-        s.z += av * tv.z;
-        s.w += av * tv.w;
+      for (int i = 0; i < C; ++i) {
+        if (i < L) acc += G[i];
+        G[i] = acc;
       }
-      *reinterpret_cast<float4*>(Ai + (i * 16 + r) * LA + m * 16 + c) = make_float4(-s.x, -s.y, -s.z, -s.w);
     }
-    __syncthreads();
-  }
-  // 4. W (warps 0-3, row block w) and U (warps 4-7, row block 7 - w): warps w and w + 4 share a
-  // scheduler, and the work grows with the row block (rb + 1 k-steps), so each scheduler gets the
-  // row blocks r and 3 - r.
-  {
-    const bool is_u = warp >= 4;
-    const int rb = is_u ? 7 - warp : warp;
-    const int ncols = is_u ? dv : dk, ld = is_u ? lv : lk;
-    const float* sc = is_u ? Bt : Sw;
-    const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
-    bf16* dst = (is_u ? u_out + (slot * v_heads + h) * C * dv : w_out + (slot * v_heads + h) * C * dk);
-    const int nk = dk / 16;  // W's k-steps (one pass: dk <= 128)
-    const uint32_t b_off = gdn::off_b_rows(lane, ld);
-    const int r0 = rb * 16 + gr, r1 = r0 + 8;
-    for (int n0 = 0; n0 < ncols; n0 += 128) {
-      float acc[16][4];
-#pragma unroll
-      for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-      for (int kk = 0; kk <= rb; ++kk) {
-        const int j0 = kk * 16 + 2 * tq, j1 = j0 + 8;
-        const float s00 = sc[j0], s01 = sc[j0 + 1], s10 = sc[j1], s11 = sc[j1 + 1];
-        const float x[8] = {Ai[r0 * LA + j0] * s00, Ai[r0 * LA + j0 + 1] * s01, Ai[r1 * LA + j0] * s00,
-                            Ai[r1 * LA + j0 + 1] * s01, Ai[r0 * LA + j1] * s10, Ai[r0 * LA + j1 + 1] * s11,
-                            Ai[r1 * LA + j1] * s10, Ai[r1 * LA + j1 + 1] * s11};
+    if (jh == 0 && kk_live) {
+      const uint32_t kh_s = attn::smem_u32(Kh), kl_s = attn::smem_u32(Kl);
+      const uint32_t a_off = gdn::off_a_rows(lane, lk) + (uint32_t)(rb * 16 * lk * 2);
+      const uint32_t b_off = gdn::off_b_cols(lane, lk) + (uint32_t)(ch * 32 * lk * 2);
+      for (int k0 = 0; k0 < dk; k0 += 16) {
         uint32_t ah[4], al[4];
+        attn::ldsm_x4(ah, kh_s + a_off + k0 * 2);
+        attn::ldsm_x4(al, kl_s + a_off + k0 * 2);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          ah[q] = attn::pack_op(x[2 * q], x[2 * q + 1]);
-          al[q] = gdn::lo_part(x[2 * q], x[2 * q + 1], ah[q]);
-        }
-#pragma unroll
-        for (int nn = 0; nn < 8; ++nn) {
-          if (n0 + nn * 16 < ncols) {
-            const uint32_t o = b_off + (uint32_t)(kk * 16 * ld * 2) + (uint32_t)((n0 + nn * 16) * 2);
-            uint32_t bh[4], bl[4];
-            attn::ldsm_x4_t(bh, xh_s + o);
-            attn::ldsm_x4_t(bl, xl_s + o);
-            attn::mma16816(acc[2 * nn], al, bh[0], bh[1]);
-            attn::mma16816(acc[2 * nn], ah, bl[0], bl[1]);
-            attn::mma16816(acc[2 * nn], ah, bh[0], bh[1]);
-            attn::mma16816(acc[2 * nn + 1], al, bh[2], bh[3]);
-            attn::mma16816(acc[2 * nn + 1], ah, bl[2], bl[3]);
-            attn::mma16816(acc[2 * nn + 1], ah, bh[2], bh[3]);
-          }
+        for (int nn = 0; nn < 2; ++nn) {
+          uint32_t bh[4], bl[4];
+          attn::ldsm_x4(bh, kh_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
+          attn::ldsm_x4(bl, kl_s + b_off + (uint32_t)(nn * 16 * lk * 2) + k0 * 2);
+          attn::mma16816(kk_acc[2 * nn], al, bh[0], bh[1]);
+          attn::mma16816(kk_acc[2 * nn], ah, bl[0], bl[1]);
+          attn::mma16816(kk_acc[2 * nn], ah, bh[0], bh[1]);
+          attn::mma16816(kk_acc[2 * nn + 1], al, bh[2], bh[3]);
+          attn::mma16816(kk_acc[2 * nn + 1], ah, bl[2], bl[3]);
+          attn::mma16816(kk_acc[2 * nn + 1], ah, bh[2], bh[3]);
         }
       }
-      if (is_u) {
+    }
+    __syncthreads();  // G summed
+    if (kk_live) {
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          const int c = n0 + n * 8 + 2 * tq;
-          if (c < ncols) {
-            *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rn_fast(acc[n][0], acc[n][1]);
-            *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rn_fast(acc[n][2], acc[n][3]);
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = rb * 16 + gr + 8 * (e >> 1), j = ch * 32 + n * 8 + 2 * tq + (e & 1);
+          A[i * LA + j] = (j < i && i < L) ? Bt[i] * kk_acc[n][e] * expf(G[i] - G[j]) : 0.f;
+        }
+      }
+    }
+    for (int i = tid; i < C; i += nt) {
+      Sw[i] = Bt[i] * expf(G[i]);
+      Ef[i] = i < L ? expf(G[L - 1] - G[i]) : 0.f;
+    }
+    __syncthreads();
+    // 3. Diagonal blocks of Ai: thread t < C solves column t & 15 of block t >> 4.
+    if (tid < C) {
+      const int base = (tid >> 4) * 16, c = tid & 15;
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float s = i == c ? 1.f : 0.f;
+#pragma unroll
+        for (int j = 0; j < i; ++j) s -= A[(base + i) * LA + base + j] * x[j];
+        x[i] = s;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Ai[(base + i) * LA + base + c] = x[i];
+    }
+    __syncthreads();
+    // Each thread takes 4 adjacent columns of one row (a float4 of the right operand, its left
+    // operand entry used 4 times): a quarter of the shared-memory loads of one entry a thread, the
+    // same sums in the same order.
+    for (int d = 1; d < 4; ++d) {
+      const int nb = 4 - d;
+      for (int e = tid; e < nb * 64; e += nt) {
+        const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
+        const float* a = A + (i * 16 + r) * LA + m * 16;
+        const float* x = Ai + (m * 16) * LA + m * 16 + c;
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int t = 0; t < 16 * d; ++t) {
+          const float av = a[t];
+          const float4 xv = *reinterpret_cast<const float4*>(x + t * LA);
+          s.x += av * xv.x;
+          s.y += av * xv.y;
+          s.z += av * xv.z;
+          s.w += av * xv.w;
+        }
+        *reinterpret_cast<float4*>(Tm + m * 256 + r * 16 + c) = s;
+      }
+      __syncthreads();
+      for (int e = tid; e < nb * 64; e += nt) {
+        const int m = e >> 6, r = (e >> 2) & 15, c = (e & 3) * 4, i = m + d;
+        const float* a = Ai + (i * 16 + r) * LA + i * 16;
+        const float* t = Tm + m * 256 + c;
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < 16; ++u) {
+          const float av = a[u];
+          const float4 tv = *reinterpret_cast<const float4*>(t + u * 16);
+          s.x += av * tv.x;
+          s.y += av * tv.y;
+          s.z += av * tv.z;
+          s.w += av * tv.w;
+        }
+        *reinterpret_cast<float4*>(Ai + (i * 16 + r) * LA + m * 16 + c) = make_float4(-s.x, -s.y, -s.z, -s.w);
+      }
+      __syncthreads();
+    }
+    // 4. W (warps 0-3, row block w) and U (warps 4-7, row block 7 - w): warps w and w + 4 share a
+    // scheduler, and the work grows with the row block (rb + 1 k-steps), so each scheduler gets the
+    // row blocks r and 3 - r.
+    {
+      const bool is_u = warp >= 4;
+      const int rb = is_u ? 7 - warp : warp;
+      const int ncols = is_u ? dv : dk, ld = is_u ? lv : lk;
+      const float* sc = is_u ? Bt : Sw;
+      const uint32_t xh_s = attn::smem_u32(is_u ? Vh : Kh), xl_s = attn::smem_u32(is_u ? Vl : Kl);
+      bf16* dst = (is_u ? u_out + (slot * v_heads + h) * C * dv : w_out + (slot * v_heads + h) * C * dk);
+      const int nk = dk / 16;  // W's k-steps (one pass: dk <= 128)
+      const uint32_t b_off = gdn::off_b_rows(lane, ld);
+      const int r0 = rb * 16 + gr, r1 = r0 + 8;
+      for (int n0 = 0; n0 < ncols; n0 += 128) {
+        float acc[16][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        for (int kk = 0; kk <= rb; ++kk) {
+          const int j0 = kk * 16 + 2 * tq, j1 = j0 + 8;
+          const float s00 = sc[j0], s01 = sc[j0 + 1], s10 = sc[j1], s11 = sc[j1 + 1];
+          const float x[8] = {Ai[r0 * LA + j0] * s00, Ai[r0 * LA + j0 + 1] * s01, Ai[r1 * LA + j0] * s00,
+                              Ai[r1 * LA + j0 + 1] * s01, Ai[r0 * LA + j1] * s10, Ai[r0 * LA + j1 + 1] * s11,
+                              Ai[r1 * LA + j1] * s10, Ai[r1 * LA + j1 + 1] * s11};
+          uint32_t ah[4], al[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            ah[q] = attn::pack_op(x[2 * q], x[2 * q + 1]);
+            al[q] = gdn::lo_part(x[2 * q], x[2 * q + 1], ah[q]);
+          }
+#pragma unroll
+          for (int nn = 0; nn < 8; ++nn) {
+            if (n0 + nn * 16 < ncols) {
+              const uint32_t o = b_off + (uint32_t)(kk * 16 * ld * 2) + (uint32_t)((n0 + nn * 16) * 2);
+              uint32_t bh[4], bl[4];
+              attn::ldsm_x4_t(bh, xh_s + o);
+              attn::ldsm_x4_t(bl, xl_s + o);
+              attn::mma16816(acc[2 * nn], al, bh[0], bh[1]);
+              attn::mma16816(acc[2 * nn], ah, bl[0], bl[1]);
+              attn::mma16816(acc[2 * nn], ah, bh[0], bh[1]);
+              attn::mma16816(acc[2 * nn + 1], al, bh[2], bh[3]);
+              attn::mma16816(acc[2 * nn + 1], ah, bl[2], bl[3]);
+              attn::mma16816(acc[2 * nn + 1], ah, bh[2], bh[3]);
+            }
           }
         }
-      } else {
-        // W in the state pass's A-fragment order: a lane's accumulators of n8 tiles 2 kt and
-        // 2 kt + 1 are its A fragment of k-step kt (gdn::frag_index).
+        if (is_u) {
 #pragma unroll
-        for (int kt = 0; kt < 8; ++kt) {
-          if (kt < nk) {
-            const uint4 f = make_uint4(pack_bf16x2_rn_fast(acc[2 * kt][0], acc[2 * kt][1]),
-                                       pack_bf16x2_rn_fast(acc[2 * kt][2], acc[2 * kt][3]),
-                                       pack_bf16x2_rn_fast(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
-                                       pack_bf16x2_rn_fast(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
-            *reinterpret_cast<uint4*>(dst + gdn::frag_index(rb, kt, nk, lane)) = f;
+          for (int n = 0; n < 16; ++n) {
+            const int c = n0 + n * 8 + 2 * tq;
+            if (c < ncols) {
+              *reinterpret_cast<uint32_t*>(dst + r0 * ncols + c) = pack_bf16x2_rn_fast(acc[n][0], acc[n][1]);
+              *reinterpret_cast<uint32_t*>(dst + r1 * ncols + c) = pack_bf16x2_rn_fast(acc[n][2], acc[n][3]);
+            }
+          }
+        } else {
+          // W in the state pass's A-fragment order: a lane's accumulators of n8 tiles 2 kt and
+          // 2 kt + 1 are its A fragment of k-step kt (gdn::frag_index).
+#pragma unroll
+          for (int kt = 0; kt < 8; ++kt) {
+            if (kt < nk) {
+              const uint4 f = make_uint4(pack_bf16x2_rn_fast(acc[2 * kt][0], acc[2 * kt][1]),
+                                         pack_bf16x2_rn_fast(acc[2 * kt][2], acc[2 * kt][3]),
+                                         pack_bf16x2_rn_fast(acc[2 * kt + 1][0], acc[2 * kt + 1][1]),
+                                         pack_bf16x2_rn_fast(acc[2 * kt + 1][2], acc[2 * kt + 1][3]));
+              *reinterpret_cast<uint4*>(dst + gdn::frag_index(rb, kt, nk, lane)) = f;
+            }
           }
         }
       }
     }
-  }
-  // Ke^T = (diag(exp(G_L - G_j)) K)^T from the staged hi + lo (rows j >= L zero), in the state
-  // pass's A-fragment order (m: dk tiles, k: the chunk's 4 k-steps), and G. Fragment register r
-  // of a lane holds Ke^T rows 16 mt + gr + 8 (r & 1), columns (chunk rows) 16 kt + 2 tq + 8 (r >> 1)
-  // and + 1.
-  const index_t sh = slot * v_heads + h;
-  bf16* ko = ke_out + sh * C * dk;
-  for (int e = tid; e < C * dk / 8; e += nt) {
-    const int t = e >> 5, ln = e & 31, mt = t / (C / 16), kt = t - mt * (C / 16);
-    const int fr = ln >> 2, fq = ln & 3;
-    uint32_t f[4];
+    // Ke^T = (diag(exp(G_L - G_j)) K)^T from the staged hi + lo (rows j >= L zero), in the state
+    // pass's A-fragment order (m: dk tiles, k: the chunk's 4 k-steps), and G. Fragment register r
+    // of a lane holds Ke^T rows 16 mt + gr + 8 (r & 1), columns (chunk rows) 16 kt + 2 tq + 8 (r >> 1)
+    // and + 1.
+    const index_t sh = slot * v_heads + h;
+    bf16* ko = ke_out + sh * C * dk;
+    for (int e = tid; e < C * dk / 8; e += nt) {
+      const int t = e >> 5, ln = e & 31, mt = t / (C / 16), kt = t - mt * (C / 16);
+      const int fr = ln >> 2, fq = ln & 3;
+      uint32_t f[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
-      const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
-      const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
-      f[r] = pack_bf16x2_rn_fast(x0 * Ef[j], x1 * Ef[j + 1]);
+      for (int r = 0; r < 4; ++r) {
+        const int m = mt * 16 + fr + 8 * (r & 1), j = kt * 16 + 2 * fq + 8 * (r >> 1);
+        const float x0 = bf16_to_f32(Kh[j * lk + m]) + bf16_to_f32(Kl[j * lk + m]);
+        const float x1 = bf16_to_f32(Kh[(j + 1) * lk + m]) + bf16_to_f32(Kl[(j + 1) * lk + m]);
+        f[r] = pack_bf16x2_rn_fast(x0 * Ef[j], x1 * Ef[j + 1]);
+      }
+      *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
     }
-    *reinterpret_cast<uint4*>(ko + gdn::frag_index(mt, kt, C / 16, ln)) = make_uint4(f[0], f[1], f[2], f[3]);
+    for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
+    if (jh + 1 < gv) __syncthreads();  // the next head's v, beta and G take this head's place
   }
-  for (int i = tid; i < C; i += nt) g_out[sh * C + i] = G[i];
 }
 
 #define GDN_FAST_PREP_EXPORT(NK)                                                                                    \

@@ -3287,7 +3287,9 @@ impl CudaBackend {
         } else {
             (launch::Kernel::GdnFastPrepNk0, launch::Kernel::GdnFastOutNk0)
         };
-        self.launch(s, prep_k, (slots * v_heads, GDN_THREADS, sm_prep), prep)?;
+        // One CTA per (chunk slot, key head) in the prep and output passes: each takes the key
+        // head's value heads in turn, sharing k (and q) and their products.
+        self.launch(s, prep_k, (slots * k_heads, GDN_THREADS, sm_prep), prep)?;
         let state_args = launch::GdnFastStateNk {
             w_in: w.at(OP, 0)?,
             ke_in: ke.at(OP, 0)?,
@@ -3337,7 +3339,6 @@ impl CudaBackend {
             dk,
             dv,
         };
-        // One CTA per (chunk slot, key head, value block): it takes the key head's value heads in turn.
         let blocks = dv.div_ceil(GDN_FAST_OUT_BV);
         self.launch(s, out_k, (slots * k_heads * blocks, GDN_FAST_OUT_THREADS, sm_out), out)
     }
