@@ -437,8 +437,8 @@ fn gpu_gdn_fast_constant_shape_state_pass_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gdn_fast_output_takes_each_key_heads_value_heads_in_turn() {
-    // The fast form's output pass runs one CTA per (chunk, key head) over that key head's value
-    // heads: groups of 1, 2 and 4 value heads (the 27B shape's 3 is in the tests above), at the
+    // The fast form's prep and output passes run one CTA per (chunk, key head) over that key
+    // head's value heads: groups of 1, 2 and 4 value heads (the 27B shape's 3 is in the tests above), at the
     // constant-shape body (128 x 128) and the run-time one (64 x 64, 32 x 160: two value blocks),
     // on the ragged packed batch, only the fast form (about a minute under racecheck).
     let rows: usize = LENS.iter().sum();
