@@ -1773,8 +1773,8 @@ GDN_FAST_STATE_EXPORT(8)
 // value head: A's tiles, Q S_c, A V', the output rows (or their gated norm); the next head's S_c
 // loads during A V' and the output, its V' during the output.
 // Shared memory (bf16): Q hi, Q lo [C][lq] | K hi, K lo [C][lk], then V' [C][BO+P] and A [C][C+P],
-// the output tile [C][BO+P] over A once A V' is done (so the K region holds 2 C (BO+P)) | S_c
-// [dk][BO+P] | G [2][C] f32 (this head's and the next); lq = lk = dk + P.
+// the output tile [C][BO+P] over A once A V' is done (so the K region holds max(2 C lk,
+// 2 C (BO+P))) | S_c [dk][BO+P] | G [2][C] f32 (this head's and the next); lq = lk = dk + P.
 // The output body, compiled twice as the state pass's is: DK = 128 for dk = dv = 128 (one value
 // block; every loop bound a constant) and DK = 0 for the run-time shapes. With norm set (DK = 128
 // only) it writes the Gated DeltaNet's gated RMSNorm of its output instead of the output
