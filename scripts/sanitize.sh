@@ -7,7 +7,9 @@
 #   becomes cuMemFreeAsync on its owner stream after waiting for the recorded foreign uses), over
 #   the async-vs-sync suite and the run tests: a missing record-use shows up as a race.
 # Exit status 0 only if every tool reports 0 errors. Env: SANITIZERS (tool list), SAN_TESTS, RACE_TESTS,
-# KERNEL_TESTS, STREAM_TESTS (the stream-order pass's tests; none skips it).
+# KERNEL_TESTS, STREAM_TESTS (the stream-order pass's tests; none skips it), SHARD=i/N (this
+# process takes modules i, i + N, ... of KERNEL_TESTS and of RACE_TESTS, and the async-vs-sync
+# suite only in shard 0: all.sh runs N of them side by side, each with its own OUT).
 set -uo pipefail
 B=${1:-gpu-bundle}
 OUT=${OUT:-gpu-logs}
@@ -18,13 +20,21 @@ export DFLASH_REPO_ROOT=${DFLASH_REPO_ROOT:-$PWD} DFLASH_BIN=${DFLASH_BIN:-$PWD/
 # Every kernel family's module under tests/gpu/ (not the whole-model training and oracle tests).
 KERNEL_TESTS=${KERNEL_TESTS:-"gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::"}
 PIPE_TESTS=${SAN_TESTS:-nan_suite::gpu_async_matches_sync_on_one_gpu}
+RACE_LIST=${RACE_TESTS:-$KERNEL_TESTS}
+if [ -n "${SHARD:-}" ]; then
+  si=${SHARD%/*} sn=${SHARD#*/}
+  pick() { local i=0 m out=""; for m in $1; do [ $((i % sn)) -eq "$si" ] && out="$out $m"; i=$((i + 1)); done; echo $out; }
+  KERNEL_TESTS=$(pick "$KERNEL_TESTS") RACE_LIST=$(pick "$RACE_LIST")
+  [ "$si" -eq 0 ] || PIPE_TESTS=""
+fi
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   log="$OUT/sanitize-$tool.log"
   # racecheck instruments shared memory per access: the kernel tests are enough there.
   # RACE_TESTS narrows racecheck (the slowest tool) where a call splits it (all.sh / models.sh).
-  tests="${RACE_TESTS:-$KERNEL_TESTS}"; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
+  tests=$RACE_LIST; [ "$tool" = racecheck ] || tests="$KERNEL_TESTS $PIPE_TESTS"
+  if [ -z "${tests// /}" ]; then echo "$tool: no tests in shard ${SHARD:-}"; continue; fi
   # initcheck does not see the stores of cuBLASLt's f32-output GEMM. The probe test (an
   # alloc_uninit buffer the GEMM fills, then read by the conv) passes against the CPU, so every
   # value the conv reads was written, yet initcheck reports those reads (on the H200).
