@@ -2,11 +2,11 @@
 # Every GPU test, the sanitizers and the kernel bench in one device call (under 10 minutes on one
 # H200): the attention peers and the kernel bench with its Gated DeltaNet rows, the
 # flash-linear-attention / SDPA reference beside them, then every GPU test in parallel with
-# memcheck, synccheck and the stream-order pass (initcheck and racecheck: a second call, below). The tests go through run.sh, which counts
-# the GPUs: on one GPU the two-GPU tests (names containing two_gpu) are skipped with a line saying
-# how many; the CPU tests (run by `cargo test` everywhere) are left out by the filter `gpu_`. The
-# model-scale runs (prof8b, pipe8b, run27b, eval8b, decode8b) are run.sh modes of
-# their own, for a second call.
+# memcheck, synccheck and the stream-order pass (initcheck and racecheck: a second call, below).
+# The tests go through run.sh, which counts the GPUs: on one GPU the two-GPU tests (names
+# containing two_gpu) are skipped with a line saying how many; the CPU tests (run by `cargo test`
+# everywhere) are left out by the filter `gpu_`. The model-scale runs (prof8b, pipe8b, run27b,
+# eval8b, decode8b) are run.sh modes of their own, for a second call.
 # Usage, from the repository root on the GPU machine: bash gpu-bundle/all.sh (summaries under $OUT:
 # peers.log, bench.log, hybridbench.log, tests.log, summary.txt; few files, so the device tool
 # returns them all). Each part has its own timeout so that the whole stays under a 10-minute call.
@@ -60,10 +60,9 @@ fi
 # TOOLS' default and the second call above).
 for tool in ${TOOLS:-memcheck synccheck}; do
   for i in $(seq 0 $((N - 1))); do
-    sh=""; [ "$N" -gt 1 ] && sh=$i/$N
-    mkdir -p $L/$tool-$i
-    ( OUT=$L/$tool-$i SHARD=$sh SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::}" \
-      timeout $W bash $B/sanitize.sh $B > $L/san-$tool-$i.txt 2>&1; echo "$tool${sh:+ shard $sh} rc $?" >> $L/san-$tool-$i.txt ) &
+    shard=""; [ "$N" -gt 1 ] && shard=$i/$N
+    ( OUT=$L/$tool-$i SHARD=$shard SANITIZERS=$tool STREAM_TESTS=none RACE_TESTS="${RACE_TESTS:-gpu::gemm:: gpu::norm:: gpu::elementwise:: gpu::pack:: gpu::attention:: gpu::hybrid_fused:: gpu::cross_entropy:: gpu::optimizer::}" \
+      timeout $W bash $B/sanitize.sh $B > $L/san-$tool-$i.txt 2>&1; echo "$tool${shard:+ shard $shard} rc $?" >> $L/san-$tool-$i.txt ) &
   done
 done
 wait
