@@ -124,7 +124,7 @@ fn main() {
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
     // decode, gdn-conv add-norm norm-rope, attention, gdn, fc, gemm-algos) whose name contains a
-    // pattern; the peaks are always measured.
+    // pattern; the peaks are always measured. gemm-model runs only when named exactly.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();
@@ -684,6 +684,12 @@ fn main() {
         }
     }
 
+    // Named only (DFLASH_BENCH_KERNELS=gemm-model): about 20 s of GEMMs.
+    if only.iter().any(|p| p == "gemm-model") {
+        gemm_model(&be, &random);
+        gemm_candidates_sustained(&be, &random);
+    }
+
     let peers = load_peers();
     println!("\n{:<48} {:>10} {:>12} {:>8} {:>10} {:>8}", "kernel", "time", "throughput", "% peak", "peer", "vs peer");
     for r in &rows {
@@ -702,4 +708,195 @@ fn main() {
         });
     }
     println!("\nallocator: {:?}", be.allocator_stats());
+}
+
+/// The Qwen3.6-27B forward's GEMMs (layers 0..61, 4 x 3072 tokens) without the rest of the
+/// forward: each shape alone (the median of single calls, the GPU idle between them) against the
+/// whole list back to back, and the largest one back to back for about a second. Whether the
+/// GEMMs are slower in the model than alone, and whether the cause is the sequence or the
+/// sustained load (the clocks; sample them beside this group with nvidia-smi). Then the list with
+/// each shape's candidate picked by two tile rules, against the heuristic's first.
+/// On the H200 (700 W cap) the list ran at 677-683 TFLOP/s back to back with the SM clock at
+/// 1425-1500 MHz and the power-cap throttle reason set throughout, the single calls at 714-738;
+/// the tile rules gained 0.9%.
+fn gemm_model(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as Backend>::Buf) {
+    let s = be.compute_stream();
+    let m = 12288;
+    // (name, n, k, f32 output): a Gated DeltaNet layer's projections, a full-attention layer's,
+    // the MLP's.
+    let linear =
+        [("qkv", 10240, 5120, true), ("z", 6144, 5120, false), ("b|a", 96, 5120, false), ("out", 5120, 6144, false)];
+    let full =
+        [("q|gate", 12288, 5120, false), ("k", 1024, 5120, false), ("v", 1024, 5120, false), ("o", 5120, 6144, false)];
+    let mlp = [("gate|up", 34816, 5120, false), ("down", 5120, 17408, false)];
+    let a = random(m * 17408, 21);
+    let shapes: Vec<_> = linear.iter().chain(&full).chain(&mlp).copied().collect();
+    let ws: Vec<_> = shapes.iter().enumerate().map(|(i, &(_, n, k, _))| random(n * k, 30 + i as u64)).collect();
+    let mut cs: Vec<_> = shapes
+        .iter()
+        .map(|&(_, n, _, f32_out)| be.alloc(&s, if f32_out { DType::F32 } else { DType::BF16 }, m * n).unwrap())
+        .collect();
+    let mut list = Vec::new();
+    for l in 0..62 {
+        let attn = if l % 4 == 3 { linear.len()..linear.len() + full.len() } else { 0..linear.len() };
+        list.extend(attn.chain(shapes.len() - 2..shapes.len()));
+    }
+    let mut call_with = |i: usize, cand: usize| {
+        let (_, n, k, _) = shapes[i];
+        assert!(be.gemm_with(&s, &Gemm::linear(m, n, k), &a, 0, &ws[i], 0, &mut cs[i], 0, cand).unwrap());
+    };
+    let flop = |i: usize| 2.0 * (m * shapes[i].1 * shapes[i].2) as f64;
+    println!("\nthe 27B forward's GEMMs (4 x 3072 tokens, layers 0..61), alone and in sequence:");
+    let mut alone = vec![0.0; shapes.len()];
+    for (i, t) in alone.iter_mut().enumerate() {
+        *t = time(be, 10, || call_with(i, 0));
+        let count = list.iter().filter(|&&j| j == i).count();
+        println!(
+            "  {:<8} {m}x{}x{}{}: {:.3} ms alone, {:.0} TFLOP/s; x {count}",
+            shapes[i].0,
+            shapes[i].1,
+            shapes[i].2,
+            if shapes[i].3 { " (f32 out)" } else { "" },
+            *t * 1e3,
+            flop(i) / *t / 1e12
+        );
+    }
+    let total_flop: f64 = list.iter().map(|&i| flop(i)).sum();
+    let sum_alone: f64 = list.iter().map(|&i| alone[i]).sum();
+    let seq = time(be, 3, || list.iter().for_each(|&i| call_with(i, 0)));
+    println!(
+        "  sum of the single calls {:.1} ms ({:.0} TFLOP/s); the list back to back {:.1} ms ({:.0} TFLOP/s), {:.3}x the sum",
+        sum_alone * 1e3,
+        total_flop / sum_alone / 1e12,
+        seq * 1e3,
+        total_flop / seq / 1e12,
+        seq / sum_alone
+    );
+    // The list under rules that pick among cuBLASLt's candidates by their tile, against the
+    // heuristic's first: rounds of the three in turn, each policy's best round kept.
+    let tiles: Vec<Vec<u32>> = shapes
+        .iter()
+        .map(|&(_, n, k, f32_out)| {
+            let dt = if f32_out { DType::F32 } else { DType::BF16 };
+            (0..dflash_engine::backend::cuda::blas::CANDIDATES)
+                .map_while(|c| be.gemm_candidate(&Gemm::linear(m, n, k), dt, c).unwrap())
+                .map(|d| tile_of(&d))
+                .collect()
+        })
+        .collect();
+    let pick = |rule: &dyn Fn(u32) -> bool| -> Vec<usize> {
+        tiles.iter().map(|ts| ts.iter().position(|&t| rule(t)).unwrap_or(0)).collect()
+    };
+    let policies: [(&str, Vec<usize>); 3] = [
+        ("heuristic's first", vec![0; shapes.len()]),
+        ("first 256x128 tile", pick(&|t| t == 24)),
+        ("first not 320x128 or 192x192", pick(&|t| t != 248 && t != 209)),
+    ];
+    for (i, ts) in tiles.iter().enumerate() {
+        let picks: Vec<String> = policies.iter().map(|(_, p)| p[i].to_string()).collect();
+        println!("  {:<8} candidate tiles {ts:?}; picks {}", shapes[i].0, picks.join(" / "));
+    }
+    let mut best = [f64::MAX; 3];
+    for _ in 0..3 {
+        for (b, (_, p)) in best.iter_mut().zip(&policies) {
+            let t0 = Instant::now();
+            list.iter().for_each(|&i| call_with(i, p[i]));
+            be.synchronize(&s).unwrap();
+            *b = b.min(t0.elapsed().as_secs_f64());
+        }
+    }
+    for (b, (name, _)) in best.iter().zip(&policies) {
+        println!(
+            "  the list, {name:<30}: {:.1} ms ({:.0} TFLOP/s, {:.3}x the heuristic's)",
+            b * 1e3,
+            total_flop / b / 1e12,
+            best[0] / b
+        );
+    }
+    // The largest GEMM back to back: the first 10 calls and 400 calls (about a second).
+    let big = shapes.len() - 2;
+    for calls in [10, 400] {
+        let t = time(be, 3, || (0..calls).for_each(|_| call_with(big, 0))) / calls as f64;
+        println!(
+            "  gate|up x {calls} back to back: {:.3} ms per call, {:.0} TFLOP/s ({:.3}x alone)",
+            t * 1e3,
+            flop(big) / t / 1e12,
+            t / alone[big]
+        );
+    }
+}
+
+/// cuBLASLt's candidates for the recipes' large GEMMs timed under sustained load (the clocks at
+/// the power cap, as in a model's forward): each candidate runs 20 calls back to back, the
+/// candidates in turn, three rounds, the best round kept. The heuristic ranks them at full clocks,
+/// where a single call is timed; the order under the cap can differ.
+fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as Backend>::Buf) {
+    use dflash_engine::backend::cuda::blas::CANDIDATES;
+    let s = be.compute_stream();
+    let shapes: [(&str, Gemm, bool); 12] = [
+        ("27B qkv (f32 out)", Gemm::linear(12288, 10240, 5120), true),
+        ("27B z", Gemm::linear(12288, 6144, 5120), false),
+        ("27B out / o", Gemm::linear(12288, 5120, 6144), false),
+        ("27B q|gate", Gemm::linear(12288, 12288, 5120), false),
+        ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120), false),
+        ("27B MLP down", Gemm::linear(12288, 5120, 17408), false),
+        ("8B q|k|v", Gemm::linear(12288, 6144, 4096), false),
+        ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096), false),
+        ("8B MLP down", Gemm::linear(12288, 4096, 12288), false),
+        ("8B lm_head chunk", Gemm::linear(2048, 151936, 4096), false),
+        ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096), false),
+        ("8B drafter dX down", Gemm::linear_dx(32768, 4096, 12288, false), false),
+    ];
+    println!("\ncuBLASLt candidates under sustained load (20 calls back to back, best of 3 rounds), ms per call:");
+    // Keep the GPU at its sustained state before the first shape.
+    let warm = Gemm::linear(8192, 8192, 8192);
+    let (wa, wb) = (random(8192 * 8192, 41), random(8192 * 8192, 42));
+    let mut wc = be.alloc(&s, DType::BF16, 8192 * 8192).unwrap();
+    for _ in 0..200 {
+        be.gemm(&s, &warm, &wa, 0, &wb, 0, &mut wc, 0).unwrap();
+    }
+    be.synchronize(&s).unwrap();
+    drop((wa, wb, wc));
+    for (name, g, f32_out) in shapes {
+        let (a, b) = (random(g.m * g.k, 51), random(g.k * g.n, 52));
+        let mut c = be.alloc(&s, if f32_out { DType::F32 } else { DType::BF16 }, g.m * g.n).unwrap();
+        let mut count = 0;
+        while count < CANDIDATES && be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, count).unwrap() {
+            count += 1;
+        }
+        let mut best = vec![f64::MAX; count];
+        for _ in 0..3 {
+            for (i, t) in best.iter_mut().enumerate() {
+                let t0 = Instant::now();
+                for _ in 0..20 {
+                    be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap();
+                }
+                be.synchronize(&s).unwrap();
+                *t = t.min(t0.elapsed().as_secs_f64() / 20.0);
+            }
+        }
+        let tf = |t: f64| 2.0 * (g.m * g.n * g.k) as f64 / t / 1e12;
+        let (bi, bt) = best.iter().enumerate().fold((0, f64::MAX), |m, (i, &t)| if t < m.1 { (i, t) } else { m });
+        let dt = if f32_out { DType::F32 } else { DType::BF16 };
+        let what = |i: usize| be.gemm_candidate(&g, dt, i).unwrap().unwrap_or_default();
+        let list: Vec<String> =
+            best.iter().enumerate().map(|(i, t)| format!("{:.3}/t{}", t * 1e3, tile_of(&what(i)))).collect();
+        println!(
+            "  {name:<22} {}x{}x{}: [{}]; first {:.0} TFLOP/s ({}), best #{bi} {:.0} TFLOP/s ({:.3}x; {})",
+            g.m,
+            g.n,
+            g.k,
+            list.join(" "),
+            tf(best[0]),
+            what(0),
+            tf(bt),
+            best[0] / bt,
+            what(bi)
+        );
+    }
+}
+
+/// The tile id in a `gemm_candidate` description (`... tile 24 ...`; 0 if absent).
+fn tile_of(desc: &str) -> u32 {
+    desc.split_whitespace().skip_while(|w| *w != "tile").nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
 }

@@ -26,6 +26,12 @@ struct Key {
     f32_out: bool,
 }
 
+impl Key {
+    fn of(g: &Gemm, c_dtype: DType) -> Self {
+        Key { m: g.m, n: g.n, k: g.k, ta: g.ta, tb: g.tb, f32_out: c_dtype == DType::F32 }
+    }
+}
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
@@ -66,6 +72,15 @@ impl Lt {
         let handle = lt::create_handle()
             .map_err(|e| StartError::Blas { source: BackendError::blas("creating the cuBLASLt handle", e) })?;
         Ok(Lt { handle, plans: Mutex::new(HashMap::new()) })
+    }
+
+    /// The plan cache, holding `key`'s plan (made now if this is the shape's first use).
+    fn plans_with(&self, key: Key) -> Result<std::sync::MutexGuard<'_, HashMap<Key, Plan>>> {
+        let mut plans = self.plans.lock().map_err(|_| BackendError::Poisoned("cuBLASLt plan cache"))?;
+        if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(key) {
+            e.insert(self.plan(key)?);
+        }
+        Ok(plans)
     }
 
     fn plan(&self, key: Key) -> Result<Plan> {
@@ -165,6 +180,45 @@ impl Lt {
         Ok(Plan { desc, a, b, c, algos: algo })
     }
 
+    /// The `index`-th candidate's configuration for this GEMM (`None` past the heuristic's list),
+    /// e.g. `algo 66 tile 35 stages 19 split-k 1 swizzle 1 cluster 6`: cuBLASLt's enum values, so
+    /// that the bench's candidate sweeps say which configuration won.
+    pub fn describe(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<String>> {
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+        let key = Key::of(g, c_dtype);
+        let plans = self.plans_with(key)?;
+        let Some(algo) = plans[&key].algos.get(index) else { return Ok(None) };
+        let mut parts = Vec::new();
+        for (name, attr) in [
+            ("algo", A::CUBLASLT_ALGO_CONFIG_ID),
+            ("tile", A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+            ("stages", A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+            ("split-k", A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+            ("swizzle", A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        ] {
+            // Every one of these attributes is a 32-bit integer.
+            let mut v = 0u32;
+            let mut written = 0usize;
+            // SAFETY: a valid algorithm from the heuristic; the buffer is 4 bytes, as these
+            // attributes are.
+            let st = unsafe {
+                sys::cublasLtMatmulAlgoConfigGetAttribute(
+                    algo,
+                    attr,
+                    &mut v as *mut u32 as *mut c_void,
+                    4,
+                    &mut written,
+                )
+            };
+            parts.push(if st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                format!("{name} {v}")
+            } else {
+                format!("{name} ?")
+            });
+        }
+        Ok(Some(parts.join(" ")))
+    }
+
     /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset) with the heuristic's
     /// `index`-th algorithm for this shape; `Ok(false)` (nothing enqueued) when it offered fewer.
     /// GEMMs run index 0, fixed per shape (a run's results are deterministic); the bench times
@@ -182,12 +236,8 @@ impl Lt {
         stream: cudarc::driver::sys::CUstream,
         index: usize,
     ) -> Result<bool> {
-        let key = Key { m: g.m, n: g.n, k: g.k, ta: g.ta, tb: g.tb, f32_out: c_dtype == DType::F32 };
-        let mut plans = self.plans.lock().map_err(|_| BackendError::Poisoned("cuBLASLt plan cache"))?;
-        if !plans.contains_key(&key) {
-            let p = self.plan(key)?;
-            plans.insert(key, p);
-        }
+        let key = Key::of(g, c_dtype);
+        let plans = self.plans_with(key)?;
         let p = &plans[&key];
         let Some(algo) = p.algos.get(index) else { return Ok(false) };
         let (alpha, beta) = (g.alpha, g.beta);

@@ -509,6 +509,13 @@ impl CudaBackend {
         )
     }
 
+    /// What `gemm_with`'s `index`-th candidate for this GEMM is (`None` past the heuristic's list):
+    /// the bench prints it beside the candidate's time.
+    pub fn gemm_candidate(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<String>> {
+        self.bind()?;
+        self.blas.describe(g, c_dtype, index)
+    }
+
     /// The causal forward with an explicit kernel form (the trait method takes
     /// `AttnForm::pick`); benches and tests compare the forms with it.
     #[allow(clippy::too_many_arguments)]
