@@ -9,6 +9,7 @@
 //! Layouts are row-major. A "rows x dim" tensor is a buffer of `rows * dim` elements. Weight
 //! tensors live inside one flat parameter buffer and are addressed by element offsets.
 
+pub mod clocks;
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod error;
@@ -299,6 +300,11 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self, s: &Self::Stream) -> Result<()>;
     /// Device memory in use, for the run summary (None where the host's resident set says it).
     fn memory_report(&self) -> Option<String> {
+        None
+    }
+    /// Starts sampling the device's clocks and power for the run summary: `None` where there is
+    /// no such device (the CPU), `Some(Err(why))` where it cannot be read.
+    fn clock_monitor(&self) -> Option<std::result::Result<clocks::ClockMonitor, String>> {
         None
     }
 

@@ -92,6 +92,7 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &TargetBenchOptions) -> Result<
     let mut taps_out: Vec<B::Buf> =
         taps.iter().map(|_| be.alloc(&s, DType::BF16, rows * cfg.hidden_size)).collect::<Result<_, _>>()?;
     let mut ms = Vec::new();
+    let monitor = be.clock_monitor();
     let pb = super::log::bar(false, o.steps as u64 + 1, "forward");
     for i in 0..=o.steps {
         be.synchronize(&s)?;
@@ -116,6 +117,11 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &TargetBenchOptions) -> Result<
         o.steps,
         r.tokens_per_s
     );
+    match monitor {
+        Some(Ok(m)) => println!("clocks    {}", m.finish().describe()),
+        Some(Err(why)) => println!("clocks    not sampled ({why})"),
+        None => {}
+    }
     if o.profile {
         if be.start_profile() {
             let mut steps = Vec::new();

@@ -34,6 +34,8 @@ pub struct RunSummary {
     pub checkpoint_seconds: f64,
     /// The backend's device-memory report (the CUDA allocator's peak and reserved bytes).
     pub device_memory: Option<String>,
+    /// Each GPU's clocks and power over the run (`backend::clocks`); empty on the CPU.
+    pub clocks: Vec<String>,
     /// `--profile`: the step's device time by phase.
     pub phases: Option<crate::backend::profile::PhaseTable>,
     /// `--profile`: the steps the table averages, one entry per step, in order.
@@ -327,6 +329,9 @@ pub fn print_summary(r: &RunSummary) {
     }
     if let Some(d) = &r.device_memory {
         eprintln!("device memory  {d}");
+    }
+    for c in &r.clocks {
+        eprintln!("clocks         {c}");
     }
     if let Some(c) = &r.checkpoint {
         eprintln!("checkpoint     {}", c.display());

@@ -305,6 +305,8 @@ fn run_on<B: Backend>(
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
     let mem_before: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
+    // The clocks and power of each GPU while the steps run (the summary's `clocks` lines).
+    let monitors: Vec<_> = bes.iter().filter_map(|b| b.clock_monitor().map(|m| (b.name(), m))).collect();
     let (result, stats) = if e.sync && one_device {
         pipeline::run_sync(bt, &tsides[0], &mut sides[0], &source, &pcfg, &optim, &mut on_step)
     } else {
@@ -321,6 +323,13 @@ fn run_on<B: Backend>(
         pipeline::run(&targets, drafters, &source, &pcfg, &optim, &mut on_step)
     };
     steplog.finish(&stats);
+    let clocks: Vec<String> = monitors
+        .into_iter()
+        .map(|(name, m)| match m {
+            Ok(m) => m.finish().describe(),
+            Err(why) => format!("{name}: not sampled ({why})"),
+        })
+        .collect();
     // Whatever the outcome: no pinned slot may still be held and every transient device
     // buffer must be back (DESIGN.md rule 5; the fault tests check this line).
     let after: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
@@ -365,6 +374,7 @@ fn run_on<B: Backend>(
         step_clock,
         checkpoint_in_step,
         checkpoint_seconds: ckpt_secs,
+        clocks,
         device_memory: if one_device {
             bt.memory_report()
         } else {

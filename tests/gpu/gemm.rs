@@ -192,3 +192,31 @@ fn gpu_fc_kernel_matches_cpu() {
     let got: Vec<f32> = picked.iter().flat_map(|&r| fast[r * h..(r + 1) * h].iter().copied()).collect();
     fc_close(&format!("{tag} fast vs cpu (12 rows)"), &got, &want);
 }
+
+// The clock monitor (backend::clocks over NVML): what the run summary's `clocks` line reads.
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_clock_monitor_reads_the_device_under_gemm_load() {
+    let g: CudaBackend = gpu();
+    let s = g.compute_stream();
+    let m = g.clock_monitor().expect("the CUDA backend offers a clock monitor").expect("NVML opens the device");
+    // About half a second of 4096^3 GEMMs (~0.2 ms each on an H200), waited for in slices so the
+    // sampler sees the device busy.
+    let n = 4096;
+    let (a, b) = (put(&g, &rand(n * n, 1, 1.0), DType::BF16), put(&g, &rand(n * n, 2, 1.0), DType::BF16));
+    let mut c = g.alloc(&s, DType::BF16, n * n).unwrap();
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs_f64() < 0.5 {
+        for _ in 0..50 {
+            g.gemm(&s, &Gemm::linear(n, n, n), &a, 0, &b, 0, &mut c, 0).unwrap();
+        }
+        g.synchronize(&s).unwrap();
+    }
+    let r = m.finish();
+    eprintln!("{}", r.describe());
+    // Sampled every 100 ms for 0.5 s, busy throughout.
+    assert!(r.samples >= 3 && r.busy >= 2, "{r:?}");
+    assert!(r.max_mhz > 0 && r.sm_mhz_median > 0 && r.sm_mhz_median <= r.max_mhz, "{r:?}");
+    assert!(r.limit_w > 0.0 && r.power_w_mean > 0.0, "{r:?}");
+}

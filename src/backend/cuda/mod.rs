@@ -12,6 +12,7 @@ mod device;
 mod fc;
 pub mod launch;
 mod nccl;
+mod nvml;
 mod tma;
 mod transport;
 
@@ -1270,6 +1271,26 @@ impl Backend for CudaBackend {
         let pool = self.pool.lock().ok()?;
         let cached: usize = cache.values().map(|b| pool.size(b.block)).sum();
         Some(pool.stats().allocated - cached)
+    }
+
+    fn clock_monitor(&self) -> Option<std::result::Result<crate::backend::clocks::ClockMonitor, String>> {
+        use sys::CUdevice_attribute as A;
+        let open = || -> std::result::Result<crate::backend::clocks::ClockMonitor, String> {
+            let attr = |a: A| self.ctx.attribute(a).map_err(|e| format!("reading the PCI location: {e}"));
+            let bus = format!(
+                "{:08x}:{:02x}:{:02x}.0",
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+            );
+            let dev = nvml::open(&bus)?;
+            let (max_mhz, limit_mw) = (dev.max_mhz, dev.limit_mw);
+            // Every 100 ms: a step of the 8B recipe spans 8 samples, a 27B forward 10.
+            let every = std::time::Duration::from_millis(100);
+            crate::backend::clocks::ClockMonitor::start(self.name.clone(), max_mhz, limit_mw, every, dev)
+                .map_err(|e| format!("starting the sampler thread: {e}"))
+        };
+        Some(open())
     }
 
     fn memory_report(&self) -> Option<String> {
