@@ -299,7 +299,12 @@ impl PhaseTable {
         let mut out = format!("operations by device time per step (top {top} of {})\n", self.by_op.len());
         for (op, secs, count) in self.by_op.iter().take(top) {
             let each = if *count > 0.0 { secs / count } else { 0.0 };
-            out += &format!("  {:<48} {:>9.3} ms {:>7.0} x {:>8.1} us\n", op, secs * 1e3, count, each * 1e6);
+            // A GEMM's rate, to set beside the card's sustained one (the summary's clocks line).
+            let rate = match gemm_flops(op) {
+                Some(f) if each > 0.0 => format!(" {:>5.0} TFLOP/s", f / each / 1e12),
+                _ => String::new(),
+            };
+            out += &format!("  {:<48} {:>9.3} ms {:>7.0} x {:>8.1} us{rate}\n", op, secs * 1e3, count, each * 1e6);
         }
         if !self.gaps_by_op.is_empty() {
             out += &format!(
@@ -356,6 +361,16 @@ impl PhaseTable {
             ms(self.step)
         );
         out
+    }
+}
+
+/// The FLOPs of a GEMM from its operation label (`gemm MxNxK`, as the CUDA backend names them).
+pub fn gemm_flops(label: &str) -> Option<f64> {
+    let dims: Vec<f64> =
+        label.strip_prefix("gemm ")?.split('x').map(|d| d.parse::<f64>().ok()).collect::<Option<_>>()?;
+    match dims[..] {
+        [m, n, k] => Some(2.0 * m * n * k),
+        _ => None,
     }
 }
 
@@ -578,6 +593,22 @@ mod tests {
         assert_eq!(t.by_op.len(), 1);
         assert!((t.by_op[0].1 - 8e-3).abs() < 1e-12 && (t.by_op[0].2 - 2.0).abs() < 1e-12);
         assert!(t.render_ops(5).contains("copy"));
+    }
+
+    #[test]
+    fn gemm_rows_show_their_rate() {
+        assert_eq!(gemm_flops("gemm 2x3x4"), Some(48.0));
+        assert_eq!(gemm_flops("gemm 2x3"), None);
+        assert_eq!(gemm_flops("gemm_like 2x3x4"), None);
+        assert_eq!(gemm_flops("copy"), None);
+        // 12288 x 34816 x 5120 in 6.4 ms, twice a step: 684.6 TFLOP/s.
+        let by_op = vec![("gemm 12288x34816x5120".to_string(), 12.8e-3, 2), ("copy".to_string(), 1e-3, 1)];
+        let step = || (StepPhases { by_op: by_op.clone(), ..StepPhases::default() }, 1.0);
+        let t = PhaseTable::from_steps(&[step(), step()], 1).unwrap();
+        let text = t.render_ops(5);
+        let gemm = text.lines().find(|l| l.contains("gemm")).unwrap();
+        assert!(gemm.ends_with("685 TFLOP/s"), "{text}");
+        assert!(!text.lines().find(|l| l.contains("copy")).unwrap().contains("TFLOP"), "{text}");
     }
 
     #[test]
