@@ -864,6 +864,10 @@ fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <C
         while count < CANDIDATES && be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, count).unwrap() {
             count += 1;
         }
+        if count == 0 {
+            println!("  {name:<22} {}x{}x{}: no candidate", g.m, g.n, g.k);
+            continue;
+        }
         let mut best = vec![f64::MAX; count];
         for _ in 0..3 {
             for (i, t) in best.iter_mut().enumerate() {

@@ -24,9 +24,9 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # initcheck and racecheck did not finish in 420 s on the H200. With SHARDS=4 (both tools, eight
 # processes) racecheck's shards took 389 s (the one with gpu::attention::), 15, 89 and 9 s, and
 # initcheck's shard holding both the attention module and the async-vs-sync suite did not finish
-# in 440 s. sanitize.sh now lists that suite first: the attention module's shard then finished
-# clean in 44 s, but the suite's own shard still ran past 350 s (pack and cross-entropy done, the
-# suite not), so initcheck over the suite needs a call of its own, e.g.
+# in 440 s; with the suite moved beside pack and cross-entropy, gemm + attention + optimizer
+# finished clean in 44 s but the suite's shard still ran past 350 s. So with SHARDS > 1 the suite
+# now has shard 0 to itself (sanitize.sh); initcheck over it may still need a call of its own:
 #   OUT=$OUT KERNEL_TESTS=" " SANITIZERS=initcheck STREAM_TESTS=none bash gpu-bundle/sanitize.sh
 W=${WINDOW:-400}
 N=${SHARDS:-1}

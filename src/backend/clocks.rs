@@ -26,13 +26,14 @@ pub mod reason {
     pub const IDLE: u64 = 0x1;
     /// The driver holds the clocks down to keep the board under its power limit.
     pub const SW_POWER_CAP: u64 = 0x4;
-    /// Hardware slowdown (power brake or an external signal).
+    /// Hardware slowdown: the board's own protection (thermal or power, fast-acting) or the
+    /// power brake signal.
     pub const HW_SLOWDOWN: u64 = 0x8 | 0x80;
     /// Software or hardware thermal slowdown.
     pub const THERMAL: u64 = 0x20 | 0x40;
 }
 
-/// What a device reads, with the numbers that do not change during a run.
+/// Where the samples come from (NVML on CUDA, a stub in tests).
 pub trait ClockSource: Send + 'static {
     /// One reading, or `None` if this one failed (skipped).
     fn sample(&mut self) -> Option<ClockSample>;
@@ -41,19 +42,20 @@ pub trait ClockSource: Send + 'static {
 /// A running sampler of one device; [`ClockMonitor::finish`] stops it and summarises.
 pub struct ClockMonitor {
     name: String,
-    max_mhz: u32,
-    limit_mw: u32,
+    max_mhz: Option<u32>,
+    limit_mw: Option<u32>,
     stop: mpsc::Sender<()>,
     thread: JoinHandle<Vec<ClockSample>>,
 }
 
 impl ClockMonitor {
     /// Starts sampling `source` every `every` on a thread of its own. `max_mhz` (the device's
-    /// highest SM clock) and `limit_mw` (its enforced power limit) go into the report as read.
+    /// highest SM clock) and `limit_mw` (its enforced power limit) go into the report as read
+    /// (`None`: the device did not say).
     pub fn start(
         name: String,
-        max_mhz: u32,
-        limit_mw: u32,
+        max_mhz: Option<u32>,
+        limit_mw: Option<u32>,
         every: Duration,
         mut source: impl ClockSource,
     ) -> std::io::Result<Self> {
@@ -87,8 +89,8 @@ impl ClockMonitor {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClockReport {
     pub name: String,
-    pub max_mhz: u32,
-    pub limit_w: f64,
+    pub max_mhz: Option<u32>,
+    pub limit_w: Option<f64>,
     pub samples: usize,
     pub busy: usize,
     pub sm_mhz_median: u32,
@@ -101,7 +103,7 @@ pub struct ClockReport {
 }
 
 impl ClockReport {
-    pub fn from_samples(name: String, max_mhz: u32, limit_mw: u32, samples: &[ClockSample]) -> Self {
+    pub fn from_samples(name: String, max_mhz: Option<u32>, limit_mw: Option<u32>, samples: &[ClockSample]) -> Self {
         let busy: Vec<&ClockSample> = samples.iter().filter(|s| s.reasons & reason::IDLE == 0).collect();
         let mut mhz: Vec<u32> = busy.iter().map(|s| s.sm_mhz).collect();
         mhz.sort_unstable();
@@ -120,7 +122,7 @@ impl ClockReport {
         ClockReport {
             name,
             max_mhz,
-            limit_w: f64::from(limit_mw) / 1e3,
+            limit_w: limit_mw.map(|mw| f64::from(mw) / 1e3),
             samples: samples.len(),
             busy: busy.len(),
             sm_mhz_median: mhz.get(mhz.len() / 2).copied().unwrap_or(0),
@@ -140,15 +142,15 @@ impl ClockReport {
             return format!("{}: no busy sample ({} taken)", self.name, self.samples);
         }
         let pct = |f: f64| format!("{:.0}%", 100.0 * f);
+        let max = self.max_mhz.map_or("unknown".to_string(), |m| m.to_string());
+        let limit = self.limit_w.map_or("unknown".to_string(), |w| format!("{w:.0} W"));
         let mut s = format!(
-            "{}: SM clock {} MHz median (lowest {}, the device's highest {}) over {} busy samples; power {:.0} W mean, limit {:.0} W; the power cap held the clocks down in {} of them",
+            "{}: SM clock {} MHz median (lowest {}, the device's highest {max}) over {} busy samples; power {:.0} W mean, limit {limit}; the power cap held the clocks down in {} of them",
             self.name,
             self.sm_mhz_median,
             self.sm_mhz_min,
-            self.max_mhz,
             self.busy,
             self.power_w_mean,
-            self.limit_w,
             pct(self.power_capped)
         );
         if self.thermal > 0.0 {
@@ -179,7 +181,7 @@ mod tests {
             s(1470, 692_000, reason::SW_POWER_CAP | 0x40),
             s(345, 80_000, reason::IDLE),
         ];
-        let r = ClockReport::from_samples("gpu".into(), 1980, 700_000, &samples);
+        let r = ClockReport::from_samples("gpu".into(), Some(1980), Some(700_000), &samples);
         assert_eq!((r.samples, r.busy), (6, 4));
         // Sorted busy clocks 1440 1470 1500 1980: the median is the upper middle.
         assert_eq!((r.sm_mhz_median, r.sm_mhz_min), (1500, 1440));
@@ -187,36 +189,46 @@ mod tests {
         assert!((r.power_capped - 0.75).abs() < 1e-12);
         assert!((r.thermal - 0.25).abs() < 1e-12);
         assert_eq!(r.hw_slowdown, 0.0);
-        assert!((r.limit_w - 700.0).abs() < 1e-12);
+        assert_eq!(r.limit_w, Some(700.0));
         let line = r.describe();
         assert!(line.contains("1500 MHz median") && line.contains("in 75% of them"), "{line}");
+        assert!(line.contains("highest 1980)") && line.contains("limit 700 W;"), "{line}");
         assert!(line.contains("thermal slowdown in 25%") && !line.contains("hardware"), "{line}");
+        // What the device did not say is printed as unknown, not as 0.
+        let line = ClockReport::from_samples("gpu".into(), None, None, &samples).describe();
+        assert!(line.contains("highest unknown)") && line.contains("limit unknown;"), "{line}");
     }
 
     #[test]
     fn a_report_without_busy_samples_says_so() {
-        let r = ClockReport::from_samples("gpu".into(), 1980, 700_000, &[s(345, 70_000, reason::IDLE)]);
+        let r = ClockReport::from_samples("gpu".into(), Some(1980), Some(700_000), &[s(345, 70_000, reason::IDLE)]);
         assert_eq!(r.busy, 0);
         assert_eq!(r.describe(), "gpu: no busy sample (1 taken)");
     }
 
-    struct Counting(u32);
+    /// Readings 1001, 1002, (a failure), 1004, 1005, (a failure), ...; `tries` counts them all.
+    struct Counting(std::sync::Arc<std::sync::atomic::AtomicU32>);
     impl ClockSource for Counting {
         fn sample(&mut self) -> Option<ClockSample> {
-            self.0 += 1;
-            // Every third reading fails and is skipped.
-            (self.0 % 3 != 0).then_some(ClockSample { sm_mhz: 1000 + self.0, power_mw: 1000, reasons: 0 })
+            let n = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            (n % 3 != 0).then_some(ClockSample { sm_mhz: 1000 + n, power_mw: 1000, reasons: 0 })
         }
     }
 
     #[test]
-    fn the_monitor_samples_until_finished() {
-        let m = ClockMonitor::start("dev".into(), 2000, 1_000, Duration::from_millis(2), Counting(0)).unwrap();
-        std::thread::sleep(Duration::from_millis(60));
+    fn the_monitor_samples_until_finished_and_skips_failed_readings() {
+        let tries = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let every = Duration::from_millis(2);
+        let m = ClockMonitor::start("dev".into(), Some(2000), Some(1_000), every, Counting(tries.clone())).unwrap();
+        // Until the third reading (the first failure) has been taken.
+        while tries.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+            std::thread::sleep(every);
+        }
         let r = m.finish();
-        // At least the first reading, and failed readings are not counted.
-        assert!(r.samples >= 2, "{r:?}");
-        assert_eq!(r.samples, r.busy);
-        assert!(r.sm_mhz_min >= 1001 && r.sm_mhz_median > r.sm_mhz_min, "{r:?}");
+        let tries = tries.load(std::sync::atomic::Ordering::SeqCst);
+        // Every try but the failed ones (each third) is a sample; the sampler stopped.
+        assert_eq!(r.samples as u32, tries - tries / 3, "{r:?}");
+        assert_eq!(r.sm_mhz_min, 1001, "{r:?}");
+        assert!(r.sm_mhz_median > r.sm_mhz_min, "{r:?}");
     }
 }

@@ -215,8 +215,10 @@ fn gpu_clock_monitor_reads_the_device_under_gemm_load() {
     }
     let r = m.finish();
     eprintln!("{}", r.describe());
-    // Sampled every 100 ms for 0.5 s, busy throughout.
+    // Sampled every 100 ms from the start (before the GEMMs: the operands are made on the host
+    // first) to the end of half a second of GEMMs.
     assert!(r.samples >= 3 && r.busy >= 2, "{r:?}");
-    assert!(r.max_mhz > 0 && r.sm_mhz_median > 0 && r.sm_mhz_median <= r.max_mhz, "{r:?}");
-    assert!(r.limit_w > 0.0 && r.power_w_mean > 0.0, "{r:?}");
+    let max = r.max_mhz.expect("NVML gives the H200's highest SM clock");
+    assert!(max > 0 && r.sm_mhz_median > 0 && r.sm_mhz_median <= max, "{r:?}");
+    assert!(r.limit_w.is_some_and(|w| w > 0.0) && r.power_w_mean > 0.0, "{r:?}");
 }

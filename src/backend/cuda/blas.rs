@@ -181,7 +181,7 @@ impl Lt {
     }
 
     /// The `index`-th candidate's configuration for this GEMM (`None` past the heuristic's list),
-    /// e.g. `algo 66 tile 35 stages 19 split-k 1 swizzle 1 cluster 6`: cuBLASLt's enum values, so
+    /// e.g. `algo 66 tile 24 stages 35 split-k 1 swizzle 0`: cuBLASLt's enum values, so
     /// that the bench's candidate sweeps say which configuration won.
     pub fn describe(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<String>> {
         use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
