@@ -16,6 +16,7 @@
 //! - `eval`: speculative decoding: lossless (Qwen3, hybrid), drafter inference == training forward,
 //!   train then eval on held-out prompts, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
+//! - `scripts`: the GPU machine's scripts where their logic needs no GPU (sanitize.sh's shards)
 //! - `host_sync`: the device update plan == the host's decision; metrics one step late == the
 //!   host-decided step's, bit for bit (a NaN step skipped)
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
@@ -36,4 +37,5 @@ mod prepare;
 mod qwen35;
 mod recipe;
 mod run;
+mod scripts;
 mod user_errors;
