@@ -646,48 +646,35 @@ fn main() {
     if want("gemm-algos") {
         // Every algorithm cuBLASLt's heuristic offers (best first; `gemm` runs the first) on the
         // largest GEMMs of the two recipes: how much a timed choice would gain over the heuristic's.
-        let shapes: [(&str, Gemm); 6] = [
-            ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120)),
-            ("27B MLP down", Gemm::linear(12288, 5120, 17408)),
-            ("27B GDN q|k|v|z", Gemm::linear(12288, 10240 + 6144, 5120)),
-            ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096)),
-            ("8B lm_head", Gemm::linear(2048, 151936, 4096)),
-            ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096)),
+        let shapes = [
+            ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120), false),
+            ("27B MLP down", Gemm::linear(12288, 5120, 17408), false),
+            ("27B GDN q|k|v|z", Gemm::linear(12288, 10240 + 6144, 5120), false),
+            ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096), false),
+            ("8B lm_head", Gemm::linear(2048, 151936, 4096), false),
+            ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096), false),
         ];
-        println!("\ncuBLASLt candidates (heuristic order), ms per call:");
-        for (name, g) in shapes {
-            let (a, b) = (random(g.m * g.k, 11), random(g.k * g.n, 12));
-            let mut c = buf(DType::BF16, g.m * g.n);
-            let mut times = Vec::new();
-            for i in 0..dflash_engine::backend::cuda::blas::CANDIDATES {
-                if !be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap() {
-                    break;
-                }
-                times.push(time(&be, 5, || {
-                    be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap();
-                }));
-            }
-            let tf = |t: f64| 2.0 * (g.m * g.n * g.k) as f64 / t / 1e12;
-            let (best, tb) =
-                times.iter().enumerate().fold((0, f64::MAX), |m, (i, &t)| if t < m.1 { (i, t) } else { m });
-            let list: Vec<String> = times.iter().map(|t| format!("{:.3}", t * 1e3)).collect();
-            println!(
-                "  {name:<24} {}x{}x{}: [{}]; first {:.0} TFLOP/s, best #{best} {:.0} TFLOP/s ({:.3}x)",
-                g.m,
-                g.n,
-                g.k,
-                list.join(" "),
-                tf(times[0]),
-                tf(tb),
-                times[0] / tb
-            );
-        }
+        gemm_candidates(&be, &random, &shapes, 5);
     }
 
     // Named only (DFLASH_BENCH_KERNELS=gemm-model): about 20 s of GEMMs.
     if only.iter().any(|p| p == "gemm-model") {
         gemm_model(&be, &random);
-        gemm_candidates_sustained(&be, &random);
+        let shapes = [
+            ("27B qkv (f32 out)", Gemm::linear(12288, 10240, 5120), true),
+            ("27B z", Gemm::linear(12288, 6144, 5120), false),
+            ("27B out / o", Gemm::linear(12288, 5120, 6144), false),
+            ("27B q|gate", Gemm::linear(12288, 12288, 5120), false),
+            ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120), false),
+            ("27B MLP down", Gemm::linear(12288, 5120, 17408), false),
+            ("8B q|k|v", Gemm::linear(12288, 6144, 4096), false),
+            ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096), false),
+            ("8B MLP down", Gemm::linear(12288, 4096, 12288), false),
+            ("8B lm_head chunk", Gemm::linear(2048, 151936, 4096), false),
+            ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096), false),
+            ("8B drafter dX down", Gemm::linear_dx(32768, 4096, 12288, false), false),
+        ];
+        gemm_candidates(&be, &random, &shapes, 20);
     }
 
     let peers = load_peers();
@@ -780,7 +767,7 @@ fn gemm_model(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as B
             let dt = if f32_out { DType::F32 } else { DType::BF16 };
             (0..dflash_engine::backend::cuda::blas::CANDIDATES)
                 .map_while(|c| be.gemm_candidate(&Gemm::linear(m, n, k), dt, c).unwrap())
-                .map(|d| tile_of(&d))
+                .map(|d| d.tile.unwrap_or(0))
                 .collect()
         })
         .collect();
@@ -826,28 +813,20 @@ fn gemm_model(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as B
     }
 }
 
-/// cuBLASLt's candidates for the recipes' large GEMMs timed under sustained load (the clocks at
-/// the power cap, as in a model's forward): each candidate runs 20 calls back to back, the
-/// candidates in turn, three rounds, the best round kept. The heuristic ranks them at full clocks,
-/// where a single call is timed; the order under the cap can differ.
-fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as Backend>::Buf) {
+/// cuBLASLt's candidates for `shapes` (name, GEMM, f32 output) after the GPU has reached its
+/// sustained (power-capped) state, as in a model's forward: each candidate runs `calls` calls back
+/// to back, the candidates in turn, three rounds, each candidate's best round kept. The heuristic
+/// ranks them at full clocks; under the cap the order can differ, and between calls it did (the
+/// whole 27B list under tile rules gained 0.9%: gemm_model).
+fn gemm_candidates(
+    be: &CudaBackend,
+    random: &dyn Fn(usize, u64) -> <CudaBackend as Backend>::Buf,
+    shapes: &[(&str, Gemm, bool)],
+    calls: usize,
+) {
     use dflash_engine::backend::cuda::blas::CANDIDATES;
     let s = be.compute_stream();
-    let shapes: [(&str, Gemm, bool); 12] = [
-        ("27B qkv (f32 out)", Gemm::linear(12288, 10240, 5120), true),
-        ("27B z", Gemm::linear(12288, 6144, 5120), false),
-        ("27B out / o", Gemm::linear(12288, 5120, 6144), false),
-        ("27B q|gate", Gemm::linear(12288, 12288, 5120), false),
-        ("27B MLP gate|up", Gemm::linear(12288, 34816, 5120), false),
-        ("27B MLP down", Gemm::linear(12288, 5120, 17408), false),
-        ("8B q|k|v", Gemm::linear(12288, 6144, 4096), false),
-        ("8B MLP gate|up", Gemm::linear(12288, 24576, 4096), false),
-        ("8B MLP down", Gemm::linear(12288, 4096, 12288), false),
-        ("8B lm_head chunk", Gemm::linear(2048, 151936, 4096), false),
-        ("8B drafter dW gate|up", Gemm::linear_dw(32768, 24576, 4096), false),
-        ("8B drafter dX down", Gemm::linear_dx(32768, 4096, 12288, false), false),
-    ];
-    println!("\ncuBLASLt candidates under sustained load (20 calls back to back, best of 3 rounds), ms per call:");
+    println!("\ncuBLASLt candidates under sustained load ({calls} calls back to back, best of 3 rounds), ms per call:");
     // Keep the GPU at its sustained state before the first shape.
     let warm = Gemm::linear(8192, 8192, 8192);
     let (wa, wb) = (random(8192 * 8192, 41), random(8192 * 8192, 42));
@@ -857,7 +836,7 @@ fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <C
     }
     be.synchronize(&s).unwrap();
     drop((wa, wb, wc));
-    for (name, g, f32_out) in shapes {
+    for &(name, g, f32_out) in shapes {
         let (a, b) = (random(g.m * g.k, 51), random(g.k * g.n, 52));
         let mut c = be.alloc(&s, if f32_out { DType::F32 } else { DType::BF16 }, g.m * g.n).unwrap();
         let mut count = 0;
@@ -872,19 +851,22 @@ fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <C
         for _ in 0..3 {
             for (i, t) in best.iter_mut().enumerate() {
                 let t0 = Instant::now();
-                for _ in 0..20 {
+                for _ in 0..calls {
                     be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap();
                 }
                 be.synchronize(&s).unwrap();
-                *t = t.min(t0.elapsed().as_secs_f64() / 20.0);
+                *t = t.min(t0.elapsed().as_secs_f64() / calls as f64);
             }
         }
         let tf = |t: f64| 2.0 * (g.m * g.n * g.k) as f64 / t / 1e12;
         let (bi, bt) = best.iter().enumerate().fold((0, f64::MAX), |m, (i, &t)| if t < m.1 { (i, t) } else { m });
         let dt = if f32_out { DType::F32 } else { DType::BF16 };
         let what = |i: usize| be.gemm_candidate(&g, dt, i).unwrap().unwrap_or_default();
-        let list: Vec<String> =
-            best.iter().enumerate().map(|(i, t)| format!("{:.3}/t{}", t * 1e3, tile_of(&what(i)))).collect();
+        let list: Vec<String> = best
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!("{:.3}/t{}", t * 1e3, what(i).tile.map_or("?".into(), |t| t.to_string())))
+            .collect();
         println!(
             "  {name:<22} {}x{}x{}: [{}]; first {:.0} TFLOP/s ({}), best #{bi} {:.0} TFLOP/s ({:.3}x; {})",
             g.m,
@@ -898,9 +880,4 @@ fn gemm_candidates_sustained(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <C
             what(bi)
         );
     }
-}
-
-/// The tile id in a `gemm_candidate` description (`... tile 24 ...`; 0 if absent).
-fn tile_of(desc: &str) -> u32 {
-    desc.split_whitespace().skip_while(|w| *w != "tile").nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
 }

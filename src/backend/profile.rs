@@ -364,7 +364,12 @@ impl PhaseTable {
     }
 }
 
-/// The FLOPs of a GEMM from its operation label (`gemm MxNxK`, as the CUDA backend names them).
+/// The operation label of an `m x n x k` GEMM (`gemm MxNxK`); [`gemm_flops`] reads it back.
+pub fn gemm_label(m: usize, n: usize, k: usize) -> String {
+    format!("gemm {m}x{n}x{k}")
+}
+
+/// The FLOPs of a GEMM from its operation label ([`gemm_label`]).
 pub fn gemm_flops(label: &str) -> Option<f64> {
     let dims: Vec<f64> =
         label.strip_prefix("gemm ")?.split('x').map(|d| d.parse::<f64>().ok()).collect::<Option<_>>()?;
@@ -597,12 +602,12 @@ mod tests {
 
     #[test]
     fn gemm_rows_show_their_rate() {
-        assert_eq!(gemm_flops("gemm 2x3x4"), Some(48.0));
+        assert_eq!(gemm_flops(&gemm_label(2, 3, 4)), Some(48.0));
         assert_eq!(gemm_flops("gemm 2x3"), None);
         assert_eq!(gemm_flops("gemm_like 2x3x4"), None);
         assert_eq!(gemm_flops("copy"), None);
         // 12288 x 34816 x 5120 in 6.4 ms, twice a step: 684.6 TFLOP/s.
-        let by_op = vec![("gemm 12288x34816x5120".to_string(), 12.8e-3, 2), ("copy".to_string(), 1e-3, 1)];
+        let by_op = vec![(gemm_label(12288, 34816, 5120), 12.8e-3, 2), ("copy".to_string(), 1e-3, 1)];
         let step = || (StepPhases { by_op: by_op.clone(), ..StepPhases::default() }, 1.0);
         let t = PhaseTable::from_steps(&[step(), step()], 1).unwrap();
         let text = t.render_ops(5);

@@ -41,6 +41,32 @@ struct Plan {
     algos: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
+/// A cuBLASLt algorithm's configuration: cuBLASLt's enum values (`None`: not readable), e.g.
+/// `algo 66 tile 24 stages 35 split-k 1 swizzle 0` (tile 24 is 256x128).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AlgoConfig {
+    pub algo: Option<u32>,
+    pub tile: Option<u32>,
+    pub stages: Option<u32>,
+    pub split_k: Option<u32>,
+    pub swizzle: Option<u32>,
+}
+
+impl std::fmt::Display for AlgoConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = |x: Option<u32>| x.map_or("?".to_string(), |v| v.to_string());
+        write!(
+            f,
+            "algo {} tile {} stages {} split-k {} swizzle {}",
+            v(self.algo),
+            v(self.tile),
+            v(self.stages),
+            v(self.split_k),
+            v(self.swizzle)
+        )
+    }
+}
+
 /// How many algorithms a plan keeps from cuBLASLt's heuristic (the bench times each of them).
 pub const CANDIDATES: usize = 8;
 
@@ -181,24 +207,15 @@ impl Lt {
     }
 
     /// The `index`-th candidate's configuration for this GEMM (`None` past the heuristic's list),
-    /// e.g. `algo 66 tile 24 stages 35 split-k 1 swizzle 0`: cuBLASLt's enum values, so
-    /// that the bench's candidate sweeps say which configuration won.
-    pub fn describe(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<String>> {
+    /// so that the bench's candidate sweeps say which configuration won.
+    pub fn describe(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<AlgoConfig>> {
         use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
         let key = Key::of(g, c_dtype);
         let plans = self.plans_with(key)?;
         let Some(algo) = plans[&key].algos.get(index) else { return Ok(None) };
-        let mut parts = Vec::new();
-        for (name, attr) in [
-            ("algo", A::CUBLASLT_ALGO_CONFIG_ID),
-            ("tile", A::CUBLASLT_ALGO_CONFIG_TILE_ID),
-            ("stages", A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
-            ("split-k", A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-            ("swizzle", A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-        ] {
-            // Every one of these attributes is a 32-bit integer.
-            let mut v = 0u32;
-            let mut written = 0usize;
+        let read = |attr: A| -> Option<u32> {
+            // Every attribute read here is a 32-bit integer.
+            let (mut v, mut written) = (0u32, 0usize);
             // SAFETY: a valid algorithm from the heuristic; the buffer is 4 bytes, as these
             // attributes are.
             let st = unsafe {
@@ -210,13 +227,15 @@ impl Lt {
                     &mut written,
                 )
             };
-            parts.push(if st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                format!("{name} {v}")
-            } else {
-                format!("{name} ?")
-            });
-        }
-        Ok(Some(parts.join(" ")))
+            (st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(v)
+        };
+        Ok(Some(AlgoConfig {
+            algo: read(A::CUBLASLT_ALGO_CONFIG_ID),
+            tile: read(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+            stages: read(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+            split_k: read(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+            swizzle: read(A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        }))
     }
 
     /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset) with the heuristic's

@@ -502,7 +502,7 @@ impl CudaBackend {
         self.timed_as(
             s,
             Work::Gemm,
-            || Some(format!("gemm {}x{}x{}", g.m, g.n, g.k)),
+            || Some(profile::gemm_label(g.m, g.n, g.k)),
             || {
                 let (a, b, c_ptr) = (off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off));
                 self.blas.matmul(g, a, b, c_ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
@@ -512,7 +512,7 @@ impl CudaBackend {
 
     /// What `gemm_with`'s `index`-th candidate for this GEMM is (`None` past the heuristic's list):
     /// the bench prints it beside the candidate's time.
-    pub fn gemm_candidate(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<String>> {
+    pub fn gemm_candidate(&self, g: &Gemm, c_dtype: DType, index: usize) -> Result<Option<blas::AlgoConfig>> {
         self.bind()?;
         self.blas.describe(g, c_dtype, index)
     }
