@@ -1650,10 +1650,15 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
 //                   from context row Tlo + t * KEYS) when every row of the tile is one a block
 //                   sees, else by cp.async from all 128 threads with the other rows zero-filled,
 //                   as section 2 (a named barrier before, so every thread waits at thread 0's ring
-//                   position, and after the copies; then thread 0 arrives). After K_0 all 128
-//                   threads copy Q (row i of the tile: row i % 64 of block 2c + i / 64, rows past M
-//                   zero) and both blocks' keys (rows past block_size zero) by cp.async, and
-//                   thread 0 arrives on Q's full mbarrier once they have landed.
+//                   position, and after the copies; then thread 0 arrives). Before K_0, Q and
+//                   both blocks' keys by TMA on Q's full mbarrier: row i of the Q tile is row
+//                   i % 64 of block 2c + i / 64, slot r of q head g * Gq + hh for i % 64 = hh *
+//                   block_size + r, which one 3-D box per block and 64-column panel gathers
+//                   (map_q: {column, row, head} with the head stride innermost but one); rows TMA
+//                   leaves alone (Q rows past M, key rows past block_size, a padded block's keys)
+//                   are zeroed with plain stores before thread 0 arrives. (This replaced a
+//                   cp.async gather by the producer's 128 threads, issued after K_0, that the
+//                   consumers waited for at the start of every CTA.)
 //   warpgroups 1, 2 consumers (setmaxnreg.inc to ATTN_WS_CONSUMER_REGS): section 2's pipeline per
 //                   block (S_t with P_{t-1} V_{t-1}, masks by the block's own range, the block-key
 //                   tile last), with section 5's waits, releases and ping-pong (ATTN_WS_PINGPONG;
@@ -1662,11 +1667,18 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
 // Phases, buffer reuse and deadlock freedom as section 5 (the ring positions are the context
 // tiles). Q and the block keys are loaded once and never refilled; the output is staged through
 // the consumer's own Q rows.
+// Measured (H200, the bench's 2048 blocks x 16, 32/8 heads, full layer): 2.589 ms with the
+// cp.async Q gather and a division per output element, timed on all-zero inputs (every output
+// 0, so every division took __fdiv_rn's slow path); 1.791 ms with Q by TMA and softmax_finish's
+// reciprocal, on N(0, 1) inputs (FlexAttention 2.614 ms in the same call; sliding 1.707 ms).
 // Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic smem
 //   (ATTN_WG_ROWS + (ATTN_WS_DRAFT_K_STAGES + ATTN_WS_DRAFT_V_STAGES) * ATTN_WG_KEYS_HD128 +
-//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN = 214,144 bytes, a TMA
-//   descriptor each of kc and vc ([ctx_rows, kv_heads * 128] bf16, boxes of 64 columns x KEYS
-//   rows, 128-byte swizzle); ctx_rows >= 1. Preconditions as section 2; violations trap.
+//   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN = 214,144 bytes, and
+//   TMA descriptors (128-byte swizzle, 64-column boxes) of: q as {128, num_blocks * block_size,
+//   heads} with strides (heads * 256, 256) bytes and boxes {64, block_size, heads / kv_heads};
+//   kb and vb as [num_blocks * block_size, kv_heads * 128] in boxes of block_size rows; kc and vc
+//   as [ctx_rows, kv_heads * 128] in boxes of KEYS rows. ctx_rows >= 1. Preconditions as section
+//   2, plus (num_blocks + 1) * block_size < 2^31; violations trap.
 template <int HD>
 struct WsDraftGeo {
   static constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WG_KEYS_HD128, BB = ATTN_WG_BLOCK_KEYS;
@@ -1697,11 +1709,16 @@ __device__ __forceinline__ void ws_load_rows_at(uint32_t tile, const bf16* any_m
   }
 }
 
+// 16 zero bytes at a shared-memory address (a generic-proxy store, as cp.async's zero fill).
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
 template <int HD>
-__device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUtensorMap* map_v,
-                                             const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                             const bf16* __restrict__ vc, const bf16* __restrict__ kb,
-                                             const bf16* __restrict__ vb, bf16* __restrict__ o,
+__device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUtensorMap* map_kb,
+                                             const CUtensorMap* map_vb, const CUtensorMap* map_k,
+                                             const CUtensorMap* map_v, const bf16* __restrict__ kc,
+                                             const bf16* __restrict__ vc, bf16* __restrict__ o,
                                              float* __restrict__ lse, const int* __restrict__ anchors,
                                              const int* __restrict__ ctx_start, int num_blocks, int block_size,
                                              index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
@@ -1709,8 +1726,9 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
   constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = G::BB;
   (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
   require_launch(ATTN_WS_THREADS, G::SMEM);
+  // (num_blocks + 1) * block_size < 2^31: the TMA row coordinates of Q and the block keys are ints.
   if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
-      block_size * (heads / kv_heads) > 64 ||
+      block_size * (heads / kv_heads) > 64 || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
       (long long)gridDim.x != ((long long)num_blocks + 1) / 2 * kv_heads) {
     __trap();
   }
@@ -1720,7 +1738,8 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
   const uint32_t sQ = base;
   auto sK = [&](int st) { return base + G::Q_BYTES + (uint32_t)st * G::KV_BYTES; };
   auto sV = [&](int st) { return base + G::Q_BYTES + (uint32_t)(KS + st) * G::KV_BYTES; };
-  // Block keys of consumer w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  // Block keys of consumer w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles of HD / 64
+  // panels (BB rows of 128 bytes each), 1024-byte aligned as TMA's 128-byte swizzle needs.
   auto sB = [&](int w, int kv) { return base + G::B_OFF + (uint32_t)(2 * w + kv) * G::B_BYTES; };
   const uint32_t q_full = base + G::BAR_OFF;
   auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + st); };
@@ -1771,6 +1790,9 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
     ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
     const int t = threadIdx.x;
     if (t == 0) {
+      prefetch_tensor_map(map_q);
+      prefetch_tensor_map(map_kb);
+      prefetch_tensor_map(map_vb);
       prefetch_tensor_map(map_k);
       prefetch_tensor_map(map_v);
     }
@@ -1806,32 +1828,52 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_k, const CUt
       asm volatile("bar.sync 1, 128;\n" ::: "memory");
       if (t == 0) mbar_arrive(full);
     };
+    // Q and both blocks' keys, once, on q_full. Q by TMA: block jj's M rows for kv head g are one
+    // box of map_q per 64-column panel ({64 columns, bs slots, Gq heads}: tile row hh * bs + r);
+    // a block past num_blocks reads as zero. Its keys by TMA likewise (map_kb / map_vb, boxes of
+    // bs rows) when the block is live; rows TMA does not write (Q rows past M, key rows past bs,
+    // a dead block's keys) are zeroed here first with plain stores (zeros need no swizzle), which
+    // the named barrier orders before thread 0's arrival.
+    const bool live[2] = {2 * pair < num_blocks && a_w[0] >= 0, 2 * pair + 1 < num_blocks && a_w[1] >= 0};
+    if (M < 64 || bs < BB || !live[0] || !live[1]) {
+      // 128-byte rows of the Q tile (rows M..63 of each half, both panels) and of the key tiles.
+      const int qz = 64 - M;
+      auto zero_rows = [&](uint32_t panel0, int rows_per_panel, int r0, int n) {
+        for (int c = t; c < HD / 64 * n * 8; c += 128) {
+          const int p = c / (n * 8), r = r0 + c % (n * 8) / 8, ch = c % 8;
+          st_shared_zero16(panel0 + (uint32_t)((p * rows_per_panel + r) * 128 + ch * 16));
+        }
+      };
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
+        if (qz > 0) zero_rows(sQ + (uint32_t)(w * 64 * 128), BM, M, qz);
+        const int kz0 = live[w] ? bs : 0;
+        if (kz0 < BB) {
+          zero_rows(sB(w, 0), BB, kz0, BB - kz0);
+          zero_rows(sB(w, 1), BB, kz0, BB - kz0);
+        }
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    }
+    if (t == 0) {
+      const uint32_t q_box = 64 * M * 2, key_box = 64 * bs * 2;
+      mbar_arrive_expect_tx(q_full, 2 * (HD / 64) * q_box + (live[0] + live[1]) * 2 * (HD / 64) * key_box);
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
+        const int jj = (int)(2 * pair + w);
+#pragma unroll
+        for (int p = 0; p < HD / 64; ++p) {
+          tma_load_3d(sQ + (uint32_t)((w * 64 + p * BM) * 128), map_q, q_full, p * 64, jj * bs, g * Gq);
+          if (live[w]) {
+            tma_load_2d(sB(w, 0) + (uint32_t)(p * BB * 128), map_kb, q_full, g * HD + p * 64, jj * bs);
+            tma_load_2d(sB(w, 1) + (uint32_t)(p * BB * 128), map_vb, q_full, g * HD + p * 64, jj * bs);
+          }
+        }
+      }
+    }
     for (int it = 0; it < n_kt; ++it) {
       const int ks = it % KS, vs = it % VS;
       fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
-      if (it == 0) {
-        // Q: row i of the tile is row i % 64 of block 2 * pair + i / 64 (rows past M zero).
-        ws_load_rows_at<HD, BM>(sQ, q, t, [&](int i) -> const bf16* {
-          const index_t jj = 2 * pair + i / 64;
-          const int mm = i % 64;
-          return jj < num_blocks && mm < M ? q + (jj * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD
-                                           : nullptr;
-        });
-#pragma unroll 1
-        for (int w = 0; w < 2; ++w) {
-          const index_t jj = 2 * pair + w;
-          const bool live = jj < num_blocks && a_w[w] >= 0;
-          ws_load_rows_at<HD, BB>(sB(w, 0), kb, t, [&](int i) -> const bf16* {
-            return live && i < bs ? kb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
-          });
-          ws_load_rows_at<HD, BB>(sB(w, 1), vb, t, [&](int i) -> const bf16* {
-            return live && i < bs ? vb + (jj * bs + i) * kw + (index_t)g * HD : nullptr;
-          });
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");
-        if (t == 0) mbar_arrive(q_full);
-      }
       fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
     }
     return;
@@ -2012,14 +2054,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_fwd_
 }
 
 // The warp-specialised drafter forward at head_dim 128 (section 6): section 2's arguments with TMA
-// descriptors of kc and vc in front.
+// descriptors of q, kb, vb, kc and vc in front of them in place of the q, kb and vb pointers.
 extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_fwd_ws_bf16_hd128(
-    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* q,
-    const __nv_bfloat16* kc, const __nv_bfloat16* vc, const __nv_bfloat16* kb, const __nv_bfloat16* vb,
-    __nv_bfloat16* o, float* lse, const int* anchors, const int* ctx_start, int num_blocks, int block_size,
-    long long ctx_rows, int heads, int kv_heads, float scale, int window) {
-  attn::draft_fwd_ws<128>(&map_k, &map_v, q, kc, vc, kb, vb, o, lse, anchors, ctx_start, num_blocks, block_size,
-                          ctx_rows, heads, kv_heads, scale, window);
+    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_kb,
+    const __grid_constant__ CUtensorMap map_vb, const __grid_constant__ CUtensorMap map_k,
+    const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* kc, const __nv_bfloat16* vc, __nv_bfloat16* o,
+    float* lse, const int* anchors, const int* ctx_start, int num_blocks, int block_size, long long ctx_rows,
+    int heads, int kv_heads, float scale, int window) {
+  attn::draft_fwd_ws<128>(&map_q, &map_kb, &map_vb, &map_k, &map_v, kc, vc, o, lse, anchors, ctx_start, num_blocks,
+                          block_size, ctx_rows, heads, kv_heads, scale, window);
 }
 
 // The drafter backward over queries at head_dim 128; launch above draft_bwd_q_wg.

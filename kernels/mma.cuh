@@ -313,22 +313,26 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 
   softmax_rescale<HD>(o, alpha);
 }
 
-// Final normalisation: reduces l over the 4 threads of a row and divides (IEEE division, as the
-// CPU's acc / sum). A row with no visible key (padding rows only) gets 0.
+// Final normalisation: reduces l over the 4 threads of a row and multiplies by its correctly
+// rounded reciprocal (one rounding more than the CPU's acc / sum: within 1 ulp of f32, far below
+// the bf16 rounding of the output). Not a division per element: __fdiv_rn takes a ~60-instruction
+// subroutine whenever the dividend is 0 or subnormal, which an all-zero output row pays on every
+// element. l >= 1 for a row with a visible key (its maximum contributes exp2(0)), so
+// the reciprocal is always normal; a row with no visible key (padding rows only) gets exactly 0
+// (selected, whatever its accumulator holds).
 template <int HD>
 __device__ __forceinline__ void softmax_finish(float (&o)[HD / 8][4], float (&l)[2]) {
+  float r[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    r[h] = l[h] > 0.f ? __frcp_rn(l[h]) : 0.f;
   }
 #pragma unroll
   for (int n = 0; n < HD / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float d = l[e >> 1];
-      o[n][e] = d > 0.f ? __fdiv_rn(o[n][e], d) : 0.f;
-    }
+    for (int e = 0; e < 4; ++e) o[n][e] = l[e >> 1] > 0.f ? __fmul_rn(o[n][e], r[e >> 1]) : 0.f;
   }
 }
 

@@ -644,11 +644,11 @@ impl CudaBackend {
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
         const OP: &str = "attn_draft_fwd";
-        // Every form's arguments, and (the warp-specialised form) its TMA descriptors in front.
+        // The mma.sync and plain warpgroup forms' arguments (the warp-specialised form reads q,
+        // kb and vb through TMA descriptors instead).
         macro_rules! args {
-            ($ty:ident $(, $f:ident: $e:expr)*) => {
+            ($ty:ident) => {
                 launch::$ty {
-                    $($f: $e,)*
                     q: q.at(OP, 0)?,
                     kc: kc.at(OP, 0)?,
                     vc: vc.at(OP, 0)?,
@@ -699,11 +699,38 @@ impl CudaBackend {
                         + 4 * ATTN_WG_BLOCK_KEYS;
                     let smem = tiles * sh.head_dim * 2 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
                     let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
-                    let args = args!(
-                        AttnDraftFwdWsBf16Hd128,
+                    let (qp, kbp, vbp) =
+                        (q.at::<half::bf16>(OP, 0)?, kb.at::<half::bf16>(OP, 0)?, vb.at::<half::bf16>(OP, 0)?);
+                    let (hd, gq, q_rows) = (sh.head_dim, sh.heads / sh.kv_heads, sh.q_rows());
+                    // q read as {column, row, head}: one box is one block's slots of the kv
+                    // head's gq q heads, tile row hh * block_size + r.
+                    let args = launch::AttnDraftFwdWsBf16Hd128 {
+                        map_q: tma::tensor_map_3d(
+                            OP,
+                            qp.addr(),
+                            [hd, q_rows, sh.heads],
+                            [g.qw * 2, hd * 2],
+                            sh.block_size,
+                            gq,
+                        )?,
+                        map_kb: tma::tensor_map_2d(OP, kbp.addr(), g.kw, q_rows, sh.block_size)?,
+                        map_vb: tma::tensor_map_2d(OP, vbp.addr(), g.kw, q_rows, sh.block_size)?,
                         map_k: tma::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?
-                    );
+                        map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                        kc: kcp,
+                        vc: vcp,
+                        o: o.at(OP, 0)?,
+                        lse: lse.at(OP, 0)?,
+                        anchors: anchors.at(OP, 0)?,
+                        ctx_start: ctx_start.at(OP, 0)?,
+                        num_blocks: sh.num_blocks,
+                        block_size: sh.block_size,
+                        ctx_rows: sh.ctx_rows,
+                        heads: sh.heads,
+                        kv_heads: sh.kv_heads,
+                        scale: sh.scale(),
+                        window: sh.window.unwrap_or(0),
+                    };
                     let kernel = launch::Kernel::AttnDraftFwdWsBf16Hd128;
                     return self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args);
                 }
@@ -2929,14 +2956,17 @@ impl AttnForm {
 
     /// Whether this form has a drafter forward for the shape (the mma.sync kernel: every compiled
     /// head dim; its own limits are checked by the launcher). The warp-specialised one also needs
-    /// a context (its TMA descriptors span at least one row).
+    /// a context (its TMA descriptors span at least one row) and query rows its 32-bit TMA
+    /// coordinates reach.
     pub fn takes_draft(self, sh: &DraftAttnShape) -> bool {
         let g = sh.heads.checked_div(sh.kv_heads).unwrap_or(0);
         let wg_shape = sh.head_dim == 128 && sh.block_size <= ATTN_WG_BLOCK_KEYS && g > 0 && sh.block_size * g <= 64;
         match self {
             AttnForm::Mma => variant(&launch::AttnDraftFwdBf16Hd::VARIANTS, &sh.head_dim.to_string()).is_some(),
             AttnForm::Wgmma => wg_shape,
-            AttnForm::WarpSpecialized => wg_shape && sh.ctx_rows > 0,
+            AttnForm::WarpSpecialized => {
+                wg_shape && sh.ctx_rows > 0 && (sh.num_blocks + 1) * sh.block_size < i32::MAX as usize
+            }
         }
     }
 
