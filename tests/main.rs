@@ -17,6 +17,7 @@
 //!   train then eval on held-out prompts, a random drafter
 //! - `user_errors`: one regression test per bad input or misleading message a new user hit
 //! - `scripts`: the GPU machine's scripts where their logic needs no GPU (sanitize.sh's shards)
+//! - `flops`: the MFU column's FLOP model == the GEMM FLOPs the target forward and a drafter step run
 //! - `host_sync`: the device update plan == the host's decision; metrics one step late == the
 //!   host-decided step's, bit for bit (a NaN step skipped)
 //! - `gpu`: each kernel family vs the CPU (tests/gpu/), CUDA training vs the CPU, the HF and PyTorch oracles
@@ -27,6 +28,7 @@
 mod common;
 mod drafter_fd;
 mod eval;
+mod flops;
 mod gpu;
 mod host_sync;
 mod metrics;

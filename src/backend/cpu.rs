@@ -219,6 +219,16 @@ impl CpuBackend<f64> {
     }
 }
 
+thread_local! {
+    static GEMM_FLOPS: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// FLOPs (`2 m n k` each) of the GEMMs this thread has run on a CPU backend so far: what
+/// `train::flops` is checked against (the CPU backend runs every operation on the calling thread).
+pub fn thread_gemm_flops() -> f64 {
+    GEMM_FLOPS.with(std::cell::Cell::get)
+}
+
 fn dtype_err(op: &'static str, expected: DType, found: DType) -> BackendError {
     BackendError::DType { op, expected: expected.name(), found: found.name() }
 }
@@ -457,6 +467,7 @@ impl<F: Real> Backend for CpuBackend<F> {
         c_off: usize,
     ) -> Result<()> {
         let (m, n, k) = (g.m, g.n, g.k);
+        GEMM_FLOPS.with(|f| f.set(f.get() + 2.0 * (m * n * k) as f64));
         check_len("gemm", "A", a.data.len(), a_off, m * k)?;
         check_len("gemm", "B", b.data.len(), b_off, k * n)?;
         check_len("gemm", "C", c.data.len(), c_off, m * n)?;

@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 pub use crate::backend::profile::StepClock;
 use crate::pipeline::PipelineStats;
+use crate::train::flops::Mfu;
 use crate::train::step::StepMetrics;
 
 /// What a run reports at the end (also what tests assert on).
@@ -40,6 +41,8 @@ pub struct RunSummary {
     pub phases: Option<crate::backend::profile::PhaseTable>,
     /// `--profile`: the steps the table averages, one entry per step, in order.
     pub phase_steps: Vec<crate::backend::profile::StepPhases>,
+    /// The FLOP model and measured peak of the MFU column; `None` where no peak was measured.
+    pub mfu: Option<Mfu>,
 }
 
 impl RunSummary {
@@ -47,6 +50,40 @@ impl RunSummary {
     /// steps that hold a checkpoint write.
     pub fn steady_step_ms(&self) -> Vec<f64> {
         self.step_ms.iter().enumerate().filter(|(i, _)| !self.checkpoint_in_step.contains(i)).map(|(_, &m)| m).collect()
+    }
+
+    /// The MFU line: model FLOPs over the time of the steps `steady_step_ms` keeps, the FLOPs of
+    /// a mean step by part, and the peak they are measured against.
+    pub fn mfu_line(&self) -> Option<String> {
+        let mfu = self.mfu.as_ref()?;
+        let steady =
+            || (0..self.history.len().min(self.step_ms.len())).filter(|i| !self.checkpoint_in_step.contains(i));
+        let n = steady().count();
+        if n == 0 {
+            return None;
+        }
+        let secs: f64 = steady().map(|i| self.step_ms[i] / 1e3).sum();
+        let (mut target, mut gemm, mut attn) = (0.0, 0.0, 0.0);
+        for i in steady() {
+            let m = &self.history[i];
+            target += mfu.target.of(m.tokens, m.causal_pairs);
+            gemm += m.drafter_flops.gemm;
+            attn += m.drafter_flops.attention;
+        }
+        let total = target + gemm + attn;
+        let per = |x: f64| x / n as f64 / 1e12;
+        Some(format!(
+            "{:.1}% of the measured peak: {:.1} TFLOP of model FLOPs per step (target forward {:.1}, drafter {:.1} of which \
+             attention {:.1}) at {:.0} TFLOP/s, against {:.0} TFLOP/s ({})",
+            100.0 * total / secs.max(1e-12) / mfu.peak,
+            per(total),
+            per(target),
+            per(gemm + attn),
+            per(attn),
+            total / secs.max(1e-12) / 1e12,
+            mfu.peak / 1e12,
+            mfu.peak_source
+        ))
     }
 }
 
@@ -82,6 +119,8 @@ pub struct StepLog {
     pub step_ms: Vec<f64>,
     /// Lines not printed yet: waiting for their step's device time.
     waiting: std::collections::VecDeque<usize>,
+    /// The MFU column's model and peak (`n/a` without).
+    mfu: Option<Mfu>,
 }
 
 const HEADER: &str = "  step |   loss |   acc | accept | grad-norm |       lr |     ms |    tok/s | MFU";
@@ -100,11 +139,17 @@ impl StepLog {
             history: Vec::new(),
             step_ms: Vec::new(),
             waiting: std::collections::VecDeque::new(),
+            mfu: None,
         };
         if !quiet {
             log.line(HEADER.to_string());
         }
         log
+    }
+
+    /// Fills the MFU column from now on.
+    pub fn set_mfu(&mut self, mfu: Mfu) {
+        self.mfu = Some(mfu);
     }
 
     fn line(&self, text: String) {
@@ -143,8 +188,12 @@ impl StepLog {
             let log = m.step == self.first_step || done % self.log_every == 0 || done == self.steps || m.skipped;
             if log && !self.quiet {
                 let note = if m.skipped { "  (step skipped: non-finite loss or grad norm)" } else { "" };
+                let mfu = match &self.mfu {
+                    Some(f) => format!("{:.1}%", f.percent(m, ms / 1e3)),
+                    None => "n/a".to_string(),
+                };
                 self.line(format!(
-                    "{:>6} | {:>6.3} | {:>5.3} | {:>6.3} | {:>9.3} | {:>8.2e} | {:>6.0} | {:>8.0} | n/a{note}",
+                    "{:>6} | {:>6.3} | {:>5.3} | {:>6.3} | {:>9.3} | {:>8.2e} | {:>6.0} | {:>8.0} | {mfu}{note}",
                     done,
                     m.loss,
                     m.accuracy,
@@ -241,6 +290,13 @@ pub fn print_summary(r: &RunSummary) {
         st.tokens as f64 / steps / (median / 1e3).max(1e-9),
         r.step_clock.describe()
     );
+    match r.mfu_line() {
+        Some(line) => eprintln!("mfu            {line}"),
+        None if r.mfu.is_none() => {
+            eprintln!("mfu            n/a: no device clock to measure a GEMM peak with (the CPU backend)")
+        }
+        None => {}
+    }
     eprintln!(
         "time           wall {:.1} s: training {:.1} s, checkpoints {:.1} s; before it: target load {:.1} s, data generation {:.1} s",
         wall, train, r.checkpoint_seconds, r.load_seconds, r.gen_seconds
@@ -384,5 +440,40 @@ mod tests {
             ..RunSummary::default()
         };
         assert_eq!(r.steady_step_ms(), vec![900.0, 800.0, 810.0]);
+    }
+
+    /// MFU: the step's model FLOPs (target from its tokens and pairs, the drafter's sums) over
+    /// its time and the peak; the summary's over the steady steps only.
+    #[test]
+    fn mfu_is_model_flops_over_time_and_the_measured_peak() {
+        use crate::train::flops::{DrafterFlops, TargetFlops};
+        let mfu = Mfu {
+            target: TargetFlops { gemm_per_token: 6e9, recurrence_per_token: 4e9, per_pair: 1e6 },
+            peak: 8e12,
+            peak_source: "a test".into(),
+        };
+        // Target 100 * 1e10 + 1e6 * 1e6 = 2e12, drafter 1.5e12 + 0.5e12: 4e12 per step.
+        let m = StepMetrics {
+            tokens: 100,
+            causal_pairs: 1e6,
+            drafter_flops: DrafterFlops { gemm: 1.5e12, attention: 0.5e12 },
+            ..StepMetrics::default()
+        };
+        assert_eq!(mfu.step_flops(&m), 4e12);
+        assert!((mfu.percent(&m, 1.0) - 50.0).abs() < 1e-9);
+        let r = RunSummary {
+            history: vec![m.clone(), m.clone(), m],
+            // The second step holds a checkpoint write: left out.
+            step_ms: vec![1000.0, 9000.0, 500.0],
+            checkpoint_in_step: vec![1],
+            mfu: Some(mfu),
+            ..RunSummary::default()
+        };
+        // 8e12 FLOPs in 1.5 s against 8e12 FLOP/s: 66.7%.
+        let line = r.mfu_line().unwrap();
+        assert!(line.starts_with("66.7% of the measured peak: 4.0 TFLOP"), "{line}");
+        assert!(line.contains("(target forward 2.0, drafter 2.0 of which attention 0.5)"), "{line}");
+        assert!(line.contains("at 5 TFLOP/s, against 8 TFLOP/s (a test)"), "{line}");
+        assert_eq!(RunSummary::default().mfu_line(), None);
     }
 }

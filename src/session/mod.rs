@@ -38,6 +38,10 @@ pub use options::{
 pub use prepare::prepare_data;
 use setup::{StepBatches, TargetSource, Topology};
 
+/// The GEMM the MFU column's peak is measured with (`n^3`, bf16): three 32 MiB operands, a few
+/// milliseconds of device time before the first step.
+const MFU_PEAK_N: usize = 4096;
+
 /// A run that stopped on an error: the cause first, then what the leak check found.
 #[derive(Debug, thiserror::Error)]
 #[error("{cause} (leak check: {leaks})")]
@@ -213,6 +217,7 @@ fn run_on<B: Backend>(
         setup::warm_start(bes, topo, opts, &dcfg, &mut sides, &say)?;
     }
     let first = targets.remove(0);
+    let tflops = crate::train::flops::TargetFlops::new(&first.shape, first.last_layer());
     let tsides = setup::target_sides(bes, topo, e.split_fc, first, targets, &mut sides)?;
     let source = StepBatches {
         data,
@@ -254,6 +259,22 @@ fn run_on<B: Backend>(
         say(note);
     }
     let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
+    // The MFU column's peak: measured on the first device, counted once per device the run uses.
+    let mfu = match crate::train::flops::measure_gemm_peak(bt, MFU_PEAK_N).context("measuring the GEMM peak")? {
+        Some(peak) => {
+            let source = format!(
+                "cuBLASLt bf16 {MFU_PEAK_N}^3 on {}{}",
+                bt.name(),
+                if bes.len() > 1 { format!(", x {} devices", bes.len()) } else { String::new() }
+            );
+            say(format!("mfu       peak {:.0} TFLOP/s per device, measured ({source})", peak / 1e12));
+            Some(crate::train::flops::Mfu { target: tflops, peak: peak * bes.len() as f64, peak_source: source })
+        }
+        None => None,
+    };
+    if let Some(m) = &mfu {
+        steplog.set_mfu(m.clone());
+    }
     let profiling = out.profile && bt.start_profile();
     if out.profile && !profiling {
         say("note      --profile: this backend has no device clock, so there is no phase table".into());
@@ -385,6 +406,7 @@ fn run_on<B: Backend>(
         // The first step builds GEMM plans and the allocator's segments: left out.
         phases: crate::backend::profile::PhaseTable::from_marked_steps(&steady, 1),
         phase_steps: steady,
+        mfu,
     };
     print_summary(&summary);
     Ok(summary)

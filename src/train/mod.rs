@@ -2,6 +2,7 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod flops;
 pub mod generate;
 pub mod metrics;
 pub mod optim;

@@ -10,6 +10,7 @@ use crate::model::drafter::{fc_backward, fc_forward, DraftInputs, Drafter, Draft
 use crate::model::target::{Target, TargetInputs};
 use crate::tensor::DType;
 use crate::train::batch::HostBatch;
+use crate::train::flops::{causal_pairs, DrafterFlops};
 use crate::train::optim::OptimConfig;
 
 /// The drafter's device inputs of one micro-batch, owning their buffers.
@@ -126,6 +127,11 @@ pub struct StepMetrics {
     pub skipped: bool,
     pub tokens: usize,
     pub draft_positions: usize,
+    /// Causal (query, key) pairs of the step's real target sequences (the target's model FLOPs:
+    /// `flops::TargetFlops::of`).
+    pub causal_pairs: f64,
+    /// The drafter's model FLOPs of the step (`flops::DrafterFlops`).
+    pub drafter_flops: DrafterFlops,
 }
 
 /// Host-side metric sums of a step, accumulated over its micro-batches.
@@ -141,6 +147,8 @@ pub struct MetricSums {
     pub blocks: u64,
     pub tokens: usize,
     pub draft_positions: usize,
+    pub causal_pairs: f64,
+    pub drafter_flops: DrafterFlops,
 }
 
 impl MetricSums {
@@ -155,13 +163,18 @@ impl MetricSums {
         self.blocks += o.blocks;
         self.tokens += o.tokens;
         self.draft_positions += o.draft_positions;
+        self.causal_pairs += o.causal_pairs;
+        self.drafter_flops += o.drafter_flops;
     }
 
-    /// Adds one micro-batch from its per-slot loss and argmax.
-    pub fn add(&mut self, hb: &HostBatch, bs: usize, loss: &[f32], argmax: &[i32]) {
+    /// Adds one micro-batch of a drafter of shape `sh` from its per-slot loss and argmax.
+    pub fn add(&mut self, hb: &HostBatch, sh: &DrafterShape, loss: &[f32], argmax: &[i32]) {
+        let bs = sh.block_size;
         self.loss += loss.iter().map(|&x| f64::from(x)).sum::<f64>();
         self.weight += hb.weight_sum;
         self.tokens += hb.n_valid;
+        self.causal_pairs += causal_pairs(hb);
+        self.drafter_flops += DrafterFlops::of(sh, hb);
         for j in 0..hb.num_blocks {
             if hb.anchors[j] < 0 {
                 continue;
@@ -254,13 +267,13 @@ struct InFlight<B: Backend> {
 
 impl<B: Backend> InFlight<B> {
     /// Waits for the read and computes the step's metrics exactly as the host-decided path does.
-    fn finish(self, be: &B, block_size: usize) -> Result<StepMetrics> {
+    fn finish(self, be: &B, sh: &DrafterShape) -> Result<StepMetrics> {
         let (f, argmax) = be.read_wait(self.read)?;
         let (loss, body, fc) = (&f[0], f64::from(f[1][0]), f64::from(f[2][0]));
         let mut sums = MetricSums::default();
         let mut off = 0;
         for (hb, am) in self.batches.iter().zip(&argmax) {
-            sums.add(hb, block_size, &loss[off..off + am.len()], am);
+            sums.add(hb, sh, &loss[off..off + am.len()], am);
             off += am.len();
         }
         Ok(step_metrics(&self.optim, self.step, &sums, global_norm(fc, body)))
@@ -281,6 +294,8 @@ fn step_metrics(optim: &OptimConfig, step: u32, sums: &MetricSums, norm: f64) ->
         skipped: plan_update(optim, step, loss, norm).is_none(),
         tokens: sums.tokens,
         draft_positions: sums.draft_positions,
+        causal_pairs: sums.causal_pairs,
+        drafter_flops: sums.drafter_flops,
     }
 }
 
@@ -346,7 +361,7 @@ impl<B: Backend> DrafterSide<B> {
         for (hb, loss, argmax) in self.outputs.drain(..) {
             let loss = be.download(s, &loss)?;
             let argmax = be.download_ids(s, &argmax)?;
-            sums.add(&hb, self.drafter.shape.block_size, &loss, &argmax);
+            sums.add(&hb, &self.drafter.shape, &loss, &argmax);
         }
         Ok(sums)
     }
@@ -446,7 +461,7 @@ impl<B: Backend> DrafterSide<B> {
         match self.pending.take() {
             None => Ok(None),
             Some(PendingMetrics::Ready(m)) => Ok(Some(m)),
-            Some(PendingMetrics::InFlight(f)) => f.finish(be, self.drafter.shape.block_size).map(Some),
+            Some(PendingMetrics::InFlight(f)) => f.finish(be, &self.drafter.shape).map(Some),
         }
     }
 

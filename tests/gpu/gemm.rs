@@ -222,3 +222,32 @@ fn gpu_clock_monitor_reads_the_device_under_gemm_load() {
     assert!(max > 0 && r.sm_mhz_median > 0 && r.sm_mhz_median <= max, "{r:?}");
     assert!(r.limit_w.is_some_and(|w| w > 0.0) && r.power_w_mean > 0.0, "{r:?}");
 }
+
+/// The MFU column's peak (`train::flops::measure_gemm_peak`): measured on the device, a finite
+/// rate above 1 TFLOP/s (any GPU with bf16 tensor cores), and not above what the same GEMMs take
+/// timed from the host around a synchronisation (the device events can only be tighter). The
+/// CPU backend has no device clock: no peak, and its MFU column says n/a.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemm_peak_is_measured_on_the_device() {
+    use dflash_engine::train::flops::measure_gemm_peak;
+    let g = gpu();
+    let n = 4096;
+    let peak = measure_gemm_peak(&g, n).unwrap().expect("a CUDA backend has a device clock");
+    assert!(peak.is_finite() && peak > 1e12, "peak {peak} FLOP/s");
+    let s = g.compute_stream();
+    let (a, b) = (put(&g, &rand(n * n, 1, 1.0), DType::BF16), put(&g, &rand(n * n, 2, 1.0), DType::BF16));
+    let mut c = g.alloc(&s, DType::BF16, n * n).unwrap();
+    let gm = Gemm::linear(n, n, n);
+    g.gemm(&s, &gm, &a, 0, &b, 0, &mut c, 0).unwrap();
+    g.synchronize(&s).unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..20 {
+        g.gemm(&s, &gm, &a, 0, &b, 0, &mut c, 0).unwrap();
+    }
+    g.synchronize(&s).unwrap();
+    let host = 20.0 * 2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64();
+    println!("measured peak {:.0} TFLOP/s, host-timed {:.0} TFLOP/s", peak / 1e12, host / 1e12);
+    assert!(peak >= 0.9 * host, "device-timed {peak} below host-timed {host}");
+    assert_eq!(measure_gemm_peak(&CpuBackend::new(), 64).unwrap(), None);
+}
