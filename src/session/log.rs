@@ -71,19 +71,37 @@ impl RunSummary {
             attn += m.drafter_flops.attention;
         }
         let total = target + gemm + attn;
-        let per = |x: f64| x / n as f64 / 1e12;
+        let per = |x: f64| flops_text(x / n as f64);
         Some(format!(
-            "{:.1}% of the measured peak: {:.1} TFLOP of model FLOPs per step (target forward {:.1}, drafter {:.1} of which \
-             attention {:.1}) at {:.0} TFLOP/s, against {:.0} TFLOP/s ({})",
-            100.0 * total / secs.max(1e-12) / mfu.peak,
+            "{} of the measured peak: {} of model FLOPs per step (target forward {}, drafter {} of which attention {}) \
+             at {}/s, against {:.0} TFLOP/s ({})",
+            percent_text(100.0 * total / secs.max(1e-12) / mfu.peak),
             per(total),
             per(target),
             per(gemm + attn),
             per(attn),
-            total / secs.max(1e-12) / 1e12,
+            flops_text(total / secs.max(1e-12)),
             mfu.peak / 1e12,
             mfu.peak_source
         ))
+    }
+}
+
+/// FLOPs with a unit that leaves one to four digits before the point (`3.2 TFLOP`, `840 MFLOP`).
+fn flops_text(x: f64) -> String {
+    let (v, unit) = [(1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]
+        .into_iter()
+        .find(|&(scale, _)| x >= scale)
+        .map_or((x, "FLOP"), |(scale, unit)| (x / scale, unit));
+    format!("{v:.1} {unit}")
+}
+
+/// A percentage with two significant digits below 1% (a tiny model's MFU is not 0.0%).
+fn percent_text(p: f64) -> String {
+    if p >= 1.0 || p == 0.0 {
+        format!("{p:.1}%")
+    } else {
+        format!("{p:.2}%")
     }
 }
 
@@ -189,7 +207,7 @@ impl StepLog {
             if log && !self.quiet {
                 let note = if m.skipped { "  (step skipped: non-finite loss or grad norm)" } else { "" };
                 let mfu = match &self.mfu {
-                    Some(f) => format!("{:.1}%", f.percent(m, ms / 1e3)),
+                    Some(f) => percent_text(f.percent(m, ms / 1e3)),
                     None => "n/a".to_string(),
                 };
                 self.line(format!(
@@ -471,9 +489,16 @@ mod tests {
         };
         // 8e12 FLOPs in 1.5 s against 8e12 FLOP/s: 66.7%.
         let line = r.mfu_line().unwrap();
-        assert!(line.starts_with("66.7% of the measured peak: 4.0 TFLOP"), "{line}");
-        assert!(line.contains("(target forward 2.0, drafter 2.0 of which attention 0.5)"), "{line}");
-        assert!(line.contains("at 5 TFLOP/s, against 8 TFLOP/s (a test)"), "{line}");
+        assert!(line.starts_with("66.7% of the measured peak: 4.0 TFLOP of model FLOPs"), "{line}");
+        assert!(
+            line.contains("(target forward 2.0 TFLOP, drafter 2.0 TFLOP of which attention 500.0 GFLOP)"),
+            "{line}"
+        );
+        assert!(line.contains("at 5.3 TFLOP/s, against 8 TFLOP/s (a test)"), "{line}");
+        assert_eq!(flops_text(3.2e6), "3.2 MFLOP");
+        assert_eq!(flops_text(12.0), "12.0 FLOP");
+        assert_eq!(percent_text(0.0123), "0.01%");
+        assert_eq!(percent_text(42.04), "42.0%");
         assert_eq!(RunSummary::default().mfu_line(), None);
     }
 }

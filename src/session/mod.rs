@@ -38,9 +38,11 @@ pub use options::{
 pub use prepare::prepare_data;
 use setup::{StepBatches, TargetSource, Topology};
 
-/// The GEMM the MFU column's peak is measured with (`n^3`, bf16): three 32 MiB operands, a few
-/// milliseconds of device time before the first step.
-const MFU_PEAK_N: usize = 4096;
+/// The GEMM the MFU column's peak is measured with (`n^3`, bf16), the bench's peak GEMM: three
+/// 128 MiB operands (back in the pool before the first step) and about 40 ms of device time. A
+/// 4096^3 GEMM is too small for the peak: 512 output tiles leave the last of four waves on 132
+/// SMs mostly empty.
+const MFU_PEAK_N: usize = 8192;
 
 /// A run that stopped on an error: the cause first, then what the leak check found.
 #[derive(Debug, thiserror::Error)]
