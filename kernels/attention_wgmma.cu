@@ -1304,8 +1304,9 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 // issue, only for data and (ping-pong) for each other's wgmma issue, never for a softmax.
 // Measured (H200, 4 x 3072, 32/8 heads, hd 128): 0.861 ms with 128-thread cp.async fills, 0.691
 // with TMA, 0.681 with ping-pong (cuDNN 0.56), 0.644 with the warpgroup index uniform
-// (warpgroup_index; cuDNN 0.595 in that run); 1 x 4096, 24/4, hd 256: 0.510, 0.386, 0.388, 0.364
-// (cuDNN 0.38-0.41). A persistent form was measured and not kept: one CTA per SM taking units
+// (warpgroup_index; cuDNN 0.595 in that run), 0.583-0.586 with softmax_finish's reciprocal in
+// place of a division per output element (cuDNN 0.567-0.597 in those calls); 1 x 4096, 24/4,
+// hd 256: 0.510, 0.386, 0.388, 0.364, 0.331 (cuDNN 0.38-0.41, 0.378). A persistent form was measured and not kept: one CTA per SM taking units
 // from an atomic counter, the rings running on across units, the unit number handed to the
 // consumers in a shared-memory word ordered by Q's full/empty mbarriers. It ran 0.631 / 0.372 ms
 // against 0.650 / 0.377 for the same code with a CTA per unit (2% faster at hd 128, 2% slower at

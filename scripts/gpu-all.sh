@@ -28,6 +28,10 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # finished clean in 44 s but the suite's shard still ran past 350 s. So with SHARDS > 1 the suite
 # now has shard 0 to itself (sanitize.sh); initcheck over it may still need a call of its own:
 #   OUT=$OUT KERNEL_TESTS=" " SANITIZERS=initcheck STREAM_TESTS=none bash gpu-bundle/sanitize.sh
+# synccheck, too, no longer fits beside the tests (on the H200 at d3a31b2: past 400 s unsharded,
+# where memcheck took 325 s); alone with SHARDS=4 and WINDOW=420 (at 36b38f2) its shards of norm +
+# attention + cross-entropy (66 s) and elementwise + hybrid + optimizer (55 s) finished clean,
+# while gemm + pack + hybrid_fused and the suite's shard did not finish.
 W=${WINDOW:-400}
 N=${SHARDS:-1}
 if [ "${BENCH:-1}" != 0 ]; then

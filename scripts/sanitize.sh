@@ -49,6 +49,10 @@ for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   # The forward's buffers that such a GEMM writes are zero-filled first, so only the probe reads
   # one uninitialised; initcheck leaves it out.
   [ "$tool" = initcheck ] && tests="$tests --skip gpu_conv_of_an_f32_gemm_output_in_an_uninit_buffer"
+  # The two tests that time the device (the clock monitor under GEMM load, the MFU peak) run
+  # nothing but cuBLASLt GEMMs, which gpu_gemm_matches_cpu covers: instrumented, their ~100
+  # GEMMs of 4096^3 kept gemm's shard past 420 s under synccheck on the H200.
+  tests="$tests --skip gpu_clock_monitor_reads_the_device_under_gemm_load --skip gpu_gemm_peak_is_measured_on_the_device"
   timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"

@@ -39,10 +39,29 @@ pub use prepare::prepare_data;
 use setup::{StepBatches, TargetSource, Topology};
 
 /// The GEMM the MFU column's peak is measured with (`n^3`, bf16), the bench's peak GEMM: three
-/// 128 MiB operands (back in the pool before the first step) and about 40 ms of device time. A
+/// 128 MiB operands (back in the pool before the first step) and about 20 ms of device time. A
 /// 4096^3 GEMM is too small for the peak: 512 output tiles leave the last of four waves on 132
 /// SMs mostly empty.
 const MFU_PEAK_N: usize = 8192;
+
+/// The bf16 GEMM peak of `be`'s device (`train::flops::measure_gemm_peak` at `MFU_PEAK_N`),
+/// measured once per process and device: runs started one after another in one process (the
+/// test suites, and the compute-sanitizer runs of them, where instrumented GEMMs are slow) share
+/// it. `None` without a device clock.
+fn device_peak<B: Backend>(be: &B) -> Result<Option<f64>> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static PEAKS: OnceLock<Mutex<HashMap<String, Option<f64>>>> = OnceLock::new();
+    let key = be.name();
+    if let Some(&p) =
+        PEAKS.get_or_init(Default::default).lock().map_err(|_| anyhow::anyhow!("peak cache poisoned"))?.get(&key)
+    {
+        return Ok(p);
+    }
+    let p = crate::train::flops::measure_gemm_peak(be, MFU_PEAK_N).context("measuring the GEMM peak")?;
+    PEAKS.get_or_init(Default::default).lock().map_err(|_| anyhow::anyhow!("peak cache poisoned"))?.insert(key, p);
+    Ok(p)
+}
 
 /// A run that stopped on an error: the cause first, then what the leak check found.
 #[derive(Debug, thiserror::Error)]
@@ -262,7 +281,7 @@ fn run_on<B: Backend>(
     }
     let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
     // The MFU column's peak: measured on the first device, counted once per device the run uses.
-    let mfu = match crate::train::flops::measure_gemm_peak(bt, MFU_PEAK_N).context("measuring the GEMM peak")? {
+    let mfu = match device_peak(bt)? {
         Some(peak) => {
             let source = format!(
                 "cuBLASLt bf16 {MFU_PEAK_N}^3 on {}{}",

@@ -171,8 +171,8 @@ impl Mfu {
     }
 }
 
-/// The bf16 GEMM rate of `be` (FLOP/s): twenty `n x n x n` GEMMs of random operands timed with
-/// device events after two warm-up calls. `None` where the backend has no device clock (the CPU:
+/// The bf16 GEMM rate of `be` (FLOP/s): ten `n x n x n` GEMMs of random operands timed with
+/// device events after two warm-up calls (the bench's peak takes ten too). `None` where the backend has no device clock (the CPU:
 /// a reference implementation, whose MFU would say nothing). A short burst: the clocks are at
 /// their highest, as in the bench's `cuBLASLt bf16 8192^3` peak.
 pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
@@ -202,7 +202,7 @@ pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
     for _ in 0..2 {
         be.gemm(&s, &g, &a, 0, &b, 0, &mut c, 0)?;
     }
-    const CALLS: usize = 20;
+    const CALLS: usize = 10;
     let Some(start) = be.record_timed(&s)? else { return Ok(None) };
     for _ in 0..CALLS {
         be.gemm(&s, &g, &a, 0, &b, 0, &mut c, 0)?;
