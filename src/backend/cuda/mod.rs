@@ -644,16 +644,18 @@ impl CudaBackend {
         check_len("attn_draft_fwd", "o", o.len, 0, sh.q_rows() * g.qw)?;
         check_len("attn_draft_fwd", "lse", lse.len, 0, sh.q_rows() * sh.heads)?;
         const OP: &str = "attn_draft_fwd";
-        // The mma.sync and plain warpgroup forms' arguments (the warp-specialised form reads q,
-        // kb and vb through TMA descriptors instead).
+        // Every form's arguments: the mma.sync and plain warpgroup forms take q, kb and vb as
+        // pointers (`args!(Ty)`), the warp-specialised form as TMA descriptors in front
+        // (`args!(Ty, map_q: .., ..)`).
         macro_rules! args {
             ($ty:ident) => {
+                args!($ty, q: q.at(OP, 0)?, kb: kb.at(OP, 0)?, vb: vb.at(OP, 0)?)
+            };
+            ($ty:ident, $($f:ident: $e:expr),+) => {
                 launch::$ty {
-                    q: q.at(OP, 0)?,
+                    $($f: $e,)+
                     kc: kc.at(OP, 0)?,
                     vc: vc.at(OP, 0)?,
-                    kb: kb.at(OP, 0)?,
-                    vb: vb.at(OP, 0)?,
                     o: o.at(OP, 0)?,
                     lse: lse.at(OP, 0)?,
                     anchors: anchors.at(OP, 0)?,
@@ -704,33 +706,21 @@ impl CudaBackend {
                     let (hd, gq, q_rows) = (sh.head_dim, sh.heads / sh.kv_heads, sh.q_rows());
                     // q read as {column, row, head}: one box is one block's slots of the kv
                     // head's gq q heads, tile row hh * block_size + r.
-                    let args = launch::AttnDraftFwdWsBf16Hd128 {
+                    let args = args!(
+                        AttnDraftFwdWsBf16Hd128,
                         map_q: tma::tensor_map_3d(
                             OP,
                             qp.addr(),
                             [hd, q_rows, sh.heads],
                             [g.qw * 2, hd * 2],
                             sh.block_size,
-                            gq,
+                            gq
                         )?,
                         map_kb: tma::tensor_map_2d(OP, kbp.addr(), g.kw, q_rows, sh.block_size)?,
                         map_vb: tma::tensor_map_2d(OP, vbp.addr(), g.kw, q_rows, sh.block_size)?,
                         map_k: tma::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                        kc: kcp,
-                        vc: vcp,
-                        o: o.at(OP, 0)?,
-                        lse: lse.at(OP, 0)?,
-                        anchors: anchors.at(OP, 0)?,
-                        ctx_start: ctx_start.at(OP, 0)?,
-                        num_blocks: sh.num_blocks,
-                        block_size: sh.block_size,
-                        ctx_rows: sh.ctx_rows,
-                        heads: sh.heads,
-                        kv_heads: sh.kv_heads,
-                        scale: sh.scale(),
-                        window: sh.window.unwrap_or(0),
-                    };
+                        map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?
+                    );
                     let kernel = launch::Kernel::AttnDraftFwdWsBf16Hd128;
                     return self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args);
                 }
