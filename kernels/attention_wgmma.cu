@@ -1679,7 +1679,7 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
 //   heads} with strides (heads * 256, 256) bytes and boxes {64, block_size, heads / kv_heads};
 //   kb and vb as [num_blocks * block_size, kv_heads * 128] in boxes of block_size rows; kc and vc
 //   as [ctx_rows, kv_heads * 128] in boxes of KEYS rows. ctx_rows >= 1. Preconditions as section
-//   2, plus (num_blocks + 1) * block_size < 2^31; violations trap.
+//   2, plus (num_blocks + 1) * block_size < 2^31 - 1; violations trap.
 template <int HD>
 struct WsDraftGeo {
   static constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WG_KEYS_HD128, BB = ATTN_WG_BLOCK_KEYS;
@@ -1727,7 +1727,8 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
   constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = G::BB;
   (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
   require_launch(ATTN_WS_THREADS, G::SMEM);
-  // (num_blocks + 1) * block_size < 2^31: the TMA row coordinates of Q and the block keys are ints.
+  // (num_blocks + 1) * block_size < 2^31 - 1: the TMA row coordinates of Q and the block keys are
+  // ints.
   if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
       block_size * (heads / kv_heads) > 64 || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
       (long long)gridDim.x != ((long long)num_blocks + 1) / 2 * kv_heads) {

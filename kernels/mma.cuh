@@ -314,7 +314,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NN][4], float (&o)[HD / 
 }
 
 // Final normalisation: reduces l over the 4 threads of a row and multiplies by its correctly
-// rounded reciprocal (one rounding more than the CPU's acc / sum: within 1 ulp of f32, far below
+// rounded reciprocal (one rounding more than the CPU's acc / sum: within 1.5 ulp of f32, far below
 // the bf16 rounding of the output). Not a division per element: __fdiv_rn takes a ~60-instruction
 // subroutine whenever the dividend is 0 or subnormal, which an all-zero output row pays on every
 // element. l >= 1 for a row with a visible key (its maximum contributes exp2(0)), so

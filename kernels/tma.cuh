@@ -1,6 +1,6 @@
 // tma.cuh: the Tensor Memory Accelerator's PTX wrappers (sm_90a), shared by the kernels that load
 // shared-memory tiles with it (fc.cu's GEMM ring, attention_wgmma.cu's warp-specialised causal
-// forward). The descriptors (CUtensorMap) are encoded on the host (src/backend/cuda/tma.rs
+// and drafter forwards). The descriptors (CUtensorMap) are encoded on the host (src/backend/cuda/tma.rs
 // tensor_map_2d / tensor_map_3d) and passed by value as __grid_constant__ kernel parameters.
 #pragma once
 

@@ -52,12 +52,14 @@ impl RunSummary {
         self.step_ms.iter().enumerate().filter(|(i, _)| !self.checkpoint_in_step.contains(i)).map(|(_, &m)| m).collect()
     }
 
-    /// The MFU line: model FLOPs over the time of the steps `steady_step_ms` keeps, the FLOPs of
-    /// a mean step by part, and the peak they are measured against.
+    /// The MFU line: model FLOPs over the time of the steps `steady_step_ms` keeps, less the
+    /// first when there are others (it builds the GEMM plans and the allocator's segments, as the
+    /// phase table says), the FLOPs of a mean step by part, and the peak they are measured against.
     pub fn mfu_line(&self) -> Option<String> {
         let mfu = self.mfu.as_ref()?;
-        let steady =
-            || (0..self.history.len().min(self.step_ms.len())).filter(|i| !self.checkpoint_in_step.contains(i));
+        let n_all = self.history.len().min(self.step_ms.len());
+        let skip_first = usize::from(n_all > 1);
+        let steady = || (skip_first..n_all).filter(|i| !self.checkpoint_in_step.contains(i));
         let n = steady().count();
         if n == 0 {
             return None;
@@ -96,12 +98,14 @@ fn flops_text(x: f64) -> String {
     format!("{v:.1} {unit}")
 }
 
-/// A percentage with two significant digits below 1% (a tiny model's MFU is not 0.0%).
+/// A percentage with one decimal, and two significant digits below 1% (a tiny model's MFU is
+/// not 0.0%).
 fn percent_text(p: f64) -> String {
-    if p >= 1.0 || p == 0.0 {
+    if p >= 1.0 || p <= 0.0 || !p.is_finite() {
         format!("{p:.1}%")
     } else {
-        format!("{p:.2}%")
+        let decimals = (1.0 - p.log10().floor()) as usize;
+        format!("{p:.decimals$}%")
     }
 }
 
@@ -480,10 +484,11 @@ mod tests {
         assert_eq!(mfu.step_flops(&m), 4e12);
         assert!((mfu.percent(&m, 1.0) - 50.0).abs() < 1e-9);
         let r = RunSummary {
-            history: vec![m.clone(), m.clone(), m],
-            // The second step holds a checkpoint write: left out.
-            step_ms: vec![1000.0, 9000.0, 500.0],
-            checkpoint_in_step: vec![1],
+            history: vec![m.clone(), m.clone(), m.clone(), m],
+            // The first step (GEMM plans, the allocator's first segments) and the third (holding a
+            // checkpoint write) are left out.
+            step_ms: vec![3000.0, 1000.0, 9000.0, 500.0],
+            checkpoint_in_step: vec![2],
             mfu: Some(mfu),
             ..RunSummary::default()
         };
@@ -497,8 +502,11 @@ mod tests {
         assert!(line.contains("at 5.3 TFLOP/s, against 8 TFLOP/s (a test)"), "{line}");
         assert_eq!(flops_text(3.2e6), "3.2 MFLOP");
         assert_eq!(flops_text(12.0), "12.0 FLOP");
-        assert_eq!(percent_text(0.0123), "0.01%");
+        assert_eq!(percent_text(0.0123), "0.012%");
+        assert_eq!(percent_text(0.5), "0.50%");
+        assert_eq!(percent_text(0.000_123_4), "0.00012%");
         assert_eq!(percent_text(42.04), "42.0%");
+        assert_eq!(percent_text(0.0), "0.0%");
         assert_eq!(RunSummary::default().mfu_line(), None);
     }
 }

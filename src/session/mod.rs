@@ -52,14 +52,15 @@ fn device_peak<B: Backend>(be: &B) -> Result<Option<f64>> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
     static PEAKS: OnceLock<Mutex<HashMap<String, Option<f64>>>> = OnceLock::new();
+    // Held across the measurement: two runs starting together on one device must not time their
+    // GEMMs side by side (each would see half the rate).
+    let mut peaks = PEAKS.get_or_init(Default::default).lock().map_err(|_| anyhow::anyhow!("peak cache poisoned"))?;
     let key = be.name();
-    if let Some(&p) =
-        PEAKS.get_or_init(Default::default).lock().map_err(|_| anyhow::anyhow!("peak cache poisoned"))?.get(&key)
-    {
+    if let Some(&p) = peaks.get(&key) {
         return Ok(p);
     }
     let p = crate::train::flops::measure_gemm_peak(be, MFU_PEAK_N).context("measuring the GEMM peak")?;
-    PEAKS.get_or_init(Default::default).lock().map_err(|_| anyhow::anyhow!("peak cache poisoned"))?.insert(key, p);
+    peaks.insert(key, p);
     Ok(p)
 }
 

@@ -8,12 +8,13 @@
 //!   dX, dW); the drafter's frozen lm_head twice (forward, dX); the FC twice (forward, dW: the taps
 //!   need no gradient), wherever it runs (split-FC moves it, not its work);
 //! - attention: `4 * head_dim * heads` per visible (query, key) pair forward (`Q K^T` and `P V`),
-//!   2.5 times that backward (`dV`, `dP`, `dS K`, `dS^T Q`, half of them at `S`'s recompute);
+//!   twice that backward (`dV`, `dP`, `dQ = dS K`, `dK = dS^T Q`; the kernels' recompute of `S`,
+//!   and their second `S` and `dP` in the context-key pass, are the engine's cost, not the model's);
 //! - a Gated DeltaNet layer: `6 * dk * dv` per token and value head (the recurrence's `k^T S`, its
 //!   rank-one update and the output `q S`), whichever form runs it.
 //!
-//! Norms, RoPE, activations, the loss and the optimizer are left out (memory-bound, a few % of
-//! the FLOPs). MFU is model FLOPs per second over the devices' measured bf16 GEMM peak
+//! Norms, RoPE, activations, the Gated DeltaNet's short convolution and gates, the loss and the
+//! optimizer are left out (memory-bound, a few % of the FLOPs). MFU is model FLOPs per second over the devices' measured bf16 GEMM peak
 //! ([`measure_gemm_peak`]): no peak is hard-coded (STYLE.md rule 9).
 
 use crate::backend::{Backend, Gemm, Result};
@@ -129,10 +130,13 @@ impl DrafterFlops {
         // Per layer: q, k and v of the block rows, o, gate | up, down; k and v of the context rows.
         let linear = tb * (h * qw + 2.0 * h * kw + qw * h + h * 2.0 * inter + inter * h) + tc * 2.0 * h * kw;
         let lm_head = 2.0 * 2.0 * (hb.real_anchors * bs.saturating_sub(1)) as f64 * sh.vocab as f64 * h;
-        let per_pair = pair_flops(sh.head_dim) * sh.heads as f64 * 3.5;
+        // Forward and backward: three times the forward's pair FLOPs.
+        let per_pair = pair_flops(sh.head_dim) * sh.heads as f64 * 3.0;
+        // Layer l is full attention unless `windows` gives it a window (as the drafter reads it).
+        let window = |l: usize| sh.windows.get(l).copied().flatten();
         DrafterFlops {
-            gemm: fc + sh.windows.len() as f64 * 3.0 * 2.0 * linear + lm_head,
-            attention: sh.windows.iter().map(|&w| per_pair * drafter_pairs(hb, bs, w)).sum(),
+            gemm: fc + sh.layers as f64 * 3.0 * 2.0 * linear + lm_head,
+            attention: (0..sh.layers).map(|l| per_pair * drafter_pairs(hb, bs, window(l))).sum(),
         }
     }
 
@@ -272,6 +276,31 @@ mod tests {
         assert_eq!(drafter_pairs(&hb, bs, Some(4)), 16.0);
         // A window wider than the context is the full context, causal inside the block.
         assert_eq!(drafter_pairs(&hb, bs, Some(100)), (4 * 5 + 1 + 2 + 3 + 4) as f64);
+    }
+
+    #[test]
+    fn drafter_attention_flops_are_three_forwards_per_layer_mask() {
+        let sh = DrafterShape {
+            hidden: 8,
+            layers: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            inter: 12,
+            vocab: 24,
+            num_taps: 2,
+            block_size: 4,
+            eps: 1e-6,
+            rope_theta: 1e4,
+            // Layer 0 sliding (window 4); layer 1 has no entry: full attention, as the drafter reads it.
+            windows: vec![Some(4)],
+            mask_token_id: 23,
+            logits_chunk_rows: 5,
+            recompute: crate::model::drafter::Recompute::Norms,
+        };
+        let hb = batch(&[10], 0, &[5, -1]);
+        // 3 x 4 x head_dim 4 x 2 heads = 96 per pair; 16 pairs (sliding) + 36 (full).
+        assert_eq!(DrafterFlops::of(&sh, &hb).attention, 96.0 * (16.0 + 36.0));
     }
 
     #[test]
