@@ -14,8 +14,9 @@
 //!   rank-one update and the output `q S`), whichever form runs it.
 //!
 //! Norms, RoPE, activations, the Gated DeltaNet's short convolution and gates, the loss and the
-//! optimizer are left out (memory-bound, a few % of the FLOPs). MFU is model FLOPs per second over the devices' measured bf16 GEMM peak
-//! ([`measure_gemm_peak`]): no peak is hard-coded (STYLE.md rule 9).
+//! optimizer are left out (memory-bound, a few % of the FLOPs). MFU is model FLOPs per second
+//! over the devices' measured bf16 GEMM peak ([`measure_gemm_peak`]): no peak is hard-coded
+//! (STYLE.md rule 9).
 
 use crate::backend::{Backend, Gemm, Result};
 use crate::config::{Arch, LayerType};
@@ -176,9 +177,10 @@ impl Mfu {
 }
 
 /// The bf16 GEMM rate of `be` (FLOP/s): ten `n x n x n` GEMMs of random operands timed with
-/// device events after two warm-up calls (the bench's peak takes ten too). `None` where the backend has no device clock (the CPU:
-/// a reference implementation, whose MFU would say nothing). A short burst: the clocks are at
-/// their highest, as in the bench's `cuBLASLt bf16 8192^3` peak.
+/// device events after two warm-up calls (the bench's peak takes ten too). `None` where the
+/// backend has no device clock (the CPU: a reference implementation, whose MFU would say
+/// nothing). A short burst: the clocks are at their highest, as in the bench's
+/// `cuBLASLt bf16 8192^3` peak.
 pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
     let s = be.compute_stream();
     if be.record_timed(&s)?.is_none() {
