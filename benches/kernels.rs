@@ -137,23 +137,8 @@ fn main() {
     let t = time_per_call(&be, 10, MEM_CALLS, || be.copy(&s, &src, 0, &mut dst, 0, n_copy).unwrap());
     let peak_bw = 2.0 * (n_copy * 2) as f64 / t;
     drop((src, dst));
-    // GEMM operands are random: all-zero inputs draw less power, so the clocks (and a GEMM's
-    // TFLOP/s) would be flattered. Uniform in [-1, 1) from a 64-bit LCG, uploaded in chunks.
-    let random = |n: usize, seed: u64| {
-        let mut b = be.alloc(&s, DType::BF16, n).unwrap();
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let chunk = 1usize << 24;
-        for off in (0..n).step_by(chunk) {
-            let host: Vec<f32> = (0..chunk.min(n - off))
-                .map(|_| {
-                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                    (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect();
-            be.upload(&s, &host, &mut b, off).unwrap();
-        }
-        b
-    };
+    // GEMM operands are random (train::flops::gemm_operand: zeros would flatter the clocks).
+    let random = |n: usize, seed: u64| dflash_engine::train::flops::gemm_operand(&be, &s, n, seed).unwrap();
     let n = 8192;
     let (a, b) = (random(n * n, 1), random(n * n, 2));
     let mut c = buf(DType::BF16, n * n);

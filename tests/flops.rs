@@ -94,3 +94,16 @@ fn drafter_step_runs_the_gemm_flops_the_model_counts() {
         assert_eq!(m.causal_pairs, (12.0 * 13.0 + 9.0 * 10.0) / 2.0);
     }
 }
+
+/// The attention part: three times the forward's pair FLOPs per layer, each layer by its own mask;
+/// a layer `windows` does not list is full attention, as the drafter reads it.
+#[test]
+fn drafter_attention_flops_are_three_forwards_per_layer_mask() {
+    use dflash_engine::train::batch::HostBatch;
+    // Layer 0 sliding (window 4), layer 1 without an entry; block size 4, 2 heads of 4.
+    let sh = DrafterShape { windows: vec![Some(4)], ..fd_shape() };
+    assert_eq!((sh.layers, sh.block_size, sh.heads, sh.head_dim), (2, 4, 2, 4));
+    let hb = HostBatch { anchors: vec![5, -1], num_blocks: 2, real_anchors: 1, n_valid: 10, ..HostBatch::default() };
+    // 3 x 4 x head_dim 4 x 2 heads = 96 per pair; 16 pairs (sliding) + 36 (full).
+    assert_eq!(DrafterFlops::of(&sh, &hb).attention, 96.0 * (16.0 + 36.0));
+}

@@ -176,6 +176,24 @@ impl Mfu {
     }
 }
 
+/// `n` bf16 values uniform in [-1, 1) from a 64-bit LCG seeded by `seed`, uploaded in chunks of
+/// 2^22 (16 MiB of host memory at a time): the operands of a timed GEMM (all-zero ones draw less
+/// power, so the clocks, and the GEMM's TFLOP/s, would be flattered). The bench's GEMMs use it too.
+pub fn gemm_operand<B: Backend>(be: &B, s: &B::Stream, n: usize, seed: u64) -> Result<B::Buf> {
+    let mut b = be.alloc_uninit(s, DType::BF16, n)?;
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for off in (0..n).step_by(1 << 22) {
+        let host: Vec<f32> = (off..(off + (1 << 22)).min(n))
+            .map(|_| {
+                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        be.upload(s, &host, &mut b, off)?;
+    }
+    Ok(b)
+}
+
 /// The bf16 GEMM rate of `be` (FLOP/s): ten `n x n x n` GEMMs of random operands timed with
 /// device events after two warm-up calls (the bench's peak takes ten too). `None` where the
 /// backend has no device clock (the CPU: a reference implementation, whose MFU would say
@@ -186,23 +204,7 @@ pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
     if be.record_timed(&s)?.is_none() {
         return Ok(None);
     }
-    // Uniform in [-1, 1) from a 64-bit LCG, uploaded in chunks of 2^22 values (16 MiB of host
-    // memory at a time): zeros would draw less power and flatter the clocks.
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut random = || -> Result<B::Buf> {
-        let mut b = be.alloc_uninit(&s, DType::BF16, n * n)?;
-        for off in (0..n * n).step_by(1 << 22) {
-            let host: Vec<f32> = (off..(off + (1 << 22)).min(n * n))
-                .map(|_| {
-                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                    (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect();
-            be.upload(&s, &host, &mut b, off)?;
-        }
-        Ok(b)
-    };
-    let (a, b) = (random()?, random()?);
+    let (a, b) = (gemm_operand(be, &s, n * n, 1)?, gemm_operand(be, &s, n * n, 2)?);
     let mut c = be.alloc_uninit(&s, DType::BF16, n * n)?;
     let g = Gemm::linear(n, n, n);
     for _ in 0..2 {
@@ -278,31 +280,6 @@ mod tests {
         assert_eq!(drafter_pairs(&hb, bs, Some(4)), 16.0);
         // A window wider than the context is the full context, causal inside the block.
         assert_eq!(drafter_pairs(&hb, bs, Some(100)), (4 * 5 + 1 + 2 + 3 + 4) as f64);
-    }
-
-    #[test]
-    fn drafter_attention_flops_are_three_forwards_per_layer_mask() {
-        let sh = DrafterShape {
-            hidden: 8,
-            layers: 2,
-            heads: 2,
-            kv_heads: 1,
-            head_dim: 4,
-            inter: 12,
-            vocab: 24,
-            num_taps: 2,
-            block_size: 4,
-            eps: 1e-6,
-            rope_theta: 1e4,
-            // Layer 0 sliding (window 4); layer 1 has no entry: full attention, as the drafter reads it.
-            windows: vec![Some(4)],
-            mask_token_id: 23,
-            logits_chunk_rows: 5,
-            recompute: crate::model::drafter::Recompute::Norms,
-        };
-        let hb = batch(&[10], 0, &[5, -1]);
-        // 3 x 4 x head_dim 4 x 2 heads = 96 per pair; 16 pairs (sliding) + 36 (full).
-        assert_eq!(DrafterFlops::of(&sh, &hb).attention, 96.0 * (16.0 + 36.0));
     }
 
     #[test]
