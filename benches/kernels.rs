@@ -507,7 +507,7 @@ fn main() {
                 4.0 * visible_sl * heads as f64 * hd as f64,
             );
         }
-        // The backward in both forms, full and sliding layers, each after its own layer's forward
+        // The backward in every form, full and sliding layers, each after its own layer's forward
         // (o and lse).
         let mut grads: Vec<_> =
             [nb * 16 * heads * hd, t_rows * kvh * hd, t_rows * kvh * hd, nb * 16 * kvh * hd, nb * 16 * kvh * hd]
@@ -517,7 +517,7 @@ fn main() {
         let dout = normal_buf(DType::BF16, nb * 16 * heads * hd, 50);
         for (layer, shape, vis) in [("", &sh, visible), ("sliding ", &sh_sl, visible_sl)] {
             be.attn_draft_fwd(&s, shape, &qd, k, vv, &kb, &vb, &an, &cst, &mut od, &mut lse).unwrap();
-            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
                 let t = time(&be, 5, || {
                     let [g0, g1, g2, g3, g4] = &mut grads[..] else { unreachable!() };
                     be.attn_draft_bwd_with(

@@ -610,6 +610,145 @@ __device__ __forceinline__ void ds_tile(float (&s)[NN][4], const float (&dp)[NN]
   else ds_tile_impl<NN, false>(s, dp, sl2, lse2, dsm, scale, lane, vis);
 }
 
+// What a drafter-backward-over-queries thread knows about its block and its two rows (sections 3
+// and 8): block j (= 2 pair + w) with anchor a and context start cs; per row hh the tile row
+// mrow, whether it is a real query row, its visible context range [vlo, vhi] relative to Tlo
+// (empty: vlo > vhi), lse * log2(e) (+inf on invalid rows: p = 0) and dsum; and [wlo, whi], the
+// keys every row of the block sees (a tile inside it is unmasked).
+struct DraftBwdQRows {
+  index_t j, a, cs;
+  int mrow[2], vlo[2], vhi[2], wlo, whi;
+  bool rvalid[2];
+  float lse2[2], dsm[2];
+};
+
+__device__ __forceinline__ DraftBwdQRows draft_bwd_q_rows(int w, index_t pair, const index_t (&a_w)[2],
+                                                          const index_t (&cs_w)[2], index_t Tlo, int wi, int gr,
+                                                          int bs, int M, int Gq, int g, int heads, int window,
+                                                          const float* __restrict__ lse,
+                                                          const float* __restrict__ dsum) {
+  DraftBwdQRows t;
+  t.j = 2 * pair + w;
+  t.a = w ? a_w[1] : a_w[0];
+  t.cs = w ? cs_w[1] : cs_w[0];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    t.mrow[hh] = wi * 16 + gr + 8 * hh;
+    t.rvalid[hh] = t.a >= 0 && t.mrow[hh] < M;
+    const int r = t.mrow[hh] % bs;
+    if (t.rvalid[hh] && t.a > 0) {
+      const index_t first = window > 0 ? max((index_t)0, t.a + r - (index_t)(window - 1)) : (index_t)0;
+      t.vlo[hh] = (int)(t.cs + first - Tlo);
+      t.vhi[hh] = (int)(t.cs + t.a - Tlo) - 1;
+    } else {
+      t.vlo[hh] = 1;
+      t.vhi[hh] = 0;
+    }
+    if (t.rvalid[hh]) {
+      const index_t idx = (t.j * bs + r) * heads + g * Gq + t.mrow[hh] / bs;
+      t.lse2[hh] = lse[idx] * LOG2E;
+      t.dsm[hh] = dsum[idx];
+    } else {
+      t.lse2[hh] = INFINITY;
+      t.dsm[hh] = 0.f;
+    }
+  }
+  const index_t all_first = window > 0 ? max((index_t)0, t.a + bs - (index_t)window) : (index_t)0;
+  const bool any = t.a > 0 && all_first < t.a;
+  t.wlo = any ? (int)(t.cs + all_first - Tlo) : 0;
+  t.whi = any ? (int)(t.cs + t.a - Tlo) - 1 : -1;
+  return t;
+}
+
+// The block-key tile of sections 3 and 8: from S_b and dP_b (this thread's two rows, BB keys), P_b
+// and dS_b in f32 into the side buffers fp and fds ([64 rows][BB], every entry written: 0 where
+// masked or past M), and dS_b left in sb for dQ += dS_b K_b. Keys: bidirectional in a full layer,
+// causal (slot i <= r) in a sliding one.
+template <int BB>
+__device__ __forceinline__ void draft_bwd_block_tile(float (&sb)[BB / 8][4], const float (&dpb)[BB / 8][4],
+                                                     const DraftBwdQRows& t, float sl2, float scale, int bs,
+                                                     int window, int lane, float* fp, float* fds) {
+#pragma unroll
+  for (int n = 0; n < BB / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hh = e >> 1, col = n * 8 + 2 * (lane & 3) + (e & 1);
+      const bool vis = t.rvalid[hh] && col < bs && (window == 0 || col <= t.mrow[hh] % bs);
+      float p = 0.f, ds = 0.f;
+      if (vis) {
+        p = exp2_ftz(fmaf(sb[n][e], sl2, -t.lse2[hh]));
+        ds = p * (dpb[n][e] - t.dsm[hh]) * scale;
+      }
+      fp[t.mrow[hh] * BB + col] = p;
+      fds[t.mrow[hh] * BB + col] = ds;
+      sb[n][e] = ds;
+    }
+  }
+}
+
+// dkb[i] = sum_m dS_b[m][i] q[m] and dvb[i] = sum_m P_b[m][i] dO[m] of block j, f32 FMAs in row
+// order m (attention.cu's block-key path), by the 128 threads of the block's warpgroup (tid):
+// q and dO are rows 64 w + m of the BM-row swizzled tiles at q_tile / o_tile, P_b and dS_b the
+// side buffers. A padded block writes exact zeros.
+template <int HD, int BM, int BB>
+__device__ __forceinline__ void draft_bwd_block_key_grads(const unsigned char* q_tile, const unsigned char* o_tile,
+                                                          const float* fp, const float* fds, int w, int tid,
+                                                          int bs, int M, index_t j, int g, index_t kw, bool padded,
+                                                          bf16* __restrict__ dkb, bf16* __restrict__ dvb) {
+  constexpr int C = HD / 8;
+  for (int it = tid; it < 2 * bs * C; it += 128) {
+    const int which = it / (bs * C);  // 0: dkb, 1: dvb
+    const int rem = it % (bs * C);
+    const int i = rem / C, ch = rem % C;
+    const float* coef = which ? fp : fds;
+    const unsigned char* src = which ? o_tile : q_tile;
+    float r8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int mr = 0; mr < M; ++mr) {
+      const float cf = coef[mr * BB + i];
+      const uint4 x = *reinterpret_cast<const uint4*>(src + sw128_chunk<BM>(w * 64 + mr, ch));
+      const uint32_t xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        r8[2 * k] = fmaf(cf, bf16x2_lo_to_f32(xw[k]), r8[2 * k]);
+        r8[2 * k + 1] = fmaf(cf, bf16x2_hi_to_f32(xw[k]), r8[2 * k + 1]);
+      }
+    }
+    bf16* dst = (which ? dvb : dkb) + (j * bs + i) * kw + (index_t)g * HD + ch * 8;
+    *reinterpret_cast<uint4*>(dst) =
+        padded ? make_uint4(0u, 0u, 0u, 0u)
+               : make_uint4(pack_bf16x2_rne(r8[0], r8[1]), pack_bf16x2_rne(r8[2], r8[3]),
+                            pack_bf16x2_rne(r8[4], r8[5]), pack_bf16x2_rne(r8[6], r8[7]));
+  }
+}
+
+// dQ of block j (warpgroup w's rows 64 w .. of a BM-row swizzled staging tile, each warp its own
+// 16 rows) to dq with 16-byte stores; a padded block writes exact zeros.
+template <int HD, int BM>
+__device__ __forceinline__ void draft_bwd_q_store(const float (&acc)[HD / 8][4], unsigned char* stage, int w, int wi,
+                                                  int gr, int lane, bool padded, int M, int bs, index_t j, int g,
+                                                  int Gq, index_t qw, bf16* __restrict__ dq) {
+  constexpr int C = HD / 8;
+  const int wr = w * 64 + wi * 16;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr + 8, col)) =
+        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
+  }
+  __syncwarp();
+  for (int c = lane; c < 16 * C; c += 32) {
+    const int i = c / C, ch = c % C;
+    const int mm = wi * 16 + i;
+    if (mm < M) {
+      *reinterpret_cast<uint4*>(dq + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + sw128_chunk<BM>(wr + i, ch));
+    }
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                                const bf16* __restrict__ vc, const bf16* __restrict__ kb,
@@ -668,36 +807,8 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
   const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
   const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
 
-  const index_t j = 2 * pair + wg;
-  const index_t a = wg ? a_w[1] : a_w[0], cs = wg ? cs_w[1] : cs_w[0];
-  int mrow[2], vlo[2], vhi[2];
-  bool rvalid[2];
-  float lse2[2], dsm[2];  // per row: lse * log2(e) (+inf on invalid rows: p = 0) and dsum
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    mrow[hh] = wi * 16 + gr + 8 * hh;
-    rvalid[hh] = a >= 0 && mrow[hh] < M;
-    const int r = mrow[hh] % bs;
-    if (rvalid[hh] && a > 0) {
-      const index_t first = window > 0 ? max((index_t)0, a + r - (index_t)(window - 1)) : (index_t)0;
-      vlo[hh] = (int)(cs + first - Tlo);
-      vhi[hh] = (int)(cs + a - Tlo) - 1;
-    } else {
-      vlo[hh] = 1;
-      vhi[hh] = 0;
-    }
-    if (rvalid[hh]) {
-      const index_t idx = (j * bs + r) * heads + g * Gq + mrow[hh] / bs;
-      lse2[hh] = lse[idx] * LOG2E;
-      dsm[hh] = dsum[idx];
-    } else {
-      lse2[hh] = INFINITY;
-      dsm[hh] = 0.f;
-    }
-  }
-  const index_t all_first = window > 0 ? max((index_t)0, a + bs - (index_t)window) : (index_t)0;
-  const bool wg_any = a > 0 && all_first < a;
-  const int wlo = wg_any ? (int)(cs + all_first - Tlo) : 0, whi = wg_any ? (int)(cs + a - Tlo) - 1 : -1;
+  const DraftBwdQRows rows = draft_bwd_q_rows(wg, pair, a_w, cs_w, Tlo, wi, gr, bs, M, Gq, g, heads, window, lse, dsum);
+  const index_t j = rows.j, a = rows.a;
   const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
   const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
 
@@ -785,10 +896,10 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
   // dS of context tile it into s (f32; 0 where masked).
   auto grad_s = [&](int it) {
     const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
-    const bool masked = !(k0 >= wlo && k1 <= whi);
-    ds_tile<BN / 8>(s, dp, sl2, lse2, dsm, scale, masked, lane, [&](int hh, int col) {
+    const bool masked = !(k0 >= rows.wlo && k1 <= rows.whi);
+    ds_tile<BN / 8>(s, dp, sl2, rows.lse2, rows.dsm, scale, masked, lane, [&](int hh, int col) {
       const int t = k0 + col;
-      return t >= vlo[hh] && t <= vhi[hh];
+      return t >= rows.vlo[hh] && t <= rows.vhi[hh];
     });
   };
   auto pack_ds = [&]() {
@@ -852,24 +963,7 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
     wg_fence_regs(dpb);
     // P_b and dS_b in f32, kept in shared memory for dkb / dvb (every one of the 64 x 16 entries
     // is written: 0 where masked or past M).
-    float* fp = fbuf(wg, 0);
-    float* fds = fbuf(wg, 1);
-#pragma unroll
-    for (int n = 0; n < BB / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = e >> 1, col = n * 8 + 2 * (lane & 3) + (e & 1);
-        const bool vis = rvalid[hh] && col < bs && (window == 0 || col <= mrow[hh] % bs);
-        float p = 0.f, ds = 0.f;
-        if (vis) {
-          p = exp2_ftz(fmaf(sb[n][e], sl2, -lse2[hh]));
-          ds = p * (dpb[n][e] - dsm[hh]) * scale;
-        }
-        fp[mrow[hh] * BB + col] = p;
-        fds[mrow[hh] * BB + col] = ds;
-        sb[n][e] = ds;
-      }
-    }
+    draft_bwd_block_tile<BB>(sb, dpb, rows, sl2, scale, bs, window, lane, fbuf(wg, 0), fbuf(wg, 1));
     wgmma_wait<0>();
     wg_fence_regs(acc);
     uint32_t pb[4];
@@ -891,53 +985,10 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
   const bool padded = a < 0;  // exact zeros, never NaN
 
   // dkb / dvb of this warpgroup's block: one thread per (key, 16-byte chunk, which).
-  constexpr int C = HD / 8;
-  const int tid = threadIdx.x & 127;
-  for (int it = tid; it < 2 * bs * C; it += 128) {
-    const int which = it / (bs * C);  // 0: dkb, 1: dvb
-    const int rem = it % (bs * C);
-    const int i = rem / C, ch = rem % C;
-    const float* coef = fbuf(wg, which ? 0 : 1);
-    const unsigned char* src = base_ptr + (which ? Q_BYTES : 0);
-    float r8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int mr = 0; mr < M; ++mr) {
-      const float cf = coef[mr * BB + i];
-      const uint4 x = *reinterpret_cast<const uint4*>(src + sw128_chunk<BM>(wg * 64 + mr, ch));
-      const uint32_t xw[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        r8[2 * w] = fmaf(cf, bf16x2_lo_to_f32(xw[w]), r8[2 * w]);
-        r8[2 * w + 1] = fmaf(cf, bf16x2_hi_to_f32(xw[w]), r8[2 * w + 1]);
-      }
-    }
-    bf16* dst = (which ? dvb : dkb) + (j * bs + i) * kw + (index_t)g * HD + ch * 8;
-    *reinterpret_cast<uint4*>(dst) =
-        padded ? make_uint4(0u, 0u, 0u, 0u)
-               : make_uint4(pack_bf16x2_rne(r8[0], r8[1]), pack_bf16x2_rne(r8[2], r8[3]),
-                            pack_bf16x2_rne(r8[4], r8[5]), pack_bf16x2_rne(r8[6], r8[7]));
-  }
-
+  draft_bwd_block_key_grads<HD, BM, BB>(base_ptr, base_ptr + Q_BYTES, fbuf(wg, 0), fbuf(wg, 1), wg, threadIdx.x & 127,
+                                        bs, M, j, g, kw, padded, dkb, dvb);
   // dQ, staged in the K stages as a BM-row swizzled tile (each warp its own 16 rows).
-  unsigned char* const stage = base_ptr + 2 * Q_BYTES;
-  const int wr = wg * 64 + wi * 16;
-#pragma unroll
-  for (int n = 0; n < HD / 8; ++n) {
-    const int col = n * 8 + 2 * (lane & 3);
-    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr, col)) =
-        padded ? 0u : pack_bf16x2_rne(acc[n][0], acc[n][1]);
-    *reinterpret_cast<uint32_t*>(stage + sw128_elem<BM>(wr + gr + 8, col)) =
-        padded ? 0u : pack_bf16x2_rne(acc[n][2], acc[n][3]);
-  }
-  __syncwarp();
-  for (int c = lane; c < 16 * C; c += 32) {
-    const int i = c / C, ch = c % C;
-    const int mm = wi * 16 + i;
-    if (mm < M) {
-      *reinterpret_cast<uint4*>(dq + (j * bs + mm % bs) * qw + (index_t)(g * Gq + mm / bs) * HD + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage + sw128_chunk<BM>(wr + i, ch));
-    }
-  }
+  draft_bwd_q_store<HD, BM>(acc, base_ptr + 2 * Q_BYTES, wg, wi, gr, lane, padded, M, bs, j, g, Gq, qw, dq);
 }
 
 
@@ -2019,6 +2070,749 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
   draft_fwd_store<HD>(acc, m, l, a < 0, mrow, M, bs, j, g, Gq, heads, qw, cw, wi, gr, lane, base_ptr, o, lse);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 7. Drafter backward over context keys, warp-specialised: section 4's math, masks, numerics,
+// outputs (dkc, dvc: = never +=, blocks summed in increasing j) and preconditions with section 5's
+// structure. attn_draft_bwd_kv_ws_bf16_hd128.
+// CTA b = section 4's CTA b: ATTN_WG_BWD_KV_ROWS (128) context rows t0 .. t0 + 127 of kv head g.
+// CTA = 384 threads:
+//   warpgroup 0     producer (setmaxnreg.dec to ATTN_WS_PRODUCER_REGS); its warp 0 does the work,
+//                   warps 1-3 leave. Lane 0 loads the CTA's K and V rows once by TMA (map_k,
+//                   map_v: HD / 64 boxes of 64 columns x 128 rows each; rows past ctx_rows read as
+//                   zero) on kv_full. Then the warp scans the blocks [j_lo, j_hi) that
+//                   attn_draft_kv_ranges gives the tile's rows, 32 at a time, keeps those whose
+//                   context range meets the tile (section 4's test), and gives each kept block,
+//                   in increasing j, the next stage of a ring of ATTN_WS_BWD_Q_STAGES: after
+//                   waiting on the stage's empty mbarrier, the lanes write the block's 64 lse *
+//                   log2(e) and dsum values (+inf and 0 on rows past M) and a descriptor {j,
+//                   anchor, ctx_start} with plain stores, and lane 0, after __syncwarp, arrives on
+//                   the stage's full mbarrier with expect-tx and loads Q and dO by TMA, one 3-D box
+//                   per 64-column panel each (map_q, map_do: {column, slot, head}, tile row
+//                   hh * block_size + r, as section 6's Q). After the last block a descriptor with
+//                   j = -1 and a plain arrival end the consumers' loop.
+//   warpgroups 1, 2 consumers (setmaxnreg.inc to ATTN_WS_CONSUMER_REGS): consumer c owns context
+//                   rows t0 + 64c .. t0 + 64c + 63 as the wgmma rows and runs section 4's products
+//                   per block (S^T and dP^T issued together, P^T computed as soon as S^T is
+//                   complete while dP^T runs; dV += P^T dO issued, dS^T computed under it; dK +=
+//                   dS^T Q), then releases the stage (each warp arrives once on its empty mbarrier:
+//                   count 8). The descriptor gives the block's anchor and context start, so the
+//                   consumers read no global memory until their stores.
+// Q and dO rows past M are zeroed once before the CTA barrier (generic stores, then
+// fence.proxy.async): TMA writes only rows < M of any stage, so they stay zero, and with lse = +inf
+// and dsum = 0 those columns give P^T = dS^T = 0 exactly.
+// Phases, buffer reuse and deadlock freedom as section 5: item n of the list uses stage n % QS;
+// the consumers wait on full with parity (n / QS) & 1, the producer on empty with the opposite
+// parity; a stage is refilled only after both consumers released it, which they do after
+// wgmma.wait_group shows every product that read it complete. dK and dV are staged through the
+// consumer's own K and V rows (read only by its own, finished, wgmmas; nothing refills them).
+// Launch: grid ceil(ctx_rows / 128) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic smem
+//   WsBwdKvGeo::SMEM = 199,872 bytes, and TMA descriptors (128-byte swizzle, 64-column boxes) of q
+//   and d_o as {128, num_blocks * block_size, heads} with strides (heads * 256, 256) bytes and
+//   boxes {64, block_size, heads / kv_heads}, kc and vc as [ctx_rows, kv_heads * 128] in boxes of
+//   128 rows. 1 <= ctx_rows < 2^31 - 256 and (num_blocks + 1) * block_size < 2^31 - 1 (TMA's 32-bit
+//   coordinates); otherwise section 4's preconditions. Violations trap.
+template <int HD>
+struct WsBwdKvGeo {
+  static constexpr int KR = ATTN_WG_BWD_KV_ROWS, QR = 64, QS = ATTN_WS_BWD_Q_STAGES;
+  static constexpr uint32_t K_BYTES = KR * HD * 2, Q_BYTES = QR * HD * 2;
+  static constexpr uint32_t Q_OFF = 2 * K_BYTES;            // Q stages, then dO stages
+  static constexpr uint32_t L_OFF = Q_OFF + 2 * QS * Q_BYTES;  // per stage: 64 lse2, 64 dsum (f32)
+  static constexpr uint32_t META_OFF = L_OFF + QS * 2 * QR * 4;  // per stage: int4 {j, anchor, cs, 0}
+  static constexpr uint32_t BAR_OFF = META_OFF + QS * 16;
+  static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+  static_assert(HD == 128, "the warp-specialised drafter backward takes head_dim 128");
+  static_assert(KR == 128 && KR == ATTN_WG_KEYS_HD128, "the K/V boxes are the forward's 128-row boxes");
+  static_assert((1 + 2 * QS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
+  static_assert(QS >= 2, "the producer runs ahead of the consumers");
+  static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
+};
+
+template <int HD>
+__device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const CUtensorMap* map_do,
+                                                const CUtensorMap* map_k, const CUtensorMap* map_v,
+                                                const float* __restrict__ lse, const float* __restrict__ dsum,
+                                                bf16* __restrict__ dkc, bf16* __restrict__ dvc,
+                                                const int* __restrict__ anchors, const int* __restrict__ ctx_start,
+                                                int num_blocks, int block_size, index_t ctx_rows, int heads,
+                                                int kv_heads, float scale, const int* __restrict__ ctx_block_begin,
+                                                const int* __restrict__ ctx_block_end, int window) {
+  using G = WsBwdKvGeo<HD>;
+  constexpr int KR = G::KR, QR = G::QR, QS = G::QS;
+  require_launch(ATTN_WS_THREADS, G::SMEM);
+  if (window < 0 || block_size < 1 || kv_heads < 1 || heads % kv_heads != 0 || block_size * (heads / kv_heads) > QR ||
+      ctx_rows < 1 || ctx_rows >= (index_t)INT_MAX - 2 * KR || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
+      (long long)gridDim.x != (ctx_rows + KR - 1) / KR * kv_heads) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sK = base, sV = base + G::K_BYTES;
+  auto sQ = [&](int st) { return base + G::Q_OFF + (uint32_t)st * G::Q_BYTES; };
+  auto sO = [&](int st) { return base + G::Q_OFF + (uint32_t)(QS + st) * G::Q_BYTES; };
+  auto sL = [&](int st) { return reinterpret_cast<float*>(base_ptr + G::L_OFF + (uint32_t)st * 2 * QR * 4); };
+  auto sD = [&](int st) { return reinterpret_cast<float*>(base_ptr + G::L_OFF + ((uint32_t)st * 2 + 1) * QR * 4); };
+  auto meta = [&](int st) { return reinterpret_cast<int4*>(base_ptr + G::META_OFF + (uint32_t)st * 16); };
+  const uint32_t kv_full = base + G::BAR_OFF;
+  auto q_full = [&](int st) { return kv_full + 8u * (uint32_t)(1 + st); };
+  auto q_empty = [&](int st) { return kv_full + 8u * (uint32_t)(1 + QS + st); };
+
+  const int wg = warpgroup_index(), lane = threadIdx.x & 31;
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t t0 = (index_t)(blockIdx.x / (unsigned)kv_heads) * KR;
+  const index_t t_end = min(t0 + KR, ctx_rows);
+  const index_t kw = (index_t)kv_heads * HD;
+
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int st = 0; st < QS; ++st) {
+      mbar_init(q_full(st), 1);
+      mbar_init(q_empty(st), 2 * 4);
+    }
+    fence_barrier_init();
+  }
+  if (M < QR) {  // Q and dO rows past M, every stage and panel: zero once (TMA never writes them)
+    const int nz = QR - M;
+    for (int c = threadIdx.x; c < 2 * QS * (HD / 64) * nz * 8; c += ATTN_WS_THREADS) {
+      const int ch = c % 8, r = M + c / 8 % nz, tile = c / (8 * nz);  // tile = (Q or dO, stage, panel)
+      st_shared_zero16(sQ(0) + (uint32_t)tile * QR * 128 + (uint32_t)(r * 128 + ch * 16));
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
+    if (threadIdx.x >= 32) return;
+    if (lane == 0) {
+      prefetch_tensor_map(map_q);
+      prefetch_tensor_map(map_do);
+      prefetch_tensor_map(map_k);
+      prefetch_tensor_map(map_v);
+      mbar_arrive_expect_tx(kv_full, 2 * G::K_BYTES);
+#pragma unroll
+      for (int p = 0; p < HD / 64; ++p) {
+        tma_load_2d(sK + (uint32_t)(p * KR * 128), map_k, kv_full, g * HD + p * 64, (int)t0);
+        tma_load_2d(sV + (uint32_t)(p * KR * 128), map_v, kv_full, g * HD + p * 64, (int)t0);
+      }
+    }
+    // Blocks to scan: the union of the tile rows' ranges.
+    int j_lo = INT_MAX, j_hi = INT_MIN;
+    for (int i = lane; i < KR; i += 32) {
+      if (t0 + i < t_end) {
+        j_lo = min(j_lo, ctx_block_begin[t0 + i]);
+        j_hi = max(j_hi, ctx_block_end[t0 + i]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      j_lo = min(j_lo, __shfl_xor_sync(0xffffffffu, j_lo, off));
+      j_hi = max(j_hi, __shfl_xor_sync(0xffffffffu, j_hi, off));
+    }
+    j_lo = max(j_lo, 0);
+    j_hi = min(j_hi, num_blocks);
+    const uint32_t q_tx = 2 * (HD / 64) * 128 * (uint32_t)M;  // Q and dO: one {64, bs, Gq} box per panel
+    int n = 0;
+#pragma unroll 1
+    for (int jb = j_lo; jb < j_hi; jb += 32) {
+      const int jj = jb + lane;
+      int aa = -1, c0 = 0;
+      bool vis = false;
+      if (jj < j_hi) {
+        aa = anchors[jj];
+        if (aa >= 0) {
+          c0 = ctx_start[jj];
+          vis = (index_t)c0 + draft_first_key(aa, window) < t_end && (index_t)c0 + aa > t0;
+        }
+      }
+      unsigned todo = __ballot_sync(0xffffffffu, vis);
+#pragma unroll 1
+      while (todo) {
+        const int b = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const int j = jb + b, a_j = __shfl_sync(0xffffffffu, aa, b), c_j = __shfl_sync(0xffffffffu, c0, b);
+        const int st = n % QS;
+        mbar_wait(q_empty(st), (uint32_t)((n / QS) & 1) ^ 1u);
+#pragma unroll
+        for (int h = 0; h < QR / 32; ++h) {
+          const int mr = lane + 32 * h;
+          float l2 = INFINITY, d = 0.f;  // rows past M: P = 0, dS = 0
+          if (mr < M) {
+            const index_t idx = ((index_t)j * bs + mr % bs) * heads + g * Gq + mr / bs;
+            l2 = lse[idx] * LOG2E;
+            d = dsum[idx];
+          }
+          sL(st)[mr] = l2;
+          sD(st)[mr] = d;
+        }
+        if (lane == 0) *meta(st) = make_int4(j, a_j, c_j, 0);
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive_expect_tx(q_full(st), q_tx);
+#pragma unroll
+          for (int p = 0; p < HD / 64; ++p) {
+            tma_load_3d(sQ(st) + (uint32_t)(p * QR * 128), map_q, q_full(st), p * 64, j * bs, g * Gq);
+            tma_load_3d(sO(st) + (uint32_t)(p * QR * 128), map_do, q_full(st), p * 64, j * bs, g * Gq);
+          }
+        }
+        ++n;
+      }
+    }
+    {  // the end of the list
+      const int st = n % QS;
+      mbar_wait(q_empty(st), (uint32_t)((n / QS) & 1) ^ 1u);
+      if (lane == 0) {
+        *meta(st) = make_int4(-1, 0, 0, 0);
+        mbar_arrive(q_full(st));
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  ws_setmaxnreg_inc<ATTN_WS_CONSUMER_REGS>();
+  const int cw = wg - 1, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2, tq = lane & 3;
+  // This consumer's 64 keys [tw0, tw0 + 64) and this thread's two rows.
+  const index_t tw0 = t0 + cw * 64;
+  index_t trow[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) trow[hh] = tw0 + wi * 16 + gr + 8 * hh;
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+  }
+  const float sl2 = scale * LOG2E;
+  // Descriptors: K and V of this consumer as the A operand (K-major, column blocks KR rows apart);
+  // Q and dO stages as K-major B (S^T, dP^T) and as N-major B (dK, dV).
+  const uint64_t dka = wg_desc(sK + (uint32_t)(cw * 64 * 128), 16, 1024);
+  const uint64_t dva = wg_desc(sV + (uint32_t)(cw * 64 * 128), 16, 1024);
+  const uint64_t dqb = wg_desc(sQ(0), 16, 1024), dob = wg_desc(sO(0), 16, 1024);
+  const uint64_t dqn = wg_desc(sQ(0), QR * 128, 1024), don = wg_desc(sO(0), QR * 128, 1024);
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+
+  float st_[QR / 8][4], dpt[QR / 8][4];
+  uint32_t pp[QR / 16][4], ps[QR / 16][4];
+  mbar_wait(kv_full, 0u);
+#pragma unroll 1
+  for (int n = 0;; ++n) {
+    const int st = n % QS;
+    mbar_wait(q_full(st), (uint32_t)(n / QS) & 1u);
+    const int4 mt = *meta(st);
+    if (mt.x < 0) break;
+    const index_t aa = mt.y, cs = mt.z;
+    const index_t ce = cs + aa;  // rows [cs, ce) see block j (a full layer)
+    bool vis[2];
+    index_t last_slot[2];  // sliding: row t is seen by the slots r <= t - ce + (W - 1)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      vis[hh] = trow[hh] < t_end && trow[hh] >= cs && trow[hh] < ce;
+      last_slot[hh] = window > 0 ? trow[hh] - ce + (index_t)(window - 1) : (index_t)INT_MAX;
+    }
+    // Unmasked when all 64 keys of the consumer are seen by every slot of the block.
+    const index_t all_first = window > 0 ? max((index_t)0, aa + bs - (index_t)window) : (index_t)0;
+    const bool masked = !(tw0 >= cs + all_first && tw0 + 63 < ce && tw0 + 63 < t_end);
+
+    wgmma_fence();
+    {
+      const uint64_t dqs = wg_desc_at(dqb, (uint32_t)st * G::Q_BYTES);
+      const uint64_t dos = wg_desc_at(dob, (uint32_t)st * G::Q_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint32_t off = (uint32_t)((kk & 3) * 32);
+        wg_abt<QR>(st_, wg_desc_at(dka, (uint32_t)((kk >> 2) * KR * 128) + off),
+                   wg_desc_at(dqs, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint32_t off = (uint32_t)((kk & 3) * 32);
+        wg_abt<QR>(dpt, wg_desc_at(dva, (uint32_t)((kk >> 2) * KR * 128) + off),
+                   wg_desc_at(dos, (uint32_t)((kk >> 2) * QR * 128) + off), kk > 0);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<1>();  // S^T complete; dP^T may still run
+    wg_fence_regs(st_);
+    const float* lq = sL(st);
+    const float* dq_ = sD(st);
+    // P^T (in st_), masked per (key row, query column), as section 4.
+#pragma unroll
+    for (int nn = 0; nn < QR / 8; ++nn) {
+      const int col = nn * 8 + 2 * tq;
+      const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float lv2 = (e & 1) ? l2.y : l2.x;
+        const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv2));
+        bool seen = true;
+        if (masked) {
+          seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
+        }
+        st_[nn][e] = seen ? p : 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < QR / 16; ++kk) {
+      pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
+      pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
+      pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
+      pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
+    }
+    wgmma_wait<0>();  // dP^T complete
+    wg_fence_regs(dpt);
+    wg_fence_regs(dv);
+    wgmma_fence();
+    {
+      const uint64_t dos = wg_desc_at(don, (uint32_t)st * G::Q_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dv, pp[kk], wg_desc_at(dos, (uint32_t)(kk * 16 * 128)), 1);
+      wgmma_commit();
+    }
+    // dS^T = P^T (dP^T - D) scale (0 where P^T is 0 by the mask: P is exactly 0 there and dP^T is
+    // finite).
+#pragma unroll
+    for (int nn = 0; nn < QR / 8; ++nn) {
+      const int col = nn * 8 + 2 * tq;
+      const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float dd = (e & 1) ? d2.y : d2.x;
+        dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < QR / 16; ++kk) {
+      ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
+      ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
+      ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+    }
+    wg_fence_regs(dk);
+    wgmma_fence();
+    {
+      const uint64_t dqs = wg_desc_at(dqn, (uint32_t)st * G::Q_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dk, ps[kk], wg_desc_at(dqs, (uint32_t)(kk * 16 * 128)), 1);
+      wgmma_commit();
+    }
+    // Both products read this stage and the packed registers: complete before the stage is freed.
+    wgmma_wait<0>();
+    wg_fence_regs(dv);
+    wg_fence_regs(dk);
+    release(q_empty(st));
+  }
+  // dK and dV, staged in this consumer's own K and V rows (read only by its own, finished,
+  // wgmmas): each warp writes and then reads back its 16 rows.
+  const int wr = cw * 64 + wi * 16;
+  constexpr int C = HD / 8;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    unsigned char* const tile = base_ptr + (which ? G::K_BYTES : 0);
+    float(&acc)[HD / 8][4] = which ? dv : dk;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+    }
+    __syncwarp();
+    bf16* const out = which ? dvc : dkc;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const index_t t = t0 + wr + i;
+      if (t < t_end) {
+        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
+            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
+      }
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// 8. Drafter backward over queries, warp-specialised: section 3's math, masks, numerics, outputs
+// (dq, dkb, dvb) and preconditions with section 6's structure. attn_draft_bwd_q_ws_bf16_hd128.
+// CTA b = section 3's CTA b: the block pair (2c, 2c + 1) of kv head g, one consumer warpgroup per
+// block, the context rows either block sees streamed once as ATTN_WS_BWD_KEYS-row tiles over the
+// union [Tlo, Thi), then each consumer's own block keys.
+// CTA = 384 threads:
+//   warpgroup 0     producer, as section 6's: Q, dO and both blocks' keys once on q_full (Q and dO
+//                   by one 3-D box per block and panel, the keys by 2-D boxes; rows TMA leaves
+//                   alone zeroed first), then per context tile t K stage t % KS and V stage t % VS,
+//                   each after its empty mbarrier, by TMA when every row of the tile is one a block
+//                   sees, else by cp.async with the other rows zero-filled.
+//   warpgroups 1, 2 consumers: section 3's pipeline per block (S_t and dP_t issued with dQ +=
+//                   dS_{t-1} K_{t-1}; dS_t computed under the latter), section 5's waits and
+//                   ping-pong turns (n_kt + 1 each). V stage t is released once S_t and dP_t are
+//                   complete, K stage t once dQ += dS_t K_t is (an iteration later). Then the block
+//                   keys: S_b and dP_b issued with the last context tile's dQ product, P_b and dS_b
+//                   to the consumer's f32 side buffers, dQ += dS_b K_b; after a barrier of the
+//                   consumer's own 128 threads, dkb and dvb from the side buffers and the Q and dO
+//                   rows, a second barrier, and dQ staged through the consumer's own Q rows.
+// Phases, buffer reuse and deadlock freedom as section 5 (tile t needs K_t and V_t; the producer
+// issues them after K_{t-KS}, released at iteration t - KS + 1, and V_{t-VS}, released at
+// iteration t - VS: earlier steps of the consumers).
+// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic
+//   smem WsBwdQGeo::SMEM = 214,144 bytes, and TMA descriptors (128-byte swizzle, 64-column boxes)
+//   of q and d_o as section 6's q, kb and vb as section 6's, kc and vc as [ctx_rows, kv_heads *
+//   128] in boxes of ATTN_WS_BWD_KEYS rows. ctx_rows >= 1 and (num_blocks + 1) * block_size <
+//   2^31 - 1; otherwise section 3's preconditions. Violations trap.
+template <int HD>
+struct WsBwdQGeo {
+  static constexpr int BM = ATTN_WG_ROWS, BN = ATTN_WS_BWD_KEYS, BB = ATTN_WG_BLOCK_KEYS;
+  static constexpr int KS = ATTN_WS_BWD_K_STAGES, VS = ATTN_WS_BWD_V_STAGES;
+  static constexpr uint32_t Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, B_BYTES = BB * HD * 2;
+  static constexpr uint32_t K_OFF = 2 * Q_BYTES;  // after Q and dO
+  static constexpr uint32_t V_OFF = K_OFF + KS * KV_BYTES;
+  static constexpr uint32_t B_OFF = V_OFF + VS * KV_BYTES;
+  static constexpr uint32_t F_OFF = B_OFF + 4 * B_BYTES;
+  static constexpr uint32_t F_BYTES = 64 * BB * 4;  // one f32 [64][BB] side buffer
+  static constexpr uint32_t BAR_OFF = F_OFF + 4 * F_BYTES;
+  static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+  static_assert(HD == 128, "the warp-specialised drafter backward takes head_dim 128");
+  static_assert(BM == 128 && BN % 16 == 0 && BB == 16, "tile shapes of the wgmma wrappers");
+  static_assert((1 + 2 * KS + 2 * VS) * 8 <= ATTN_WS_BAR_BYTES, "the mbarriers fit their slots");
+  static_assert(KS >= 2 && VS >= 1, "K_{t-1} and K_t are in flight together");
+  static_assert(B_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "tiles start on swizzle atoms");
+  static_assert(SMEM <= 232448, "over the opt-in shared memory of a CTA");
+};
+
+template <int HD>
+__device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const CUtensorMap* map_do,
+                                               const CUtensorMap* map_kb, const CUtensorMap* map_vb,
+                                               const CUtensorMap* map_k, const CUtensorMap* map_v,
+                                               const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                               const float* __restrict__ lse, const float* __restrict__ dsum,
+                                               bf16* __restrict__ dq, bf16* __restrict__ dkb,
+                                               bf16* __restrict__ dvb, const int* __restrict__ anchors,
+                                               const int* __restrict__ ctx_start, int num_blocks, int block_size,
+                                               index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
+  using G = WsBwdQGeo<HD>;
+  constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = G::BB;
+  (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
+  require_launch(ATTN_WS_THREADS, G::SMEM);
+  if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
+      block_size * (heads / kv_heads) > 64 || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
+      (long long)gridDim.x != ((long long)num_blocks + 1) / 2 * kv_heads) {
+    __trap();
+  }
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + (ATTN_WG_ALIGN - 1)) & ~(uint32_t)(ATTN_WG_ALIGN - 1);
+  unsigned char* const base_ptr = smem_raw + (base - smem_u32(smem_raw));
+  const uint32_t sQ = base, sO = base + G::Q_BYTES;
+  auto sK = [&](int st) { return base + G::K_OFF + (uint32_t)st * G::KV_BYTES; };
+  auto sV = [&](int st) { return base + G::V_OFF + (uint32_t)st * G::KV_BYTES; };
+  // Block keys of consumer w: K at sB(w, 0), V at sB(w, 1), 16-row swizzled tiles.
+  auto sB = [&](int w, int kv) { return base + G::B_OFF + (uint32_t)(2 * w + kv) * G::B_BYTES; };
+  // f32 P (kind 0) and dS (kind 1) of consumer w's block keys, [64 rows][BB keys].
+  auto fbuf = [&](int w, int kind) {
+    return reinterpret_cast<float*>(base_ptr + G::F_OFF + (uint32_t)(2 * w + kind) * G::F_BYTES);
+  };
+  const uint32_t q_full = base + G::BAR_OFF;
+  auto k_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + st); };
+  auto k_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + KS + st); };
+  auto v_full = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + st); };
+  auto v_empty = [&](int st) { return q_full + 8u * (uint32_t)(1 + 2 * KS + VS + st); };
+
+  const int wg = warpgroup_index();
+  const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
+  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const index_t npairs = ((index_t)num_blocks + 1) / 2;
+  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
+
+  // Both blocks' context ranges [lo, hi) (as section 3).
+  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < KS; ++st) {
+      mbar_init(k_full(st), 1);
+      mbar_init(k_empty(st), 2 * 4);
+    }
+    for (int st = 0; st < VS; ++st) {
+      mbar_init(v_full(st), 1);
+      mbar_init(v_empty(st), 2 * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<ATTN_WS_PRODUCER_REGS>();
+    const int t = threadIdx.x;
+    if (t == 0) {
+      prefetch_tensor_map(map_q);
+      prefetch_tensor_map(map_do);
+      prefetch_tensor_map(map_kb);
+      prefetch_tensor_map(map_vb);
+      prefetch_tensor_map(map_k);
+      prefetch_tensor_map(map_v);
+    }
+    // Whether every row of the tile starting at relative row u0 is one a block sees (section 6).
+    auto clean = [&](int u0) {
+      const int u1 = u0 + BN;
+      const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
+      const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
+      return in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi));
+    };
+    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int it, uint32_t full, uint32_t empty,
+                    uint32_t parity) {
+      const int u0 = it * BN;
+      if (clean(u0)) {
+        if (t == 0) {
+          mbar_wait(empty, parity);
+          mbar_arrive_expect_tx(full, G::KV_BYTES);
+#pragma unroll
+          for (int p = 0; p < HD / 64; ++p)
+            tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
+        }
+        return;
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      mbar_wait(empty, parity);
+      const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
+      ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
+        const int u = u0 + i;
+        return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
+      });
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      if (t == 0) mbar_arrive(full);
+    };
+    // Q, dO and both blocks' keys, once, on q_full (section 6's Q and keys, with dO beside Q).
+    const bool live[2] = {2 * pair < num_blocks && a_w[0] >= 0, 2 * pair + 1 < num_blocks && a_w[1] >= 0};
+    if (M < 64 || bs < BB || !live[0] || !live[1]) {
+      const int qz = 64 - M;
+      auto zero_rows = [&](uint32_t panel0, int rows_per_panel, int r0, int n) {
+        for (int c = t; c < HD / 64 * n * 8; c += 128) {
+          const int p = c / (n * 8), r = r0 + c % (n * 8) / 8, ch = c % 8;
+          st_shared_zero16(panel0 + (uint32_t)((p * rows_per_panel + r) * 128 + ch * 16));
+        }
+      };
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
+        if (qz > 0) {
+          zero_rows(sQ + (uint32_t)(w * 64 * 128), BM, M, qz);
+          zero_rows(sO + (uint32_t)(w * 64 * 128), BM, M, qz);
+        }
+        const int kz0 = live[w] ? bs : 0;
+        if (kz0 < BB) {
+          zero_rows(sB(w, 0), BB, kz0, BB - kz0);
+          zero_rows(sB(w, 1), BB, kz0, BB - kz0);
+        }
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    }
+    if (t == 0) {
+      const uint32_t q_box = 64 * M * 2, key_box = 64 * bs * 2;
+      mbar_arrive_expect_tx(q_full, 2 * 2 * (HD / 64) * q_box + (live[0] + live[1]) * 2 * (HD / 64) * key_box);
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const int jj = (int)(2 * pair + w);
+#pragma unroll
+        for (int p = 0; p < HD / 64; ++p) {
+          tma_load_3d(sQ + (uint32_t)((w * 64 + p * BM) * 128), map_q, q_full, p * 64, jj * bs, g * Gq);
+          tma_load_3d(sO + (uint32_t)((w * 64 + p * BM) * 128), map_do, q_full, p * 64, jj * bs, g * Gq);
+          if (live[w]) {
+            tma_load_2d(sB(w, 0) + (uint32_t)(p * BB * 128), map_kb, q_full, g * HD + p * 64, jj * bs);
+            tma_load_2d(sB(w, 1) + (uint32_t)(p * BB * 128), map_vb, q_full, g * HD + p * 64, jj * bs);
+          }
+        }
+      }
+    }
+    for (int it = 0; it < n_kt; ++it) {
+      const int ks = it % KS, vs = it % VS;
+      fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
+      fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  ws_setmaxnreg_inc<ATTN_WS_CONSUMER_REGS>();
+  const int cw = wg - 1, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+  const int gr = lane >> 2;
+  const DraftBwdQRows rows = draft_bwd_q_rows(cw, pair, a_w, cs_w, Tlo, wi, gr, bs, M, Gq, g, heads, window, lse, dsum);
+
+  float acc[HD / 8][4];  // dQ
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const float sl2 = scale * LOG2E;
+  float s[BN / 8][4], dp[BN / 8][4];
+  uint32_t pa[BN / 16][4];
+  const uint64_t dqd = wg_desc(sQ + (uint32_t)(cw * 64 * 128), 16, 1024);
+  const uint64_t dod = wg_desc(sO + (uint32_t)(cw * 64 * 128), 16, 1024);
+  const uint64_t dk = wg_desc(sK(0), 16, 1024);         // K-major: S = Q K^T
+  const uint64_t dkn = wg_desc(sK(0), BN * 128, 1024);  // N-major: dQ += dS K
+  const uint64_t dv = wg_desc(sV(0), 16, 1024);         // K-major: dP = dO V^T
+  auto issue_sdp = [&](int it) {
+    const uint64_t dks = wg_desc_at(dk, (uint32_t)(it % KS) * G::KV_BYTES);
+    const uint64_t dvs = wg_desc_at(dv, (uint32_t)(it % VS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(s, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dks, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BN>(dp, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvs, (uint32_t)((kk >> 2) * BN * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_dq = [&](int it) {
+    const uint64_t dks = wg_desc_at(dkn, (uint32_t)(it % KS) * G::KV_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wg_pb<HD>(acc, pa[kk], wg_desc_at(dks, (uint32_t)(kk * 16 * 128)), 1);
+    wgmma_commit();
+  };
+  // dS of context tile it into s (f32; 0 where masked).
+  auto grad_s = [&](int it) {
+    const int k0 = it * BN, k1 = k0 + BN - 1;  // relative to Tlo
+    const bool masked = !(k0 >= rows.wlo && k1 <= rows.whi);
+    ds_tile<BN / 8>(s, dp, sl2, rows.lse2, rows.dsm, scale, masked, lane, [&](int hh, int col) {
+      const int tt = k0 + col;
+      return tt >= rows.vlo[hh] && tt <= rows.vhi[hh];
+    });
+  };
+  auto pack_ds = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_op(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_op(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_op(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_op(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  const int my_turn = 2 + cw, their_turn = 3 - cw;
+  auto turn_wait = [&]() {
+    if (ATTN_WS_PINGPONG) ws_turn_wait(my_turn);
+  };
+  auto turn_pass = [&](bool last) {
+    if (ATTN_WS_PINGPONG && !(last && cw == 1)) ws_turn_pass(their_turn);
+  };
+  if (ATTN_WS_PINGPONG && cw == 1) ws_turn_pass(their_turn);
+
+  mbar_wait(q_full, 0u);
+  {  // context tile 0 (with Q, dO and the block keys)
+    mbar_wait(k_full(0), 0u);
+    mbar_wait(v_full(0), 0u);
+    fence_proxy_async();
+    turn_wait();
+    wgmma_fence();
+    issue_sdp(0);
+    turn_pass(false);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    release(v_empty(0));
+    grad_s(0);
+    pack_ds();
+  }
+  for (int it = 1; it < n_kt; ++it) {
+    const int ks = it % KS, vs = it % VS;
+    mbar_wait(k_full(ks), (uint32_t)(it / KS) & 1u);
+    mbar_wait(v_full(vs), (uint32_t)(it / VS) & 1u);
+    fence_proxy_async();
+    wg_fence_regs(acc);
+    turn_wait();
+    wgmma_fence();
+    issue_sdp(it);
+    issue_dq(it - 1);
+    turn_pass(false);
+    wgmma_wait<1>();  // S_it and dP_it (dQ += dS_{it-1} K_{it-1} may still run)
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+    release(v_empty(vs));
+    grad_s(it);
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(k_empty((it - 1) % KS));
+    pack_ds();
+  }
+  {  // the block's own keys, issued with the last context tile's dQ product
+    float sb[BB / 8][4], dpb[BB / 8][4];
+    wg_fence_regs(acc);
+    turn_wait();
+    wgmma_fence();
+    const uint64_t dkb_d = wg_desc(sB(cw, 0), 16, 1024);
+    const uint64_t dvb_d = wg_desc(sB(cw, 1), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(sb, wg_desc_at(dqd, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dkb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t off = (uint32_t)((kk & 3) * 32);
+      wg_abt<BB>(dpb, wg_desc_at(dod, (uint32_t)((kk >> 2) * BM * 128) + off),
+                 wg_desc_at(dvb_d, (uint32_t)((kk >> 2) * BB * 128) + off), kk > 0);
+    }
+    wgmma_commit();
+    issue_dq(n_kt - 1);
+    turn_pass(true);
+    wgmma_wait<1>();
+    wg_fence_regs(sb);
+    wg_fence_regs(dpb);
+    draft_bwd_block_tile<BB>(sb, dpb, rows, sl2, scale, bs, window, lane, fbuf(cw, 0), fbuf(cw, 1));
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+    release(k_empty((n_kt - 1) % KS));
+    uint32_t pb[4];
+    pb[0] = pack_op(sb[0][0], sb[0][1]);
+    pb[1] = pack_op(sb[0][2], sb[0][3]);
+    pb[2] = pack_op(sb[1][0], sb[1][1]);
+    pb[3] = pack_op(sb[1][2], sb[1][3]);
+    wgmma_fence();
+    wg_pb<HD>(acc, pb, wg_desc(sB(cw, 0), BB * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc);
+  }
+  // The consumer's own 128 threads (named barrier 4 + c): its side buffers are complete.
+  asm volatile("bar.sync %0, 128;\n" ::"r"(4 + cw) : "memory");
+  const index_t j = rows.j;
+  if (j >= num_blocks) return;
+  const bool padded = rows.a < 0;  // exact zeros, never NaN
+  draft_bwd_block_key_grads<HD, BM, BB>(base_ptr, base_ptr + G::Q_BYTES, fbuf(cw, 0), fbuf(cw, 1), cw,
+                                        threadIdx.x & 127, bs, M, j, g, kw, padded, dkb, dvb);
+  // Every thread of the consumer is done reading its Q rows: dQ is staged through them.
+  asm volatile("bar.sync %0, 128;\n" ::"r"(4 + cw) : "memory");
+  draft_bwd_q_store<HD, BM>(acc, base_ptr, cw, wi, gr, lane, padded, M, bs, j, g, Gq, qw, dq);
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -2085,4 +2879,30 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_
     const int* ctx_block_begin, const int* ctx_block_end, int window) {
   attn::draft_bwd_kv_wg<128>(q, kc, vc, lse, dsum, d_o, dkc, dvc, anchors, ctx_start, num_blocks, block_size,
                              ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
+}
+
+// The warp-specialised drafter backward over context keys at head_dim 128 (section 7): section 4's
+// arguments with TMA descriptors of q, d_o, kc and vc in place of the q, kc, vc and d_o pointers.
+extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_bwd_kv_ws_bf16_hd128(
+    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
+    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const float* lse,
+    const float* dsum, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors, const int* ctx_start,
+    int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale,
+    const int* ctx_block_begin, const int* ctx_block_end, int window) {
+  attn::draft_bwd_kv_ws<128>(&map_q, &map_do, &map_k, &map_v, lse, dsum, dkc, dvc, anchors, ctx_start, num_blocks,
+                             block_size, ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
+}
+
+// The warp-specialised drafter backward over queries at head_dim 128 (section 8): section 3's
+// arguments with TMA descriptors of q, d_o, kb, vb, kc and vc in front of them in place of the q,
+// d_o, kb and vb pointers (kc and vc also by pointer, for cp.async-filled tiles).
+extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_bwd_q_ws_bf16_hd128(
+    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
+    const __grid_constant__ CUtensorMap map_kb, const __grid_constant__ CUtensorMap map_vb,
+    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* kc,
+    const __nv_bfloat16* vc, const float* lse, const float* dsum, __nv_bfloat16* dq, __nv_bfloat16* dkb,
+    __nv_bfloat16* dvb, const int* anchors, const int* ctx_start, int num_blocks, int block_size, long long ctx_rows,
+    int heads, int kv_heads, float scale, int window) {
+  attn::draft_bwd_q_ws<128>(&map_q, &map_do, &map_kb, &map_vb, &map_k, &map_v, kc, vc, lse, dsum, dq, dkb, dvb,
+                            anchors, ctx_start, num_blocks, block_size, ctx_rows, heads, kv_heads, scale, window);
 }

@@ -94,6 +94,19 @@ constexpr int ATTN_WS_V_STAGES = 3;
 // 214,144 bytes.
 constexpr int ATTN_WS_DRAFT_K_STAGES = 2;
 constexpr int ATTN_WS_DRAFT_V_STAGES = 3;
+// The warp-specialised drafter backward over context keys (section 7): the 128 context rows' K and
+// V once, and each visible block's 64-row Q and dO tiles with its 64 lse * log2(e) and dsum values
+// and a 16-byte descriptor in a ring of BWD_Q_STAGES stages: 2 * 128 * 256 + 4 * (2 * 64 * 256 +
+// 512 + 16) + 128 + 1024 = 199,872 bytes.
+constexpr int ATTN_WS_BWD_Q_STAGES = 4;
+// The warp-specialised drafter backward over queries (section 8): section 3's layout (Q and dO of
+// both blocks, 64-key context tiles, the block keys and the f32 P and dS of the block keys) with
+// K in BWD_K_STAGES stages (tile t's K serves S_t and, one iteration later, dQ += dS_t K_t) and V
+// in BWD_V_STAGES: (2 * 128 + (4 + 3) * 64 + 4 * 16) * 256 + 4 * 64 * 16 * 4 + 128 + 1024 =
+// 214,144 bytes.
+constexpr int ATTN_WS_BWD_KEYS = 64;
+constexpr int ATTN_WS_BWD_K_STAGES = 4;
+constexpr int ATTN_WS_BWD_V_STAGES = 3;
 // Consumer ping-pong (attention_wgmma.cu sections 5 and 6): 1 = the two consumers issue their wgmma
 // batches in turns (named barriers 2 and 3), 0 = independently.
 constexpr int ATTN_WS_PINGPONG = 1;

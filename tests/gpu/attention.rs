@@ -393,9 +393,10 @@ fn gpu_drafter_forward_forms_match_cpu() {
     }
 }
 
-/// Both drafter backward forms (mma.sync, and Hopper warpgroup MMAs: the query-side kernel pairs
+/// The three drafter backward forms (mma.sync; Hopper warpgroup MMAs: the query-side kernel pairs
 /// two blocks per CTA like the warpgroup forward, the context-key kernel takes 128 context rows
-/// per CTA and stages each visible block's queries once) against the CPU on the forward forms
+/// per CTA and stages each visible block's queries once; and that context-key kernel
+/// warp-specialised, fed by TMA) against the CPU on the forward forms
 /// test's cases: anchors at 0 and at a sequence's end, padded blocks, CTAs whose two blocks lie in
 /// two sequences, an odd block count, M = 15 (padding rows), windows 3, 8, 40 and 2048 beside full
 /// layers, and 5600-row contexts. Both backends take the CPU forward's o and lse, so only the
@@ -496,7 +497,8 @@ fn gpu_drafter_backward_forms_match_cpu() {
                         .unwrap()
                 })
             };
-            for form in [AttnForm::Mma, AttnForm::Wgmma] {
+            let mut by_form = Vec::new();
+            for form in [AttnForm::Mma, AttnForm::Wgmma, AttnForm::WarpSpecialized] {
                 assert!(form.takes_draft(&sh), "{form:?} takes bs {bs}, {heads}/{kvh} heads");
                 let what = format!("{form:?} drafter bwd bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
                 let got = gpu_bwd(form);
@@ -520,6 +522,14 @@ fn gpu_drafter_backward_forms_match_cpu() {
                         }
                     }
                 }
+                by_form.push(got);
+            }
+            // The warp-specialised context-key kernel computes the warpgroup one's products in the
+            // same order (only the copies differ), and both share the query-side kernel: every
+            // gradient bit for bit.
+            for (i, name) in ["dq", "dkc", "dvc", "dkb", "dvb"].iter().enumerate() {
+                let what = format!("WarpSpecialized vs Wgmma bs {bs} {heads}/{kvh} ctx {ctx_rows} window {window:?}");
+                bits_equal(&format!("{what} {name}"), &by_form[2][i], &by_form[1][i]);
             }
         }
     }

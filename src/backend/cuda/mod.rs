@@ -38,7 +38,8 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     ATTN_WG_ALIGN, ATTN_WG_BLOCK_KEYS, ATTN_WG_BWD_KEYS, ATTN_WG_BWD_KV_ROWS, ATTN_WG_BWD_K_STAGES,
     ATTN_WG_BWD_V_STAGES, ATTN_WG_KEYS_HD128, ATTN_WG_KEYS_HD256, ATTN_WG_K_STAGES, ATTN_WG_ROWS, ATTN_WG_THREADS,
-    ATTN_WG_V_STAGES, ATTN_WS_BAR_BYTES, ATTN_WS_DRAFT_K_STAGES, ATTN_WS_DRAFT_V_STAGES, ATTN_WS_K_STAGES_HD128,
+    ATTN_WG_V_STAGES, ATTN_WS_BAR_BYTES, ATTN_WS_BWD_KEYS, ATTN_WS_BWD_K_STAGES, ATTN_WS_BWD_Q_STAGES,
+    ATTN_WS_BWD_V_STAGES, ATTN_WS_DRAFT_K_STAGES, ATTN_WS_DRAFT_V_STAGES, ATTN_WS_K_STAGES_HD128,
     ATTN_WS_K_STAGES_HD256, ATTN_WS_THREADS, ATTN_WS_V_STAGES,
 };
 use crate::kernels::launch::{
@@ -775,19 +776,15 @@ impl CudaBackend {
             });
         }
         const OP: &str = "attn_draft_bwd";
-        if form.forward_only() {
-            return Err(BackendError::Unsupported(format!(
-                "{OP}: the attention form {form:?} has only forward kernels; use AttnForm::Wgmma or AttnForm::Mma"
-            )));
-        }
-        // Before any launch: the warpgroup form's own limits.
-        if form == AttnForm::Wgmma && !form.takes_draft(sh) {
+        // Before any launch: the warpgroup forms' own limits.
+        if form != AttnForm::Mma && !form.takes_draft(sh) {
             return Err(BackendError::Shape {
                 op: OP,
                 what: format!(
-                    "the warpgroup kernel takes head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
-                     block_size * heads / kv_heads <= 64, not head_dim {}, block_size {}, {}/{} heads",
-                    sh.head_dim, sh.block_size, sh.heads, sh.kv_heads
+                    "the warpgroup kernels take head_dim 128, block_size <= {ATTN_WG_BLOCK_KEYS} and \
+                     block_size * heads / kv_heads <= 64 (the warp-specialised one also ctx_rows >= 1), not \
+                     head_dim {}, block_size {}, {}/{} heads, {} context rows",
+                    sh.head_dim, sh.block_size, sh.heads, sh.kv_heads, sh.ctx_rows
                 ),
             });
         }
@@ -837,7 +834,48 @@ impl CudaBackend {
                     + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
                 self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
             }
-            AttnForm::Wgmma | AttnForm::WarpSpecialized => {
+            AttnForm::WarpSpecialized => {
+                // kernels/attention_wgmma.cu section 8 (WsBwdQGeo): section 3's tiles with
+                // ATTN_WS_BWD_K_STAGES K and ATTN_WS_BWD_V_STAGES V stages of ATTN_WS_BWD_KEYS
+                // keys, and the mbarriers; Q and dO by 3-D TMA boxes as the warp-specialised
+                // forward's Q, the block keys and the context tiles by 2-D boxes.
+                let (hd, keys) = (sh.head_dim, ATTN_WS_BWD_KEYS);
+                let tiles =
+                    2 * ATTN_WG_ROWS + (ATTN_WS_BWD_K_STAGES + ATTN_WS_BWD_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
+                let smem = tiles * hd * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
+                let (gq, q_rows) = (sh.heads / sh.kv_heads, sh.q_rows());
+                let by_head =
+                    |p: u64| tma::tensor_map_3d(OP, p, [hd, q_rows, sh.heads], [g.qw * 2, hd * 2], sh.block_size, gq);
+                let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
+                let args = launch::AttnDraftBwdQWsBf16Hd128 {
+                    map_q: by_head(q.at::<half::bf16>(OP, 0)?.addr())?,
+                    map_do: by_head(d_o.at::<half::bf16>(OP, 0)?.addr())?,
+                    map_kb: tma::tensor_map_2d(OP, kb.at::<half::bf16>(OP, 0)?.addr(), g.kw, q_rows, sh.block_size)?,
+                    map_vb: tma::tensor_map_2d(OP, vb.at::<half::bf16>(OP, 0)?.addr(), g.kw, q_rows, sh.block_size)?,
+                    map_k: tma::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                    map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
+                    kc: kcp,
+                    vc: vcp,
+                    lse: lse.at(OP, 0)?,
+                    dsum: dsum.at(OP, 0)?,
+                    dq: dq.at(OP, 0)?,
+                    dkb: dkb.at(OP, 0)?,
+                    dvb: dvb.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    window: sh.window.unwrap_or(0),
+                };
+                let kernel = launch::Kernel::AttnDraftBwdQWsBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args)?;
+            }
+            AttnForm::Wgmma => {
                 // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
                 // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
                 // of block keys per warpgroup, and per warpgroup the f32 P and dS of its block keys
@@ -902,7 +940,45 @@ impl CudaBackend {
                 let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
                 self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
             }
-            AttnForm::Wgmma | AttnForm::WarpSpecialized => {
+            AttnForm::WarpSpecialized => {
+                // kernels/attention_wgmma.cu section 7 (WsBwdKvGeo): the CTA's K and V rows, a ring
+                // of ATTN_WS_BWD_Q_STAGES stages of a block's 64-row Q and dO tiles, its lse and
+                // dsum and a 16-byte descriptor, and the mbarriers. Q and dO by 3-D TMA boxes as
+                // the warp-specialised forward's Q; K and V in boxes of ATTN_WG_BWD_KV_ROWS rows.
+                let (hd, qr, kr) = (sh.head_dim, 64, ATTN_WG_BWD_KV_ROWS);
+                let smem = 2 * kr * hd * 2
+                    + ATTN_WS_BWD_Q_STAGES * (2 * qr * hd * 2 + 2 * qr * 4 + 16)
+                    + ATTN_WS_BAR_BYTES
+                    + ATTN_WG_ALIGN;
+                let grid = sh.ctx_rows.div_ceil(kr) * sh.kv_heads;
+                let (gq, q_rows) = (sh.heads / sh.kv_heads, sh.q_rows());
+                let by_head =
+                    |p: u64| tma::tensor_map_3d(OP, p, [hd, q_rows, sh.heads], [g.qw * 2, hd * 2], sh.block_size, gq);
+                let args = launch::AttnDraftBwdKvWsBf16Hd128 {
+                    map_q: by_head(q.at::<half::bf16>(OP, 0)?.addr())?,
+                    map_do: by_head(d_o.at::<half::bf16>(OP, 0)?.addr())?,
+                    map_k: tma::tensor_map_2d(OP, kc.at::<half::bf16>(OP, 0)?.addr(), g.kw, sh.ctx_rows, kr)?,
+                    map_v: tma::tensor_map_2d(OP, vc.at::<half::bf16>(OP, 0)?.addr(), g.kw, sh.ctx_rows, kr)?,
+                    lse: lse.at(OP, 0)?,
+                    dsum: dsum.at(OP, 0)?,
+                    dkc: dkc.at(OP, 0)?,
+                    dvc: dvc.at(OP, 0)?,
+                    anchors: anchors.at(OP, 0)?,
+                    ctx_start: ctx_start.at(OP, 0)?,
+                    num_blocks: sh.num_blocks,
+                    block_size: sh.block_size,
+                    ctx_rows: sh.ctx_rows,
+                    heads: sh.heads,
+                    kv_heads: sh.kv_heads,
+                    scale: sh.scale(),
+                    ctx_block_begin: db.at(OP, 0)?,
+                    ctx_block_end: de.at(OP, 0)?,
+                    window: sh.window.unwrap_or(0),
+                };
+                let kernel = launch::Kernel::AttnDraftBwdKvWsBf16Hd128;
+                self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args)
+            }
+            AttnForm::Wgmma => {
                 // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
                 // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
                 // dsum values.
@@ -2872,11 +2948,13 @@ pub enum AttnForm {
     /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
     /// warpgroup MMAs.
     Wgmma,
-    /// kernels/attention_wgmma.cu sections 5 and 6 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128
-    /// and 256, `attn_draft_fwd_ws_bf16_hd128` at the `Wgmma` drafter shapes): the forwards
-    /// only, warp-specialised (a producer warpgroup loads by TMA into an mbarrier ring, two
-    /// consumer warpgroups run the wgmma form's pipeline in ping-pong). Same results as `Wgmma` to
-    /// rounding; the default forward where it is compiled. The drafter backward has no such form.
+    /// kernels/attention_wgmma.cu sections 5, 6 and 7 (`attn_causal_fwd_ws_bf16_hd*` at head_dim
+    /// 128 and 256, `attn_draft_fwd_ws_bf16_hd128` and `attn_draft_bwd_kv_ws_bf16_hd128` at the
+    /// `Wgmma` drafter shapes with a context, and the backward's query side
+    /// `attn_draft_bwd_q_ws_bf16_hd128`): warp-specialised (a producer warpgroup loads by TMA into
+    /// an mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
+    /// `Wgmma` to rounding (the drafter backward bit for bit: the same products in the same
+    /// order); the default where it is compiled.
     WarpSpecialized,
 }
 
@@ -2894,10 +2972,6 @@ impl AttnForm {
                 None
             }
         })
-    }
-
-    fn forced_mma() -> bool {
-        Self::forced() == Some(AttnForm::Mma)
     }
 
     /// The causal forward's kernel: the warp-specialised one where it is compiled, else the
@@ -2924,14 +2998,11 @@ impl AttnForm {
             .unwrap_or(AttnForm::Mma)
     }
 
-    /// The drafter backward's kernels: the warpgroup ones under the forward's conditions (the
-    /// query-side kernel pairs blocks per CTA the same way), else mma.sync.
+    /// The drafter backward's kernels, under the forward's conditions (the query-side kernel
+    /// pairs blocks per CTA the same way): the warp-specialised context-key kernel where it takes
+    /// the shape, else the warpgroup ones, else mma.sync.
     pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
-        if !Self::forced_mma() && sh.num_blocks >= 2 && AttnForm::Wgmma.takes_draft(sh) {
-            AttnForm::Wgmma
-        } else {
-            AttnForm::Mma
-        }
+        Self::pick_draft(sh)
     }
 
     /// Whether this form has a causal kernel for `head_dim`.
@@ -2958,11 +3029,6 @@ impl AttnForm {
                 wg_shape && sh.ctx_rows > 0 && (sh.num_blocks + 1) * sh.block_size < i32::MAX as usize
             }
         }
-    }
-
-    /// Whether this form has only forward kernels (no drafter backward).
-    pub fn forward_only(self) -> bool {
-        self == AttnForm::WarpSpecialized
     }
 }
 
@@ -3491,7 +3557,7 @@ mod tests {
         let ws = AttnForm::WarpSpecialized;
         assert!(ws.takes_causal(128) && ws.takes_causal(256));
         assert!(!ws.takes_causal(64) && !ws.takes_causal(96));
-        assert!(ws.forward_only() && ws.takes_draft(&sh(128, 16, 32, 8)));
+        assert!(ws.takes_draft(&sh(128, 16, 32, 8)));
         assert!(!ws.takes_draft(&sh(128, 16, 32, 4)) && !ws.takes_draft(&sh(64, 16, 32, 8)));
         assert!(!ws.takes_draft(&DraftAttnShape { ctx_rows: 0, ..sh(128, 16, 32, 8) }), "no context");
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
@@ -3499,7 +3565,6 @@ mod tests {
             assert_eq!(AttnForm::pick_causal(256), ws);
             assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
-        assert!(!AttnForm::Wgmma.forward_only() && !AttnForm::Mma.forward_only());
         // The forward picks the warp-specialised kernel, the backward the warpgroup ones, where
         // they take the shape and there are two blocks to pair.
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
@@ -3507,7 +3572,7 @@ mod tests {
             assert_eq!(AttnForm::pick_draft(&sh(128, 16, 32, 4)), AttnForm::Mma);
             let lone = DraftAttnShape { num_blocks: 1, ..sh(128, 16, 32, 8) };
             assert_eq!(AttnForm::pick_draft(&lone), AttnForm::Mma);
-            assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 8)), AttnForm::Wgmma);
+            assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 8)), ws);
             assert_eq!(AttnForm::pick_draft_bwd(&sh(128, 16, 32, 4)), AttnForm::Mma);
             assert_eq!(AttnForm::pick_draft_bwd(&sh(64, 16, 32, 8)), AttnForm::Mma);
             let lone = DraftAttnShape { num_blocks: 1, ..sh(128, 16, 32, 8) };
