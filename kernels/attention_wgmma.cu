@@ -2074,7 +2074,7 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
 // ---------------------------------------------------------------------------------------------
 // 7. Drafter backward over context keys, warp-specialised: section 4's math, masks, numerics,
 // outputs (dkc, dvc: = never +=, blocks summed in increasing j) and preconditions with section 5's
-// structure. attn_draft_bwd_kv_ws_bf16_hd128.
+// structure; the first CTAs of attn_draft_bwd_ws_bf16_hd128.
 // CTA b = section 4's CTA b: ATTN_WG_BWD_KV_ROWS (128) context rows t0 .. t0 + 127 of kv head g.
 // CTA = 384 threads:
 //   warpgroup 0     producer (setmaxnreg.dec to ATTN_WS_PRODUCER_REGS); its warp 0 does the work,
@@ -2085,19 +2085,23 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
 //                   context range meets the tile (section 4's test), and gives each kept block,
 //                   in increasing j, the next stage of a ring of ATTN_WS_BWD_Q_STAGES: after
 //                   waiting on the stage's empty mbarrier, the lanes write the block's 64 lse *
-//                   log2(e) and dsum values (+inf and 0 on rows past M) and a descriptor {j,
-//                   anchor, ctx_start} with plain stores, and lane 0, after __syncwarp, arrives on
-//                   the stage's full mbarrier with expect-tx and loads Q and dO by TMA, one 3-D box
-//                   per 64-column panel each (map_q, map_do: {column, slot, head}, tile row
-//                   hh * block_size + r, as section 6's Q). After the last block a descriptor with
-//                   j = -1 and a plain arrival end the consumers' loop.
+//                   log2(e) and dsum values (+inf and 0 on rows past M) and lane 0 a descriptor
+//                   {j, anchor, ctx_start} with plain stores; each lane then arrives on the stage's
+//                   full mbarrier (count 32), lane 0 with expect-tx before it loads Q and dO by TMA,
+//                   one 3-D box per 64-column panel each (map_q, map_do: {column, slot, head}, tile
+//                   row hh * block_size + r, as section 6's Q). After the last block a descriptor
+//                   with j = -1 and the 32 plain arrivals end the consumers' loop.
 //   warpgroups 1, 2 consumers (setmaxnreg.inc to ATTN_WS_CONSUMER_REGS): consumer c owns context
 //                   rows t0 + 64c .. t0 + 64c + 63 as the wgmma rows and runs section 4's products
 //                   per block (S^T and dP^T issued together, P^T computed as soon as S^T is
 //                   complete while dP^T runs; dV += P^T dO issued, dS^T computed under it; dK +=
-//                   dS^T Q), then releases the stage (each warp arrives once on its empty mbarrier:
-//                   count 8). The descriptor gives the block's anchor and context start, so the
+//                   dS^T Q), then releases the stage: each thread arrives on its empty mbarrier
+//                   (count 256). The descriptor gives the block's anchor and context start, so the
 //                   consumers read no global memory until their stores.
+// Every thread that writes or reads a stage's lse, dsum or descriptor with plain shared-memory
+// accesses arrives on the mbarrier that hands the stage over itself (the release of its own
+// accesses), rather than one lane per warp after __syncwarp: racecheck, which does not follow that
+// cumulativity, reported each of those accesses as a hazard in the per-warp form.
 // Q and dO rows past M are zeroed once before the CTA barrier (generic stores, then
 // fence.proxy.async): TMA writes only rows < M of any stage, so they stay zero, and with lse = +inf
 // and dsum = 0 those columns give P^T = dS^T = 0 exactly.
@@ -2106,8 +2110,9 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
 // parity; a stage is refilled only after both consumers released it, which they do after
 // wgmma.wait_group shows every product that read it complete. dK and dV are staged through the
 // consumer's own K and V rows (read only by its own, finished, wgmmas; nothing refills them).
-// Launch: grid ceil(ctx_rows / 128) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic smem
-//   WsBwdKvGeo::SMEM = 199,872 bytes, and TMA descriptors (128-byte swizzle, 64-column boxes) of q
+// Launch (as part of attn_draft_bwd_ws_bf16_hd128): CTAs 0 .. ceil(ctx_rows / 128) * kv_heads - 1,
+//   block ATTN_WS_THREADS (384), dynamic smem at least WsBwdKvGeo::SMEM = 199,872 bytes, and TMA
+//   descriptors (128-byte swizzle, 64-column boxes) of q
 //   and d_o as {128, num_blocks * block_size, heads} with strides (heads * 256, 256) bytes and
 //   boxes {64, block_size, heads / kv_heads}, kc and vc as [ctx_rows, kv_heads * 128] in boxes of
 //   128 rows. 1 <= ctx_rows < 2^31 - 256 and (num_blocks + 1) * block_size < 2^31 - 1 (TMA's 32-bit
@@ -2136,13 +2141,12 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
                                                 const int* __restrict__ anchors, const int* __restrict__ ctx_start,
                                                 int num_blocks, int block_size, index_t ctx_rows, int heads,
                                                 int kv_heads, float scale, const int* __restrict__ ctx_block_begin,
-                                                const int* __restrict__ ctx_block_end, int window) {
+                                                const int* __restrict__ ctx_block_end, int window, unsigned cta) {
   using G = WsBwdKvGeo<HD>;
   constexpr int KR = G::KR, QR = G::QR, QS = G::QS;
   require_launch(ATTN_WS_THREADS, G::SMEM);
   if (window < 0 || block_size < 1 || kv_heads < 1 || heads % kv_heads != 0 || block_size * (heads / kv_heads) > QR ||
-      ctx_rows < 1 || ctx_rows >= (index_t)INT_MAX - 2 * KR || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
-      (long long)gridDim.x != (ctx_rows + KR - 1) / KR * kv_heads) {
+      ctx_rows < 1 || ctx_rows >= (index_t)INT_MAX - 2 * KR || ((long long)num_blocks + 1) * block_size >= INT_MAX) {
     __trap();
   }
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -2160,16 +2164,16 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
 
   const int wg = warpgroup_index(), lane = threadIdx.x & 31;
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
-  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
-  const index_t t0 = (index_t)(blockIdx.x / (unsigned)kv_heads) * KR;
+  const int g = (int)(cta % (unsigned)kv_heads);
+  const index_t t0 = (index_t)(cta / (unsigned)kv_heads) * KR;
   const index_t t_end = min(t0 + KR, ctx_rows);
   const index_t kw = (index_t)kv_heads * HD;
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
     for (int st = 0; st < QS; ++st) {
-      mbar_init(q_full(st), 1);
-      mbar_init(q_empty(st), 2 * 4);
+      mbar_init(q_full(st), 32);       // every producer lane (lane 0 with the expect-tx)
+      mbar_init(q_empty(st), 2 * 128);  // every consumer thread
     }
     fence_barrier_init();
   }
@@ -2248,15 +2252,16 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
           sL(st)[mr] = l2;
           sD(st)[mr] = d;
         }
-        if (lane == 0) *meta(st) = make_int4(j, a_j, c_j, 0);
-        __syncwarp();
         if (lane == 0) {
+          *meta(st) = make_int4(j, a_j, c_j, 0);
           mbar_arrive_expect_tx(q_full(st), q_tx);
 #pragma unroll
           for (int p = 0; p < HD / 64; ++p) {
             tma_load_3d(sQ(st) + (uint32_t)(p * QR * 128), map_q, q_full(st), p * 64, j * bs, g * Gq);
             tma_load_3d(sO(st) + (uint32_t)(p * QR * 128), map_do, q_full(st), p * 64, j * bs, g * Gq);
           }
+        } else {
+          mbar_arrive(q_full(st));
         }
         ++n;
       }
@@ -2264,10 +2269,8 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
     {  // the end of the list
       const int st = n % QS;
       mbar_wait(q_empty(st), (uint32_t)((n / QS) & 1) ^ 1u);
-      if (lane == 0) {
-        *meta(st) = make_int4(-1, 0, 0, 0);
-        mbar_arrive(q_full(st));
-      }
+      if (lane == 0) *meta(st) = make_int4(-1, 0, 0, 0);
+      mbar_arrive(q_full(st));
     }
     return;
   }
@@ -2295,10 +2298,6 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
   const uint64_t dva = wg_desc(sV + (uint32_t)(cw * 64 * 128), 16, 1024);
   const uint64_t dqb = wg_desc(sQ(0), 16, 1024), dob = wg_desc(sO(0), 16, 1024);
   const uint64_t dqn = wg_desc(sQ(0), QR * 128, 1024), don = wg_desc(sO(0), QR * 128, 1024);
-  auto release = [&](uint32_t bar) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
-  };
 
   float st_[QR / 8][4], dpt[QR / 8][4];
   uint32_t pp[QR / 16][4], ps[QR / 16][4];
@@ -2409,7 +2408,7 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
     wgmma_wait<0>();
     wg_fence_regs(dv);
     wg_fence_regs(dk);
-    release(q_empty(st));
+    mbar_arrive(q_empty(st));
   }
   // dK and dV, staged in this consumer's own K and V rows (read only by its own, finished,
   // wgmmas): each warp writes and then reads back its 16 rows.
@@ -2441,7 +2440,8 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
 
 // ---------------------------------------------------------------------------------------------
 // 8. Drafter backward over queries, warp-specialised: section 3's math, masks, numerics, outputs
-// (dq, dkb, dvb) and preconditions with section 6's structure. attn_draft_bwd_q_ws_bf16_hd128.
+// (dq, dkb, dvb) and preconditions with section 6's structure; the CTAs of
+// attn_draft_bwd_ws_bf16_hd128 after section 7's.
 // CTA b = section 3's CTA b: the block pair (2c, 2c + 1) of kv head g, one consumer warpgroup per
 // block, the context rows either block sees streamed once as ATTN_WS_BWD_KEYS-row tiles over the
 // union [Tlo, Thi), then each consumer's own block keys.
@@ -2462,8 +2462,9 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
 // Phases, buffer reuse and deadlock freedom as section 5 (tile t needs K_t and V_t; the producer
 // issues them after K_{t-KS}, released at iteration t - KS + 1, and V_{t-VS}, released at
 // iteration t - VS: earlier steps of the consumers).
-// Launch: grid ceil(num_blocks / 2) * kv_heads (exactly), block ATTN_WS_THREADS (384), dynamic
-//   smem WsBwdQGeo::SMEM = 214,144 bytes, and TMA descriptors (128-byte swizzle, 64-column boxes)
+// Launch (as part of attn_draft_bwd_ws_bf16_hd128): ceil(num_blocks / 2) * kv_heads CTAs after
+//   section 7's, block ATTN_WS_THREADS (384), dynamic smem at least WsBwdQGeo::SMEM = 214,144
+//   bytes, and TMA descriptors (128-byte swizzle, 64-column boxes)
 //   of q and d_o as section 6's q, kb and vb as section 6's, kc and vc as [ctx_rows, kv_heads *
 //   128] in boxes of ATTN_WS_BWD_KEYS rows. ctx_rows >= 1 and (num_blocks + 1) * block_size <
 //   2^31 - 1; otherwise section 3's preconditions. Violations trap.
@@ -2496,14 +2497,14 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
                                                bf16* __restrict__ dq, bf16* __restrict__ dkb,
                                                bf16* __restrict__ dvb, const int* __restrict__ anchors,
                                                const int* __restrict__ ctx_start, int num_blocks, int block_size,
-                                               index_t ctx_rows, int heads, int kv_heads, float scale, int window) {
+                                               index_t ctx_rows, int heads, int kv_heads, float scale, int window,
+                                               unsigned cta) {
   using G = WsBwdQGeo<HD>;
   constexpr int BM = G::BM, BN = G::BN, KS = G::KS, VS = G::VS, BB = G::BB;
   (void)ctx_rows;  // every row read is inside a block's range, which the launcher checked
   require_launch(ATTN_WS_THREADS, G::SMEM);
   if (window < 0 || block_size < 1 || block_size > BB || kv_heads < 1 || heads % kv_heads != 0 ||
-      block_size * (heads / kv_heads) > 64 || ((long long)num_blocks + 1) * block_size >= INT_MAX ||
-      (long long)gridDim.x != ((long long)num_blocks + 1) / 2 * kv_heads) {
+      block_size * (heads / kv_heads) > 64 || ((long long)num_blocks + 1) * block_size >= INT_MAX) {
     __trap();
   }
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -2526,9 +2527,9 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
 
   const int wg = warpgroup_index();
   const int Gq = heads / kv_heads, bs = block_size, M = bs * Gq;
-  const int g = (int)(blockIdx.x % (unsigned)kv_heads);
+  const int g = (int)(cta % (unsigned)kv_heads);
   const index_t npairs = ((index_t)num_blocks + 1) / 2;
-  const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
+  const index_t pair = npairs - 1 - (index_t)(cta / (unsigned)kv_heads);
   const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
 
   // Both blocks' context ranges [lo, hi) (as section 3).
@@ -2813,6 +2814,30 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
   draft_bwd_q_store<HD, BM>(acc, base_ptr, cw, wi, gr, lane, padded, M, bs, j, g, Gq, qw, dq);
 }
 
+
+// The one-launch drafter backward (sections 7 and 8 in one grid; see attn_draft_bwd_ws_bf16_hd128).
+template <int HD>
+__device__ __forceinline__ void draft_bwd_ws_fused(
+    const CUtensorMap* map_q, const CUtensorMap* map_do, const CUtensorMap* map_kb, const CUtensorMap* map_vb,
+    const CUtensorMap* map_k, const CUtensorMap* map_v, const CUtensorMap* map_kc_rows, const CUtensorMap* map_vc_rows,
+    const bf16* __restrict__ kc, const bf16* __restrict__ vc, const float* __restrict__ lse,
+    const float* __restrict__ dsum, bf16* __restrict__ dq, bf16* __restrict__ dkb, bf16* __restrict__ dvb,
+    bf16* __restrict__ dkc, bf16* __restrict__ dvc, const int* __restrict__ anchors,
+    const int* __restrict__ ctx_start, int num_blocks, int block_size, index_t ctx_rows, int heads, int kv_heads,
+    float scale, const int* __restrict__ ctx_block_begin, const int* __restrict__ ctx_block_end, int window) {
+  const long long n_kv = (ctx_rows + ATTN_WG_BWD_KV_ROWS - 1) / ATTN_WG_BWD_KV_ROWS * kv_heads;
+  if (kv_heads < 1 || (long long)gridDim.x != n_kv + ((long long)num_blocks + 1) / 2 * kv_heads) __trap();
+  if ((long long)blockIdx.x < n_kv) {
+    draft_bwd_kv_ws<HD>(map_q, map_do, map_kc_rows, map_vc_rows, lse, dsum, dkc, dvc, anchors, ctx_start,
+                               num_blocks, block_size, ctx_rows, heads, kv_heads, scale, ctx_block_begin,
+                               ctx_block_end, window, blockIdx.x);
+  } else {
+    draft_bwd_q_ws<HD>(map_q, map_do, map_kb, map_vb, map_k, map_v, kc, vc, lse, dsum, dq, dkb, dvb, anchors,
+                       ctx_start, num_blocks, block_size, ctx_rows, heads, kv_heads, scale, window,
+                       (unsigned)(blockIdx.x - n_kv));
+  }
+}
+
 }  // namespace attn
 
 #define ATTN_WG_EXPORT(D)                                                                                     \
@@ -2881,28 +2906,27 @@ extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS, 1) attn_draft_bwd_
                              ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
 }
 
-// The warp-specialised drafter backward over context keys at head_dim 128 (section 7): section 4's
-// arguments with TMA descriptors of q, d_o, kc and vc in place of the q, kc, vc and d_o pointers.
-extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_bwd_kv_ws_bf16_hd128(
-    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
-    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const float* lse,
-    const float* dsum, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors, const int* ctx_start,
-    int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale,
-    const int* ctx_block_begin, const int* ctx_block_end, int window) {
-  attn::draft_bwd_kv_ws<128>(&map_q, &map_do, &map_k, &map_v, lse, dsum, dkc, dvc, anchors, ctx_start, num_blocks,
-                             block_size, ctx_rows, heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
-}
-
-// The warp-specialised drafter backward over queries at head_dim 128 (section 8): section 3's
-// arguments with TMA descriptors of q, d_o, kb, vb, kc and vc in front of them in place of the q,
-// d_o, kb and vb pointers (kc and vc also by pointer, for cp.async-filled tiles).
-extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_bwd_q_ws_bf16_hd128(
+// Both warp-specialised drafter backward kernels in one launch (sections 7 and 8): CTAs 0 ..
+// n_kv - 1 are section 7's (n_kv = ceil(ctx_rows / 128) * kv_heads, the heavier ones, first),
+// the rest section 8's, so that the query-side CTAs fill the context-key kernel's last wave.
+// Arguments: both kernels' (kc_rows: kc and vc in boxes of 128 rows for section 7; map_k and
+// map_v: in boxes of ATTN_WS_BWD_KEYS rows for section 8). Dynamic smem: the larger of the two.
+// Measured (H200, the bench's 2048 blocks x 16, 32/8 heads, full layer, prep kernel included):
+// sections 3 and 4 (cp.async, a CTA barrier per tile) 10.58 ms, of which 4.33 the query side and
+// 6.13 the context-key side (ncu); sections 8 and 7 as two launches 6.12 ms (2.72 + 3.12); one
+// launch 5.87 ms; with section 7's per-thread arrivals (racecheck-clean) 5.92-5.95 ms, against
+// FlexAttention's 7.71 ms in the same call (sliding layer: 7.03 against 8.96).
+extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_draft_bwd_ws_bf16_hd128(
     const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
     const __grid_constant__ CUtensorMap map_kb, const __grid_constant__ CUtensorMap map_vb,
-    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* kc,
-    const __nv_bfloat16* vc, const float* lse, const float* dsum, __nv_bfloat16* dq, __nv_bfloat16* dkb,
-    __nv_bfloat16* dvb, const int* anchors, const int* ctx_start, int num_blocks, int block_size, long long ctx_rows,
-    int heads, int kv_heads, float scale, int window) {
-  attn::draft_bwd_q_ws<128>(&map_q, &map_do, &map_kb, &map_vb, &map_k, &map_v, kc, vc, lse, dsum, dq, dkb, dvb,
-                            anchors, ctx_start, num_blocks, block_size, ctx_rows, heads, kv_heads, scale, window);
+    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
+    const __grid_constant__ CUtensorMap map_kc_rows, const __grid_constant__ CUtensorMap map_vc_rows,
+    const __nv_bfloat16* kc, const __nv_bfloat16* vc, const float* lse, const float* dsum, __nv_bfloat16* dq,
+    __nv_bfloat16* dkb, __nv_bfloat16* dvb, __nv_bfloat16* dkc, __nv_bfloat16* dvc, const int* anchors,
+    const int* ctx_start, int num_blocks, int block_size, long long ctx_rows, int heads, int kv_heads, float scale,
+    const int* ctx_block_begin, const int* ctx_block_end, int window) {
+  attn::draft_bwd_ws_fused<128>(&map_q, &map_do, &map_kb, &map_vb, &map_k, &map_v, &map_kc_rows, &map_vc_rows, kc, vc,
+                                lse, dsum, dq, dkb, dvb, dkc, dvc, anchors, ctx_start, num_blocks, block_size, ctx_rows,
+                                heads, kv_heads, scale, ctx_block_begin, ctx_block_end, window);
 }
+

@@ -799,6 +799,19 @@ impl CudaBackend {
             heads: sh.heads,
         };
         self.launch(s, prep, ((qn / 8).div_ceil(256), 256, 0), args)?;
+        if form == AttnForm::WarpSpecialized {
+            return self.attn_draft_bwd_ws(
+                s,
+                sh,
+                &g,
+                [q, kc, vc, kb, vb, d_o],
+                anchors,
+                ctx_start,
+                lse,
+                &dsum,
+                [dq, dkc, dvc, dkb, dvb],
+            );
+        }
         macro_rules! q_args {
             ($ty:ident) => {
                 launch::$ty {
@@ -834,47 +847,7 @@ impl CudaBackend {
                     + 2 * ATTN_WARP_ROWS * g.w * ATTN_MAX_BLOCK_KEYS * 4;
                 self.launch(s, nq, (sh.num_blocks * sh.kv_heads, 32 * g.w, smem), q_args!(AttnDraftBwdQBf16Hd))?;
             }
-            AttnForm::WarpSpecialized => {
-                // kernels/attention_wgmma.cu section 8 (WsBwdQGeo): section 3's tiles with
-                // ATTN_WS_BWD_K_STAGES K and ATTN_WS_BWD_V_STAGES V stages of ATTN_WS_BWD_KEYS
-                // keys, and the mbarriers; Q and dO by 3-D TMA boxes as the warp-specialised
-                // forward's Q, the block keys and the context tiles by 2-D boxes.
-                let (hd, keys) = (sh.head_dim, ATTN_WS_BWD_KEYS);
-                let tiles =
-                    2 * ATTN_WG_ROWS + (ATTN_WS_BWD_K_STAGES + ATTN_WS_BWD_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
-                let smem = tiles * hd * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
-                let grid = sh.num_blocks.div_ceil(2) * sh.kv_heads;
-                let (gq, q_rows) = (sh.heads / sh.kv_heads, sh.q_rows());
-                let by_head =
-                    |p: u64| tma::tensor_map_3d(OP, p, [hd, q_rows, sh.heads], [g.qw * 2, hd * 2], sh.block_size, gq);
-                let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
-                let args = launch::AttnDraftBwdQWsBf16Hd128 {
-                    map_q: by_head(q.at::<half::bf16>(OP, 0)?.addr())?,
-                    map_do: by_head(d_o.at::<half::bf16>(OP, 0)?.addr())?,
-                    map_kb: tma::tensor_map_2d(OP, kb.at::<half::bf16>(OP, 0)?.addr(), g.kw, q_rows, sh.block_size)?,
-                    map_vb: tma::tensor_map_2d(OP, vb.at::<half::bf16>(OP, 0)?.addr(), g.kw, q_rows, sh.block_size)?,
-                    map_k: tma::tensor_map_2d(OP, kcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                    map_v: tma::tensor_map_2d(OP, vcp.addr(), g.kw, sh.ctx_rows, keys)?,
-                    kc: kcp,
-                    vc: vcp,
-                    lse: lse.at(OP, 0)?,
-                    dsum: dsum.at(OP, 0)?,
-                    dq: dq.at(OP, 0)?,
-                    dkb: dkb.at(OP, 0)?,
-                    dvb: dvb.at(OP, 0)?,
-                    anchors: anchors.at(OP, 0)?,
-                    ctx_start: ctx_start.at(OP, 0)?,
-                    num_blocks: sh.num_blocks,
-                    block_size: sh.block_size,
-                    ctx_rows: sh.ctx_rows,
-                    heads: sh.heads,
-                    kv_heads: sh.kv_heads,
-                    scale: sh.scale(),
-                    window: sh.window.unwrap_or(0),
-                };
-                let kernel = launch::Kernel::AttnDraftBwdQWsBf16Hd128;
-                self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args)?;
-            }
+            AttnForm::WarpSpecialized => unreachable!("the warp-specialised backward returned above"),
             AttnForm::Wgmma => {
                 // kernels/attention_wgmma.cu draft_bwd_q_wg: two blocks per CTA; Q and dO tiles of
                 // ATTN_WG_ROWS rows, K and V stages of ATTN_WG_BWD_KEYS keys, a 16-row K and V tile
@@ -889,20 +862,7 @@ impl CudaBackend {
                 self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), q_args!(AttnDraftBwdQWgBf16Hd128))?;
             }
         }
-        // Each context row's range of candidate blocks, on the device (no host round trip).
-        let db = self.alloc_ids(s, sh.ctx_rows)?;
-        let de = self.alloc_ids(s, sh.ctx_rows)?;
-        if sh.ctx_rows > 0 {
-            let args = launch::AttnDraftKvRanges {
-                ctx_start: ctx_start.at(OP, 0)?,
-                num_blocks: sh.num_blocks,
-                ctx_rows: sh.ctx_rows,
-                ctx_block_begin: db.at(OP, 0)?,
-                ctx_block_end: de.at(OP, 0)?,
-            };
-            let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
-            self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
-        }
+        let [db, de] = self.draft_kv_ranges(s, sh, ctx_start)?;
         macro_rules! kv_args {
             ($ty:ident) => {
                 launch::$ty {
@@ -940,44 +900,7 @@ impl CudaBackend {
                 let grid = sh.ctx_rows.div_ceil(ATTN_KV_ROWS).max(1) * sh.kv_heads;
                 self.launch(s, nkv, (grid, ATTN_KV_WARPS * 32, smem), kv_args!(AttnDraftBwdKvBf16Hd))
             }
-            AttnForm::WarpSpecialized => {
-                // kernels/attention_wgmma.cu section 7 (WsBwdKvGeo): the CTA's K and V rows, a ring
-                // of ATTN_WS_BWD_Q_STAGES stages of a block's 64-row Q and dO tiles, its lse and
-                // dsum and a 16-byte descriptor, and the mbarriers. Q and dO by 3-D TMA boxes as
-                // the warp-specialised forward's Q; K and V in boxes of ATTN_WG_BWD_KV_ROWS rows.
-                let (hd, qr, kr) = (sh.head_dim, 64, ATTN_WG_BWD_KV_ROWS);
-                let smem = 2 * kr * hd * 2
-                    + ATTN_WS_BWD_Q_STAGES * (2 * qr * hd * 2 + 2 * qr * 4 + 16)
-                    + ATTN_WS_BAR_BYTES
-                    + ATTN_WG_ALIGN;
-                let grid = sh.ctx_rows.div_ceil(kr) * sh.kv_heads;
-                let (gq, q_rows) = (sh.heads / sh.kv_heads, sh.q_rows());
-                let by_head =
-                    |p: u64| tma::tensor_map_3d(OP, p, [hd, q_rows, sh.heads], [g.qw * 2, hd * 2], sh.block_size, gq);
-                let args = launch::AttnDraftBwdKvWsBf16Hd128 {
-                    map_q: by_head(q.at::<half::bf16>(OP, 0)?.addr())?,
-                    map_do: by_head(d_o.at::<half::bf16>(OP, 0)?.addr())?,
-                    map_k: tma::tensor_map_2d(OP, kc.at::<half::bf16>(OP, 0)?.addr(), g.kw, sh.ctx_rows, kr)?,
-                    map_v: tma::tensor_map_2d(OP, vc.at::<half::bf16>(OP, 0)?.addr(), g.kw, sh.ctx_rows, kr)?,
-                    lse: lse.at(OP, 0)?,
-                    dsum: dsum.at(OP, 0)?,
-                    dkc: dkc.at(OP, 0)?,
-                    dvc: dvc.at(OP, 0)?,
-                    anchors: anchors.at(OP, 0)?,
-                    ctx_start: ctx_start.at(OP, 0)?,
-                    num_blocks: sh.num_blocks,
-                    block_size: sh.block_size,
-                    ctx_rows: sh.ctx_rows,
-                    heads: sh.heads,
-                    kv_heads: sh.kv_heads,
-                    scale: sh.scale(),
-                    ctx_block_begin: db.at(OP, 0)?,
-                    ctx_block_end: de.at(OP, 0)?,
-                    window: sh.window.unwrap_or(0),
-                };
-                let kernel = launch::Kernel::AttnDraftBwdKvWsBf16Hd128;
-                self.launch(s, kernel, (grid, ATTN_WS_THREADS, smem), args)
-            }
+            AttnForm::WarpSpecialized => unreachable!("the warp-specialised backward returned above"),
             AttnForm::Wgmma => {
                 // kernels/attention_wgmma.cu draft_bwd_kv_wg: ATTN_WG_BWD_KV_ROWS context rows per
                 // CTA (K and V), 2 stages of a block's 64-row Q and dO tiles and of its 64 lse and
@@ -988,6 +911,98 @@ impl CudaBackend {
                 self.launch(s, kernel, (grid, ATTN_WG_THREADS, smem), kv_args!(AttnDraftBwdKvWgBf16Hd128))
             }
         }
+    }
+
+    /// Each context row's range of candidate blocks of the drafter backward over context keys
+    /// (`attn_draft_kv_ranges`), on the device: no host round trip.
+    fn draft_kv_ranges(&self, s: &Stream, sh: &DraftAttnShape, ctx_start: &CudaIds) -> Result<[CudaIds; 2]> {
+        const OP: &str = "attn_draft_bwd";
+        let db = self.alloc_ids(s, sh.ctx_rows)?;
+        let de = self.alloc_ids(s, sh.ctx_rows)?;
+        if sh.ctx_rows > 0 {
+            let args = launch::AttnDraftKvRanges {
+                ctx_start: ctx_start.at(OP, 0)?,
+                num_blocks: sh.num_blocks,
+                ctx_rows: sh.ctx_rows,
+                ctx_block_begin: db.at(OP, 0)?,
+                ctx_block_end: de.at(OP, 0)?,
+            };
+            let grid = sh.ctx_rows.div_ceil(256).min(16 * self.sm_count);
+            self.launch(s, launch::AttnDraftKvRanges::KERNEL, (grid, 256, 0), args)?;
+        }
+        Ok([db, de])
+    }
+
+    /// The warp-specialised drafter backward (kernels/attention_wgmma.cu sections 7 and 8) after
+    /// the prep kernel's dsum: both kernels in one launch, `attn_draft_bwd_ws_bf16_hd128`, the
+    /// context-key CTAs first. Shared memory: the larger of the two layouts (WsBwdKvGeo: the
+    /// CTA's K and V rows and a ring of ATTN_WS_BWD_Q_STAGES stages of a block's Q and dO tiles,
+    /// lse, dsum and descriptor; WsBwdQGeo: section 3's tiles with ATTN_WS_BWD_K_STAGES K and
+    /// ATTN_WS_BWD_V_STAGES V stages of ATTN_WS_BWD_KEYS keys), plus the mbarriers. Q and dO by 3-D
+    /// TMA boxes as the warp-specialised forward's Q, the block keys and the context rows by 2-D
+    /// boxes (ATTN_WS_BWD_KEYS rows for section 8, ATTN_WG_BWD_KV_ROWS for section 7).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_draft_bwd_ws(
+        &self,
+        s: &Stream,
+        sh: &DraftAttnShape,
+        g: &DraftGeom,
+        [q, kc, vc, kb, vb, d_o]: [&CudaBuf; 6],
+        anchors: &CudaIds,
+        ctx_start: &CudaIds,
+        lse: &CudaBuf,
+        dsum: &CudaBuf,
+        [dq, dkc, dvc, dkb, dvb]: [&mut CudaBuf; 5],
+    ) -> Result<()> {
+        const OP: &str = "attn_draft_bwd";
+        let [db, de] = self.draft_kv_ranges(s, sh, ctx_start)?;
+        let (hd, keys, kr) = (sh.head_dim, ATTN_WS_BWD_KEYS, ATTN_WG_BWD_KV_ROWS);
+        let q_tiles = 2 * ATTN_WG_ROWS + (ATTN_WS_BWD_K_STAGES + ATTN_WS_BWD_V_STAGES) * keys + 4 * ATTN_WG_BLOCK_KEYS;
+        let q_smem = q_tiles * hd * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4;
+        let kv_smem = 2 * kr * hd * 2 + ATTN_WS_BWD_Q_STAGES * (2 * 64 * hd * 2 + 2 * 64 * 4 + 16);
+        let (q_grid, kv_grid) = (sh.num_blocks.div_ceil(2) * sh.kv_heads, sh.ctx_rows.div_ceil(kr) * sh.kv_heads);
+        let (gq, q_rows) = (sh.heads / sh.kv_heads, sh.q_rows());
+        let by_head = |p: u64| tma::tensor_map_3d(OP, p, [hd, q_rows, sh.heads], [g.qw * 2, hd * 2], sh.block_size, gq);
+        let (kcp, vcp) = (kc.at::<half::bf16>(OP, 0)?, vc.at::<half::bf16>(OP, 0)?);
+        let rows = |p: u64, n: usize, box_rows: usize| tma::tensor_map_2d(OP, p, g.kw, n, box_rows);
+        let (map_q, map_do) =
+            (by_head(q.at::<half::bf16>(OP, 0)?.addr())?, by_head(d_o.at::<half::bf16>(OP, 0)?.addr())?);
+        let map_kb = rows(kb.at::<half::bf16>(OP, 0)?.addr(), q_rows, sh.block_size)?;
+        let map_vb = rows(vb.at::<half::bf16>(OP, 0)?.addr(), q_rows, sh.block_size)?;
+        let (map_k, map_v) = (rows(kcp.addr(), sh.ctx_rows, keys)?, rows(vcp.addr(), sh.ctx_rows, keys)?);
+        let (map_kc_rows, map_vc_rows) = (rows(kcp.addr(), sh.ctx_rows, kr)?, rows(vcp.addr(), sh.ctx_rows, kr)?);
+        let args = launch::AttnDraftBwdWsBf16Hd128 {
+            map_q,
+            map_do,
+            map_kb,
+            map_vb,
+            map_k,
+            map_v,
+            map_kc_rows,
+            map_vc_rows,
+            kc: kcp,
+            vc: vcp,
+            lse: lse.at(OP, 0)?,
+            dsum: dsum.at(OP, 0)?,
+            dq: dq.at(OP, 0)?,
+            dkb: dkb.at(OP, 0)?,
+            dvb: dvb.at(OP, 0)?,
+            dkc: dkc.at(OP, 0)?,
+            dvc: dvc.at(OP, 0)?,
+            anchors: anchors.at(OP, 0)?,
+            ctx_start: ctx_start.at(OP, 0)?,
+            num_blocks: sh.num_blocks,
+            block_size: sh.block_size,
+            ctx_rows: sh.ctx_rows,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            scale: sh.scale(),
+            ctx_block_begin: db.at(OP, 0)?,
+            ctx_block_end: de.at(OP, 0)?,
+            window: sh.window.unwrap_or(0),
+        };
+        let smem = q_smem.max(kv_smem) + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
+        self.launch(s, launch::Kernel::AttnDraftBwdWsBf16Hd128, (kv_grid + q_grid, ATTN_WS_THREADS, smem), args)
     }
 
     fn need_bf16(op: &'static str, b: &CudaBuf) -> Result<()> {
@@ -2949,9 +2964,8 @@ pub enum AttnForm {
     /// warpgroup MMAs.
     Wgmma,
     /// kernels/attention_wgmma.cu sections 5, 6 and 7 (`attn_causal_fwd_ws_bf16_hd*` at head_dim
-    /// 128 and 256, `attn_draft_fwd_ws_bf16_hd128` and `attn_draft_bwd_kv_ws_bf16_hd128` at the
-    /// `Wgmma` drafter shapes with a context, and the backward's query side
-    /// `attn_draft_bwd_q_ws_bf16_hd128`): warp-specialised (a producer warpgroup loads by TMA into
+    /// 128 and 256, `attn_draft_fwd_ws_bf16_hd128` and the backward `attn_draft_bwd_ws_bf16_hd128`
+    /// at the `Wgmma` drafter shapes with a context): warp-specialised (a producer warpgroup loads by TMA into
     /// an mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
     /// `Wgmma` to rounding (the drafter backward bit for bit: the same products in the same
     /// order); the default where it is compiled.
@@ -2998,9 +3012,9 @@ impl AttnForm {
             .unwrap_or(AttnForm::Mma)
     }
 
-    /// The drafter backward's kernels, under the forward's conditions (the query-side kernel
-    /// pairs blocks per CTA the same way): the warp-specialised context-key kernel where it takes
-    /// the shape, else the warpgroup ones, else mma.sync.
+    /// The drafter backward's kernels, under the forward's conditions (the query-side kernels
+    /// pair blocks per CTA the same way): the warp-specialised ones where they take the shape,
+    /// else the warpgroup ones, else mma.sync.
     pub fn pick_draft_bwd(sh: &DraftAttnShape) -> AttnForm {
         Self::pick_draft(sh)
     }
