@@ -610,6 +610,53 @@ __device__ __forceinline__ void ds_tile(float (&s)[NN][4], const float (&dp)[NN]
   else ds_tile_impl<NN, false>(s, dp, sl2, lse2, dsm, scale, lane, vis);
 }
 
+// The mbarriers of sections 6 and 8 from q_full on (8 bytes each, the k_full .. v_empty lambdas'
+// layout): Q full (one arrival, thread 0's), then per K stage full (one arrival) and empty (one per
+// consumer warp: 8), then the same per V stage. Thread 0 initialises them; then the CTA's only
+// barrier.
+__device__ __forceinline__ void ws_draft_init_rings(uint32_t q_full, int ks, int vs) {
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < ks; ++st) {
+      mbar_init(q_full + 8u * (uint32_t)(1 + st), 1);
+      mbar_init(q_full + 8u * (uint32_t)(1 + ks + st), 2 * 4);
+    }
+    for (int st = 0; st < vs; ++st) {
+      mbar_init(q_full + 8u * (uint32_t)(1 + 2 * ks + st), 1);
+      mbar_init(q_full + 8u * (uint32_t)(1 + 2 * ks + vs + st), 2 * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only CTA-wide barrier
+}
+
+// The block pair of a warp-specialised drafter CTA (sections 6 and 8; sections 2 and 3 compute the
+// same in place): both blocks' anchors a_w (-1: padded or past num_blocks) and context starts cs_w,
+// the union [Tlo, Thi) of their context ranges [cs + first, cs + a) streamed as n_kt >= 1 tiles of
+// BN rows, and each block's range relative to Tlo, [r0lo, r0hi) and [r1lo, r1hi) (empty: lo >= hi).
+template <int BN>
+__device__ __forceinline__ void draft_pair_ranges(index_t pair, int num_blocks, const int* __restrict__ anchors,
+                                                  const int* __restrict__ ctx_start, int window, index_t (&a_w)[2],
+                                                  index_t (&cs_w)[2], index_t& Tlo, int& n_kt, int& r0lo, int& r0hi,
+                                                  int& r1lo, int& r1hi) {
+  index_t lo_w[2], hi_w[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const index_t jj = 2 * pair + w;
+    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
+    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
+    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
+    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
+  }
+  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
+  Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
+  n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
+  r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1;
+  r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
+  r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1;
+  r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+}
+
 // What a drafter-backward-over-queries thread knows about its block and its two rows (sections 3
 // and 8): block j (= 2 pair + w) with anchor a and context start cs; per row hh the tile row
 // mrow, whether it is a real query row, its visible context range [vlo, vhi] relative to Tlo
@@ -1017,6 +1064,97 @@ __device__ __forceinline__ void draft_bwd_q_wg(const bf16* __restrict__ q, const
 //   Preconditions as draft_bwd_kv plus M <= 64; violations trap.
 // Registers (ptxas, no spills): 240 (dK and dV 64 f32 each, S^T and dP^T 32 each, P^T and dS^T
 //   16 packed each).
+// Sections 4 and 7, per visible block and warpgroup (its 64 keys as the wgmma rows, the block's
+// QR query rows as columns): P^T = exp2(S^T scale log2(e) - lse log2(e)) in st_ (lq: the block's
+// lse per column times lq_scale, i.e. section 4 keeps lse and passes log2(e), section 7 keeps
+// lse log2(e) and passes 1), masked per (key row, query column) where `masked` (vis: the thread's two key
+// rows see the block; sliding: slot r <= last_slot), selected so masked entries are exact zeros;
+// then packed to the bf16 A operand pp of dV += P^T dO.
+template <int QR>
+__device__ __forceinline__ void kv_p_tile(float (&st_)[QR / 8][4], uint32_t (&pp)[QR / 16][4], const float* lq,
+                                          float lq_scale, float sl2, bool masked, const bool (&vis)[2], const index_t (&last_slot)[2],
+                                          int window, int bs, int tq) {
+#pragma unroll
+  for (int nn = 0; nn < QR / 8; ++nn) {
+    const int col = nn * 8 + 2 * tq;
+    const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lv = (e & 1) ? l2.y : l2.x;
+      const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv * lq_scale));
+      bool seen = true;
+      if (masked) {
+        seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
+      }
+      st_[nn][e] = seen ? p : 0.f;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < QR / 16; ++kk) {
+    pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
+    pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
+    pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
+    pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
+  }
+}
+
+// dS^T = P^T (dP^T - D) scale into dpt (dq_: the block's dsum per column; 0 where P^T is 0 by the
+// mask: P is exactly 0 there and dP^T is finite), packed to the A operand ps of dK += dS^T Q.
+template <int QR>
+__device__ __forceinline__ void kv_ds_tile(float (&dpt)[QR / 8][4], uint32_t (&ps)[QR / 16][4],
+                                           const float (&st_)[QR / 8][4], const float* dq_, float scale, int tq) {
+#pragma unroll
+  for (int nn = 0; nn < QR / 8; ++nn) {
+    const int col = nn * 8 + 2 * tq;
+    const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float dd = (e & 1) ? d2.y : d2.x;
+      dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < QR / 16; ++kk) {
+    ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
+    ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
+    ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+    ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+  }
+}
+
+// dK and dV of a warpgroup's 64 context rows (sections 4 and 7), staged in its own rows of the
+// KR-row K and V tiles at base_ptr and base_ptr + k_bytes (read only by its own, finished,
+// wgmmas): each warp writes and then reads back its 16 rows (tile rows wr .. wr + 15, context rows
+// t0 + wr ..), rows at or past t_end are not stored.
+template <int HD, int KR>
+__device__ __forceinline__ void kv_store(const float (&dk)[HD / 8][4], const float (&dv)[HD / 8][4],
+                                         unsigned char* base_ptr, uint32_t k_bytes, int wr, int gr, int tq, int lane,
+                                         index_t t0, index_t t_end, index_t kw, int g, bf16* __restrict__ dkc,
+                                         bf16* __restrict__ dvc) {
+  constexpr int C = HD / 8;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    unsigned char* const tile = base_ptr + (which ? k_bytes : 0);
+    const float(&acc)[HD / 8][4] = which ? dv : dk;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
+    }
+    __syncwarp();
+    bf16* const out = which ? dvc : dkc;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const index_t t = t0 + wr + i;
+      if (t < t_end) {
+        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
+            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
+      }
+    }
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                                 const bf16* __restrict__ vc, const float* __restrict__ lse,
@@ -1219,29 +1357,7 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
       wg_fence_regs(dpt);
       const float* lq = sL(st);
       const float* dq_ = sD(st);
-      // P^T (in st_), masked per (key row, query column).
-#pragma unroll
-      for (int nn = 0; nn < QR / 8; ++nn) {
-        const int col = nn * 8 + 2 * tq;
-        const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float lv = (e & 1) ? l2.y : l2.x;
-          const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv * LOG2E));
-          bool seen = true;
-          if (masked) {
-            seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
-          }
-          st_[nn][e] = seen ? p : 0.f;
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < QR / 16; ++kk) {
-        pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
-        pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
-        pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
-        pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
-      }
+      kv_p_tile<QR>(st_, pp, lq, LOG2E, sl2, masked, vis, last_slot, window, bs, tq);
       wg_fence_regs(dv);
       wgmma_fence();
       {
@@ -1250,25 +1366,7 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
         for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dv, pp[kk], wg_desc_at(dos, (uint32_t)(kk * 16 * 128)), 1);
         wgmma_commit();
       }
-      // dS^T = P^T (dP^T - D) scale (0 where P^T is 0 by the mask: P is exactly 0 there and
-      // dP^T is finite).
-#pragma unroll
-      for (int nn = 0; nn < QR / 8; ++nn) {
-        const int col = nn * 8 + 2 * tq;
-        const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float dd = (e & 1) ? d2.y : d2.x;
-          dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < QR / 16; ++kk) {
-        ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
-        ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
-        ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-        ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-      }
+      kv_ds_tile<QR>(dpt, ps, st_, dq_, scale, tq);
       wg_fence_regs(dk);
       wgmma_fence();
       {
@@ -1286,31 +1384,8 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
   }
   cp_async_wait<0>();
   __syncthreads();
-  // dK and dV, staged in this warpgroup's own K and V rows (read only by its own, finished,
-  // wgmmas): each warp writes and then reads back its 16 rows.
-  const int wr = wg * 64 + wi * 16;
-  constexpr int C = HD / 8;
-#pragma unroll
-  for (int which = 0; which < 2; ++which) {
-    unsigned char* const tile = base_ptr + (which ? K_BYTES : 0);
-    float(&acc)[HD / 8][4] = which ? dv : dk;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      const int col = n * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
-    }
-    __syncwarp();
-    bf16* const out = which ? dvc : dkc;
-    for (int c = lane; c < 16 * C; c += 32) {
-      const int i = c / C, ch = c % C;
-      const index_t t = t0 + wr + i;
-      if (t < t_end) {
-        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
-            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
-      }
-    }
-  }
+  // dK and dV, staged in this warpgroup's own K and V rows.
+  kv_store<HD, KR>(dk, dv, base_ptr, K_BYTES, wg * 64 + wi * 16, gr, tq, lane, t0, t_end, kw, g, dkc, dvc);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1766,6 +1841,98 @@ __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
+// Producer of sections 6 and 8, context tile `it` of a K or V ring (BN-row stages): after waiting
+// on the stage's empty mbarrier, by TMA (thread 0: expect-tx and HD / 64 boxes of 64 columns x BN
+// rows from context row Tlo + it * BN) when every row of the tile is one a block sees, else by
+// cp.async from the producer's 128 threads (t) with the other rows zero-filled, between two
+// meetings at named barrier 1 (so every thread waits at thread 0's ring position); then thread 0
+// arrives on full. [r0lo, r0hi) and [r1lo, r1hi): the two blocks' rows relative to Tlo.
+template <int HD, int BN>
+__device__ __forceinline__ void ws_draft_fill(uint32_t dst, const CUtensorMap* map, const bf16* src, int it,
+                                              uint32_t full, uint32_t empty, uint32_t parity, index_t Tlo, int r0lo,
+                                              int r0hi, int r1lo, int r1hi, int g, index_t kw, int t) {
+  const int u0 = it * BN, u1 = u0 + BN;
+  // Whether every row of the tile is one a block sees: inside one block's range, or inside their
+  // union where the two ranges overlap or touch.
+  const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
+  const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
+  if (in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi))) {
+    if (t == 0) {
+      mbar_wait(empty, parity);
+      mbar_arrive_expect_tx(full, BN * HD * 2);
+#pragma unroll
+      for (int p = 0; p < HD / 64; ++p)
+        tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
+    }
+    return;
+  }
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  mbar_wait(empty, parity);
+  const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
+  ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
+    const int u = u0 + i;
+    return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
+  });
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  if (t == 0) mbar_arrive(full);
+}
+
+// Producer of sections 6 and 8: the block pair's query-side tiles, once, on q_full. Q by TMA (and
+// dO likewise when DO): block 2 pair + w's M rows for kv head g are one box per 64-column panel
+// ({64 columns, bs slots, Gq heads}: tile row 64 w + hh * bs + r of the BM-row tile); a block past
+// num_blocks reads as zero. Its keys by TMA (map_kb / map_vb, boxes of bs rows, into the BB-row
+// tiles at sB0 + (2 w + kv) * BB * HD * 2) when the block is live (live[w]); rows TMA does not
+// write (Q and dO rows past M, key rows past bs, a dead block's keys) are zeroed first with plain
+// stores (zeros need no swizzle), which named barrier 1 orders before thread 0's arrival.
+template <int HD, int BM, int BB, bool DO>
+__device__ __forceinline__ void ws_draft_load_queries(const bool (&live)[2], index_t pair, int bs, int M, int Gq,
+                                                      int g, uint32_t sQ, uint32_t sO, uint32_t sB0,
+                                                      const CUtensorMap* map_q, const CUtensorMap* map_do,
+                                                      const CUtensorMap* map_kb, const CUtensorMap* map_vb,
+                                                      uint32_t q_full, int t) {
+  auto sB = [&](int w, int kv) { return sB0 + (uint32_t)(2 * w + kv) * (BB * HD * 2); };
+  if (M < 64 || bs < BB || !live[0] || !live[1]) {
+    const int qz = 64 - M;
+    auto zero_rows = [&](uint32_t panel0, int rows_per_panel, int r0, int n) {
+      for (int c = t; c < HD / 64 * n * 8; c += 128) {
+        const int p = c / (n * 8), r = r0 + c % (n * 8) / 8, ch = c % 8;
+        st_shared_zero16(panel0 + (uint32_t)((p * rows_per_panel + r) * 128 + ch * 16));
+      }
+    };
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
+      if (qz > 0) {
+        zero_rows(sQ + (uint32_t)(w * 64 * 128), BM, M, qz);
+        if (DO) zero_rows(sO + (uint32_t)(w * 64 * 128), BM, M, qz);
+      }
+      const int kz0 = live[w] ? bs : 0;
+      if (kz0 < BB) {
+        zero_rows(sB(w, 0), BB, kz0, BB - kz0);
+        zero_rows(sB(w, 1), BB, kz0, BB - kz0);
+      }
+    }
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  }
+  if (t == 0) {
+    const uint32_t q_box = 64 * M * 2, key_box = 64 * bs * 2;
+    mbar_arrive_expect_tx(q_full, (DO ? 2 : 1) * 2 * (HD / 64) * q_box + (live[0] + live[1]) * 2 * (HD / 64) * key_box);
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
+      const int jj = (int)(2 * pair + w);
+#pragma unroll
+      for (int p = 0; p < HD / 64; ++p) {
+        tma_load_3d(sQ + (uint32_t)((w * 64 + p * BM) * 128), map_q, q_full, p * 64, jj * bs, g * Gq);
+        if (DO) tma_load_3d(sO + (uint32_t)((w * 64 + p * BM) * 128), map_do, q_full, p * 64, jj * bs, g * Gq);
+        if (live[w]) {
+          tma_load_2d(sB(w, 0) + (uint32_t)(p * BB * 128), map_kb, q_full, g * HD + p * 64, jj * bs);
+          tma_load_2d(sB(w, 1) + (uint32_t)(p * BB * 128), map_vb, q_full, g * HD + p * 64, jj * bs);
+        }
+      }
+    }
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUtensorMap* map_kb,
                                              const CUtensorMap* map_vb, const CUtensorMap* map_k,
@@ -1807,36 +1974,12 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
   const index_t pair = npairs - 1 - (index_t)(blockIdx.x / (unsigned)kv_heads);
   const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
 
-  // Both blocks' context ranges [lo, hi) in absolute context rows (empty: lo >= hi), as section 2.
-  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const index_t jj = 2 * pair + w;
-    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
-    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
-    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
-    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
-  }
-  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
-  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
-  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
-  // Rows either block sees, relative to Tlo (empty: lo > hi - 1).
-  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
-  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+  // Both blocks' context ranges (section 2's).
+  index_t a_w[2], cs_w[2], Tlo;
+  int n_kt, r0lo, r0hi, r1lo, r1hi;
+  draft_pair_ranges<BN>(pair, num_blocks, anchors, ctx_start, window, a_w, cs_w, Tlo, n_kt, r0lo, r0hi, r1lo, r1hi);
 
-  if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);
-    for (int st = 0; st < KS; ++st) {
-      mbar_init(k_full(st), 1);
-      mbar_init(k_empty(st), 2 * 4);
-    }
-    for (int st = 0; st < VS; ++st) {
-      mbar_init(v_full(st), 1);
-      mbar_init(v_empty(st), 2 * 4);
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();  // the only CTA-wide barrier
+  ws_draft_init_rings(q_full, KS, VS);
 
   if (wg == 0) {
     // ---- producer ----
@@ -1849,38 +1992,6 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
       prefetch_tensor_map(map_k);
       prefetch_tensor_map(map_v);
     }
-    // Whether every row of the tile starting at relative row u0 is one a block sees: inside one
-    // block's range, or inside their union where the two ranges overlap or touch.
-    auto clean = [&](int u0) {
-      const int u1 = u0 + BN;
-      const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
-      const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
-      return in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi));
-    };
-    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int it, uint32_t full, uint32_t empty,
-                    uint32_t parity) {
-      const int u0 = it * BN;
-      if (clean(u0)) {
-        if (t == 0) {
-          mbar_wait(empty, parity);
-          mbar_arrive_expect_tx(full, G::KV_BYTES);
-#pragma unroll
-          for (int p = 0; p < HD / 64; ++p)
-            tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
-        }
-        return;
-      }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      mbar_wait(empty, parity);
-      const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
-      ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
-        const int u = u0 + i;
-        return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
-      });
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      if (t == 0) mbar_arrive(full);
-    };
     // Q and both blocks' keys, once, on q_full. Q by TMA: block jj's M rows for kv head g are one
     // box of map_q per 64-column panel ({64 columns, bs slots, Gq heads}: tile row hh * bs + r);
     // a block past num_blocks reads as zero. Its keys by TMA likewise (map_kb / map_vb, boxes of
@@ -1888,46 +1999,14 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
     // a dead block's keys) are zeroed here first with plain stores (zeros need no swizzle), which
     // the named barrier orders before thread 0's arrival.
     const bool live[2] = {2 * pair < num_blocks && a_w[0] >= 0, 2 * pair + 1 < num_blocks && a_w[1] >= 0};
-    if (M < 64 || bs < BB || !live[0] || !live[1]) {
-      // 128-byte rows of the Q tile (rows M..63 of each half, both panels) and of the key tiles.
-      const int qz = 64 - M;
-      auto zero_rows = [&](uint32_t panel0, int rows_per_panel, int r0, int n) {
-        for (int c = t; c < HD / 64 * n * 8; c += 128) {
-          const int p = c / (n * 8), r = r0 + c % (n * 8) / 8, ch = c % 8;
-          st_shared_zero16(panel0 + (uint32_t)((p * rows_per_panel + r) * 128 + ch * 16));
-        }
-      };
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
-        if (qz > 0) zero_rows(sQ + (uint32_t)(w * 64 * 128), BM, M, qz);
-        const int kz0 = live[w] ? bs : 0;
-        if (kz0 < BB) {
-          zero_rows(sB(w, 0), BB, kz0, BB - kz0);
-          zero_rows(sB(w, 1), BB, kz0, BB - kz0);
-        }
-      }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-    }
-    if (t == 0) {
-      const uint32_t q_box = 64 * M * 2, key_box = 64 * bs * 2;
-      mbar_arrive_expect_tx(q_full, 2 * (HD / 64) * q_box + (live[0] + live[1]) * 2 * (HD / 64) * key_box);
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
-        const int jj = (int)(2 * pair + w);
-#pragma unroll
-        for (int p = 0; p < HD / 64; ++p) {
-          tma_load_3d(sQ + (uint32_t)((w * 64 + p * BM) * 128), map_q, q_full, p * 64, jj * bs, g * Gq);
-          if (live[w]) {
-            tma_load_2d(sB(w, 0) + (uint32_t)(p * BB * 128), map_kb, q_full, g * HD + p * 64, jj * bs);
-            tma_load_2d(sB(w, 1) + (uint32_t)(p * BB * 128), map_vb, q_full, g * HD + p * 64, jj * bs);
-          }
-        }
-      }
-    }
+    ws_draft_load_queries<HD, BM, BB, false>(live, pair, bs, M, Gq, g, sQ, 0u, sB(0, 0), map_q, nullptr, map_kb, map_vb,
+                                            q_full, t);
     for (int it = 0; it < n_kt; ++it) {
       const int ks = it % KS, vs = it % VS;
-      fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
-      fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
+      ws_draft_fill<HD, BN>(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u, Tlo, r0lo,
+                            r0hi, r1lo, r1hi, g, kw, t);
+      ws_draft_fill<HD, BN>(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u, Tlo, r0lo,
+                            r0hi, r1lo, r1hi, g, kw, t);
     }
     return;
   }
@@ -2122,7 +2201,7 @@ struct WsBwdKvGeo {
   static constexpr int KR = ATTN_WG_BWD_KV_ROWS, QR = 64, QS = ATTN_WS_BWD_Q_STAGES;
   static constexpr uint32_t K_BYTES = KR * HD * 2, Q_BYTES = QR * HD * 2;
   static constexpr uint32_t Q_OFF = 2 * K_BYTES;            // Q stages, then dO stages
-  static constexpr uint32_t L_OFF = Q_OFF + 2 * QS * Q_BYTES;  // per stage: 64 lse2, 64 dsum (f32)
+  static constexpr uint32_t L_OFF = Q_OFF + 2 * QS * Q_BYTES;  // per stage: 64 lse * log2(e), 64 dsum (f32)
   static constexpr uint32_t META_OFF = L_OFF + QS * 2 * QR * 4;  // per stage: int4 {j, anchor, cs, 0}
   static constexpr uint32_t BAR_OFF = META_OFF + QS * 16;
   static constexpr uint32_t SMEM = BAR_OFF + ATTN_WS_BAR_BYTES + ATTN_WG_ALIGN;
@@ -2243,13 +2322,13 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
 #pragma unroll
         for (int h = 0; h < QR / 32; ++h) {
           const int mr = lane + 32 * h;
-          float l2 = INFINITY, d = 0.f;  // rows past M: P = 0, dS = 0
+          float l = INFINITY, d = 0.f;  // rows past M: P = 0, dS = 0
           if (mr < M) {
             const index_t idx = ((index_t)j * bs + mr % bs) * heads + g * Gq + mr / bs;
-            l2 = lse[idx] * LOG2E;
+            l = lse[idx] * LOG2E;
             d = dsum[idx];
           }
-          sL(st)[mr] = l2;
+          sL(st)[mr] = l;
           sD(st)[mr] = d;
         }
         if (lane == 0) {
@@ -2344,29 +2423,7 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
     wg_fence_regs(st_);
     const float* lq = sL(st);
     const float* dq_ = sD(st);
-    // P^T (in st_), masked per (key row, query column), as section 4.
-#pragma unroll
-    for (int nn = 0; nn < QR / 8; ++nn) {
-      const int col = nn * 8 + 2 * tq;
-      const float2 l2 = *reinterpret_cast<const float2*>(lq + col);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float lv2 = (e & 1) ? l2.y : l2.x;
-        const float p = exp2_ftz(fmaf(st_[nn][e], sl2, -lv2));
-        bool seen = true;
-        if (masked) {
-          seen = vis[e >> 1] && (window <= 0 || (index_t)((col + (e & 1)) % bs) <= last_slot[e >> 1]);
-        }
-        st_[nn][e] = seen ? p : 0.f;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < QR / 16; ++kk) {
-      pp[kk][0] = pack_op(st_[2 * kk][0], st_[2 * kk][1]);
-      pp[kk][1] = pack_op(st_[2 * kk][2], st_[2 * kk][3]);
-      pp[kk][2] = pack_op(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
-      pp[kk][3] = pack_op(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
-    }
+    kv_p_tile<QR>(st_, pp, lq, 1.f, sl2, masked, vis, last_slot, window, bs, tq);
     wgmma_wait<0>();  // dP^T complete
     wg_fence_regs(dpt);
     wg_fence_regs(dv);
@@ -2377,25 +2434,7 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
       for (int kk = 0; kk < QR / 16; ++kk) wg_pb<HD>(dv, pp[kk], wg_desc_at(dos, (uint32_t)(kk * 16 * 128)), 1);
       wgmma_commit();
     }
-    // dS^T = P^T (dP^T - D) scale (0 where P^T is 0 by the mask: P is exactly 0 there and dP^T is
-    // finite).
-#pragma unroll
-    for (int nn = 0; nn < QR / 8; ++nn) {
-      const int col = nn * 8 + 2 * tq;
-      const float2 d2 = *reinterpret_cast<const float2*>(dq_ + col);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float dd = (e & 1) ? d2.y : d2.x;
-        dpt[nn][e] = st_[nn][e] * (dpt[nn][e] - dd) * scale;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < QR / 16; ++kk) {
-      ps[kk][0] = pack_op(dpt[2 * kk][0], dpt[2 * kk][1]);
-      ps[kk][1] = pack_op(dpt[2 * kk][2], dpt[2 * kk][3]);
-      ps[kk][2] = pack_op(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      ps[kk][3] = pack_op(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-    }
+    kv_ds_tile<QR>(dpt, ps, st_, dq_, scale, tq);
     wg_fence_regs(dk);
     wgmma_fence();
     {
@@ -2410,31 +2449,8 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
     wg_fence_regs(dk);
     mbar_arrive(q_empty(st));
   }
-  // dK and dV, staged in this consumer's own K and V rows (read only by its own, finished,
-  // wgmmas): each warp writes and then reads back its 16 rows.
-  const int wr = cw * 64 + wi * 16;
-  constexpr int C = HD / 8;
-#pragma unroll
-  for (int which = 0; which < 2; ++which) {
-    unsigned char* const tile = base_ptr + (which ? G::K_BYTES : 0);
-    float(&acc)[HD / 8][4] = which ? dv : dk;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      const int col = n * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr, col)) = pack_bf16x2_rne(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(tile + sw128_elem<KR>(wr + gr + 8, col)) = pack_bf16x2_rne(acc[n][2], acc[n][3]);
-    }
-    __syncwarp();
-    bf16* const out = which ? dvc : dkc;
-    for (int c = lane; c < 16 * C; c += 32) {
-      const int i = c / C, ch = c % C;
-      const index_t t = t0 + wr + i;
-      if (t < t_end) {
-        *reinterpret_cast<uint4*>(out + t * kw + (index_t)g * HD + ch * 8) =
-            *reinterpret_cast<const uint4*>(tile + sw128_chunk<KR>(wr + i, ch));
-      }
-    }
-  }
+  // dK and dV, staged in this consumer's own K and V rows.
+  kv_store<HD, KR>(dk, dv, base_ptr, G::K_BYTES, cw * 64 + wi * 16, gr, tq, lane, t0, t_end, kw, g, dkc, dvc);
 }
 
 
@@ -2532,35 +2548,12 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
   const index_t pair = npairs - 1 - (index_t)(cta / (unsigned)kv_heads);
   const index_t qw = (index_t)heads * HD, kw = (index_t)kv_heads * HD;
 
-  // Both blocks' context ranges [lo, hi) (as section 3).
-  index_t lo_w[2], hi_w[2], a_w[2], cs_w[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const index_t jj = 2 * pair + w;
-    a_w[w] = jj < num_blocks ? (index_t)anchors[jj] : -1;
-    cs_w[w] = a_w[w] >= 0 ? (index_t)ctx_start[jj] : 0;
-    lo_w[w] = a_w[w] > 0 ? cs_w[w] + draft_first_key(a_w[w], window) : LLONG_MAX;
-    hi_w[w] = a_w[w] > 0 ? cs_w[w] + a_w[w] : LLONG_MIN;
-  }
-  const index_t Tlo_raw = min(lo_w[0], lo_w[1]), Thi = max(hi_w[0], hi_w[1]);
-  const index_t Tlo = Tlo_raw == LLONG_MAX ? 0 : Tlo_raw;
-  const int n_kt = Thi > Tlo ? (int)((Thi - Tlo + BN - 1) / BN) : 1;
-  const int r0lo = a_w[0] > 0 ? (int)(lo_w[0] - Tlo) : 1, r0hi = a_w[0] > 0 ? (int)(hi_w[0] - Tlo) : 0;
-  const int r1lo = a_w[1] > 0 ? (int)(lo_w[1] - Tlo) : 1, r1hi = a_w[1] > 0 ? (int)(hi_w[1] - Tlo) : 0;
+  // Both blocks' context ranges (section 3's).
+  index_t a_w[2], cs_w[2], Tlo;
+  int n_kt, r0lo, r0hi, r1lo, r1hi;
+  draft_pair_ranges<BN>(pair, num_blocks, anchors, ctx_start, window, a_w, cs_w, Tlo, n_kt, r0lo, r0hi, r1lo, r1hi);
 
-  if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);
-    for (int st = 0; st < KS; ++st) {
-      mbar_init(k_full(st), 1);
-      mbar_init(k_empty(st), 2 * 4);
-    }
-    for (int st = 0; st < VS; ++st) {
-      mbar_init(v_full(st), 1);
-      mbar_init(v_empty(st), 2 * 4);
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();  // the only CTA-wide barrier
+  ws_draft_init_rings(q_full, KS, VS);
 
   if (wg == 0) {
     // ---- producer ----
@@ -2574,82 +2567,16 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
       prefetch_tensor_map(map_k);
       prefetch_tensor_map(map_v);
     }
-    // Whether every row of the tile starting at relative row u0 is one a block sees (section 6).
-    auto clean = [&](int u0) {
-      const int u1 = u0 + BN;
-      const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
-      const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
-      return in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi));
-    };
-    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int it, uint32_t full, uint32_t empty,
-                    uint32_t parity) {
-      const int u0 = it * BN;
-      if (clean(u0)) {
-        if (t == 0) {
-          mbar_wait(empty, parity);
-          mbar_arrive_expect_tx(full, G::KV_BYTES);
-#pragma unroll
-          for (int p = 0; p < HD / 64; ++p)
-            tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
-        }
-        return;
-      }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      mbar_wait(empty, parity);
-      const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
-      ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
-        const int u = u0 + i;
-        return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
-      });
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      if (t == 0) mbar_arrive(full);
-    };
     // Q, dO and both blocks' keys, once, on q_full (section 6's Q and keys, with dO beside Q).
     const bool live[2] = {2 * pair < num_blocks && a_w[0] >= 0, 2 * pair + 1 < num_blocks && a_w[1] >= 0};
-    if (M < 64 || bs < BB || !live[0] || !live[1]) {
-      const int qz = 64 - M;
-      auto zero_rows = [&](uint32_t panel0, int rows_per_panel, int r0, int n) {
-        for (int c = t; c < HD / 64 * n * 8; c += 128) {
-          const int p = c / (n * 8), r = r0 + c % (n * 8) / 8, ch = c % 8;
-          st_shared_zero16(panel0 + (uint32_t)((p * rows_per_panel + r) * 128 + ch * 16));
-        }
-      };
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {  // unrolled: live[] stays in registers
-        if (qz > 0) {
-          zero_rows(sQ + (uint32_t)(w * 64 * 128), BM, M, qz);
-          zero_rows(sO + (uint32_t)(w * 64 * 128), BM, M, qz);
-        }
-        const int kz0 = live[w] ? bs : 0;
-        if (kz0 < BB) {
-          zero_rows(sB(w, 0), BB, kz0, BB - kz0);
-          zero_rows(sB(w, 1), BB, kz0, BB - kz0);
-        }
-      }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-    }
-    if (t == 0) {
-      const uint32_t q_box = 64 * M * 2, key_box = 64 * bs * 2;
-      mbar_arrive_expect_tx(q_full, 2 * 2 * (HD / 64) * q_box + (live[0] + live[1]) * 2 * (HD / 64) * key_box);
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const int jj = (int)(2 * pair + w);
-#pragma unroll
-        for (int p = 0; p < HD / 64; ++p) {
-          tma_load_3d(sQ + (uint32_t)((w * 64 + p * BM) * 128), map_q, q_full, p * 64, jj * bs, g * Gq);
-          tma_load_3d(sO + (uint32_t)((w * 64 + p * BM) * 128), map_do, q_full, p * 64, jj * bs, g * Gq);
-          if (live[w]) {
-            tma_load_2d(sB(w, 0) + (uint32_t)(p * BB * 128), map_kb, q_full, g * HD + p * 64, jj * bs);
-            tma_load_2d(sB(w, 1) + (uint32_t)(p * BB * 128), map_vb, q_full, g * HD + p * 64, jj * bs);
-          }
-        }
-      }
-    }
+    ws_draft_load_queries<HD, BM, BB, true>(live, pair, bs, M, Gq, g, sQ, sO, sB(0, 0), map_q, map_do, map_kb, map_vb,
+                                            q_full, t);
     for (int it = 0; it < n_kt; ++it) {
       const int ks = it % KS, vs = it % VS;
-      fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
-      fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
+      ws_draft_fill<HD, BN>(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u, Tlo, r0lo,
+                            r0hi, r1lo, r1hi, g, kw, t);
+      ws_draft_fill<HD, BN>(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u, Tlo, r0lo,
+                            r0hi, r1lo, r1hi, g, kw, t);
     }
     return;
   }
