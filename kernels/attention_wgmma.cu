@@ -580,7 +580,7 @@ __device__ __forceinline__ void draft_fwd_wg(const bf16* __restrict__ q, const b
 //   (2 * ATTN_WG_ROWS + (ATTN_WG_BWD_K_STAGES + ATTN_WG_BWD_V_STAGES) * ATTN_WG_BWD_KEYS +
 //   4 * ATTN_WG_BLOCK_KEYS) * 128 * 2 + 4 * 64 * ATTN_WG_BLOCK_KEYS * 4 + ATTN_WG_ALIGN = 181,248
 //   bytes. Preconditions as draft_fwd_wg (block_size <= 16, M <= 64); violations trap.
-// Registers (ptxas, no spills): 220 (dQ 64 f32, S 32, dP 32, dS 16 packed).
+// Registers (ptxas, no spills): 221 (dQ 64 f32, S 32, dP 32, dS 16 packed).
 // dS = P (dP - D) scale of one tile for this thread's two rows (the wgmma accumulator layout of
 // wgmma_ops.cuh), into s: P = exp2(S scale log2(e) - lse log2(e)); a key vis() rejects gets exactly
 // 0 (selected, so an overflowing score outside the row's range cannot leak inf or NaN). Rows with
@@ -2191,10 +2191,9 @@ __device__ __forceinline__ void draft_fwd_ws(const CUtensorMap* map_q, const CUt
 // consumer's own K and V rows (read only by its own, finished, wgmmas; nothing refills them).
 // Launch (as part of attn_draft_bwd_ws_bf16_hd128): CTAs 0 .. ceil(ctx_rows / 128) * kv_heads - 1,
 //   block ATTN_WS_THREADS (384), dynamic smem at least WsBwdKvGeo::SMEM = 199,872 bytes, and TMA
-//   descriptors (128-byte swizzle, 64-column boxes) of q
-//   and d_o as {128, num_blocks * block_size, heads} with strides (heads * 256, 256) bytes and
-//   boxes {64, block_size, heads / kv_heads}, kc and vc as [ctx_rows, kv_heads * 128] in boxes of
-//   128 rows. 1 <= ctx_rows < 2^31 - 256 and (num_blocks + 1) * block_size < 2^31 - 1 (TMA's 32-bit
+//   descriptors (128-byte swizzle, 64-column boxes) of q and d_o as {128, num_blocks * block_size,
+//   heads} with strides (heads * 256, 256) bytes and boxes {64, block_size, heads / kv_heads}, kc
+//   and vc as [ctx_rows, kv_heads * 128] in boxes of 128 rows. 1 <= ctx_rows < 2^31 - 256 and (num_blocks + 1) * block_size < 2^31 - 1 (TMA's 32-bit
 //   coordinates); otherwise section 4's preconditions. Violations trap.
 template <int HD>
 struct WsBwdKvGeo {
@@ -2480,9 +2479,9 @@ __device__ __forceinline__ void draft_bwd_kv_ws(const CUtensorMap* map_q, const 
 // iteration t - VS: earlier steps of the consumers).
 // Launch (as part of attn_draft_bwd_ws_bf16_hd128): ceil(num_blocks / 2) * kv_heads CTAs after
 //   section 7's, block ATTN_WS_THREADS (384), dynamic smem at least WsBwdQGeo::SMEM = 214,144
-//   bytes, and TMA descriptors (128-byte swizzle, 64-column boxes)
-//   of q and d_o as section 6's q, kb and vb as section 6's, kc and vc as [ctx_rows, kv_heads *
-//   128] in boxes of ATTN_WS_BWD_KEYS rows. ctx_rows >= 1 and (num_blocks + 1) * block_size <
+//   bytes, and TMA descriptors (128-byte swizzle, 64-column boxes) of q and d_o as section 6's q,
+//   kb and vb as section 6's, kc and vc as [ctx_rows, kv_heads * 128] in boxes of
+//   ATTN_WS_BWD_KEYS rows. ctx_rows >= 1 and (num_blocks + 1) * block_size <
 //   2^31 - 1; otherwise section 3's preconditions. Violations trap.
 template <int HD>
 struct WsBwdQGeo {
