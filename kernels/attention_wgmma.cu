@@ -3,7 +3,8 @@
 // (sections 2 to 4) the drafter's forward and backward at head_dim 128, and (section 5) the same
 // causal forward warp-specialised: a producer warpgroup and an mbarrier ring instead of the
 // per-tile CTA barrier described below (the default causal kernel; this section's stays as the
-// baseline the bench and tests compare it with).
+// baseline the bench and tests compare it with); sections 6 to 8 do the same for the drafter's
+// forward and its backward (the defaults; sections 2 to 4 stay as their baselines).
 // Same math, layouts, numerics and preconditions as attn_causal_fwd in attention.cu (its header
 // states them); CPU reference: src/backend/cpu.rs attn_causal_fwd.
 //

@@ -2963,12 +2963,12 @@ pub enum AttnForm {
     /// `attn_draft_bwd_kv_wg_bf16_hd128` at block_size <= 16 and block_size * G <= 64): Hopper
     /// warpgroup MMAs.
     Wgmma,
-    /// kernels/attention_wgmma.cu sections 5, 6 and 7 (`attn_causal_fwd_ws_bf16_hd*` at head_dim
-    /// 128 and 256, `attn_draft_fwd_ws_bf16_hd128` and the backward `attn_draft_bwd_ws_bf16_hd128`
-    /// at the `Wgmma` drafter shapes with a context): warp-specialised (a producer warpgroup loads by TMA into
-    /// an mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same results as
-    /// `Wgmma` to rounding (the drafter backward bit for bit: the same products in the same
-    /// order); the default where it is compiled.
+    /// kernels/attention_wgmma.cu sections 5 to 8 (`attn_causal_fwd_ws_bf16_hd*` at head_dim 128
+    /// and 256; `attn_draft_fwd_ws_bf16_hd128` and the backward `attn_draft_bwd_ws_bf16_hd128` at
+    /// the `Wgmma` drafter shapes with a context): warp-specialised (a producer warpgroup loads by
+    /// TMA into an mbarrier ring, two consumer warpgroups run the wgmma form's pipeline). Same
+    /// results as `Wgmma` to rounding (the drafter backward bit for bit: the same products in the
+    /// same order); the default where it is compiled.
     WarpSpecialized,
 }
 
@@ -3579,8 +3579,8 @@ mod tests {
             assert_eq!(AttnForm::pick_causal(256), ws);
             assert_eq!(AttnForm::pick_causal(64), AttnForm::Mma);
         }
-        // The forward picks the warp-specialised kernel, the backward the warpgroup ones, where
-        // they take the shape and there are two blocks to pair.
+        // The forward and the backward pick the warp-specialised kernels where they take the shape
+        // and there are two blocks to pair.
         if std::env::var_os("DFLASH_ATTN_FORM").is_none() {
             assert_eq!(AttnForm::pick_draft(&sh(128, 16, 32, 8)), ws);
             assert_eq!(AttnForm::pick_draft(&sh(128, 16, 32, 4)), AttnForm::Mma);
