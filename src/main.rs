@@ -300,6 +300,13 @@ struct RunArgs {
     /// Results are bit-identical either way.
     #[arg(long, value_enum, default_value_t = Recompute::Norms)]
     recompute: Recompute,
+    /// The first N drafter layers' gate|up products ([rows, 2 x intermediate] bf16, the largest
+    /// thing a layer keeps for its backward) wait in pinned host memory between the forward and
+    /// the backward: copied on a stream of their own, brought back two layers ahead of their
+    /// backward. No device time; 1.5 GiB less device memory per layer at the Qwen3-8B recipe,
+    /// as much more pinned host memory. 0 keeps them on the device. Results are bit-identical.
+    #[arg(long, default_value_t = 2)]
+    offload_activations: usize,
     /// No progress bar, no per-step lines.
     #[arg(long)]
     quiet: bool,
@@ -434,6 +441,7 @@ impl RunArgs {
                 sync: self.sync,
                 logits_chunk: self.logits_chunk,
                 recompute: self.recompute,
+                offload_activations: self.offload_activations,
                 alloc_mode: alloc_mode_from_env()?,
                 faults: faults_from_env()?,
             },

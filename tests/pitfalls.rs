@@ -263,18 +263,24 @@ fn pitfall_8_loss_normalised_per_step() {
     assert!(rel(&g_wrong.0, &g_whole.0) > 0.1, "per-micro-batch normalisation must be detectably different");
 }
 
-/// Pitfall 6b: what the backward recomputes instead of keeping changes nothing: every
-/// `Recompute` level gives bit-identical gradients, on full and sliding-window layers.
+/// Pitfall 6b: what the backward recomputes or parks in host memory instead of keeping on the
+/// device changes nothing: every `Recompute` level and every number of offloaded layers (none,
+/// some, all, more than there are) gives bit-identical gradients, on full and sliding-window
+/// layers, over two micro-batches (so parking slots are reused).
 #[test]
-fn pitfall_6b_recompute_levels_change_nothing() {
+fn pitfall_6b_recompute_and_offload_change_nothing() {
     use dflash_engine::model::drafter::Recompute;
     let hb = fd_batch();
     let x: Vec<f32> = randn(hb.rows() * fd_shape().fc_in(), 11, 1.0).iter().map(|&v| v as f32).collect();
-    let grads = |recompute| {
-        let sh = DrafterShape { recompute, windows: vec![Some(3), None], ..fd_shape() };
-        f32_grads(&sh, std::slice::from_ref(&hb), std::slice::from_ref(&x), false)
+    let grads = |recompute, offload_layers| {
+        let sh = DrafterShape { recompute, offload_layers, windows: vec![Some(3), None], ..fd_shape() };
+        f32_grads(&sh, &[hb.clone(), hb.clone()], &[x.clone(), x.clone()], false)
     };
-    let (kept, rebuilt) = (grads(Recompute::Norms), grads(Recompute::Projections));
+    let kept = grads(Recompute::Norms, 0);
     assert!(kept.0.iter().any(|&g| g != 0.0), "the gradients are not all zero");
-    assert_eq!(kept, rebuilt);
+    for (recompute, offload) in
+        [(Recompute::Projections, 0), (Recompute::Norms, 1), (Recompute::Norms, 2), (Recompute::Projections, 5)]
+    {
+        assert!(grads(recompute, offload) == kept, "{recompute:?} with {offload} offloaded layers");
+    }
 }

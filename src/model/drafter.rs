@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::park::{Parked, Parking, Returning, RESTORE_LEAD, SETTLE_LAG};
 use super::target::push_layer;
 use super::ParamTable;
 use crate::backend::profile::{self, Region};
@@ -41,6 +42,9 @@ pub struct DrafterShape {
     pub logits_chunk_rows: usize,
     /// What the backward rebuilds instead of keeping it from the forward.
     pub recompute: Recompute,
+    /// The first this many layers' gate|up products wait in pinned host memory between the
+    /// forward and the backward ([`super::park`]); 0 keeps every one on the device.
+    pub offload_layers: usize,
 }
 
 /// What the drafter's backward recomputes instead of keeping from the forward. Every level
@@ -246,7 +250,8 @@ pub struct DraftOutputs<B: Backend> {
 /// Activations one layer's backward needs, named, kept from its forward, dropped after its
 /// backward.
 struct LayerActs<B: Backend> {
-    x_in: B::Buf,
+    /// The layer's input; None for layer 0, whose input the backward embeds again.
+    x_in: Option<B::Buf>,
     rstd_in: B::Buf,
     /// Kept unless `Recompute::Projections` (then the backward rebuilds it, as `x_mid`).
     q_pre: Option<B::Buf>,
@@ -258,7 +263,50 @@ struct LayerActs<B: Backend> {
     lse: B::Buf,
     x_mid: Option<B::Buf>,
     rstd_post: B::Buf,
-    gu: B::Buf,
+    gu: GateUp<B>,
+}
+
+/// Where a layer's gate|up product is between its forward and its backward.
+enum GateUp<B: Backend> {
+    Device(B::Buf),
+    Parked(Parked<B>),
+    Returning(Returning<B>),
+    /// Only while it changes state (and after an error there).
+    Moving,
+}
+
+impl<B: Backend> GateUp<B> {
+    /// Frees the device copy of a parked product once its host copy is done (see `park`).
+    fn settle(&mut self, be: &B, s: &B::Stream, parking: &mut Option<Parking<B>>) -> Result<()> {
+        match self {
+            GateUp::Parked(p) => parked_with(parking).settle(be, s, p),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts bringing a parked product back.
+    fn start_return(&mut self, be: &B, s: &B::Stream, parking: &mut Option<Parking<B>>) -> Result<()> {
+        match std::mem::replace(self, GateUp::Moving) {
+            GateUp::Parked(p) => *self = GateUp::Returning(parked_with(parking).unpark(be, s, p)?),
+            other => *self = other,
+        }
+        Ok(())
+    }
+
+    /// The product on the device, for the backward on `s`.
+    fn into_device(mut self, be: &B, s: &B::Stream, parking: &mut Option<Parking<B>>) -> Result<B::Buf> {
+        self.start_return(be, s, parking)?;
+        match self {
+            GateUp::Device(b) => Ok(b),
+            GateUp::Returning(r) => r.take(be, s),
+            GateUp::Parked(_) | GateUp::Moving => unreachable!("start_return leaves a product on its way back"),
+        }
+    }
+}
+
+/// The drafter's parking, which exists whenever a product was parked.
+fn parked_with<B: Backend>(parking: &mut Option<Parking<B>>) -> &mut Parking<B> {
+    parking.as_mut().expect("a parked product implies the drafter's parking")
 }
 
 /// A frozen `[vocab, hidden]` bf16 table the drafter borrows from the target (`embed_tokens`,
@@ -328,6 +376,8 @@ pub struct Drafter<B: Backend> {
     pub embed: Frozen<B>,
     /// The target's `lm_head`.
     pub lm_head: Frozen<B>,
+    /// The copy stream and pinned slots for `shape.offload_layers` (made at the first step).
+    parking: Option<Parking<B>>,
 }
 
 /// `x_mid = x_in + o Wo^T`, the residual after attention, and the scratch the product used.
@@ -387,6 +437,11 @@ impl<B: Backend> Drafter<B> {
         let table = &self.body.table;
         let w = &self.body.weights;
         let _region = profile::enter(Region::Drafter);
+        let offload = sh.offload_layers.min(sh.layers);
+        if offload > 0 && self.parking.is_none() {
+            self.parking = Some(Parking::new(be)?);
+        }
+        let parking = &mut self.parking;
 
         // Context: ctx = hidden_norm(Y), shared by every layer.
         let mut ctx = be.alloc_uninit(s, DType::BF16, tc * h)?;
@@ -399,6 +454,9 @@ impl<B: Backend> Drafter<B> {
 
         let mut saved: Vec<LayerActs<B>> = Vec::with_capacity(sh.layers);
         for l in 0..sh.layers {
+            for a in saved.iter_mut().take((l + 1).saturating_sub(SETTLE_LAG)) {
+                a.gu.settle(be, s, parking)?;
+            }
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             let mut a = LayerActs::<B> {
                 rstd_in: be.alloc_uninit(s, DType::F32, tb)?,
@@ -416,15 +474,16 @@ impl<B: Backend> Drafter<B> {
                 lse: be.alloc(s, DType::F32, tb * sh.heads)?,
                 x_mid: None,
                 rstd_post: be.alloc_uninit(s, DType::F32, tb)?,
-                gu: be.alloc_uninit(s, DType::BF16, tb * 2 * inter)?,
-                x_in: x,
+                gu: GateUp::Moving,
+                x_in: Some(x),
             };
+            let x_in = a.x_in.as_ref().expect("the forward keeps its input");
             // xn, q, the normed and rotated keys, h2 and act are not kept for the backward: it
             // recomputes them from x_in, q_pre, kc_pre / kb_pre, x_mid and gu with the same kernels
             // (bit-identical, ~1% of the step), which saves six buffers per layer.
             let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
             let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-            be.rmsnorm_fwd(s, &a.x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
+            be.rmsnorm_fwd(s, x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
             // Queries from the block stream only.
             let mut q_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
@@ -465,7 +524,7 @@ impl<B: Backend> Drafter<B> {
             let keep = sh.recompute == Recompute::Norms;
             a.q_pre = keep.then_some(q_pre);
             let (x_mid, mut tmp) =
-                residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), &a.x_in, &a.o)?;
+                residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), x_in, &a.o)?;
             // MLP
             let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(
@@ -479,17 +538,29 @@ impl<B: Backend> Drafter<B> {
                 h,
                 sh.eps,
             )?;
-            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut a.gu, 0)?;
+            let mut gu = be.alloc_uninit(s, DType::BF16, tb * 2 * inter)?;
+            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
             drop(h2);
             let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
-            be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
+            be.swiglu_fwd(s, &gu, &mut act, tb, inter)?;
             be.gemm(s, &Gemm::linear(tb, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
             drop(act);
             x = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.copy(s, &x_mid, 0, &mut x, 0, tb * h)?;
             be.add_inplace(s, &mut x, &tmp)?;
             a.x_mid = keep.then_some(x_mid);
+            a.gu = match parking.as_mut() {
+                Some(p) if l < offload => GateUp::Parked(p.park(be, s, gu)?),
+                _ => GateUp::Device(gu),
+            };
+            if l == 0 {
+                // The embedded block tokens: the backward embeds them again (a gather) instead.
+                a.x_in = None;
+            }
             saved.push(a);
+        }
+        for a in saved.iter_mut() {
+            a.gu.settle(be, s, parking)?;
         }
 
         // Final norm, then the chunked lm_head + cross-entropy, forward and backward per chunk of
@@ -505,8 +576,6 @@ impl<B: Backend> Drafter<B> {
             loss: be.alloc(s, DType::F32, (nb * per).max(1))?,
             argmax: be.alloc_ids(s, (nb * per).max(1))?,
         };
-        let mut dhn = be.alloc_uninit(s, DType::BF16, tb * h)?;
-        be.fill(s, &mut dhn, 0.0)?;
         let chunk_blocks = (sh.logits_chunk_rows / per.max(1)).clamp(1, nb.max(1));
         let chunk = chunk_blocks * per;
         let mut logits = be.alloc_uninit(s, DType::BF16, chunk.max(1) * sh.vocab)?;
@@ -535,10 +604,16 @@ impl<B: Backend> Drafter<B> {
             )?;
             let dx_of_logits = Gemm::linear_dx(rows, sh.vocab, h, false);
             be.gemm(s, &dx_of_logits, &logits, 0, &self.lm_head.buf, self.lm_head.off, &mut dc, 0)?;
-            be.copy_strided(s, &dc, 0, per * h, &mut dhn, (b0 * bs + 1) * h, bs * h, blocks, per * h)?;
+            // The chunk's gradient goes where its normed rows were (read above, on this stream):
+            // `hn` becomes the final norm's output gradient without a buffer of its own.
+            be.copy_strided(s, &dc, 0, per * h, &mut hn, (b0 * bs + 1) * h, bs * h, blocks, per * h)?;
             b0 += blocks;
         }
         drop((logits, hc, dc));
+        // Slot 0 (the anchor) is not predicted: its rows' gradient is zero.
+        let zero = be.alloc(s, DType::BF16, h)?;
+        be.copy_strided(s, &zero, 0, 0, &mut hn, 0, bs * h, nb, h)?;
+        let dhn = hn;
         drop(loss_region);
 
         // Backward. `dx` is the gradient of the residual stream; `dctx` collects every layer's
@@ -559,24 +634,36 @@ impl<B: Backend> Drafter<B> {
             tb,
             h,
         )?;
-        drop((dhn, hn, x));
+        drop((dhn, x));
         let mut dctx = be.alloc_uninit(s, DType::BF16, tc * h)?;
         for l in (0..sh.layers).rev() {
             let mut a = saved.pop().expect("one saved layer per forward layer");
+            for b in saved.iter_mut().skip(l.saturating_sub(RESTORE_LEAD)) {
+                b.gu.start_return(be, s, parking)?;
+            }
+            let mut gu = std::mem::replace(&mut a.gu, GateUp::Moving).into_device(be, s, parking)?;
+            let x_in = match a.x_in.take() {
+                Some(x_in) => x_in,
+                None => {
+                    let mut x_in = be.alloc_uninit(s, DType::BF16, tb * h)?;
+                    be.embed(s, &self.embed.buf, self.embed.off, inp.block_ids, &mut x_in, tb, h)?;
+                    x_in
+                }
+            };
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             // MLP: x_out = x_mid + act Wd^T. One [block rows, inter] buffer at a time (act, then
             // dact), and gate|up turns into its own gradient in place: the MLP's backward adds
             // one such buffer to what the forward kept, not three.
             let wd = off("mlp.down_proj.weight");
             let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
-            be.swiglu_fwd(s, &a.gu, &mut act, tb, inter)?;
+            be.swiglu_fwd(s, &gu, &mut act, tb, inter)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
             drop(act);
             let mut dact = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
-            be.swiglu_bwd(s, &dact, &mut a.gu, tb, inter)?;
+            be.swiglu_bwd(s, &dact, &mut gu, tb, inter)?;
             drop(dact);
-            let dgu = a.gu;
+            let dgu = gu;
             let wg = off("mlp.gate_proj.weight");
             let mut dh2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.gemm(s, &Gemm::linear_dx(tb, 2 * inter, h, false), &dgu, 0, w, wg, &mut dh2, 0)?;
@@ -584,7 +671,7 @@ impl<B: Backend> Drafter<B> {
             let wo = off("self_attn.o_proj.weight");
             let x_mid = match a.x_mid.take() {
                 Some(x_mid) => x_mid,
-                None => residual_after_attention(be, s, &sh, tb, w, wo, &a.x_in, &a.o)?.0,
+                None => residual_after_attention(be, s, &sh, tb, w, wo, &x_in, &a.o)?.0,
             };
             let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             let mut rstd = be.alloc_uninit(s, DType::F32, tb * sh.heads.max(1))?;
@@ -609,7 +696,7 @@ impl<B: Backend> Drafter<B> {
             // queries' projection when it was not kept.
             let inn = off("input_layernorm.weight");
             let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
-            be.rmsnorm_fwd(s, &a.x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
+            be.rmsnorm_fwd(s, &x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
             let q_pre = match a.q_pre.take() {
                 Some(q_pre) => q_pre,
                 None => {
@@ -703,7 +790,7 @@ impl<B: Backend> Drafter<B> {
             let first = l + 1 == sh.layers;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, !first), &dkc_pre, 0, w, wk, &mut dctx, 0)?;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, true), &dvc, 0, w, wv, &mut dctx, 0)?;
-            be.rmsnorm_bwd(s, &dxn, &a.x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
+            be.rmsnorm_bwd(s, &dxn, &x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
         }
         // The input embedding is frozen: dx stops here. Context: Y -> hidden_norm -> ctx.
         let hnorm = table.off("hidden_norm.weight");
@@ -728,7 +815,7 @@ impl<B: Backend> Drafter<B> {
         let mut body = ParamGroup::new(be, s, shape.body_table())?;
         // Streams 1.. for the body so no tensor shares the fc's stream.
         body.set_masters(be, s, &ParamGroup::<B>::init_host(&body.table, seed, 1))?;
-        Ok((Drafter { shape, body, embed, lm_head }, fc))
+        Ok((Drafter { shape, body, embed, lm_head, parking: None }, fc))
     }
 
     /// The target's embedding and lm_head, shared with it (the drafter runs on the target's
@@ -770,6 +857,7 @@ impl DrafterShape {
             mask_token_id: c.mask_token_id,
             logits_chunk_rows,
             recompute: Recompute::default(),
+            offload_layers: 0,
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod drafter;
 pub mod drafting;
+pub mod park;
 pub mod target;
 
 use std::collections::HashMap;

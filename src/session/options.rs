@@ -100,6 +100,9 @@ pub struct ExecOptions {
     pub logits_chunk: usize,
     /// What the drafter's backward recomputes (bit-identical at every level).
     pub recompute: crate::model::drafter::Recompute,
+    /// The first this many drafter layers' gate|up products wait in pinned host memory between
+    /// the forward and the backward (`model::park`); 0 keeps them on the device.
+    pub offload_activations: usize,
     /// The CUDA allocator's mode (None: normal). Debug modes only; the binary reads
     /// `DFLASH_ALLOC_MODE`.
     #[serde(skip)]
@@ -193,6 +196,7 @@ impl RunOptions {
                 sync: false,
                 logits_chunk: 2048,
                 recompute: crate::model::drafter::Recompute::Norms,
+                offload_activations: 2,
                 alloc_mode: None,
                 faults: FaultPlan::default(),
             },

@@ -87,6 +87,7 @@ pub fn fd_shape() -> DrafterShape {
         mask_token_id: 23,
         logits_chunk_rows: 5,
         recompute: dflash_engine::model::drafter::Recompute::Norms,
+        offload_layers: 1,
     }
 }
 

@@ -154,6 +154,7 @@ fn drafter_vs_pytorch(windows: Vec<Option<usize>>, eps: f32) {
         mask_token_id: 255,
         logits_chunk_rows: 37,
         recompute: dflash_engine::model::drafter::Recompute::Norms,
+        offload_layers: 1,
     };
     let mut r = Philox::new(9, [2, 2]);
     let samples: Vec<Sample> = [(60, 10), (41, 5), (7, 5)]

@@ -1,0 +1,191 @@
+//! Activations that wait in pinned host memory between a layer's forward and its backward.
+//!
+//! The drafter's backward reads each layer's gate|up product (`[rows, 2 x intermediate]` bf16,
+//! 1.5 GiB a layer at the Qwen3-8B recipe), and the first layers' wait longest: through every
+//! later layer's forward, the lm_head + cross-entropy and every later layer's backward, which is
+//! where the step's device peak sits. Parked on the host they cost no device time: the copies run
+//! on a stream of their own while the compute stream goes on, a parked buffer's device memory is
+//! given back [`SETTLE_LAG`] layers later, and it comes back [`RESTORE_LEAD`] layers ahead of the
+//! backward that reads it. A copy that has not finished by then shows as idle compute time in
+//! the step's phase table.
+//!
+//! Ordering (DESIGN.md section 2): the copy stream carries copies only (rule 4), and every hand-off
+//! is an event one stream records and the other waits on (rule 3):
+//! - [`Parking::park`]: the copy stream waits for the compute stream's work so far (the buffer's
+//!   writes), then copies the buffer to a pinned slot.
+//! - [`Parking::settle`]: the compute stream waits for that copy, then frees the buffer. The free
+//!   is on the buffer's own stream, after a wait that orders the copy before any later use of the
+//!   memory there, so the allocator may hand it out again at once (rule 1). Recording the copy
+//!   stream's use instead (rule 2) would be as safe but would defer the memory until the host saw
+//!   the copy finish; the host runs a step ahead of the device, so the step's later allocations
+//!   would come from new memory and the device would hold more, not less.
+//! - [`Parking::unpark`]: a new buffer from the compute stream's pool; the copy stream waits for
+//!   the compute stream's work so far (the memory's previous users), then fills it from the slot.
+//!   [`Returning::take`] makes the compute stream wait for that copy before it reads the buffer.
+//! - A slot is written again only by a later park, on the same copy stream, so stream order puts
+//!   its last read before that write. Slots are freed only after the host has waited for their
+//!   last copy, and a [`Parked`] or [`Returning`] dropped on an error path waits for its copy
+//!   before it gives up its device buffer or slot.
+
+use std::sync::Arc;
+
+use crate::backend::slots::{SlotError, SlotMemory};
+use crate::backend::{Backend, Result};
+use crate::tensor::DType;
+
+/// A parked buffer's device memory is freed this many layers after it was parked: the compute
+/// stream then waits for its device-to-host copy, which by then has had two layers' forward to
+/// finish (at the Qwen3-8B recipe, 1.5 GiB at PCIe 5 speed take about 30 ms, a layer's forward
+/// about 25).
+pub const SETTLE_LAG: usize = 2;
+/// A parked buffer's host-to-device copy starts when the backward reaches the layer this many
+/// above it: two layers' backward (about 100 ms at the Qwen3-8B recipe) to finish in, after the
+/// memory of at least one later layer was freed.
+pub const RESTORE_LEAD: usize = 2;
+
+type Slot<B> = <<B as Backend>::HostMem as SlotMemory>::Slot;
+
+/// A pinned slot, its size in bytes, and the last copy that touched it.
+struct SlotEntry<B: Backend> {
+    slot: Slot<B>,
+    bytes: usize,
+    /// None for a new slot that no copy has touched yet.
+    last: Option<B::Event>,
+}
+
+/// The copy stream and the pinned slots of one drafter. Slots are reused from step to step.
+pub struct Parking<B: Backend> {
+    copy: B::Stream,
+    mem: Arc<B::HostMem>,
+    free: Vec<SlotEntry<B>>,
+}
+
+/// A buffer whose contents are on their way to, or in, a pinned host slot.
+pub struct Parked<B: Backend> {
+    /// The device buffer until [`Parking::settle`] frees it.
+    dev: Option<B::Buf>,
+    slot: Option<SlotEntry<B>>,
+    dtype: DType,
+    len: usize,
+    mem: Arc<B::HostMem>,
+}
+
+/// A parked buffer on its way back to the device.
+pub struct Returning<B: Backend> {
+    buf: Option<B::Buf>,
+    h2d: B::Event,
+    mem: Arc<B::HostMem>,
+}
+
+impl<B: Backend> Parking<B> {
+    pub fn new(be: &B) -> Result<Self> {
+        Ok(Parking { copy: be.new_stream()?, mem: be.host_mem(), free: Vec::new() })
+    }
+
+    /// Starts copying `buf` (written on `s`) to a pinned slot. Its device memory stays in use
+    /// until [`Parking::settle`].
+    pub fn park(&mut self, be: &B, s: &B::Stream, buf: B::Buf) -> Result<Parked<B>> {
+        let (dtype, len) = (be.dtype(&buf), be.len(&buf));
+        let bytes = len * dtype.size_bytes();
+        let mut entry = self.slot(bytes)?;
+        let written = be.record_event(s)?;
+        be.wait_event(&self.copy, &written)?;
+        be.copy_to_host(&self.copy, &buf, &mut entry.slot)?;
+        entry.last = Some(be.record_event(&self.copy)?);
+        Ok(Parked { dev: Some(buf), slot: Some(entry), dtype, len, mem: self.mem.clone() })
+    }
+
+    /// The compute stream `s` waits for the parked copy, and the device buffer is freed (reusable
+    /// at once on `s`, after that wait). Idempotent.
+    pub fn settle(&mut self, be: &B, s: &B::Stream, p: &mut Parked<B>) -> Result<()> {
+        if let Some(buf) = p.dev.take() {
+            if let Some(d2h) = p.slot.as_ref().and_then(|e| e.last.as_ref()) {
+                be.wait_event(s, d2h)?;
+            }
+            drop(buf);
+        }
+        Ok(())
+    }
+
+    /// Starts bringing a parked buffer back into a new buffer of the compute stream `s`.
+    pub fn unpark(&mut self, be: &B, s: &B::Stream, mut p: Parked<B>) -> Result<Returning<B>> {
+        self.settle(be, s, &mut p)?;
+        let mut buf = be.alloc_uninit(s, p.dtype, p.len)?;
+        let mut entry = p.slot.take().expect("a parked buffer holds its slot until it is unparked");
+        let freed = be.record_event(s)?;
+        be.wait_event(&self.copy, &freed)?;
+        be.copy_from_host(&self.copy, &entry.slot, &mut buf)?;
+        let h2d = be.record_event(&self.copy)?;
+        entry.last = Some(h2d.clone());
+        self.free.push(entry);
+        Ok(Returning { buf: Some(buf), h2d, mem: self.mem.clone() })
+    }
+
+    /// A free slot of at least `bytes` (the smallest such), or a new one. Free slots too small
+    /// for the request are given back first, so a growing shape does not pile them up.
+    fn slot(&mut self, bytes: usize) -> Result<SlotEntry<B>> {
+        let best = (0..self.free.len()).filter(|&i| self.free[i].bytes >= bytes).min_by_key(|&i| self.free[i].bytes);
+        if let Some(i) = best {
+            return Ok(self.free.swap_remove(i));
+        }
+        for e in self.free.drain(..) {
+            // Its last copy finished long ago in practice; the wait only makes that certain.
+            wait_quietly::<B>(&self.mem, e.last.as_ref());
+        }
+        // Room to grow by an eighth before the next reallocation (micro-batches of slightly
+        // different sizes share a slot).
+        let want = bytes + bytes / 8;
+        let slot = self.mem.alloc_slot(want).map_err(|e| match e {
+            SlotError::Alloc(why) => SlotError::Alloc(format!(
+                "{why}; these are the activations the drafter parks in host memory: \
+                 --offload-activations 0 keeps them on the device"
+            )),
+            other => other,
+        })?;
+        Ok(SlotEntry { slot, bytes: want, last: None })
+    }
+}
+
+/// The host waits for `ev` where there is one. Only drops and slot reallocation use it, and an
+/// error there can only mean the device is already lost, which the step reports on its own.
+fn wait_quietly<B: Backend>(mem: &B::HostMem, ev: Option<&B::Event>) {
+    if let Some(ev) = ev {
+        let _ = mem.wait(ev);
+    }
+}
+
+impl<B: Backend> Returning<B> {
+    /// The buffer, once the compute stream `s` waits for its copy.
+    pub fn take(mut self, be: &B, s: &B::Stream) -> Result<B::Buf> {
+        be.wait_event(s, &self.h2d)?;
+        Ok(self.buf.take().expect("taken once"))
+    }
+}
+
+impl<B: Backend> Drop for Returning<B> {
+    /// Not taken (an error path): the copy may still be writing the buffer, so the host waits for
+    /// it before the buffer's memory goes back to the pool.
+    fn drop(&mut self) {
+        if self.buf.is_some() {
+            wait_quietly::<B>(&self.mem, Some(&self.h2d));
+        }
+    }
+}
+
+impl<B: Backend> Drop for Parked<B> {
+    /// Not unparked (an error path): the copy may still be reading the buffer and writing the
+    /// slot, so the host waits for it before either is freed.
+    fn drop(&mut self) {
+        if let Some(entry) = &self.slot {
+            wait_quietly::<B>(&self.mem, entry.last.as_ref());
+        }
+    }
+}
+
+impl<B: Backend> Drop for Parking<B> {
+    fn drop(&mut self) {
+        for e in &self.free {
+            wait_quietly::<B>(&self.mem, e.last.as_ref());
+        }
+    }
+}
