@@ -2571,12 +2571,43 @@ __device__ __forceinline__ void draft_bwd_q_ws(const CUtensorMap* map_q, const C
     const bool live[2] = {2 * pair < num_blocks && a_w[0] >= 0, 2 * pair + 1 < num_blocks && a_w[1] >= 0};
     ws_draft_load_queries<HD, BM, BB, true>(live, pair, bs, M, Gq, g, sQ, sO, sB(0, 0), map_q, map_do, map_kb, map_vb,
                                             q_full, t);
+    // The context tiles as ws_draft_fill does it, spelled out here: with the helper the H200 ran
+    // this kernel 2.5% slower (6.065 against 5.916 ms in one bench call; the forward, which keeps
+    // the helper, did not change), and this form compiles to the instructions it had before.
+    auto clean = [&](int u0) {
+      const int u1 = u0 + BN;
+      const bool in0 = u0 >= r0lo && u1 <= r0hi, in1 = u0 >= r1lo && u1 <= r1hi;
+      const bool joined = r0lo < r0hi && r1lo < r1hi && r1lo <= r0hi && r0lo <= r1hi;
+      return in0 || in1 || (joined && u0 >= min(r0lo, r1lo) && u1 <= max(r0hi, r1hi));
+    };
+    auto fill = [&](uint32_t dst, const CUtensorMap* map, const bf16* src, int it, uint32_t full, uint32_t empty,
+                    uint32_t parity) {
+      const int u0 = it * BN;
+      if (clean(u0)) {
+        if (t == 0) {
+          mbar_wait(empty, parity);
+          mbar_arrive_expect_tx(full, G::KV_BYTES);
+#pragma unroll
+          for (int p = 0; p < HD / 64; ++p)
+            tma_load_2d(dst + (uint32_t)(p * BN * 128), map, full, g * HD + p * 64, (int)(Tlo + u0));
+        }
+        return;
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      mbar_wait(empty, parity);
+      const bf16* rows0 = src + (Tlo + u0) * kw + (index_t)g * HD;
+      ws_load_rows_at<HD, BN>(dst, src, t, [&](int i) -> const bf16* {
+        const int u = u0 + i;
+        return (u >= r0lo && u < r0hi) || (u >= r1lo && u < r1hi) ? rows0 + (index_t)i * kw : nullptr;
+      });
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      if (t == 0) mbar_arrive(full);
+    };
     for (int it = 0; it < n_kt; ++it) {
       const int ks = it % KS, vs = it % VS;
-      ws_draft_fill<HD, BN>(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u, Tlo, r0lo,
-                            r0hi, r1lo, r1hi, g, kw, t);
-      ws_draft_fill<HD, BN>(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u, Tlo, r0lo,
-                            r0hi, r1lo, r1hi, g, kw, t);
+      fill(sK(ks), map_k, kc, it, k_full(ks), k_empty(ks), (uint32_t)((it / KS) & 1) ^ 1u);
+      fill(sV(vs), map_v, vc, it, v_full(vs), v_empty(vs), (uint32_t)((it / VS) & 1) ^ 1u);
     }
     return;
   }
