@@ -34,10 +34,12 @@ use crate::backend::{Backend, Result};
 use crate::tensor::DType;
 
 /// A parked buffer's device memory is freed this many layers after it was parked: the compute
-/// stream then waits for its device-to-host copy, which by then has had two layers' forward to
-/// finish (at the Qwen3-8B recipe, 1.5 GiB at PCIe 5 speed take about 30 ms, a layer's forward
-/// about 25).
-pub const SETTLE_LAG: usize = 2;
+/// stream then waits for its device-to-host copy. The copies of consecutive layers queue on one
+/// stream and each takes longer than a layer's forward (on the H200 at the Qwen3-8B recipe: 1.5
+/// GiB at about 53 GB/s, 30 ms, against about 24 ms a layer), so with a lag of 2 the compute
+/// stream waited 12.8 ms a step for them; with 3 the second layer's copy still has 12 ms to spare.
+/// The drafter frees whatever is parked before the lm_head at the latest, where its peak is.
+pub const SETTLE_LAG: usize = 3;
 /// A parked buffer's host-to-device copy starts when the backward reaches the layer this many
 /// above it: two layers' backward (about 100 ms at the Qwen3-8B recipe) to finish in, after the
 /// memory of at least one later layer was freed.
