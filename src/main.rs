@@ -304,7 +304,9 @@ struct RunArgs {
     /// thing a layer keeps for its backward) wait in pinned host memory between the forward and
     /// the backward: copied on a stream of their own, brought back two layers ahead of their
     /// backward. No device time; 1.5 GiB less device memory per layer at the Qwen3-8B recipe,
-    /// as much more pinned host memory. 0 keeps them on the device. Results are bit-identical.
+    /// as much more pinned host memory (pinned before the first step). 0 keeps them on the
+    /// device; the CPU backend, whose buffers are host memory already, ignores it. Results are
+    /// bit-identical.
     #[arg(long, default_value_t = 2)]
     offload_activations: usize,
     /// No progress bar, no per-step lines.

@@ -297,6 +297,10 @@ impl<F: Real> Backend for CpuBackend<F> {
         CpuStream
     }
 
+    fn memory_is_host(&self) -> bool {
+        true
+    }
+
     fn new_stream(&self) -> Result<CpuStream> {
         Ok(CpuStream)
     }

@@ -298,6 +298,11 @@ pub trait Backend: Send + Sync + 'static {
     fn hand_over(&self, from: &Self::Stream, to: &Self::Stream, bufs: &[&Self::Buf]) -> Result<()>;
     /// The host waits for everything enqueued on `s` (only the pipeline calls this).
     fn synchronize(&self, s: &Self::Stream) -> Result<()>;
+    /// Whether this backend's buffers are host memory already (the CPU reference), so that
+    /// parking activations in host memory would only copy them.
+    fn memory_is_host(&self) -> bool {
+        false
+    }
     /// Device memory in use, for the run summary (None where the host's resident set says it).
     fn memory_report(&self) -> Option<String> {
         None

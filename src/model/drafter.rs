@@ -800,6 +800,24 @@ impl<B: Backend> Drafter<B> {
 }
 
 impl<B: Backend> Drafter<B> {
+    /// Pins host memory for the parked gate|up products of micro-batches of up to `max_blocks`
+    /// blocks (`shape.offload_layers` slots), before the first step needs it. Returns the bytes
+    /// pinned.
+    pub fn reserve_parking(&mut self, be: &B, max_blocks: usize) -> Result<usize> {
+        let sh = &self.shape;
+        let layers = sh.offload_layers.min(sh.layers);
+        if layers == 0 {
+            return Ok(0);
+        }
+        let bytes = max_blocks * sh.block_size * 2 * sh.inter * DType::BF16.size_bytes();
+        let parking = match &mut self.parking {
+            Some(p) => p,
+            none => none.insert(Parking::new(be)?),
+        };
+        parking.reserve(layers, bytes)?;
+        Ok(layers * bytes)
+    }
+
     /// A freshly initialised drafter (DFLASH.md init) and its fc group. `embed` and `lm_head` are
     /// the frozen `[vocab, hidden]` tensors borrowed from the target.
     pub fn new(
