@@ -97,7 +97,8 @@ if has prof8b; then
     2>&1 | tee "$OUT/prof8b.log" || status=1
 fi
 # The same recipe as two micro-batches of 2 sequences per optimizer step: the same samples per
-# step, the drafter's activations halved (device peak 38 GiB against 46 GiB at --batch-size 4).
+# step, the drafter's activations halved (device peak 38 GiB against 46 GiB at --batch-size 4, both measured
+# before activations were parked: 42 GiB at --batch-size 4 since).
 if named acc8b; then
   echo "== Qwen3-8B-shaped sync step, 2 x 2 sequences (--grad-accum 2)"
   make8b
