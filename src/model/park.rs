@@ -30,7 +30,7 @@
 use std::sync::Arc;
 
 use crate::backend::slots::{SlotError, SlotMemory};
-use crate::backend::{Backend, Result};
+use crate::backend::{Backend, BackendError, Result};
 use crate::tensor::DType;
 
 /// A parked buffer's device memory is freed this many layers after it was parked: the compute
@@ -47,12 +47,29 @@ pub const RESTORE_LEAD: usize = 2;
 
 type Slot<B> = <<B as Backend>::HostMem as SlotMemory>::Slot;
 
-/// A pinned slot, its size in bytes, and the last copy that touched it.
+/// A pinned slot, its size in bytes, and the last copy that touched it. Dropping it waits for that
+/// copy first; if the wait fails (the device is lost) the slot is leaked rather than freed under a
+/// copy that may still run (as `CudaReadback` does).
 struct SlotEntry<B: Backend> {
-    slot: Slot<B>,
+    slot: Option<Slot<B>>,
     bytes: usize,
     /// None for a new slot that no copy has touched yet.
     last: Option<B::Event>,
+    mem: Arc<B::HostMem>,
+}
+
+impl<B: Backend> SlotEntry<B> {
+    fn slot(&self) -> &Slot<B> {
+        self.slot.as_ref().expect("a slot entry holds its slot until dropped")
+    }
+}
+
+impl<B: Backend> Drop for SlotEntry<B> {
+    fn drop(&mut self) {
+        if !finished::<B>(&self.mem, self.last.as_ref()) {
+            std::mem::forget(self.slot.take());
+        }
+    }
 }
 
 /// The copy stream and the pinned slots of one drafter. Slots are reused from step to step.
@@ -62,17 +79,18 @@ pub struct Parking<B: Backend> {
     free: Vec<SlotEntry<B>>,
 }
 
-/// A buffer whose contents are on their way to, or in, a pinned host slot.
+/// A buffer whose contents are on their way to, or in, a pinned host slot. Dropped before it was
+/// unparked (an error path), it waits for its copy before the buffer and the slot are freed.
 pub struct Parked<B: Backend> {
     /// The device buffer until [`Parking::settle`] frees it.
     dev: Option<B::Buf>,
     slot: Option<SlotEntry<B>>,
     dtype: DType,
     len: usize,
-    mem: Arc<B::HostMem>,
 }
 
-/// A parked buffer on its way back to the device.
+/// A parked buffer on its way back to the device. Dropped before it was taken (an error path), it
+/// waits for its copy before the buffer is freed.
 pub struct Returning<B: Backend> {
     buf: Option<B::Buf>,
     h2d: B::Event,
@@ -89,7 +107,7 @@ impl<B: Backend> Parking<B> {
     pub fn reserve(&mut self, count: usize, bytes: usize) -> Result<()> {
         for _ in 0..count {
             let slot = self.mem.alloc_slot(bytes).map_err(slot_error)?;
-            self.free.push(SlotEntry { slot, bytes, last: None });
+            self.free.push(SlotEntry { slot: Some(slot), bytes, last: None, mem: self.mem.clone() });
         }
         Ok(())
     }
@@ -102,19 +120,26 @@ impl<B: Backend> Parking<B> {
         let mut entry = self.slot(bytes)?;
         let written = be.record_event(s)?;
         be.wait_event(&self.copy, &written)?;
-        be.copy_to_host(&self.copy, &buf, &mut entry.slot)?;
-        entry.last = Some(be.record_event(&self.copy)?);
-        Ok(Parked { dev: Some(buf), slot: Some(entry), dtype, len, mem: self.mem.clone() })
+        let mut slot = entry.slot.take().expect("a free slot entry holds its slot");
+        let copied = be.copy_to_host(&self.copy, &buf, &mut slot).and_then(|()| be.record_event(&self.copy));
+        entry.slot = Some(slot);
+        match copied {
+            Ok(d2h) => {
+                entry.last = Some(d2h);
+                Ok(Parked { dev: Some(buf), slot: Some(entry), dtype, len })
+            }
+            Err(e) => Err(self.quiesce(be, e, buf, entry)),
+        }
     }
 
     /// The compute stream `s` waits for the parked copy, and the device buffer is freed (reusable
     /// at once on `s`, after that wait). Idempotent.
     pub fn settle(&mut self, be: &B, s: &B::Stream, p: &mut Parked<B>) -> Result<()> {
-        if let Some(buf) = p.dev.take() {
+        if p.dev.is_some() {
             if let Some(d2h) = p.slot.as_ref().and_then(|e| e.last.as_ref()) {
                 be.wait_event(s, d2h)?;
             }
-            drop(buf);
+            p.dev = None;
         }
         Ok(())
     }
@@ -123,32 +148,44 @@ impl<B: Backend> Parking<B> {
     pub fn unpark(&mut self, be: &B, s: &B::Stream, mut p: Parked<B>) -> Result<Returning<B>> {
         self.settle(be, s, &mut p)?;
         let mut buf = be.alloc_uninit(s, p.dtype, p.len)?;
-        let mut entry = p.slot.take().expect("a parked buffer holds its slot until it is unparked");
         let freed = be.record_event(s)?;
         be.wait_event(&self.copy, &freed)?;
-        be.copy_from_host(&self.copy, &entry.slot, &mut buf)?;
-        let h2d = be.record_event(&self.copy)?;
-        entry.last = Some(h2d.clone());
-        self.free.push(entry);
-        Ok(Returning { buf: Some(buf), h2d, mem: self.mem.clone() })
+        let mut entry = p.slot.take().expect("a parked buffer holds its slot until it is unparked");
+        let copied = be.copy_from_host(&self.copy, entry.slot(), &mut buf).and_then(|()| be.record_event(&self.copy));
+        match copied {
+            Ok(h2d) => {
+                entry.last = Some(h2d.clone());
+                self.free.push(entry);
+                Ok(Returning { buf: Some(buf), h2d, mem: self.mem.clone() })
+            }
+            Err(e) => Err(self.quiesce(be, e, buf, entry)),
+        }
+    }
+
+    /// A copy of `buf` to or from `entry` may have been enqueued without an event to wait for: the
+    /// host waits for the whole copy stream before both are freed, or leaks them if it cannot.
+    fn quiesce(&mut self, be: &B, e: BackendError, buf: B::Buf, entry: SlotEntry<B>) -> BackendError {
+        if be.synchronize(&self.copy).is_err() {
+            std::mem::forget(buf);
+            std::mem::forget(entry);
+        }
+        e
     }
 
     /// A free slot of at least `bytes` (the smallest such), or a new one. Free slots too small
-    /// for the request are given back first, so a growing shape does not pile them up.
+    /// for the request are given back first (each waits for its last copy as it goes), so a
+    /// growing shape does not pile them up.
     fn slot(&mut self, bytes: usize) -> Result<SlotEntry<B>> {
         let best = (0..self.free.len()).filter(|&i| self.free[i].bytes >= bytes).min_by_key(|&i| self.free[i].bytes);
         if let Some(i) = best {
             return Ok(self.free.swap_remove(i));
         }
-        for e in self.free.drain(..) {
-            // Its last copy finished long ago in practice; the wait only makes that certain.
-            wait_quietly::<B>(&self.mem, e.last.as_ref());
-        }
+        self.free.clear();
         // Room to grow by an eighth before the next reallocation (micro-batches of slightly
         // different sizes share a slot).
         let want = bytes + bytes / 8;
         let slot = self.mem.alloc_slot(want).map_err(slot_error)?;
-        Ok(SlotEntry { slot, bytes: want, last: None })
+        Ok(SlotEntry { slot: Some(slot), bytes: want, last: None, mem: self.mem.clone() })
     }
 }
 
@@ -163,12 +200,10 @@ fn slot_error(e: SlotError) -> SlotError {
     }
 }
 
-/// The host waits for `ev` where there is one. Only drops and slot reallocation use it, and an
-/// error there can only mean the device is already lost, which the step reports on its own.
-fn wait_quietly<B: Backend>(mem: &B::HostMem, ev: Option<&B::Event>) {
-    if let Some(ev) = ev {
-        let _ = mem.wait(ev);
-    }
+/// Whether the copy behind `ev` (if any) has finished, the host waiting for it. Only drops use
+/// it; false means the wait failed, i.e. the device is lost, which the step reports on its own.
+fn finished<B: Backend>(mem: &B::HostMem, ev: Option<&B::Event>) -> bool {
+    ev.is_none_or(|ev| mem.wait(ev).is_ok())
 }
 
 impl<B: Backend> Returning<B> {
@@ -180,29 +215,23 @@ impl<B: Backend> Returning<B> {
 }
 
 impl<B: Backend> Drop for Returning<B> {
-    /// Not taken (an error path): the copy may still be writing the buffer, so the host waits for
-    /// it before the buffer's memory goes back to the pool.
     fn drop(&mut self) {
-        if self.buf.is_some() {
-            wait_quietly::<B>(&self.mem, Some(&self.h2d));
+        if let Some(buf) = self.buf.take() {
+            if !finished::<B>(&self.mem, Some(&self.h2d)) {
+                std::mem::forget(buf);
+            }
         }
     }
 }
 
 impl<B: Backend> Drop for Parked<B> {
-    /// Not unparked (an error path): the copy may still be reading the buffer and writing the
-    /// slot, so the host waits for it before either is freed.
     fn drop(&mut self) {
-        if let Some(entry) = &self.slot {
-            wait_quietly::<B>(&self.mem, entry.last.as_ref());
+        if let Some(buf) = self.dev.take() {
+            let d2h = self.slot.as_ref().and_then(|e| e.last.as_ref());
+            if !self.slot.as_ref().is_none_or(|e| finished::<B>(&e.mem, d2h)) {
+                std::mem::forget(buf);
+            }
         }
-    }
-}
-
-impl<B: Backend> Drop for Parking<B> {
-    fn drop(&mut self) {
-        for e in &self.free {
-            wait_quietly::<B>(&self.mem, e.last.as_ref());
-        }
+        // The slot entry, if still here, waits for its last copy as it drops.
     }
 }
