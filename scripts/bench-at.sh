@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds the kernel bench of another revision into the GPU bundle, so that one device call can
+# time both builds back to back: run-to-run differences between calls (clocks under the power cap,
+# another H200) are as large as the 2-3% a kernel change may cost, and only a same-call comparison
+# sees it (the drafter backward's 6.065 against 5.916 ms was found this way).
+# Usage (after scripts/gpu-bundle.sh): scripts/bench-at.sh REV
+#   -> gpu-bundle/bench-kernels-<short rev>; on the GPU machine, e.g.
+#   for b in bench-kernels-<rev> bench-kernels; do DFLASH_BENCH_KERNELS=attention gpu-bundle/$b; done
+# The revision is checked out in a git worktree under /tmp and built with its own target folder
+# (seeded from this one's release build, so dependencies are not rebuilt); NVCC as for the bundle.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+rev=$(git rev-parse --short "${1:?usage: scripts/bench-at.sh REV}")
+[ -d gpu-bundle ] || { echo "no gpu-bundle/: run scripts/gpu-bundle.sh first" >&2; exit 1; }
+wt=/tmp/dflash-bench-$rev tgt=/tmp/dflash-bench-target
+[ -d "$wt" ] || git worktree add -f "$wt" "$rev" > /dev/null
+if [ ! -d "$tgt/release" ] && [ -d target/release ]; then mkdir -p "$tgt" && cp -r target/release "$tgt/"; fi
+export DFLASH_REQUIRE_KERNELS=1
+bin=$(cd "$wt" && CARGO_TARGET_DIR=$tgt cargo bench -j2 --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernels" and m.get("executable"):
+        print(m["executable"])')
+[ -n "$bin" ] || { echo "building the bench at $rev failed (run cargo bench --no-run in $wt to see why)" >&2; exit 1; }
+cp "$bin" "gpu-bundle/bench-kernels-$rev" && strip "gpu-bundle/bench-kernels-$rev"
+git worktree remove --force "$wt"
+du -sh "gpu-bundle/bench-kernels-$rev"
