@@ -37,13 +37,31 @@ pub struct FaultPlan {
     /// `prepare-data` aborts after appending this 0-based chunk's lines to its partial output,
     /// before recording them (proves a kill there loses and duplicates nothing).
     pub prepare_abort_after_chunk: Option<u64>,
+    /// The forced hazard of parked activations (`model::park`); test-only.
+    pub park: ParkFault,
+}
+
+/// The forced hazard of parked activations (`model::park`), test-only: every parked copy to the
+/// host is held back on the device until the compute stream gives its buffer up. A step that
+/// fails between a park and its settle would leave that copy held (and the host waiting for it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum ParkFault {
+    #[default]
+    None,
+    /// Held, and released before the compute stream waits for the copy and frees the buffer, as
+    /// parking does: results must not change.
+    Held,
+    /// Held, and released only after the buffer was freed without that wait: the copy then reads
+    /// freed memory (filled with NaN under the allocator's poison-on-free mode), every time.
+    HeldUnordered,
 }
 
 /// A `DFLASH_FAULT` value the plan does not know.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP, \
-     checkpoint-mid-write, context-off-by-one or prepare-abort@CHUNK (STEP, CHUNK: 0-based indices)"
+     checkpoint-mid-write, context-off-by-one, park-held, park-unordered or prepare-abort@CHUNK (STEP, CHUNK: \
+     0-based indices)"
 )]
 pub struct BadFault(pub String);
 
@@ -58,6 +76,10 @@ impl FaultPlan {
         }
         if v == "context-off-by-one" {
             f.context_off_by_one = true;
+            return Ok(f);
+        }
+        if v == "park-held" || v == "park-unordered" {
+            f.park = if v == "park-held" { ParkFault::Held } else { ParkFault::HeldUnordered };
             return Ok(f);
         }
         let bad = || BadFault(v.to_string());
@@ -85,6 +107,8 @@ mod tests {
         assert_eq!(FaultPlan::parse("copy-error@0").unwrap().copy_error_at, Some(0));
         assert!(FaultPlan::parse("checkpoint-mid-write").unwrap().abort_mid_checkpoint);
         assert!(FaultPlan::parse("context-off-by-one").unwrap().context_off_by_one);
+        assert_eq!(FaultPlan::parse("park-held").unwrap().park, ParkFault::Held);
+        assert_eq!(FaultPlan::parse("park-unordered").unwrap().park, ParkFault::HeldUnordered);
         assert_eq!(FaultPlan::parse("prepare-abort@2").unwrap().prepare_abort_after_chunk, Some(2));
         for bad in ["producer-error", "producer-error@x", "nonsense@1", ""] {
             let e = FaultPlan::parse(bad).unwrap_err().to_string();

@@ -467,6 +467,31 @@ fn busy(tag: &str) -> RunOptions {
     }
 }
 
+/// Parking has teeth too (`FaultPlan::park`): every parked copy to the host is held back on the
+/// device until the compute stream gives its buffer up. Released before the compute stream waits
+/// for the copy and frees the buffer (what parking does), nothing changes; released only after a
+/// free without that wait, the copy reads memory the allocator filled with NaN (poison-on-free),
+/// and the run differs, every time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_parking_without_its_wait_is_detected() {
+    use dflash_engine::faults::ParkFault;
+    let run = |tag: &str, park| {
+        let mut ro = busy(tag);
+        ro.train.steps = 4;
+        ro.exec.sync = true;
+        ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
+        ro.exec.faults = FaultPlan { park, ..Default::default() };
+        session::run(&ro, None).map(|r| losses(&r))
+    };
+    let want = run("park-ref", ParkFault::None).unwrap();
+    assert!(want.iter().all(|&l| f64::from_bits(l).is_finite()), "{want:?}");
+    assert_eq!(run("park-held", ParkFault::Held).unwrap(), want, "held copies, released in order, must change nothing");
+    // NaN gate|up products give NaN gradients: the step is skipped, so the losses after it differ.
+    let bad = run("park-unordered", ParkFault::HeldUnordered).unwrap();
+    assert_ne!(bad, want, "a parked buffer freed before its copy must corrupt the run");
+}
+
 /// Poison-on-free (every freed block filled with NaN bytes when it becomes reusable) changes
 /// nothing: no buffer is read after its memory was given back.
 #[test]

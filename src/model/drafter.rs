@@ -378,6 +378,9 @@ pub struct Drafter<B: Backend> {
     pub lm_head: Frozen<B>,
     /// The copy stream and pinned slots for `shape.offload_layers` (made at the first step).
     parking: Option<Parking<B>>,
+    /// The NaN suite's forced hazard for parked activations (test-only; set before the first
+    /// step).
+    pub park_fault: super::park::ParkFault,
 }
 
 /// `x_mid = x_in + o Wo^T`, the residual after attention, and the scratch the product used.
@@ -439,7 +442,7 @@ impl<B: Backend> Drafter<B> {
         let _region = profile::enter(Region::Drafter);
         let offload = sh.offload_layers.min(sh.layers);
         if offload > 0 && self.parking.is_none() {
-            self.parking = Some(Parking::new(be)?);
+            self.parking = Some(Parking::new(be, self.park_fault)?);
         }
         let parking = &mut self.parking;
 
@@ -812,7 +815,7 @@ impl<B: Backend> Drafter<B> {
         let bytes = max_blocks * sh.block_size * 2 * sh.inter * DType::BF16.size_bytes();
         let parking = match &mut self.parking {
             Some(p) => p,
-            none => none.insert(Parking::new(be)?),
+            none => none.insert(Parking::new(be, self.park_fault)?),
         };
         parking.reserve(layers, bytes)?;
         Ok(layers * bytes)
@@ -833,7 +836,7 @@ impl<B: Backend> Drafter<B> {
         let mut body = ParamGroup::new(be, s, shape.body_table())?;
         // Streams 1.. for the body so no tensor shares the fc's stream.
         body.set_masters(be, s, &ParamGroup::<B>::init_host(&body.table, seed, 1))?;
-        Ok((Drafter { shape, body, embed, lm_head, parking: None }, fc))
+        Ok((Drafter { shape, body, embed, lm_head, parking: None, park_fault: Default::default() }, fc))
     }
 
     /// The target's embedding and lm_head, shared with it (the drafter runs on the target's

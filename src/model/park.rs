@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use crate::backend::slots::{SlotError, SlotMemory};
 use crate::backend::{Backend, BackendError, Result};
+pub use crate::faults::ParkFault;
 use crate::tensor::DType;
 
 /// A parked buffer's device memory is freed this many layers after it was parked: the compute
@@ -77,6 +78,11 @@ pub struct Parking<B: Backend> {
     copy: B::Stream,
     mem: Arc<B::HostMem>,
     free: Vec<SlotEntry<B>>,
+    /// The NaN suite's forced hazard (`faults::ParkFault`): each copy to the host waits for the
+    /// flag to reach its number, which the compute stream writes when it settles that copy.
+    fault: ParkFault,
+    flag: Option<B::Buf>,
+    held: u32,
 }
 
 /// A buffer whose contents are on their way to, or in, a pinned host slot. Dropped before it was
@@ -87,6 +93,8 @@ pub struct Parked<B: Backend> {
     slot: Option<SlotEntry<B>>,
     dtype: DType,
     len: usize,
+    /// Under `ParkFault::Held*`: the flag value that releases this buffer's copy.
+    held: Option<u32>,
 }
 
 /// A parked buffer on its way back to the device. Dropped before it was taken (an error path), it
@@ -98,8 +106,9 @@ pub struct Returning<B: Backend> {
 }
 
 impl<B: Backend> Parking<B> {
-    pub fn new(be: &B) -> Result<Self> {
-        Ok(Parking { copy: be.new_stream()?, mem: be.host_mem(), free: Vec::new() })
+    /// `fault` is `ParkFault::None` except in the NaN suite's hazard tests.
+    pub fn new(be: &B, fault: ParkFault) -> Result<Self> {
+        Ok(Parking { copy: be.new_stream()?, mem: be.host_mem(), free: Vec::new(), fault, flag: None, held: 0 })
     }
 
     /// Pins `count` slots of `bytes` each now, so that the first step does not stop to do it
@@ -118,15 +127,19 @@ impl<B: Backend> Parking<B> {
         let (dtype, len) = (be.dtype(&buf), be.len(&buf));
         let bytes = len * dtype.size_bytes();
         let mut entry = self.slot(bytes)?;
+        let held = self.hold(be, s)?;
         let written = be.record_event(s)?;
         be.wait_event(&self.copy, &written)?;
+        if let (Some(n), Some(flag)) = (held, &self.flag) {
+            be.wait_flag(&self.copy, flag, n)?;
+        }
         let mut slot = entry.slot.take().expect("a free slot entry holds its slot");
         let copied = be.copy_to_host(&self.copy, &buf, &mut slot).and_then(|()| be.record_event(&self.copy));
         entry.slot = Some(slot);
         match copied {
             Ok(d2h) => {
                 entry.last = Some(d2h);
-                Ok(Parked { dev: Some(buf), slot: Some(entry), dtype, len })
+                Ok(Parked { dev: Some(buf), slot: Some(entry), dtype, len, held })
             }
             Err(e) => Err(self.quiesce(be, e, buf, entry)),
         }
@@ -135,13 +148,44 @@ impl<B: Backend> Parking<B> {
     /// The compute stream `s` waits for the parked copy, and the device buffer is freed (reusable
     /// at once on `s`, after that wait). Idempotent.
     pub fn settle(&mut self, be: &B, s: &B::Stream, p: &mut Parked<B>) -> Result<()> {
-        if p.dev.is_some() {
-            if let Some(d2h) = p.slot.as_ref().and_then(|e| e.last.as_ref()) {
-                be.wait_event(s, d2h)?;
-            }
-            p.dev = None;
+        if p.dev.is_none() {
+            return Ok(());
         }
+        if self.fault == ParkFault::HeldUnordered {
+            // The defect the hazard test must see: the buffer freed (and, under poison-on-free,
+            // filled with NaN on `s`) without waiting for its copy, which is released only then.
+            p.dev = None;
+            return self.release(be, s, p);
+        }
+        self.release(be, s, p)?;
+        if let Some(d2h) = p.slot.as_ref().and_then(|e| e.last.as_ref()) {
+            be.wait_event(s, d2h)?;
+        }
+        p.dev = None;
         Ok(())
+    }
+
+    /// Under `ParkFault::Held*`: the flag for a new held copy (made and zeroed on `s` at the
+    /// first) and its number.
+    fn hold(&mut self, be: &B, s: &B::Stream) -> Result<Option<u32>> {
+        if self.fault == ParkFault::None {
+            return Ok(None);
+        }
+        if self.flag.is_none() {
+            let flag = be.alloc(s, DType::F32, 1)?;
+            be.record_use(&self.copy, &[&flag])?;
+            self.flag = Some(flag);
+        }
+        self.held += 1;
+        Ok(Some(self.held))
+    }
+
+    /// Under `ParkFault::Held*`: `s` releases `p`'s held copy.
+    fn release(&self, be: &B, s: &B::Stream, p: &mut Parked<B>) -> Result<()> {
+        match (p.held.take(), &self.flag) {
+            (Some(n), Some(flag)) => be.signal_flag(s, flag, n),
+            _ => Ok(()),
+        }
     }
 
     /// Starts bringing a parked buffer back into a new buffer of the compute stream `s`.

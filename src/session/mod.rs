@@ -240,6 +240,7 @@ fn run_on<B: Backend>(
         ..DrafterShape::from_config(&dcfg, e.logits_chunk)
     };
     let mut sides = setup::drafter_sides(bes, topo, &targets[0], &dshape, t.seed)?;
+    sides.iter_mut().for_each(|side| side.drafter.park_fault = e.faults.park);
     if dshape.offload_layers > 0 {
         let t0 = std::time::Instant::now();
         let mut pinned = 0;
