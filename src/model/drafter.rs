@@ -73,6 +73,10 @@ impl DrafterShape {
     pub fn fc_in(&self) -> usize {
         self.num_taps * self.hidden
     }
+    /// Elements of a layer's kept gate|up product over `rows` block rows (bf16).
+    pub fn gate_up_len(&self, rows: usize) -> usize {
+        rows * 2 * self.inter
+    }
 
     pub fn fc_table(&self) -> ParamTable {
         let mut t = ParamTable::default();
@@ -437,13 +441,13 @@ impl<B: Backend> Drafter<B> {
         let (h, qw, kw, inter) = (sh.hidden, sh.q_width(), sh.kv_width(), sh.inter);
         let (tc, tb) = (inp.ctx_rows, inp.num_blocks * sh.block_size);
         let ash: Vec<DraftAttnShape> = (0..sh.layers).map(|l| self.attn_shape(inp, l)).collect();
+        let offload = sh.offload_layers.min(sh.layers);
+        if offload > 0 {
+            self.parking(be)?;
+        }
         let table = &self.body.table;
         let w = &self.body.weights;
         let _region = profile::enter(Region::Drafter);
-        let offload = sh.offload_layers.min(sh.layers);
-        if offload > 0 && self.parking.is_none() {
-            self.parking = Some(Parking::new(be, self.park_fault)?);
-        }
         let parking = &mut self.parking;
 
         // Context: ctx = hidden_norm(Y), shared by every layer.
@@ -541,7 +545,7 @@ impl<B: Backend> Drafter<B> {
                 h,
                 sh.eps,
             )?;
-            let mut gu = be.alloc_uninit(s, DType::BF16, tb * 2 * inter)?;
+            let mut gu = be.alloc_uninit(s, DType::BF16, sh.gate_up_len(tb))?;
             be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
             drop(h2);
             let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
@@ -812,13 +816,17 @@ impl<B: Backend> Drafter<B> {
         if layers == 0 {
             return Ok(0);
         }
-        let bytes = max_blocks * sh.block_size * 2 * sh.inter * DType::BF16.size_bytes();
-        let parking = match &mut self.parking {
-            Some(p) => p,
-            none => none.insert(Parking::new(be, self.park_fault)?),
-        };
-        parking.reserve(layers, bytes)?;
+        let bytes = sh.gate_up_len(max_blocks * sh.block_size) * DType::BF16.size_bytes();
+        self.parking(be)?.reserve(layers, bytes)?;
         Ok(layers * bytes)
+    }
+
+    /// The drafter's parking, made on first use.
+    fn parking(&mut self, be: &B) -> Result<&mut Parking<B>> {
+        match &mut self.parking {
+            Some(p) => Ok(p),
+            none => Ok(none.insert(Parking::new(be, self.park_fault)?)),
+        }
     }
 
     /// A freshly initialised drafter (DFLASH.md init) and its fc group. `embed` and `lm_head` are
