@@ -216,6 +216,30 @@ __device__ __forceinline__ void bf16_lane_load(const __nv_bfloat16* p, float (&f
   }
 }
 
+// A lane's V consecutive bf16 values, kept packed (two to a register) until used: a warp holds
+// several heads' loads in flight in half the registers their floats would take.
+template <int V>
+struct Bf16LaneBits {
+  uint32_t w[(V + 1) / 2];
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    if constexpr (V == 8) {
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    } else if constexpr (V == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x, w[1] = u.y;
+    } else if constexpr (V == 2) {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+      w[0] = __bfloat16_as_ushort(p[0]);
+    }
+  }
+  // Element j as f32 (exact: a bf16 is the top half of its f32).
+  __device__ __forceinline__ float at(int j) const {
+    return __uint_as_float(j & 1 ? w[j / 2] & 0xffff0000u : w[j / 2] << 16);
+  }
+};
+
 // ---- mbarriers (shared::cta), for the producer/consumer rings of fc.cu and attention_wgmma.cu ----
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {

@@ -842,13 +842,8 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
   const int src = lane * V < half ? lane + partner : lane * V < rot_dim ? lane - partner : lane;
   // rot_dim / 2 is a multiple of V (the launcher checks): a lane's elements all rotate or none.
   const bool rotates = active && c0 < rot_dim;
-  float wf[V], fr[V];
-  bf16_lane_load<V>(w + c0, wf);
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int c = c0 + j;
-    fr[j] = rotates ? inv_freq[c < half ? c : c - half] : 0.f;
-  }
+  Bf16LaneBits<V> wb;
+  wb.load(w + c0);
   // An item is G heads of one row: they share the row's position, so the angles' sin and cos
   // are computed once for them, and their loads are in flight together.
   const index_t rows = n / heads;
@@ -858,38 +853,49 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
        it += (index_t)gridDim.x * hyb::WARPS) {
     const index_t row = it / groups;
     const int h0 = (int)(it - row * groups) * G, nh = min(G, heads - h0);
-    float xv[G][V];
+    Bf16LaneBits<V> xb[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      if (g < nh) bf16_lane_load<V>(x + (row * heads + h0 + g) * x_stride + c0, xv[g]);
+      if (g < nh) xb[g].load(x + (row * heads + h0 + g) * x_stride + c0);
     }
+    // The row's rot_dim / 2 angles, 32 at a time: each lane takes one angle's sin and cos (all
+    // lanes busy, one sincosf each), then each rotated lane gathers its V by shuffles.
     float sn[V], cs[V];
-    if (rotates) {
-      const float p = (float)pos[row];
+    const float p = (float)pos[row];
+    for (int a0 = 0; a0 < half; a0 += 32) {  // warp-uniform
+      float s1 = 0.f, c1 = 0.f;
+      if (a0 + lane < half) sincosf(__fmul_rn(p, inv_freq[a0 + lane]), &s1, &c1);
 #pragma unroll
-      for (int j = 0; j < V; ++j) sincosf(__fmul_rn(p, fr[j]), &sn[j], &cs[j]);
+      for (int j = 0; j < V; ++j) {
+        const int c = c0 + j, a = (c < half ? c : c - half) - a0;
+        const float sv = __shfl_sync(0xffffffffu, s1, a & 31), cv = __shfl_sync(0xffffffffu, c1, a & 31);
+        if (rotates && a >= 0 && a < 32) sn[j] = sv, cs[j] = cv;
+      }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g >= nh) break;  // warp-uniform
+      float xv[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) xv[j] = xb[g].at(j);
       float ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[g][j], xv[g][j], ss) : ss;
+      for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[j], xv[j], ss) : ss;
       const float inv = 1.f / sqrtf(hyb::warp_sum(ss) / (float)D + eps);
-      float yv[V], other[V];
+      // xv becomes the normed row, then (rotated lanes) its rotation.
 #pragma unroll
-      for (int j = 0; j < V; ++j) yv[j] = bf16_to_f32(f32_to_bf16_rne(xv[g][j] * inv * (1.f + wf[j])));
+      for (int j = 0; j < V; ++j) xv[j] = bf16_to_f32(f32_to_bf16_rne(xv[j] * inv * (1.f + wb.at(j))));
+      float other[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, yv[j], src);
+      for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, xv[j], src);
       if (!active) continue;
-      float o[V];
+      float (&o)[V] = xv;
+      if (rotates) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        o[j] = yv[j];
-        // rope_partial: first half a*c - b*s (a = y, b = partner), second half b*c + a*s (b = y).
-        if (rotates) {
-          o[j] = c0 < half ? __fsub_rn(__fmul_rn(yv[j], cs[j]), __fmul_rn(other[j], sn[j]))
-                           : __fadd_rn(__fmul_rn(yv[j], cs[j]), __fmul_rn(other[j], sn[j]));
+        for (int j = 0; j < V; ++j) {
+          // rope_partial: first half a*c - b*s (a = y, b = partner), second half b*c + a*s (b = y).
+          o[j] = c0 < half ? __fsub_rn(__fmul_rn(xv[j], cs[j]), __fmul_rn(other[j], sn[j]))
+                           : __fadd_rn(__fmul_rn(xv[j], cs[j]), __fmul_rn(other[j], sn[j]));
         }
       }
       __nv_bfloat16* out = y + (row * heads + h0 + g) * D + c0;
@@ -904,7 +910,7 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
 }
 
 #define HYB_NORM_ROPE_EXPORT(D)                                                                             \
-  extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_rope_partial_bf16_hd##D(                \
+  extern "C" __global__ void __launch_bounds__(HYB_BLOCK, 3) rmsnorm1p_rope_partial_bf16_hd##D(             \
       const __nv_bfloat16* x, long long x_stride, const __nv_bfloat16* w, __nv_bfloat16* y, const int* pos, \
       const float* inv_freq, long long n, int heads, int rot_dim, float eps) {                             \
     norm1p_rope_partial<D>(x, x_stride, w, y, pos, inv_freq, n, heads, rot_dim, eps);                      \

@@ -194,7 +194,8 @@ fn gpu_fused_rmsnorm1p_rope_partial_matches_cpu() {
     let rows = pos.len();
     // (heads, head_dim, rot_dim, x_off, x_stride, w_off): the 27B query heads read from q | gate
     // and its key heads read contiguously, the tiny and small presets' heads, a fully rotated
-    // head, an offset into the rows; then shapes the fused kernel does not take (no head_dim 48
+    // head, an offset into the rows, rotations of 64 and 128 angles (the kernel takes a row's
+    // angles 32 at a time); then shapes the fused kernel does not take (no head_dim 48
     // variant; rot / 2 not a multiple of a lane's 8 elements; a weight offset off the lanes'
     // boundary).
     for (heads, hd, rot, x_off, x_stride, w_off) in [
@@ -204,6 +205,8 @@ fn gpu_fused_rmsnorm1p_rope_partial_matches_cpu() {
         (8, 64, 16, 0, 128, 2),
         (2, 32, 32, 0, 32, 0),
         (3, 128, 32, 128, 256, 4),
+        (5, 128, 128, 0, 128, 0),
+        (6, 256, 256, 0, 512, 0),
         (2, 48, 16, 0, 96, 0),
         (2, 256, 4, 0, 512, 0),
         (2, 256, 64, 0, 512, 3),
