@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm};
-use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm};
+use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm, QkNormRope, Rows};
 use dflash_engine::tensor::DType;
 
 /// Median seconds of `reps` runs of `f` (each synchronised), after 2 warm-ups.
@@ -242,6 +242,36 @@ fn main() {
             (rb * h * 6) as f64,
         );
         drop((x, y, dx));
+        // The Qwen3 target's per-head q/k norm and RoPE at the 8B shape (4 x 3072 rows, 32/8
+        // heads of 128), read from the fused q|k|v projection. Bytes: q and k read and written.
+        let (tr, qh, kh, hd) = (12288usize, 32usize, 8usize, 128usize);
+        let qkv_w = (qh + 2 * kh) * hd;
+        let qkv = normal_buf(DType::BF16, tr * qkv_w, 11);
+        let mut wqk = buf(DType::BF16, 2 * hd);
+        be.upload(&s, &normals[..2 * hd].iter().map(|v| 1.0 + 0.1 * v).collect::<Vec<f32>>(), &mut wqk, 0).unwrap();
+        let (mut qo, mut ko) = (buf(DType::BF16, tr * qh * hd), buf(DType::BF16, tr * kh * hd));
+        let sh = QkNormRope {
+            rows: tr,
+            heads: qh,
+            kv_heads: kh,
+            head_dim: hd,
+            eps: 1e-6,
+            theta: 1e6,
+            q_in: Rows { off: 0, stride: qkv_w },
+            k_in: Rows { off: qh * hd, stride: qkv_w },
+            q_out: Rows { off: 0, stride: qh * hd },
+            k_out: Rows { off: 0, stride: kh * hd },
+            wq_off: 0,
+            wk_off: hd,
+        };
+        let tpos = ids((0..tr as i32).map(|i| i % 3072).collect());
+        mem(
+            "qk norm + rope (12288 x 32/8 x 128)",
+            time_per_call(&be, 10, MEM_CALLS, || {
+                be.qk_norm_rope(&s, &sh, &qkv, &qkv, &wqk, &mut qo, &mut ko, &tpos).unwrap()
+            }),
+            (tr * (qh + kh) * hd * 4) as f64,
+        );
     }
     if want("swiglu") {
         let inter = 12288;

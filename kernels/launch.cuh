@@ -157,8 +157,10 @@ constexpr long long PACK_VEC_MAX_HIDDEN = 1LL << 30;
 constexpr int SUMSQ_PARTS = 1024;
 constexpr int SUMSQ_BLOCK = 256;
 // ---- rope.cu ----------------------------------------------------------------------------------
-// Warps per block of qk_norm_rope_bf16_hd* (one warp per row and head).
+// Warps per block of qk_norm_rope_bf16_hd*, and the heads of one row a warp takes together (its
+// loads in flight at once, one sin/cos of the row's angles for all of them).
 constexpr int QKR_WARPS = 8;
+constexpr int QKR_HEADS = 8;
 
 // ---- decode.cu -------------------------------------------------------------------------------
 // attn_decode_mma: keys per K/V tile of one warp (two n8 tiles of S), and the most warps per CTA

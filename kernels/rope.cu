@@ -112,11 +112,13 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, const int* __restrict__ p
 // Layouts:  q_in + r * q_in_stride, k_in + r * k_in_stride: the row's heads, each D contiguous
 //           bf16; q_out + r * q_out_stride, k_out + r * k_out_stride likewise. wq, wk: [D] bf16.
 //           pos: [rows] i32. inv_freq: [D / 2] f32.
-// Work:     one warp per (row, head): V = bf16_lane_dims(D) elements per lane; the partner of
-//           element c (c +- D/2) is the same slot of lane ^ (D / 2 / V).
-// Launch:   blockDim.x = QKR_WARPS * 32 (launch.cuh); grid.x = ceil(rows * (heads + kv_heads) /
-//           QKR_WARPS). D >= 16, the offsets of every row and head 2 * V-byte aligned.
-//           No shared memory.
+// Work:     one warp per QKR_HEADS heads of a row (q heads first, then k heads, counted
+//           together): V = bf16_lane_dims(D) elements per lane; the partner of element c
+//           (c +- D/2) is the same slot of lane ^ (D / 2 / V). The warp issues its heads' loads
+//           together and computes the row's angles once for them.
+// Launch:   blockDim.x = QKR_WARPS * 32 (launch.cuh); grid.x = ceil(rows * ceil((heads + kv_heads)
+//           / QKR_HEADS) / QKR_WARPS). D >= 16, the offsets of every row and head 2 * V-byte
+//           aligned. No shared memory.
 
 template <int D>
 __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q_in, long long q_in_stride,
@@ -126,51 +128,78 @@ __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q
                                              long long q_out_stride, __nv_bfloat16* k_out, long long k_out_stride,
                                              const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                              long long rows, int heads, int kv_heads, float eps) {
-  constexpr int V = bf16_lane_dims(D);
+  constexpr int V = bf16_lane_dims(D), G = QKR_HEADS;
   constexpr int HALF = D / 2;
   constexpr int PARTNER = HALF / V;  // lane distance between element c and c + HALF
   if (blockDim.x != QKR_WARPS * 32) __trap();
   const int lane = threadIdx.x & 31;
   const bool active = lane * V < D;
   const index_t item = (index_t)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
-  const int per_row = heads + kv_heads;
-  if (item >= rows * per_row) return;  // whole warps leave together
-  const index_t r = item / per_row;
-  const int hh = (int)(item - r * per_row);
-  const bool is_q = hh < heads;
-  const int h = is_q ? hh : hh - heads;
-  const __nv_bfloat16* in = is_q ? q_in + r * q_in_stride + (index_t)h * D : k_in + r * k_in_stride + (index_t)h * D;
-  __nv_bfloat16* out = is_q ? q_out + r * q_out_stride + (index_t)h * D : k_out + r * k_out_stride + (index_t)h * D;
-  const __nv_bfloat16* w = is_q ? wq : wk;
+  const int per_row = heads + kv_heads, groups = (per_row + G - 1) / G;
+  if (item >= rows * groups) return;  // whole warps leave together
+  const index_t r = item / groups;
+  const int h0 = (int)(item - r * groups) * G, nh = min(G, per_row - h0);
   const int c0 = active ? lane * V : 0;
-  float x[V], wf[V];
-  bf16_lane_load<V>(in + c0, x);
-  bf16_lane_load<V>(w + c0, wf);
-  float ss = 0.0f;
+  // Head hh of the row: q head hh, or k head hh - heads.
+  auto in_of = [&](int hh) {
+    return hh < heads ? q_in + r * q_in_stride + (index_t)hh * D : k_in + r * k_in_stride + (index_t)(hh - heads) * D;
+  };
+  Bf16LaneBits<V> xb[G];
 #pragma unroll
-  for (int j = 0; j < V; ++j) ss = active ? fmaf(x[j], x[j], ss) : ss;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));  // as rmsnorm.cu
-  float y[V], other[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) y[j] = bf16_to_f32(f32_to_bf16_rne(__fmul_rn(__fmul_rn(x[j], inv), wf[j])));
-#pragma unroll
-  for (int j = 0; j < V; ++j) other[j] = __shfl_xor_sync(0xFFFFFFFFu, y[j], PARTNER);
-  if (!active) return;
-  const bool first = c0 < HALF;
-  const float p = (float)pos[r];
-  float o[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    float sn, cs;
-    sincosf(__fmul_rn(p, inv_freq[(c0 + j) % HALF]), &sn, &cs);
-    // first half: a = y, b = other -> a*c - b*s; second half: b = y, a = other -> b*c + a*s.
-    o[j] = first ? __fsub_rn(__fmul_rn(y[j], cs), __fmul_rn(other[j], sn))
-                 : __fadd_rn(__fmul_rn(y[j], cs), __fmul_rn(other[j], sn));
+  for (int g = 0; g < G; ++g) {
+    if (g < nh) xb[g].load(in_of(h0 + g) + c0);
   }
+  Bf16LaneBits<V> wqb, wkb;
+  wqb.load(wq + c0);
+  wkb.load(wk + c0);
+  // The row's angles, once for the warp's heads (the same rounded products as rope_bf16).
+  const float p = (float)pos[r];
+  float sn[V], cs[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[c0 + j] = f32_to_bf16_rne(o[j]);
+  for (int j = 0; j < V; ++j) sincosf(__fmul_rn(p, inv_freq[(c0 + j) % HALF]), &sn[j], &cs[j]);
+  const bool first = c0 < HALF;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (g >= nh) break;  // warp-uniform
+    const int hh = h0 + g;
+    const bool is_q = hh < heads;
+    float x[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = xb[g].at(j);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss = active ? fmaf(x[j], x[j], ss) : ss;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));  // as rmsnorm.cu
+    // x becomes the normed head, then its rotation.
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      x[j] = bf16_to_f32(f32_to_bf16_rne(__fmul_rn(__fmul_rn(x[j], inv), is_q ? wqb.at(j) : wkb.at(j))));
+    }
+    float other[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) other[j] = __shfl_xor_sync(0xFFFFFFFFu, x[j], PARTNER);
+    if (!active) continue;
+    __nv_bfloat16* out = is_q ? q_out + r * q_out_stride + (index_t)hh * D
+                              : k_out + r * k_out_stride + (index_t)(hh - heads) * D;
+    float o[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      // first half: a = y, b = other -> a*c - b*s; second half: b = y, a = other -> b*c + a*s.
+      o[j] = first ? __fsub_rn(__fmul_rn(x[j], cs[j]), __fmul_rn(other[j], sn[j]))
+                   : __fadd_rn(__fmul_rn(x[j], cs[j]), __fmul_rn(other[j], sn[j]));
+    }
+    // One store a lane (the launcher checks the 2 * V-byte alignment), each value rounded once.
+    if constexpr (V == 8) {
+      *reinterpret_cast<uint4*>(out + c0) = bf16x8_pack_rne(o);
+    } else if constexpr (V == 4) {
+      *reinterpret_cast<uint2*>(out + c0) = make_uint2(pack_bf16x2_rne(o[0], o[1]), pack_bf16x2_rne(o[2], o[3]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[c0 + j] = f32_to_bf16_rne(o[j]);
+    }
+  }
 }
 
 #define QKR_EXPORT(D)                                                                                          \

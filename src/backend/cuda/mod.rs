@@ -45,7 +45,8 @@ use crate::kernels::launch::{
 use crate::kernels::launch::{
     DEC_KEYS, DEC_MMA_MAX_WARPS, GDN_CHUNK, GDN_FAST_BV, GDN_FAST_OUT_BV, GDN_FAST_OUT_THREADS, GDN_FAST_PAD,
     GDN_FAST_STATE_THREADS, GDN_SPLIT_BV, GDN_SPLIT_OUT_BV, GDN_SPLIT_STATE_THREADS, GDN_TC_PAD, GDN_THREADS,
-    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_STEPS, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, HYB_NORM_ROPE_HEADS, QKR_WARPS,
+    HYB_BLOCK, HYB_CONV_MAX_K, HYB_CONV_QKV_STEPS, HYB_CONV_QKV_WINDOW, HYB_CONV_ROWS, HYB_NORM_ROPE_HEADS, QKR_HEADS,
+    QKR_WARPS,
 };
 use crate::tensor::{self, DType};
 use alloc::{AllocError, BlockId, CachingAllocator, Mode};
@@ -2001,7 +2002,8 @@ impl Backend for CudaBackend {
             kv_heads: sh.kv_heads,
             eps: sh.eps,
         };
-        let warps = sh.rows * (sh.heads + sh.kv_heads);
+        // A warp per QKR_HEADS heads of a row.
+        let warps = sh.rows * (sh.heads + sh.kv_heads).div_ceil(QKR_HEADS);
         self.launch(s, kernel, (warps.div_ceil(QKR_WARPS), QKR_WARPS * 32, 0), args)
     }
 
