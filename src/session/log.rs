@@ -367,7 +367,7 @@ pub fn print_summary(r: &RunSummary) {
     }
     if let Some(p) = &r.phases {
         eprint!("{}", p.render());
-        eprint!("{}", p.render_ops(15));
+        eprint!("{}", p.render_ops(30));
     }
     if let Some(t) = st.target_gpu {
         eprintln!(
