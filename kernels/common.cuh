@@ -267,3 +267,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+
+// The store matching bf16_lane_load: one access a lane (p aligned to V * 2 bytes), each value
+// rounded once (RNE, as the CPU reference). It sits at the end of the file because placed beside
+// bf16_lane_load it changed ptxas's schedule of gdn_fast_prep_nk8 (388 SASS lines, with no source
+// change to that kernel; scripts/sass-diff.sh).
+template <int V>
+__device__ __forceinline__ void bf16_lane_store_rne(__nv_bfloat16* p, const float (&f)[V]) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = bf16x8_pack_rne(f);
+  } else if constexpr (V == 4) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = f32_to_bf16_rne(f[j]);
+  }
+}

@@ -190,15 +190,7 @@ __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q
       o[j] = first ? __fsub_rn(__fmul_rn(x[j], cs[j]), __fmul_rn(other[j], sn[j]))
                    : __fadd_rn(__fmul_rn(x[j], cs[j]), __fmul_rn(other[j], sn[j]));
     }
-    // One store a lane (the launcher checks the 2 * V-byte alignment), each value rounded once.
-    if constexpr (V == 8) {
-      *reinterpret_cast<uint4*>(out + c0) = bf16x8_pack_rne(o);
-    } else if constexpr (V == 4) {
-      *reinterpret_cast<uint2*>(out + c0) = make_uint2(pack_bf16x2_rne(o[0], o[1]), pack_bf16x2_rne(o[2], o[3]));
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) out[c0 + j] = f32_to_bf16_rne(o[j]);
-    }
+    bf16_lane_store_rne<V>(out + c0, o);  // the launcher checks the 2 * V-byte alignment
   }
 }
 
