@@ -173,7 +173,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         say(&b);
         if let Some(p) = &r.phases {
             eprint!("{}", p.render());
-            eprint!("{}", p.render_ops(30));
+            eprint!("{}", p.render_ops(crate::backend::profile::PhaseTable::STEP_OPS));
         }
         eprintln!("    ({:.0} s for the row, loading included)", t0.elapsed().as_secs_f64());
         rows.push(b);

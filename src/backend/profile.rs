@@ -294,6 +294,10 @@ impl PhaseTable {
         Some(t)
     }
 
+    /// How many operations a profiled training step lists (`run --profile`, `bench-pipeline
+    /// --profile`): enough to reach the step's elementwise kernels below its GEMMs.
+    pub const STEP_OPS: usize = 30;
+
     /// The `top` operations by device time per step, with launches per step and mean time each.
     pub fn render_ops(&self, top: usize) -> String {
         let mut out = format!("operations by device time per step (top {top} of {})\n", self.by_op.len());

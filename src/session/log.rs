@@ -367,7 +367,7 @@ pub fn print_summary(r: &RunSummary) {
     }
     if let Some(p) = &r.phases {
         eprint!("{}", p.render());
-        eprint!("{}", p.render_ops(30));
+        eprint!("{}", p.render_ops(crate::backend::profile::PhaseTable::STEP_OPS));
     }
     if let Some(t) = st.target_gpu {
         eprintln!(
