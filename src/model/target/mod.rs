@@ -374,6 +374,11 @@ fn to_i32(op: &'static str, x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| BackendError::Shape { op, what: format!("{x} does not fit an i32 index") })
 }
 
+/// The offset of layer `l`'s input norm weight.
+fn input_norm<B: Backend>(t: &Target<B>, l: usize) -> usize {
+    t.table.off(&names::layer(l, "input_layernorm.weight"))
+}
+
 /// Each row's position (RoPE's input) on the device: `start..` for an extend, all `t` for a
 /// decoding step.
 fn positions<B: Backend>(

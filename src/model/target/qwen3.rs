@@ -2,8 +2,8 @@
 //! SwiGLU MLP, no biases.
 
 use super::{
-    attend, names, positions, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, Target, TargetInputs,
-    TargetShape,
+    attend, input_norm, names, positions, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, Target,
+    TargetInputs, TargetShape,
 };
 use crate::backend::{Backend, Gemm, QkNormRope, Result, Rows};
 use crate::config::LayerDims;
@@ -79,10 +79,13 @@ impl<B: Backend> Family<B> for Qwen3 {
     ) -> Result<()> {
         let (rows, h) = (inp.rows, t.shape.hidden);
         let mut sc = Scratch::new(be, s, &t.shape, rows)?;
+        let (last, w) = (t.last_layer(), &t.weights);
         let mut x = be.alloc_uninit(s, DType::BF16, rows * h)?;
-        be.embed(s, &t.weights, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
-        for l in 0..=t.last_layer() {
-            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts), Residual::Applied)?;
+        be.embed(s, w, t.table.off(names::EMBED), inp.ids, &mut x, rows, h)?;
+        be.rmsnorm_fwd(s, &x, w, input_norm(t, 0), &mut sc.xn, &mut sc.rstd, rows, h, t.shape.eps)?;
+        for l in 0..=last {
+            let next = (l < last).then(|| input_norm(t, l + 1));
+            layer(t, be, s, l, &mut x, &mut sc, inp.pos, Attend::Causal(inp.seq_starts), next)?;
             t.copy_taps(be, s, l, &x, rows, taps_out)?;
         }
         Ok(())
@@ -114,15 +117,15 @@ impl<B: Backend> Family<B> for Qwen3 {
         let mut sc = Scratch::new(be, s, sh, n)?;
         let mut x = be.alloc(s, DType::BF16, n * h)?;
         be.embed(s, w, t.table.off(names::EMBED), tokens, &mut x, n, h)?;
+        be.rmsnorm_fwd(s, &x, w, input_norm(t, 0), &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
+        let layers = cache.layers.len();
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Cached { k, v, max_len, step };
-            // No taps here: each layer leaves its last residual add to the next norm.
-            let residual = Residual::Deferred { pending: l > 0 };
-            layer(t, be, s, l, &mut x, &mut sc, &pos, how, residual)?;
+            // The last layer's residual add comes with the final norm.
+            let next = if l + 1 < layers { input_norm(t, l + 1) } else { t.table.off(names::FINAL_NORM) };
+            layer(t, be, s, l, &mut x, &mut sc, &pos, how, Some(next))?;
         }
-        let fin = t.table.off(names::FINAL_NORM);
-        be.add_rmsnorm_fwd(s, &mut x, &sc.tmp, w, fin, &mut sc.xn, &mut sc.rstd, n, h, sh.eps)?;
         be.gemm(s, &Gemm::linear(n, sh.vocab, h), &sc.xn, 0, w, t.table.off(names::LM_HEAD), logits, 0)
     }
 
@@ -140,10 +143,14 @@ impl<B: Backend> Family<B> for Qwen3 {
         let mut sc = Scratch::new(be, s, &t.shape, rows)?;
         let mut hs = be.alloc(s, DType::BF16, rows * h)?;
         be.embed(s, &t.weights, t.table.off(names::EMBED), x.tokens, &mut hs, rows, h)?;
+        be.rmsnorm_fwd(s, &hs, &t.weights, input_norm(t, 0), &mut sc.xn, &mut sc.rstd, rows, h, t.shape.eps)?;
+        let layers = cache.layers.len();
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Extend { k, v, start: x.start };
-            layer(t, be, s, l, &mut hs, &mut sc, &pos, how, Residual::Applied)?;
+            // The last layer's add runs alone: the logits norm only the rows they need.
+            let next = (l + 1 < layers).then(|| input_norm(t, l + 1));
+            layer(t, be, s, l, &mut hs, &mut sc, &pos, how, next)?;
             if let Some(taps) = x.taps_out.as_deref_mut() {
                 t.copy_taps(be, s, l, &hs, rows, taps)?;
             }
@@ -153,8 +160,11 @@ impl<B: Backend> Family<B> for Qwen3 {
     }
 }
 
-/// One decoder layer on `x [rows, hidden]` in place (its last residual add possibly deferred,
-/// [`Residual`]). q, k and v come from one GEMM (their weights
+/// One decoder layer on `x [rows, hidden]` in place, from `sc.xn` (and `sc.rstd`) holding its
+/// input norm of `x`. Each residual add runs fused with the norm after it: the post-attention
+/// norm, then `next_norm` (the next layer's input norm, or the final norm) into `sc.xn`; with no
+/// `next_norm` the last add runs alone. `x` is complete after the call (for taps).
+/// q, k and v come from one GEMM (their weights
 /// are adjacent, [`push_layer`] with `fuse_qkv`); the per-head norms and RoPE run as one op that
 /// writes the keys straight to where the attention reads them (the scratch, or the KV cache when
 /// decoding), and the values are copied there from the same GEMM's output.
@@ -168,21 +178,13 @@ fn layer<B: Backend>(
     sc: &mut Scratch<B>,
     pos: &B::Ids,
     mut how: Attend<'_, B>,
-    residual: Residual,
+    next_norm: Option<usize>,
 ) -> Result<()> {
     let sh = &t.shape;
     let (rows, h, qw, kw) = (sc.rows, sh.hidden, sh.q_width(), sh.kv_width());
     let qkv_w = qw + 2 * kw;
     let w = &t.weights;
     let off = |part: &str| t.table.off(&names::layer(l, part));
-    let input_norm = off("input_layernorm.weight");
-    match residual {
-        // The previous layer's MLP output is still in `sc.tmp`: add it as part of this norm.
-        Residual::Deferred { pending: true } => {
-            be.add_rmsnorm_fwd(s, x, &sc.tmp, w, input_norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?
-        }
-        _ => be.rmsnorm_fwd(s, x, w, input_norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?,
-    }
     be.gemm(s, &Gemm::linear(rows, qkv_w, h), &sc.xn, 0, w, off("self_attn.q_proj.weight"), &mut sc.qkv, 0)?;
     let packed = |o: usize| Rows { off: o, stride: qkv_w };
     let mut norm_rope = QkNormRope {
@@ -228,22 +230,10 @@ fn layer<B: Backend>(
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
     be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
-    match residual {
-        Residual::Applied => be.add_inplace(s, x, &sc.tmp),
-        // Left in `sc.tmp` for the next layer's (or the final) norm to add.
-        Residual::Deferred { .. } => Ok(()),
+    match next_norm {
+        Some(norm) => be.add_rmsnorm_fwd(s, x, &sc.tmp, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
+        None => be.add_inplace(s, x, &sc.tmp),
     }
-}
-
-/// Whether a layer ends with its MLP's residual add (`x` complete after it, e.g. for taps), or
-/// leaves that add in the scratch for the next norm to fuse (decoding, where every launch counts).
-#[derive(Clone, Copy)]
-enum Residual {
-    Applied,
-    /// `pending`: the previous layer left its add to this one.
-    Deferred {
-        pending: bool,
-    },
 }
 
 /// Per-layer temporaries, allocated once per forward and reused by every layer.

@@ -11,8 +11,8 @@
 //! the largest error of the layer.
 
 use super::{
-    attend, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, LinearUndo,
-    Target, TargetInputs, TargetShape,
+    attend, input_norm, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache,
+    LinearUndo, Target, TargetInputs, TargetShape,
 };
 use crate::backend::fused::{GdnConvQkv, GdnOutNorm, NormRope};
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
@@ -214,11 +214,6 @@ enum Run<'a, B: Backend> {
         /// Set by a Gated DeltaNet layer: its state before these rows and their delta-rule inputs.
         undo: &'a mut Option<LinearUndo<B>>,
     },
-}
-
-/// The offset of layer `l`'s input norm weight.
-fn input_norm<B: Backend>(t: &Target<B>, l: usize) -> usize {
-    t.table.off(&names::layer(l, "input_layernorm.weight"))
 }
 
 /// One decoder layer on `x [rows, hidden]` in place (QWEN35.md section 5), from `sc.xn` holding
