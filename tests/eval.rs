@@ -5,8 +5,8 @@
 //! drafter accepts nothing and ends cleanly.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
+use crate::common::Scratch;
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::Backend;
 use dflash_engine::config::DrafterConfig;
@@ -23,12 +23,6 @@ use dflash_engine::session::{self, Device, RunOptions, TINY_INIT_STD};
 use dflash_engine::tensor::DType;
 use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
 use dflash_engine::train::step::{DeviceDraftBatch, StepMetrics};
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-eval-{tag}-{}-{:?}", std::process::id(), Instant::now()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
 
 /// A preset target with every layer loaded, and the default 2-layer drafter's config for it.
 pub fn preset<B: Backend>(be: &B, name: &str) -> (Target<B>, DrafterConfig) {
@@ -192,21 +186,22 @@ fn drafter_inference_equals_the_training_forward() {
 }
 
 /// The default run, shortened to 100 steps on 192 generated samples (the whole default run, 300
-/// steps on 512, takes minutes on two CPU cores); returns its folder and its history.
-fn short_default_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
-    short_cpu_run(tag, faults, |ro| ro.train.steps = 100)
+/// steps on 512, takes minutes on two CPU cores), written into `out`; returns its folder and its
+/// history.
+fn short_default_run(out: PathBuf, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
+    short_cpu_run(out, faults, |ro| ro.train.steps = 100)
 }
 
-/// A quiet CPU run of the tiny default on 192 generated samples, changed by `adjust`, in a fresh
-/// folder; returns the folder and the run's history.
-fn short_cpu_run(tag: &str, faults: FaultPlan, adjust: impl FnOnce(&mut RunOptions)) -> (PathBuf, Vec<StepMetrics>) {
+/// A quiet CPU run of the tiny default on 192 generated samples, changed by `adjust`, in the
+/// fresh folder `out`; returns the folder and the run's history.
+fn short_cpu_run(out: PathBuf, faults: FaultPlan, adjust: impl FnOnce(&mut RunOptions)) -> (PathBuf, Vec<StepMetrics>) {
     let mut ro = RunOptions::tiny_default();
     ro.data.gen_samples = 192;
     ro.exec.device = Device::Cpu;
     ro.exec.faults = faults;
     ro.output.quiet = true;
     ro.output.tensorboard = false;
-    ro.output.out = tmp(tag);
+    ro.output.out = out;
     adjust(&mut ro);
     let r = session::run(&ro, None).unwrap();
     (ro.output.out, r.history)
@@ -235,7 +230,8 @@ fn eval_run(dir: &std::path::Path) -> eval::EvalReport {
 /// ~16 but only 3 rounds.
 #[test]
 fn eval_acceptance_is_within_20_percent_of_training() {
-    let (dir, history) = short_default_run("consistent", FaultPlan::default());
+    let scratch = Scratch::new("eval-eval_acceptance_is_within_20_percent_of_training");
+    let (dir, history) = short_default_run(scratch.fresh("consistent"), FaultPlan::default());
     let r = eval_run(&dir);
     let tail = &history[history.len() - eval::TRAIN_STEPS_AVERAGED..];
     let mean = |f: fn(&StepMetrics) -> f64| tail.iter().map(f).sum::<f64>() / tail.len() as f64;
@@ -315,9 +311,9 @@ fn off_by_one_switch_shifts_every_label_one_ahead() {
 
 /// The Qwen3.5 hybrid preset's run, shortened to 200 steps on 192 generated samples, with
 /// 4-slot blocks and a peak learning rate of 0.01 (the drafter learns the target's next-token
-/// map within the steps a CPU test affords); returns its folder and its history.
-fn short_hybrid_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
-    short_cpu_run(tag, faults, |ro| {
+/// map within the steps a CPU test affords), written into `out`; returns its folder and its history.
+fn short_hybrid_run(out: PathBuf, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>) {
+    short_cpu_run(out, faults, |ro| {
         ro.model.target = "qwen3.5-tiny".into();
         ro.model.block_size = 4;
         ro.train.steps = 200;
@@ -336,6 +332,7 @@ fn short_hybrid_run(tag: &str, faults: FaultPlan) -> (PathBuf, Vec<StepMetrics>)
 /// harmless: its greedy text is mostly runs of one repeated token, where `x[a+1] == x[a+2]`.)
 #[test]
 fn off_by_one_drafter_trains_well_and_collapses_in_eval() {
+    let scratch = Scratch::new("eval-off_by_one_drafter_trains_well_and_collapses_in_eval");
     let summary = |dir: &std::path::Path, history: &[StepMetrics]| {
         let tail = &history[history.len() - eval::TRAIN_STEPS_AVERAGED..];
         let mean = |f: fn(&StepMetrics) -> f64| tail.iter().map(f).sum::<f64>() / tail.len() as f64;
@@ -347,10 +344,10 @@ fn off_by_one_drafter_trains_well_and_collapses_in_eval() {
         assert_eq!(r.lossless_prompts, r.per_prompt.len());
         (mean(|m| m.accept_len), mean(|m| m.round_accept_len), r.overall.accept_len)
     };
-    let (dir, history) = short_hybrid_run("hybrid-right", FaultPlan::default());
+    let (dir, history) = short_hybrid_run(scratch.fresh("hybrid-right"), FaultPlan::default());
     let (right_pos, right_round, right_real) = summary(&dir, &history);
     let faults = FaultPlan { context_off_by_one: true, ..FaultPlan::default() };
-    let (dir, history) = short_hybrid_run("hybrid-off-by-one", faults);
+    let (dir, history) = short_hybrid_run(scratch.fresh("hybrid-off-by-one"), faults);
     let (off_pos, off_round, off_real) = summary(&dir, &history);
     println!(
         "correct: training {right_pos:.3} per position, {right_round:.3} per round; eval real {right_real:.3} per round\n\
@@ -378,7 +375,8 @@ fn off_by_one_drafter_trains_well_and_collapses_in_eval() {
 /// target's own token, the output is lossless, the report is written where --out says.
 #[test]
 fn random_drafter_accepts_nothing_and_ends_cleanly() {
-    let out = tmp("random").join("report.json");
+    let scratch = Scratch::new("eval-random_drafter_accepts_nothing_and_ends_cleanly");
+    let out = scratch.fresh("random").join("report.json");
     let mut o = EvalOptions::new("random");
     o.device = Device::Cpu;
     o.quiet = true;

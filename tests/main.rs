@@ -1,6 +1,7 @@
 //! The integration tests: one binary, one module per area.
 //!
-//! - `common`: shared helpers: random inputs, finite differences, small drafters, checkpoint readers
+//! - `common`: shared helpers: random inputs, finite differences, small drafters, checkpoint readers,
+//!   scratch folders removed when a test ends (`Scratch`)
 //! - `ops_fd`: every op's backward against f64 finite differences (CPU exact backend)
 //! - `drafter_fd`: one whole drafter step, every parameter, against finite differences
 //! - `pitfalls`: one regression test per DFLASH.md section 6 pitfall

@@ -7,26 +7,17 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::common::Scratch;
 use dflash_engine::plot::{self, PlotError};
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::metrics::{read_records, MetricsLog, MetricsRecord, METRICS_FILE, TENSORBOARD_DIR};
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "dflash-test-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
 
 fn bin() -> String {
     std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string())
 }
 
-/// The configuration of `tests/run.rs`'s equality tests: 8 steps in seconds.
-fn small(tag: &str) -> RunOptions {
+/// The configuration of `tests/run.rs`'s equality tests: 8 steps in seconds, writing into `out`.
+fn small(out: PathBuf) -> RunOptions {
     {
         let mut ro = RunOptions::tiny_default();
         ro.data.gen_samples = 32;
@@ -37,7 +28,7 @@ fn small(tag: &str) -> RunOptions {
         ro.model.block_size = 8;
         ro.output.save_every = 4;
         ro.output.quiet = true;
-        ro.output.out = tmp(tag);
+        ro.output.out = out;
         ro
     }
 }
@@ -237,15 +228,16 @@ fn assert_tensorboard_matches(dir: &Path, recs: &[MetricsRecord]) -> Vec<Vec<Eve
 /// deterministic field, line for line, steps 1..=8 once each; TensorBoard shows the same values.
 #[test]
 fn resumed_metrics_equal_the_uninterrupted_runs() {
+    let scratch = Scratch::new("metrics-resumed_metrics_equal_the_uninterrupted_runs");
     let full = {
-        let mut ro = small("metrics-full");
+        let mut ro = small(scratch.fresh("metrics-full"));
         ro.output.tensorboard = false;
         ro
     };
     let a = session::run(&full, None).unwrap();
     assert!(!full.output.out.join(TENSORBOARD_DIR).exists(), "tensorboard: false writes no event files");
     let part = {
-        let mut ro = small("metrics-part");
+        let mut ro = small(scratch.fresh("metrics-part"));
         ro.output.stop_after = Some(4);
         ro
     };
@@ -295,7 +287,8 @@ fn resumed_metrics_equal_the_uninterrupted_runs() {
 /// uninterrupted run's.
 #[test]
 fn steps_past_the_checkpoint_and_a_torn_line_give_way_on_resume() {
-    let opts = small("metrics-torn");
+    let scratch = Scratch::new("metrics-steps_past_the_checkpoint_and_a_torn_line_give_way_on_resume");
+    let opts = small(scratch.fresh("metrics-torn"));
     session::run(
         &{
             let mut ro = opts.clone();
@@ -338,7 +331,7 @@ fn steps_past_the_checkpoint_and_a_torn_line_give_way_on_resume() {
     assert!(text.ends_with('\n'));
     let recs = records(&opts.output.out);
     assert_eq!(recs.iter().map(|r| r.step).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>());
-    let full = small("metrics-torn-ref");
+    let full = small(scratch.fresh("metrics-torn-ref"));
     session::run(&full, None).unwrap();
     assert_eq!(deterministic(&recs), deterministic(&records(&full.output.out)));
 
@@ -394,7 +387,8 @@ fn synthetic_run(dir: &Path, steps: u32, scale: f64) {
 /// and for two (with a skipped step's NaN loss in each).
 #[test]
 fn plot_writes_png_and_svg_for_one_and_two_runs() {
-    let root = tmp("plot");
+    let scratch = Scratch::new("metrics-plot_writes_png_and_svg_for_one_and_two_runs");
+    let root = scratch.fresh("plot");
     let (alpha, beta) = (root.join("alpha"), root.join("beta"));
     synthetic_run(&alpha, 120, 1.0);
     synthetic_run(&beta, 80, 0.8);
@@ -431,7 +425,8 @@ fn plot_writes_png_and_svg_for_one_and_two_runs() {
 /// empty metrics file, an unknown image format and a smoothing weight outside [0, 1).
 #[test]
 fn plot_refuses_what_it_cannot_draw() {
-    let root = tmp("plot-refuse");
+    let scratch = Scratch::new("metrics-plot_refuses_what_it_cannot_draw");
+    let root = scratch.fresh("plot-refuse");
     let (good, empty_dir, empty_file) = (root.join("good"), root.join("no-metrics"), root.join("no-steps"));
     synthetic_run(&good, 10, 1.0);
     std::fs::create_dir_all(&empty_dir).unwrap();
@@ -466,7 +461,8 @@ fn plot_refuses_what_it_cannot_draw() {
 /// `eval.json` is refused by name.
 #[test]
 fn plot_marks_the_eval_result_of_a_run() {
-    let root = tmp("plot-eval");
+    let scratch = Scratch::new("metrics-plot_marks_the_eval_result_of_a_run");
+    let root = scratch.fresh("plot-eval");
     let run = root.join("evaluated");
     synthetic_run(&run, 60, 1.0);
     std::fs::write(

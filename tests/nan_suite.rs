@@ -12,24 +12,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::common::{final_masters, losses};
+use crate::common::{final_masters, losses, Scratch};
 use dflash_engine::backend::cuda::alloc::Mode;
 use dflash_engine::faults::FaultPlan;
 use dflash_engine::pipeline::Transport;
 use dflash_engine::session::{self, Device, RunOptions};
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "dflash-nan-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-/// Small enough for seconds per run on the CPU; two micro-batches per step.
-fn small(tag: &str, device: Device) -> RunOptions {
+/// Small enough for seconds per run on the CPU; two micro-batches per step; written into `out`.
+fn small(out: PathBuf, device: Device) -> RunOptions {
     {
         let mut ro = RunOptions::tiny_default();
         ro.data.gen_samples = 32;
@@ -42,7 +32,7 @@ fn small(tag: &str, device: Device) -> RunOptions {
         ro.output.save_every = 100;
         ro.output.quiet = true;
         ro.exec.device = device;
-        ro.output.out = tmp(tag);
+        ro.output.out = out;
         ro
     }
 }
@@ -119,15 +109,17 @@ fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
 
 #[test]
 fn cpu_async_matches_sync_for_every_transport_split_pad_and_depth() {
-    matrix(|tag| small(tag, Device::Cpu), &[Transport::Same, Transport::Peer, Transport::Host]);
+    let scratch = Scratch::new("nan-cpu_async_matches_sync_for_every_transport_split_pad_and_depth");
+    matrix(|tag| small(scratch.fresh(tag), Device::Cpu), &[Transport::Same, Transport::Peer, Transport::Host]);
 }
 
 /// A copy that fails after taking its slot (host) or its destination buffer (p2p), and the other
 /// faults, end the run with their error within seconds and nothing left behind.
 fn faults(device: Device, drafter_gpus: Vec<usize>, transports: &[Transport]) {
+    let scratch = Scratch::new("nan-faults");
     faults_on(
         |tag| {
-            let mut ro = small(tag, device);
+            let mut ro = small(scratch.fresh(tag), device);
             ro.exec.drafter_gpus = drafter_gpus.clone();
             ro
         },
@@ -175,7 +167,8 @@ fn cpu_faults_end_the_run_cleanly_on_every_transport() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_async_matches_sync_on_one_gpu() {
-    matrix(|tag| small(tag, Device::Cuda), &[Transport::Same, Transport::Peer, Transport::Host]);
+    let scratch = Scratch::new("nan-gpu_async_matches_sync_on_one_gpu");
+    matrix(|tag| small(scratch.fresh(tag), Device::Cuda), &[Transport::Same, Transport::Peer, Transport::Host]);
 }
 
 /// The same matrix with the Qwen3.5/3.6 hybrid target (Gated DeltaNet and gated attention
@@ -183,9 +176,10 @@ fn gpu_async_matches_sync_on_one_gpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_async_matches_sync_on_one_gpu_with_the_hybrid_target() {
+    let scratch = Scratch::new("nan-gpu_async_matches_sync_on_one_gpu_with_the_hybrid_target");
     matrix(
         |tag| {
-            let mut ro = small(tag, Device::Cuda);
+            let mut ro = small(scratch.fresh(tag), Device::Cuda);
             ro.model.target = "qwen3.5-tiny".into();
             ro
         },
@@ -196,9 +190,10 @@ fn gpu_async_matches_sync_on_one_gpu_with_the_hybrid_target() {
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn gpu_async_matches_sync_on_two_gpus() {
+    let scratch = Scratch::new("nan-gpu_async_matches_sync_on_two_gpus");
     matrix(
         |tag| {
-            let mut ro = small(tag, Device::Cuda);
+            let mut ro = small(scratch.fresh(tag), Device::Cuda);
             ro.exec.drafter_gpus = vec![1];
             ro
         },
@@ -284,9 +279,10 @@ fn topology_matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport], 
 
 /// Data parallel over two drafter devices, the target sharing the first.
 fn data_parallel_matches_lockstep(device: Device) {
+    let scratch = Scratch::new("nan-data_parallel_matches_lockstep");
     topology_matrix(
         |tag| {
-            let mut ro = small(tag, device);
+            let mut ro = small(scratch.fresh(tag), device);
             ro.exec.target_gpus = vec![0];
             ro.exec.drafter_gpus = vec![0, 1];
             ro
@@ -299,9 +295,10 @@ fn data_parallel_matches_lockstep(device: Device) {
 /// Two target devices taking steps in turn, one drafter device: also bit-identical to the
 /// one-device synchronous run.
 fn round_robin_targets_match_sync(device: Device, drafter: usize) {
+    let scratch = Scratch::new("nan-round_robin_targets_match_sync");
     topology_matrix(
         |tag| {
-            let mut ro = small(tag, device);
+            let mut ro = small(scratch.fresh(tag), device);
             ro.exec.target_gpus = vec![0, 1];
             ro.exec.drafter_gpus = vec![drafter];
             ro
@@ -325,9 +322,10 @@ fn cpu_round_robin_targets_match_sync() {
 /// through the real queues, links and pinned-slot pools: async == lockstep, bit for bit.
 #[test]
 fn cpu_five_targets_three_drafters_match_lockstep() {
+    let scratch = Scratch::new("nan-cpu_five_targets_three_drafters_match_lockstep");
     topology_matrix(
         |tag| {
-            let mut ro = small(tag, Device::Cpu);
+            let mut ro = small(scratch.fresh(tag), Device::Cpu);
             ro.exec.target_gpus = vec![0, 1, 2, 3, 4];
             ro.exec.drafter_gpus = vec![5, 6, 7];
             ro.data.grad_accum = 3;
@@ -343,9 +341,10 @@ fn cpu_five_targets_three_drafters_match_lockstep() {
 /// Faults with several targets and drafter ranks: the failing thread's error, no hang, no leak
 /// (the consumer panic is injected in the last rank, a spawned thread).
 fn faults_with_two_targets_and_two_ranks(device: Device, drafters: Vec<usize>) {
+    let scratch = Scratch::new("nan-faults_with_two_targets_and_two_ranks");
     faults_on(
         |tag| {
-            let mut ro = small(tag, device);
+            let mut ro = small(scratch.fresh(tag), device);
             ro.exec.target_gpus = vec![0, 1];
             ro.exec.drafter_gpus = drafters.clone();
             ro
@@ -363,9 +362,10 @@ fn cpu_faults_with_several_targets_and_ranks() {
 /// as itself, not as the other rank's closed slot pool or aborted all-reduce.
 #[test]
 fn cpu_faults_with_two_drafter_ranks_and_split_fc() {
+    let scratch = Scratch::new("nan-cpu_faults_with_two_drafter_ranks_and_split_fc");
     faults_on(
         |tag| {
-            let mut ro = small(tag, Device::Cpu);
+            let mut ro = small(scratch.fresh(tag), Device::Cpu);
             ro.exec.target_gpus = vec![0];
             ro.exec.drafter_gpus = vec![0, 1];
             ro
@@ -376,22 +376,23 @@ fn cpu_faults_with_two_drafter_ranks_and_split_fc() {
 
 #[test]
 fn topology_errors_say_what_to_change() {
+    let scratch = Scratch::new("nan-topology_errors_say_what_to_change");
     let run = |o: RunOptions| format!("{:#}", session::run(&o, None).expect_err("must be refused"));
     let e = run({
-        let mut ro = small("bad-accum", Device::Cpu);
+        let mut ro = small(scratch.fresh("bad-accum"), Device::Cpu);
         ro.exec.drafter_gpus = vec![0, 1, 2];
         ro
     });
     assert!(e.contains("--grad-accum 2") && e.contains("multiple of 3"), "{e}");
     let e = run({
-        let mut ro = small("bad-split", Device::Cpu);
+        let mut ro = small(scratch.fresh("bad-split"), Device::Cpu);
         ro.exec.target_gpus = vec![0, 1];
         ro.exec.split_fc = true;
         ro
     });
     assert!(e.contains("needs one target GPU"), "{e}");
     let e = run({
-        let mut ro = small("bad-dup", Device::Cpu);
+        let mut ro = small(scratch.fresh("bad-dup"), Device::Cpu);
         ro.exec.drafter_gpus = vec![1, 1];
         ro
     });
@@ -429,9 +430,9 @@ fn gpu_faults_end_the_run_cleanly_on_two_gpus() {
 }
 
 /// A configuration whose GPU kernels run long enough that a freed buffer's reuse can overtake
-/// the stream still reading it: the "small" preset, 512-token sequences, random-token data.
-fn busy(tag: &str) -> RunOptions {
-    let dir = tmp(tag);
+/// the stream still reading it: the "small" preset, 512-token sequences, random-token data (in
+/// `dir`, the run in `dir`/out).
+fn busy(dir: PathBuf) -> RunOptions {
     std::fs::create_dir_all(&dir).unwrap();
     let data = dir.join("data.jsonl");
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -475,9 +476,10 @@ fn busy(tag: &str) -> RunOptions {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_parking_without_its_wait_is_detected() {
+    let scratch = Scratch::new("nan-gpu_parking_without_its_wait_is_detected");
     use dflash_engine::faults::ParkFault;
     let run = |tag: &str, park| {
-        let mut ro = busy(tag);
+        let mut ro = busy(scratch.fresh(tag));
         ro.train.steps = 4;
         ro.exec.sync = true;
         ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
@@ -497,9 +499,10 @@ fn gpu_parking_without_its_wait_is_detected() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_poison_on_free_runs_clean() {
+    let scratch = Scratch::new("nan-gpu_poison_on_free_runs_clean");
     let want = session::run(
         &{
-            let mut ro = busy("poison-ref");
+            let mut ro = busy(scratch.fresh("poison-ref"));
             ro.exec.sync = true;
             ro
         },
@@ -509,7 +512,7 @@ fn gpu_poison_on_free_runs_clean() {
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
         for inflight in [1, 3] {
             let o = {
-                let mut ro = busy("poison");
+                let mut ro = busy(scratch.fresh("poison"));
                 ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
                 ro.exec.transport = Some(t);
                 ro.exec.max_inflight = inflight;
@@ -531,9 +534,10 @@ fn gpu_poison_on_free_runs_clean() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_unsafe_reuse_is_detected_every_time() {
+    let scratch = Scratch::new("nan-gpu_unsafe_reuse_is_detected_every_time");
     const HELD: u32 = 3;
     let teeth = |tag: &str| {
-        let mut ro = busy(tag);
+        let mut ro = busy(scratch.fresh(tag));
         ro.train.steps = 6;
         ro
     };
@@ -562,7 +566,7 @@ fn gpu_unsafe_reuse_is_detected_every_time() {
             &{
                 let mut ro = base;
                 ro.exec.alloc_mode = Some(Mode::UnsafeReuse);
-                ro.output.out = tmp("teeth-bad");
+                ro.output.out = scratch.fresh("teeth-bad");
                 ro
             },
             None,
@@ -604,7 +608,8 @@ fn gpu_unsafe_reuse_is_detected_every_time() {
 /// drafter waits for the target's signal) neither deadlocks nor changes a result.
 #[test]
 fn cpu_held_reads_change_nothing() {
-    let o = small("held", Device::Cpu);
+    let scratch = Scratch::new("nan-cpu_held_reads_change_nothing");
+    let o = small(scratch.fresh("held"), Device::Cpu);
     let want = losses(
         &session::run(
             &{
@@ -617,7 +622,7 @@ fn cpu_held_reads_change_nothing() {
         .unwrap(),
     );
     let mut held = o;
-    held.output.out = tmp("held-async");
+    held.output.out = scratch.fresh("held-async");
     held.exec.transport = Some(Transport::Same);
     held.exec.faults = FaultPlan { hold_reads_at: Some(1), ..Default::default() };
     assert_eq!(losses(&session::run(&held, None).unwrap()), want);
@@ -626,10 +631,11 @@ fn cpu_held_reads_change_nothing() {
 /// Split-FC (exact mode) on the GPU over 50 steps: losses and final weights bit-identical to the
 /// unsplit pipeline, with and without padding, for each drafter placement given.
 fn split_fc_is_exact_for_50_steps(placements: &[Vec<usize>]) {
+    let scratch = Scratch::new("nan-split_fc_is_exact_for_50_steps");
     for drafters in placements {
         for pad in [None, Some(160)] {
             let base = {
-                let mut ro = small("split50-unsplit", Device::Cuda);
+                let mut ro = small(scratch.fresh("split50-unsplit"), Device::Cuda);
                 ro.train.steps = 50;
                 ro.data.pad_to_tokens = pad;
                 ro.exec.drafter_gpus = drafters.clone();
@@ -639,7 +645,7 @@ fn split_fc_is_exact_for_50_steps(placements: &[Vec<usize>]) {
             let split = {
                 let mut ro = base.clone();
                 ro.exec.split_fc = true;
-                ro.output.out = tmp("split50");
+                ro.output.out = scratch.fresh("split50");
                 ro
             };
             let b = session::run(&split, None).unwrap();

@@ -7,8 +7,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
+use crate::common::Scratch;
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::Backend;
 use dflash_engine::config::TargetConfig;
@@ -21,13 +21,6 @@ use dflash_engine::session::{self, RunOptions};
 use dflash_engine::tensor::DType;
 use dflash_engine::weights;
 use serde_json::json;
-
-pub fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-prep-{tag}-{}-{:?}", std::process::id(), Instant::now()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// Qwen2.5's template without tools: a default system prompt when the conversation has none.
 pub const TEMPLATE: &str = r#"{%- for message in messages %}
@@ -150,7 +143,8 @@ const NO_ANSWER: &str = r#"{"messages": [{"role": "user", "content": "Anyone?"}]
 
 #[test]
 fn prepare_masks_exactly_the_answers_in_both_layouts() {
-    let dir = tmp("mask");
+    let scratch = Scratch::new("prep-prepare_masks_exactly_the_answers_in_both_layouts");
+    let dir = scratch.path().to_path_buf();
     write_tokenizer(&dir);
     let input = dir.join("chats.jsonl");
     let lines = [SINGLE_OPENAI, MULTI_SHAREGPT, "", MULTI_OPENAI, NO_ANSWER];
@@ -186,7 +180,8 @@ fn prepare_masks_exactly_the_answers_in_both_layouts() {
 
 #[test]
 fn prepare_truncates_to_max_len_and_counts_it() {
-    let dir = tmp("trunc");
+    let scratch = Scratch::new("prep-prepare_truncates_to_max_len_and_counts_it");
+    let dir = scratch.path().to_path_buf();
     write_tokenizer(&dir);
     let input = dir.join("chats.jsonl");
     std::fs::write(&input, format!("{SINGLE_OPENAI}\n{MULTI_SHAREGPT}\n")).unwrap();
@@ -213,7 +208,9 @@ fn prepare_truncates_to_max_len_and_counts_it() {
 
 #[test]
 fn prepare_names_the_line_of_a_bad_input() {
-    let dir = tmp("bad");
+    let scratch = Scratch::new("prep-prepare_names_the_line_of_a_bad_input");
+    let dir = scratch.join("bad");
+    std::fs::create_dir_all(&dir).unwrap();
     write_tokenizer(&dir);
     let input = dir.join("chats.jsonl");
     for (bad, what) in [
@@ -228,7 +225,8 @@ fn prepare_names_the_line_of_a_bad_input() {
         assert!(!out.exists(), "no output file after an error");
     }
     // A folder without a template says where to get one.
-    let bare = tmp("bare");
+    let bare = scratch.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
     std::fs::write(bare.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
     let e = Encoder::from_dir(&bare).err().unwrap().to_string();
     assert!(e.contains("no chat template"), "{e}");
@@ -236,7 +234,8 @@ fn prepare_names_the_line_of_a_bad_input() {
 
 #[test]
 fn prepare_output_trains() {
-    let dir = tmp("trains");
+    let scratch = Scratch::new("prep-prepare_output_trains");
+    let dir = scratch.path().to_path_buf();
     write_tokenizer(&dir);
     let input = dir.join("chats.jsonl");
     std::fs::write(&input, [SINGLE_OPENAI, MULTI_SHAREGPT, MULTI_OPENAI].join("\n")).unwrap();
@@ -258,9 +257,9 @@ fn prepare_output_trains() {
     assert!(r.history.iter().all(|h| !h.skipped && h.loss.is_finite()), "every step trains with a finite loss");
 }
 
-/// A tiny target folder (the `tiny` preset's random weights) with the test tokenizer.
-pub fn tiny_target(tag: &str) -> PathBuf {
-    let dir = tmp(tag).join("target");
+/// A tiny target folder (the `tiny` preset's random weights) with the test tokenizer: `root`/target.
+pub fn tiny_target(root: &Path) -> PathBuf {
+    let dir = root.join("target");
     weights::init_target(&TargetConfig::preset("tiny").unwrap(), 0, 0.05, &dir).unwrap();
     write_tokenizer(&dir);
     dir
@@ -336,7 +335,8 @@ pub fn load_target<B: Backend>(be: &B, dir: &Path) -> Target<B> {
 
 /// `--regenerate` (greedy) on `be` in batches of 3 must equal the batch-1 reference, line by line.
 pub fn check_regenerate<B: Backend>(be: &B, tag: &str) {
-    let dir = tiny_target(tag);
+    let scratch = Scratch::new(&format!("prep-{tag}"));
+    let dir = tiny_target(scratch.path());
     let input = regen_input(dir.parent().unwrap());
     let out = dir.parent().unwrap().join("train.jsonl");
     let target = load_target(be, &dir);
@@ -382,7 +382,8 @@ fn cli(dir: &Path, input: &Path, out: &Path, extra: &[&str]) -> Command {
 
 #[test]
 fn regenerate_resumes_after_a_kill_without_duplicates_or_loss() {
-    let dir = tiny_target("kill");
+    let scratch = Scratch::new("prep-regenerate_resumes_after_a_kill_without_duplicates_or_loss");
+    let dir = tiny_target(scratch.path());
     let root = dir.parent().unwrap().to_path_buf();
     let input = regen_input(&root);
     let whole = root.join("whole.jsonl");

@@ -2,7 +2,7 @@
 //! plainly here, the chunked gated delta rule against the recurrent definition (exact f64
 //! backend), and the whole target (packing, decoding, training).
 
-use crate::common::{buf, buf32, randn, Exact};
+use crate::common::{buf, buf32, randn, Exact, Scratch};
 use dflash_engine::backend::cpu::{CpuBuf, CpuStream};
 use dflash_engine::backend::{Backend, GdnShape};
 
@@ -448,8 +448,8 @@ fn decoding_step_by_step_gives_the_forward_logits() {
 #[test]
 fn qwen35_tiny_run_learns_on_the_cpu() {
     use dflash_engine::session::{self, Device, RunOptions};
-    let out = std::env::temp_dir().join(format!("dflash-test-q35-learn-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let scratch = Scratch::new("qwen35-qwen35_tiny_run_learns_on_the_cpu");
+    let out = scratch.fresh("learn");
     let opts = {
         let mut ro = RunOptions::tiny_default();
         ro.model.target = "qwen3.5-tiny".into();
@@ -477,5 +477,4 @@ fn qwen35_tiny_run_learns_on_the_cpu() {
     assert!(r.history.iter().all(|m| !m.skipped && m.loss.is_finite()));
     assert!(loss < 0.7 * first.loss, "loss {:.3} -> {loss:.3}", first.loss);
     assert!(accept >= first.accept_len + 0.3, "accept {:.3} -> {accept:.3}", first.accept_len);
-    let _ = std::fs::remove_dir_all(&out);
 }

@@ -4,7 +4,6 @@
 //! the config's norm eps, and a CPU run with sliding layers that learns.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use crate::common::*;
 use dflash_engine::backend::cpu::{CpuBackend, CpuBuf, CpuStream};
@@ -17,12 +16,6 @@ use dflash_engine::train::step::DrafterSide;
 use serde_json::{json, Value};
 
 const S: CpuStream = CpuStream;
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-recipe-{tag}-{}-{:?}", std::process::id(), Instant::now()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
 
 // ---------------------------------------------------------------------------------------------
 // The sliding-window mask (DFLASH.md section 3, "Per-layer attention kind")
@@ -331,15 +324,16 @@ fn tiny_sliding_config(window: usize) -> DrafterConfig {
     d
 }
 
-fn write_config(d: &DrafterConfig, tag: &str) -> PathBuf {
-    let dir = tmp(tag);
+/// Writes `d` as `dir`/drafter.json; returns the file's path.
+fn write_config(d: &DrafterConfig, dir: PathBuf) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join("drafter.json");
     std::fs::write(&p, d.to_json()).unwrap();
     p
 }
 
-fn small(tag: &str, cfg: Option<&Path>) -> RunOptions {
+/// Six quick CPU steps written into `out`, with the drafter config file `cfg` if given.
+fn small(out: PathBuf, cfg: Option<&Path>) -> RunOptions {
     let mut ro = RunOptions::tiny_default();
     ro.data.gen_samples = 32;
     ro.data.seq_len = 40;
@@ -347,7 +341,7 @@ fn small(tag: &str, cfg: Option<&Path>) -> RunOptions {
     ro.data.batch_size = 3;
     ro.data.anchors = 6;
     ro.output.quiet = true;
-    ro.output.out = tmp(tag);
+    ro.output.out = out;
     ro.exec.device = session::Device::Cpu;
     ro.model.drafter_config = cfg.map(|p| p.display().to_string());
     ro
@@ -357,11 +351,12 @@ fn small(tag: &str, cfg: Option<&Path>) -> RunOptions {
 /// layer slides (window 12 over 96-token sequences) and whose attention geometry is its own.
 #[test]
 fn sliding_drafter_run_learns() {
-    let cfg = write_config(&tiny_sliding_config(12), "learn-cfg");
+    let scratch = Scratch::new("recipe-sliding_drafter_run_learns");
+    let cfg = write_config(&tiny_sliding_config(12), scratch.fresh("learn-cfg"));
     let mut opts = RunOptions::tiny_default();
     opts.train.steps = 200;
     opts.output.quiet = true;
-    opts.output.out = tmp("learn");
+    opts.output.out = scratch.fresh("learn");
     opts.exec.device = session::Device::Cpu;
     opts.model.drafter_config = Some(cfg.display().to_string());
     let r = session::run(&opts, None).unwrap();
@@ -379,9 +374,10 @@ fn sliding_drafter_run_learns() {
 /// config's rope_theta and eps; model.safetensors holds exactly the section-3 names in bf16.
 #[test]
 fn the_written_checkpoint_carries_the_drafter_config() {
+    let scratch = Scratch::new("recipe-the_written_checkpoint_carries_the_drafter_config");
     let d = tiny_sliding_config(8);
-    let cfg = write_config(&d, "ck-cfg");
-    let opts = small("ck", Some(&cfg));
+    let cfg = write_config(&d, scratch.fresh("ck-cfg"));
+    let opts = small(scratch.fresh("ck"), Some(&cfg));
     session::run(&opts, None).unwrap();
     let ck = checkpoint::load_latest(&opts.output.out).unwrap().unwrap();
     let v: Value = serde_json::from_str(&ck.config_json).unwrap();
@@ -434,8 +430,9 @@ fn fresh_side(opts: &RunOptions) -> (CpuBackend, DrafterSide<CpuBackend>, Drafte
 /// only) the weights equal the model file's bf16 bit for bit.
 #[test]
 fn init_from_round_trips_bit_for_bit() {
-    let cfg = write_config(&tiny_sliding_config(8), "init-cfg");
-    let opts = small("init-a", Some(&cfg));
+    let scratch = Scratch::new("recipe-init_from_round_trips_bit_for_bit");
+    let cfg = write_config(&tiny_sliding_config(8), scratch.fresh("init-cfg"));
+    let opts = small(scratch.fresh("init-a"), Some(&cfg));
     session::run(&opts, None).unwrap();
     let ck = checkpoint::load_latest(&opts.output.out).unwrap().unwrap();
     let model = dflash_engine::weights::TensorStore::open_file(ck.dir.join(checkpoint::MODEL_FILE)).unwrap();
@@ -466,7 +463,7 @@ fn init_from_round_trips_bit_for_bit() {
     assert!(init.from_masters && init.dir == ck.dir);
     check(&init, true);
     // A published drafter's layout.
-    let published = tmp("published");
+    let published = scratch.fresh("published");
     std::fs::create_dir_all(&published).unwrap();
     for f in [checkpoint::MODEL_FILE, checkpoint::CONFIG_FILE] {
         std::fs::copy(ck.dir.join(f), published.join(f)).unwrap();
@@ -476,21 +473,21 @@ fn init_from_round_trips_bit_for_bit() {
     check(&init, false);
 
     // The run path: a warm-started run trains from there, its first loss below the fresh run's.
-    let mut warm = small("init-b", Some(&cfg));
+    let mut warm = small(scratch.fresh("init-b"), Some(&cfg));
     warm.model.init_from = Some(published.clone());
     let r = session::run(&warm, None).unwrap();
-    let fresh = session::run(&small("init-c", Some(&cfg)), None).unwrap();
+    let fresh = session::run(&small(scratch.fresh("init-c"), Some(&cfg)), None).unwrap();
     assert!(r.history[0].loss < fresh.history[0].loss, "{} vs {}", r.history[0].loss, fresh.history[0].loss);
 
     // Another drafter (window 16): refused, naming the field.
-    let other = write_config(&tiny_sliding_config(16), "init-other");
-    let mut bad = small("init-d", Some(&other));
+    let other = write_config(&tiny_sliding_config(16), scratch.fresh("init-other"));
+    let mut bad = small(scratch.fresh("init-d"), Some(&other));
     bad.model.init_from = Some(published);
     let e = format!("{:#}", session::run(&bad, None).unwrap_err());
     assert!(e.contains("sliding_window") && e.contains("--init-from"), "{e}");
     // Not a checkpoint at all.
-    let mut none = small("init-e", Some(&cfg));
-    none.model.init_from = Some(tmp("nothing"));
+    let mut none = small(scratch.fresh("init-e"), Some(&cfg));
+    none.model.init_from = Some(scratch.fresh("nothing"));
     let e = format!("{:#}", session::run(&none, None).unwrap_err());
     assert!(e.contains("--init-from") && e.contains("no drafter checkpoint"), "{e}");
 }
@@ -499,8 +496,9 @@ fn init_from_round_trips_bit_for_bit() {
 /// resume with another gamma is refused naming the flag.
 #[test]
 fn loss_gamma_overrides_the_decay() {
-    let base = small("gamma-a", None);
-    let mut g = small("gamma-b", None);
+    let scratch = Scratch::new("recipe-loss_gamma_overrides_the_decay");
+    let base = small(scratch.fresh("gamma-a"), None);
+    let mut g = small(scratch.fresh("gamma-b"), None);
     g.train.loss_gamma = Some(2.0);
     let (r0, r1) = (session::run(&base, None).unwrap(), session::run(&g, None).unwrap());
     assert_ne!(r0.history[0].loss, r1.history[0].loss);
@@ -518,30 +516,35 @@ fn loss_gamma_overrides_the_decay() {
 /// normalised context and output shrink, so the first loss moves; the drafter shape carries it.
 #[test]
 fn rms_norm_eps_comes_from_the_config() {
+    let scratch = Scratch::new("recipe-rms_norm_eps_comes_from_the_config");
     let mut d = tiny_sliding_config(8);
-    let a = session::run(&small("eps-a", Some(&write_config(&d, "eps-a-cfg"))), None).unwrap();
+    let a = session::run(&small(scratch.fresh("eps-a"), Some(&write_config(&d, scratch.fresh("eps-a-cfg")))), None)
+        .unwrap();
     d.rms_norm_eps = 10.0;
     assert_eq!(DrafterShape::from_config(&d, 64).eps, 10.0);
-    let b = session::run(&small("eps-b", Some(&write_config(&d, "eps-b-cfg"))), None).unwrap();
+    let b = session::run(&small(scratch.fresh("eps-b"), Some(&write_config(&d, scratch.fresh("eps-b-cfg")))), None)
+        .unwrap();
     assert_ne!(a.history[0].loss, b.history[0].loss);
 }
 
 /// A resume with another drafter config is refused, naming --drafter-config.
 #[test]
 fn the_drafter_config_is_part_of_the_resume_fingerprint() {
-    let c8 = write_config(&tiny_sliding_config(8), "fp-8");
-    let mut opts = small("fp", Some(&c8));
+    let scratch = Scratch::new("recipe-the_drafter_config_is_part_of_the_resume_fingerprint");
+    let c8 = write_config(&tiny_sliding_config(8), scratch.fresh("fp-8"));
+    let mut opts = small(scratch.fresh("fp"), Some(&c8));
     opts.train.steps = 8;
     opts.output.stop_after = Some(6);
     session::run(&opts, None).unwrap();
     let mut again = opts.clone();
     again.output.resume = true;
     again.output.stop_after = None;
-    again.model.drafter_config = Some(write_config(&tiny_sliding_config(9), "fp-9").display().to_string());
+    again.model.drafter_config =
+        Some(write_config(&tiny_sliding_config(9), scratch.fresh("fp-9")).display().to_string());
     let e = format!("{:#}", session::run(&again, None).unwrap_err());
     assert!(e.contains("--drafter-config") && e.contains("sliding_window"), "{e}");
     // The same content from another path resumes.
-    let copy = tmp("fp-copy");
+    let copy = scratch.fresh("fp-copy");
     std::fs::create_dir_all(&copy).unwrap();
     std::fs::copy(&c8, copy.join("d.json")).unwrap();
     again.model.drafter_config = Some(copy.join("d.json").display().to_string());

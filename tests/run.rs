@@ -5,23 +5,13 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::{final_masters, losses};
+use crate::common::{final_masters, losses, Scratch};
 use dflash_engine::faults::FaultPlan;
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::checkpoint;
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "dflash-test-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-/// A small, fast configuration (seconds per run) for the equality tests.
-fn small(tag: &str) -> RunOptions {
+/// A small, fast configuration (seconds per run) for the equality tests, writing into `out`.
+fn small(out: PathBuf) -> RunOptions {
     {
         let mut ro = RunOptions::tiny_default();
         ro.data.gen_samples = 32;
@@ -32,7 +22,7 @@ fn small(tag: &str) -> RunOptions {
         ro.model.block_size = 8;
         ro.output.save_every = 4;
         ro.output.quiet = true;
-        ro.output.out = tmp(tag);
+        ro.output.out = out;
         ro
     }
 }
@@ -47,11 +37,12 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 /// are noisy with 8 sequences a batch).
 #[test]
 fn default_run_learns() {
+    let scratch = Scratch::new("run-default_run_learns");
     let opts = {
         let mut ro = RunOptions::tiny_default();
         ro.train.steps = 200;
         ro.output.quiet = true;
-        ro.output.out = tmp("learn");
+        ro.output.out = scratch.fresh("learn");
         ro
     };
     let r = session::run(&opts, None).unwrap();
@@ -67,10 +58,11 @@ fn default_run_learns() {
 /// final weights.
 #[test]
 fn resume_reproduces_the_uninterrupted_run() {
-    let full = small("full");
+    let scratch = Scratch::new("run-resume_reproduces_the_uninterrupted_run");
+    let full = small(scratch.fresh("full"));
     let a = session::run(&full, None).unwrap();
     let part = {
-        let mut ro = small("part");
+        let mut ro = small(scratch.fresh("part"));
         ro.output.stop_after = Some(4);
         ro
     };
@@ -98,9 +90,10 @@ fn resume_reproduces_the_uninterrupted_run() {
 /// the uninterrupted run.
 #[test]
 fn kill_during_save_keeps_the_last_checkpoint() {
+    let scratch = Scratch::new("run-kill_during_save_keeps_the_last_checkpoint");
     // DFLASH_BIN: where the binary is when the tests run on another machine (the GPU bundle).
     let bin = std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string());
-    let out = tmp("kill");
+    let out = scratch.fresh("kill");
     let args = |extra: &[&str]| {
         let mut v: Vec<String> = [
             "run",
@@ -137,7 +130,7 @@ fn kill_during_save_keeps_the_last_checkpoint() {
     assert_eq!(ck.state.step, 4);
     let resumed = Command::new(&bin).args(args(&["--resume"])).status().unwrap();
     assert!(resumed.success());
-    let full = small("kill-ref");
+    let full = small(scratch.fresh("kill-ref"));
     session::run(&full, None).unwrap();
     assert_eq!(final_masters(&out), final_masters(&full.output.out));
 }
@@ -146,9 +139,10 @@ fn kill_during_save_keeps_the_last_checkpoint() {
 /// with and without --pad-to-tokens.
 #[test]
 fn split_fc_is_exact() {
+    let scratch = Scratch::new("run-split_fc_is_exact");
     for pad in [None, Some(160)] {
         let base = {
-            let mut ro = small("unsplit");
+            let mut ro = small(scratch.fresh("unsplit"));
             ro.train.steps = 20;
             ro.output.save_every = 20;
             ro.data.pad_to_tokens = pad;
@@ -158,7 +152,7 @@ fn split_fc_is_exact() {
         let split = {
             let mut ro = base.clone();
             ro.exec.split_fc = true;
-            ro.output.out = tmp("split");
+            ro.output.out = scratch.fresh("split");
             ro
         };
         let b = session::run(&split, None).unwrap();
@@ -173,8 +167,9 @@ fn split_fc_is_exact() {
 /// the fc group while it waits for the drafter, or the two wait for each other forever.
 #[test]
 fn split_fc_survives_slow_checkpoints() {
+    let scratch = Scratch::new("run-split_fc_survives_slow_checkpoints");
     let o = {
-        let mut ro = small("split-slow-ck");
+        let mut ro = small(scratch.fresh("split-slow-ck"));
         ro.exec.split_fc = true;
         ro.train.steps = 6;
         ro.output.save_every = 1;
@@ -193,9 +188,10 @@ fn split_fc_survives_slow_checkpoints() {
 
 #[test]
 fn async_matches_sync() {
+    let scratch = Scratch::new("run-async_matches_sync");
     let sync = session::run(
         &{
-            let mut ro = small("sync");
+            let mut ro = small(scratch.fresh("sync"));
             ro.exec.sync = true;
             ro
         },
@@ -205,7 +201,7 @@ fn async_matches_sync() {
     for inflight in [1, 3] {
         let r = session::run(
             &{
-                let mut ro = small("async");
+                let mut ro = small(scratch.fresh("async"));
                 ro.exec.max_inflight = inflight;
                 ro.data.grad_accum = 2;
                 ro.exec.sync = false;
@@ -216,7 +212,7 @@ fn async_matches_sync() {
         .unwrap();
         let s2 = session::run(
             &{
-                let mut ro = small("sync2");
+                let mut ro = small(scratch.fresh("sync2"));
                 ro.exec.sync = true;
                 ro.data.grad_accum = 2;
                 ro
@@ -238,6 +234,7 @@ fn async_matches_sync() {
 /// A failure at each stage boundary ends the run with that stage's error, within seconds.
 #[test]
 fn failures_end_the_run_with_the_right_error() {
+    let scratch = Scratch::new("run-failures_end_the_run_with_the_right_error");
     let cases: [(FaultPlan, &str); 3] = [
         // Fault steps are 0-based indices; messages count steps from 1, as the step log does.
         (FaultPlan { producer_error_at: Some(3), ..Default::default() }, "producer) failed at step 4"),
@@ -248,7 +245,7 @@ fn failures_end_the_run_with_the_right_error() {
         let t0 = Instant::now();
         let err = session::run(
             &{
-                let mut ro = small("fault");
+                let mut ro = small(scratch.fresh("fault"));
                 ro.exec.faults = faults;
                 ro
             },
@@ -262,7 +259,7 @@ fn failures_end_the_run_with_the_right_error() {
     // Split-FC adds a back channel: a consumer panic must not leave the target side waiting.
     let err = session::run(
         &{
-            let mut ro = small("fault-split");
+            let mut ro = small(scratch.fresh("fault-split"));
             ro.exec.split_fc = true;
             ro.exec.faults = FaultPlan { consumer_panic_at: Some(2), ..Default::default() };
             ro
@@ -276,7 +273,8 @@ fn failures_end_the_run_with_the_right_error() {
 /// Bad input gets an error that names the problem.
 #[test]
 fn bad_input_is_named() {
-    let dir = tmp("bad");
+    let scratch = Scratch::new("run-bad_input_is_named");
+    let dir = scratch.fresh("bad");
     std::fs::create_dir_all(&dir).unwrap();
     let data = dir.join("d.jsonl");
     std::fs::write(
@@ -286,7 +284,7 @@ fn bad_input_is_named() {
     .unwrap();
     let err = session::run(
         &{
-            let mut ro = small("bad-data");
+            let mut ro = small(scratch.fresh("bad-data"));
             ro.data.path = Some(data);
             ro
         },
@@ -297,7 +295,7 @@ fn bad_input_is_named() {
     assert!(msg.contains("line 2") && msg.contains("999"), "{msg}");
     let err = session::run(
         &{
-            let mut ro = small("bad-target");
+            let mut ro = small(scratch.fresh("bad-target"));
             ro.model.target = dir.join("nope").display().to_string();
             ro
         },
@@ -307,7 +305,7 @@ fn bad_input_is_named() {
     assert!(format!("{err:#}").contains("nope"), "{err:#}");
     let err = session::run(
         &{
-            let mut ro = small("bad-pad");
+            let mut ro = small(scratch.fresh("bad-pad"));
             ro.data.pad_to_tokens = Some(50);
             ro
         },
@@ -320,13 +318,14 @@ fn bad_input_is_named() {
 /// Data written by `gen-data` trains through `--data` (the JSONL path end to end).
 #[test]
 fn jsonl_data_trains() {
-    let dir = tmp("jsonl");
+    let scratch = Scratch::new("run-jsonl_data_trains");
+    let dir = scratch.fresh("jsonl");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("data.jsonl");
     session::gen_data("tiny", 16, 40, session::TINY_INIT_STD, &path).unwrap();
     let r = session::run(
         &{
-            let mut ro = small("jsonl");
+            let mut ro = small(scratch.fresh("jsonl"));
             ro.data.path = Some(path);
             ro.train.steps = 3;
             ro
@@ -342,7 +341,8 @@ fn jsonl_data_trains() {
 /// drafter's (the pipeline runs them concurrently).
 #[test]
 fn trace_shows_the_overlap() {
-    let opts = small("trace");
+    let scratch = Scratch::new("run-trace_shows_the_overlap");
+    let opts = small(scratch.fresh("trace"));
     let path = opts.output.out.join("trace.json");
     std::fs::create_dir_all(&opts.output.out).unwrap();
     let (micro, depth_max) = (opts.data.grad_accum, opts.exec.max_inflight + 1);

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
+use crate::common::Scratch;
+
 /// The kernel modules sanitize.sh takes by default, and the async-vs-sync suite.
 const MODULES: [&str; 9] = [
     "gpu::gemm::",
@@ -63,8 +65,8 @@ fn shard(dir: &Path, i: usize, n: usize) -> BTreeMap<String, Vec<String>> {
 
 #[test]
 fn sanitize_shards_give_every_module_to_exactly_one_shard_per_tool() {
-    let dir = std::env::temp_dir().join(format!("dflash-sanitize-stub-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = Scratch::new("scripts-sanitize_shards_give_every_module_to_exactly_one_shard_per_tool");
+    let dir = scratch.path().to_path_buf();
     let stub = dir.join("compute-sanitizer");
     std::fs::write(&stub, "#!/bin/sh\necho \"ARGS $*\"\necho '========= ERROR SUMMARY: 0 errors'\n").unwrap();
     #[cfg(unix)]
@@ -92,5 +94,4 @@ fn sanitize_shards_give_every_module_to_exactly_one_shard_per_tool() {
             assert_eq!(shards[0]["initcheck"], vec![SUITE.to_string()], "{n} shards");
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,22 +5,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
+use crate::common::Scratch;
 use dflash_engine::faults::FaultPlan;
 use dflash_engine::session::{self, RunOptions};
 use dflash_engine::train::batch::{build_batch, BatchSpec, Sample};
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "dflash-user-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-/// Seconds per run: 2 steps on a few generated samples.
-fn quick(tag: &str) -> RunOptions {
+/// Seconds per run: 2 steps on a few generated samples, written into `out`.
+fn quick(out: PathBuf) -> RunOptions {
     let mut o = RunOptions::tiny_default();
     o.data.gen_samples = 8;
     o.data.seq_len = 24;
@@ -29,7 +20,7 @@ fn quick(tag: &str) -> RunOptions {
     o.model.block_size = 4;
     o.train.steps = 2;
     o.output.quiet = true;
-    o.output.out = tmp(tag);
+    o.output.out = out;
     o
 }
 
@@ -76,6 +67,7 @@ fn run_args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 /// anything is written, naming the flag.
 #[test]
 fn non_finite_or_out_of_range_flags_stop_before_training() {
+    let scratch = Scratch::new("user-non_finite_or_out_of_range_flags_stop_before_training");
     for (flag, value) in [
         ("--lr", "nan"),
         ("--lr", "inf"),
@@ -87,7 +79,7 @@ fn non_finite_or_out_of_range_flags_stop_before_training() {
         ("--warmup", "-1"),
         ("--gen-temperature", "-1"),
     ] {
-        let out = tmp("bad-flag");
+        let out = scratch.fresh("bad-flag");
         let o = out.display().to_string();
         let arg = format!("{flag}={value}"); // `--lr -1` would read -1 as a flag
         let (res, err) = cli(&run_args(&o, &[&arg]), None);
@@ -101,18 +93,19 @@ fn non_finite_or_out_of_range_flags_stop_before_training() {
 /// are errors naming the flag, and no file is written.
 #[test]
 fn degenerate_generation_lengths_are_errors_not_panics() {
-    let out = tmp("prompt0").display().to_string();
+    let scratch = Scratch::new("user-degenerate_generation_lengths_are_errors_not_panics");
+    let out = scratch.fresh("prompt0").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--gen-prompt-len", "0"]), None);
     assert!(!res.status.success() && err.contains("--gen-prompt-len") && !err.contains("panicked"), "{err}");
     for seq in ["1", "8", "9"] {
-        let file = tmp("gen").with_extension("jsonl");
+        let file = scratch.fresh("gen").with_extension("jsonl");
         let f = file.display().to_string();
         let (res, err) = cli(&["gen-data", "--seq-len", seq, "--samples", "4", "--out", &f], None);
         assert!(!res.status.success(), "--seq-len {seq} must fail: {err}");
         assert!(err.contains("--seq-len") && !err.contains("panicked"), "--seq-len {seq}: {err}");
         assert!(!file.exists(), "--seq-len {seq}: no file");
     }
-    let file = tmp("gen0").with_extension("jsonl");
+    let file = scratch.fresh("gen0").with_extension("jsonl");
     let f = file.display().to_string();
     let (res, err) = cli(&["gen-data", "--samples", "0", "--out", &f], None);
     assert!(!res.status.success() && err.contains("--samples"), "{err}");
@@ -123,11 +116,12 @@ fn degenerate_generation_lengths_are_errors_not_panics() {
 /// allocation; now the run refuses with the size it would need.
 #[test]
 fn absurd_sizes_are_refused_with_the_memory_they_need() {
-    let mut o = quick("pad");
+    let scratch = Scratch::new("user-absurd_sizes_are_refused_with_the_memory_they_need");
+    let mut o = quick(scratch.fresh("pad"));
     o.data.pad_to_tokens = Some(1 << 40);
     let e = format!("{:#}", session::run(&o, None).expect_err("too large"));
     assert!(e.contains("--pad-to-tokens") && e.contains("GiB"), "{e}");
-    let mut o = quick("inflight");
+    let mut o = quick(scratch.fresh("inflight"));
     o.exec.max_inflight = 1 << 30;
     let e = format!("{:#}", session::run(&o, None).expect_err("too large"));
     assert!(e.contains("--max-inflight"), "{e}");
@@ -137,21 +131,22 @@ fn absurd_sizes_are_refused_with_the_memory_they_need() {
 /// unwritable `--trace` after the whole run. Both are checked before anything is loaded.
 #[test]
 fn unwritable_out_and_trace_are_found_before_training() {
-    let dir = tmp("unwritable");
+    let scratch = Scratch::new("user-unwritable_out_and_trace_are_found_before_training");
+    let dir = scratch.fresh("unwritable");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    let mut o = quick("x");
+    let mut o = quick(scratch.fresh("x"));
     o.output.out = file.join("run");
     let t0 = Instant::now();
     let e = format!("{:#}", session::run(&o, None).expect_err("out under a file"));
     assert!(e.contains("--out"), "{e}");
     assert!(t0.elapsed().as_secs() < 5, "found before loading anything");
-    let mut o = quick("trace");
+    let mut o = quick(scratch.fresh("trace"));
     o.output.trace = Some(file.join("trace.json"));
     let e = format!("{:#}", session::run(&o, None).expect_err("trace under a file"));
     assert!(e.contains("--trace"), "{e}");
-    let mut o = quick("trace-dir");
+    let mut o = quick(scratch.fresh("trace-dir"));
     o.output.trace = Some(dir.clone());
     let e = format!("{:#}", session::run(&o, None).expect_err("trace is a folder"));
     assert!(e.contains("--trace"), "{e}");
@@ -161,7 +156,8 @@ fn unwritable_out_and_trace_are_found_before_training() {
 /// mixed two runs' checkpoints in one folder. Now it refuses and says what to do.
 #[test]
 fn a_second_run_into_a_run_folder_needs_resume() {
-    let o = quick("twice");
+    let scratch = Scratch::new("user-a_second_run_into_a_run_folder_needs_resume");
+    let o = quick(scratch.fresh("twice"));
     session::run(&o, None).unwrap();
     let e = format!("{:#}", session::run(&o, None).expect_err("refused"));
     assert!(e.contains("--resume") && e.contains("another --out"), "{e}");
@@ -172,11 +168,12 @@ fn a_second_run_into_a_run_folder_needs_resume() {
 /// mismatch while an edited data file was not. The fingerprint names each differing flag.
 #[test]
 fn resume_checks_every_setting_that_changes_results() {
-    let dir = tmp("fp");
+    let scratch = Scratch::new("user-resume_checks_every_setting_that_changes_results");
+    let dir = scratch.fresh("fp");
     std::fs::create_dir_all(&dir).unwrap();
     let data = dir.join("data.jsonl");
     session::gen_data("tiny", 12, 24, session::TINY_INIT_STD, &data).unwrap();
-    let mut o = quick("fp");
+    let mut o = quick(scratch.fresh("fp"));
     o.data.path = Some(data.clone());
     o.train.steps = 4;
     o.output.stop_after = Some(2);
@@ -218,6 +215,7 @@ fn resume_checks_every_setting_that_changes_results() {
 /// block slots per sequence as the most anchors any of its sequences drew.
 #[test]
 fn anchors_beyond_the_candidates_cost_nothing() {
+    let scratch = Scratch::new("user-anchors_beyond_the_candidates_cost_nothing");
     let s = Sample { input_ids: (0..24).collect(), loss_mask: [vec![0; 8], vec![1; 16]].concat() };
     let spec = |n: usize| BatchSpec {
         anchors_per_seq: n,
@@ -232,9 +230,9 @@ fn anchors_beyond_the_candidates_cost_nothing() {
     assert_eq!(few.num_blocks, 2 * 15, "15 candidates per sequence");
     assert_eq!(many.num_blocks, few.num_blocks);
     assert_eq!(many.anchors, few.anchors);
-    let mut a = quick("anchors-16");
+    let mut a = quick(scratch.fresh("anchors-16"));
     a.data.anchors = 16;
-    let mut b = quick("anchors-1000");
+    let mut b = quick(scratch.fresh("anchors-1000"));
     b.data.anchors = 1000;
     let (ra, rb) = (session::run(&a, None).unwrap(), session::run(&b, None).unwrap());
     assert_eq!(crate::common::losses(&ra), crate::common::losses(&rb));
@@ -244,7 +242,8 @@ fn anchors_beyond_the_candidates_cost_nothing() {
 /// "Caused by"; now the cause comes first.
 #[test]
 fn a_failed_run_leads_with_its_cause() {
-    let mut o = quick("cause");
+    let scratch = Scratch::new("user-a_failed_run_leads_with_its_cause");
+    let mut o = quick(scratch.fresh("cause"));
     o.exec.faults = FaultPlan { producer_error_at: Some(1), ..Default::default() };
     let e = session::run(&o, None).expect_err("fails");
     let head = e.to_string();
@@ -256,11 +255,12 @@ fn a_failed_run_leads_with_its_cause() {
 /// shadowed the preset; the data line said "greedy" when sampling.
 #[test]
 fn target_and_data_lines_say_what_was_used() {
-    let dir = tmp("names");
+    let scratch = Scratch::new("user-target_and_data_lines_say_what_was_used");
+    let dir = scratch.fresh("names");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("model.safetensors");
     std::fs::write(&file, b"not a folder").unwrap();
-    let mut o = quick("file");
+    let mut o = quick(scratch.fresh("file"));
     o.model.target = file.display().to_string();
     let e = format!("{:#}", session::run(&o, None).expect_err("a file"));
     assert!(e.contains("is a file") && !e.contains("does not exist"), "{e}");
@@ -278,12 +278,13 @@ fn target_and_data_lines_say_what_was_used() {
 /// bar and the step lines.
 #[test]
 fn quiet_hides_only_the_bar_and_the_step_lines() {
-    let out = tmp("quiet").display().to_string();
+    let scratch = Scratch::new("user-quiet_hides_only_the_bar_and_the_step_lines");
+    let out = scratch.fresh("quiet").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--quiet"]), None);
     assert!(res.status.success(), "{err}");
     assert!(err.contains("backend ") && err.contains("== run summary"), "{err}");
     assert!(!err.contains("  step |"), "{err}");
-    let out = tmp("loud").display().to_string();
+    let out = scratch.fresh("loud").display().to_string();
     let (_, err) = cli(&run_args(&out, &[]), None);
     assert!(err.contains("  step |"), "{err}");
 }
@@ -292,7 +293,8 @@ fn quiet_hides_only_the_bar_and_the_step_lines() {
 /// batch still waiting to enter the queue. It is now at most the queue's capacity.
 #[test]
 fn queue_depth_never_exceeds_max_inflight() {
-    let mut o = quick("depth");
+    let scratch = Scratch::new("user-queue_depth_never_exceeds_max_inflight");
+    let mut o = quick(scratch.fresh("depth"));
     o.train.steps = 6;
     o.exec.max_inflight = 2;
     let r = session::run(&o, None).unwrap();
@@ -304,7 +306,8 @@ fn queue_depth_never_exceeds_max_inflight() {
 /// `inspect RUN_DIR` did not follow `latest`: it now shows the run's latest checkpoint.
 #[test]
 fn inspect_follows_latest_in_a_run_folder() {
-    let o = quick("inspect");
+    let scratch = Scratch::new("user-inspect_follows_latest_in_a_run_folder");
+    let o = quick(scratch.fresh("inspect"));
     session::run(&o, None).unwrap();
     let (res, err) = cli(&["inspect", &o.output.out.display().to_string()], None);
     let text = String::from_utf8_lossy(&res.stdout);
@@ -317,10 +320,11 @@ fn inspect_follows_latest_in_a_run_folder() {
 /// silently winning; a recipe for another target names the field that does not fit.
 #[test]
 fn drafter_config_conflicts_and_mismatches_are_named() {
+    let scratch = Scratch::new("user-drafter_config_conflicts_and_mismatches_are_named");
     let (out, err) = cli(&["run", "--drafter-config", "qwen3-8b", "--drafter-layers", "3"], None);
     assert!(!out.status.success());
     assert!(err.contains("--drafter-layers") && err.contains("--drafter-config"), "{err}");
-    let mut o = quick("recipe-mismatch");
+    let mut o = quick(scratch.fresh("recipe-mismatch"));
     o.model.drafter_config = Some("qwen3.6-27b".into());
     let e = format!("{:#}", session::run(&o, None).unwrap_err());
     assert!(

@@ -1,5 +1,8 @@
-//! Shared helpers: small shapes, random inputs, gradient comparison.
+//! Shared helpers: small shapes, random inputs, gradient comparison, scratch folders.
 #![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dflash_engine::backend::cpu::{CpuBackend, CpuBuf};
 use dflash_engine::model::drafter::{Drafter, DrafterShape, ParamGroup};
@@ -8,6 +11,52 @@ use dflash_engine::tensor::DType;
 use dflash_engine::train::batch::Sample;
 
 pub type Exact = CpuBackend<f64>;
+
+/// A test's scratch folder, `$TMPDIR/dflash-<tag>-XXXXXX`: removed when dropped; kept, and its
+/// path printed to stderr, when dropped by a panic (a failing test's files stay to be looked at).
+pub struct Scratch {
+    dir: Option<tempfile::TempDir>,
+    fresh: AtomicUsize,
+}
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("dflash-{tag}-"))
+            .tempdir()
+            .unwrap_or_else(|e| panic!("cannot create a scratch folder for {tag}: {e}"));
+        Scratch { dir: Some(dir), fresh: AtomicUsize::new(0) }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.as_ref().expect("the folder lives until drop").path()
+    }
+
+    /// `path().join(p)`, not created.
+    pub fn join(&self, p: impl AsRef<Path>) -> PathBuf {
+        self.path().join(p)
+    }
+
+    /// A path inside the folder named after `tag`, not created, different on every call (a new
+    /// run folder each time a helper builds one).
+    pub fn fresh(&self, tag: &str) -> PathBuf {
+        self.join(format!("{tag}-{}", self.fresh.fetch_add(1, Ordering::Relaxed)))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let Some(dir) = self.dir.take() else { return };
+        if std::thread::panicking() {
+            eprintln!("scratch folder kept: {}", dir.keep().display());
+        } else {
+            let path = dir.path().to_path_buf();
+            if let Err(e) = dir.close() {
+                eprintln!("could not remove the scratch folder {}: {e}", path.display());
+            }
+        }
+    }
+}
 
 /// A drafter side (drafter + fc, seed 4) on the f32 CPU backend with random frozen tables.
 pub fn cpu_side(be: &CpuBackend, sh: &DrafterShape) -> dflash_engine::train::step::DrafterSide<CpuBackend> {

@@ -37,8 +37,6 @@ mod pack;
 mod regenerate;
 mod training;
 
-use std::path::PathBuf;
-
 use dflash_engine::backend::cuda::{alloc::Mode, CudaBackend};
 use dflash_engine::backend::Backend;
 use dflash_engine::rng::Philox;
@@ -109,10 +107,3 @@ fn bits_equal(what: &str, gpu: &[f32], cpu: &[f32]) {
 // A bf16 result computed in f32 and rounded once differs from the CPU's only through summation
 // order: about one bf16 ulp (2^-8 relative) of the largest value; 1e-2 leaves room for two.
 const BF16_TOL: f32 = 1e-2;
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dflash-gpu-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}

@@ -9,7 +9,8 @@ use dflash_engine::backend::Backend;
 use dflash_engine::rng::Philox;
 use dflash_engine::tensor::DType;
 
-use super::{get, gpu, ids, put, rand, rel_err, tmp};
+use super::{get, gpu, ids, put, rand, rel_err};
+use crate::common::Scratch;
 
 /// Where tests/reference lives: the working directory (the GPU bundle runs from the repo root),
 /// or DFLASH_REPO_ROOT.
@@ -49,8 +50,10 @@ fn gpu_taps_match_hugging_face() {
     use dflash_engine::config::TargetConfig;
     use dflash_engine::model::target::{Target, TargetInputs, TargetShape};
     let g = gpu();
+    let scratch = Scratch::new("gpu-gpu_taps_match_hugging_face");
     for (preset, taps) in [("tiny", vec![1usize, 3]), ("small", vec![1, 4, 7])] {
-        let dir = tmp(&format!("hf-{preset}"));
+        let dir = scratch.join(format!("hf-{preset}"));
+        std::fs::create_dir_all(&dir).unwrap();
         let cfg = TargetConfig::preset(preset).unwrap();
         dflash_engine::weights::init_target(&cfg, 3, 0.05, dir.join("model")).unwrap();
         let (b, s) = (2usize, 64usize);
@@ -203,7 +206,8 @@ fn drafter_vs_pytorch(windows: Vec<Option<usize>>, eps: f32) {
     let loss = get(&g, &out.loss).iter().map(|&x| f64::from(x)).sum::<f64>() / hb.weight_sum;
 
     // The case file for the oracle.
-    let dir = tmp("drafter-ref");
+    let scratch = Scratch::new("gpu-drafter_vs_pytorch");
+    let dir = scratch.path().to_path_buf();
     let f32b = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let i32b = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     use safetensors::Dtype::{F32, I32};
@@ -345,6 +349,7 @@ fn qwen35_taps_match_hugging_face(g: Option<&dflash_engine::backend::cuda::CudaB
     use dflash_engine::backend::cpu::CpuBackend;
     use dflash_engine::config::TargetConfig;
     let mut fails = Vec::new();
+    let scratch = Scratch::new(&format!("gpu-qwen35_taps_match_hugging_face-{device}"));
     for preset in ["qwen3.5-tiny", "qwen3.5-small"] {
         let cfg = TargetConfig::preset(preset).unwrap();
         let dflash_engine::config::Arch::Qwen35(hy) = &cfg.arch else { panic!("{preset} is not a hybrid preset") };
@@ -353,7 +358,8 @@ fn qwen35_taps_match_hugging_face(g: Option<&dflash_engine::backend::cuda::CudaB
         let linear = (0..cfg.num_hidden_layers).find(|&i| !kinds[i]).expect("a linear layer");
         let full = (0..cfg.num_hidden_layers).find(|&i| kinds[i]).expect("a full-attention layer");
         let taps = vec![linear.min(full), linear.max(full)];
-        let dir = tmp(&format!("hf35-{preset}"));
+        let dir = scratch.join(format!("hf35-{preset}"));
+        std::fs::create_dir_all(&dir).unwrap();
         write_uniform_init(&cfg, 3, &dir.join("model"));
         let lens = [100usize, 37, 5];
         let n: usize = lens.iter().sum();

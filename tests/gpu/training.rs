@@ -1,9 +1,8 @@
 //! Training on CUDA end to end: the loss curve tracks the CPU backend's, and two CUDA runs are
 //! bit-identical.
 
+use crate::common::Scratch;
 use dflash_engine::session::{self, Device, RunOptions};
-
-use super::tmp;
 
 /// 50 training steps on CUDA track the CPU backend (same data file, same seed), and two CUDA runs
 /// give bit-identical losses: one with the defaults (the first two layers' gate|up parked in host
@@ -21,7 +20,8 @@ fn gpu_training_tracks_cpu_and_is_deterministic() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_sliding_drafter_training_tracks_cpu_and_is_deterministic() {
     use dflash_engine::config::{DraftLayerType, DrafterConfig, TargetConfig};
-    let dir = tmp("train-sliding-cfg");
+    let scratch = Scratch::new("gpu-gpu_sliding_drafter_training_tracks_cpu_and_is_deterministic");
+    let dir = scratch.path().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     let mut d = DrafterConfig::for_target(&TargetConfig::preset("tiny").unwrap(), 2, 16, None).unwrap();
     (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) = (8, 2, 16, 128);
@@ -36,7 +36,8 @@ fn gpu_sliding_drafter_training_tracks_cpu_and_is_deterministic() {
 
 fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
     use dflash_engine::model::drafter::Recompute;
-    let dir = tmp(tag);
+    let scratch = Scratch::new(&format!("gpu-tracks_cpu_and_is_deterministic-{tag}"));
+    let dir = scratch.path().to_path_buf();
     let data = dir.join("data.jsonl");
     session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data).unwrap();
     let base = {
@@ -93,7 +94,8 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_hybrid_training_tracks_cpu_and_is_deterministic() {
-    let dir = tmp("train-hybrid");
+    let scratch = Scratch::new("gpu-gpu_hybrid_training_tracks_cpu_and_is_deterministic");
+    let dir = scratch.path().to_path_buf();
     let data = dir.join("data.jsonl");
     session::gen_data("qwen3.5-tiny", 64, 64, session::TINY_INIT_STD, &data).unwrap();
     let base = {
@@ -138,7 +140,8 @@ fn gpu_hybrid_training_tracks_cpu_and_is_deterministic() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
     use dflash_engine::backend::profile::{Phase, StepClock};
-    let dir = tmp("profile");
+    let scratch = Scratch::new("gpu-gpu_profile_accounts_for_the_step_and_changes_nothing");
+    let dir = scratch.path().to_path_buf();
     let run = |profile: bool, tag: &str| {
         let mut ro = RunOptions::tiny_default();
         ro.train.steps = 6;
