@@ -164,10 +164,11 @@ impl<B: Backend> Family<B> for Qwen3 {
 /// input norm of `x`. Each residual add runs fused with the norm after it: the post-attention
 /// norm, then `next_norm` (the next layer's input norm, or the final norm) into `sc.xn`; with no
 /// `next_norm` the last add runs alone. `x` is complete after the call (for taps).
-/// q, k and v come from one GEMM (their weights
-/// are adjacent, [`push_layer`] with `fuse_qkv`); the per-head norms and RoPE run as one op that
-/// writes the keys straight to where the attention reads them (the scratch, or the KV cache when
-/// decoding), and the values are copied there from the same GEMM's output.
+///
+/// q, k and v come from one GEMM (their weights are adjacent, [`push_layer`] with `fuse_qkv`);
+/// the per-head norms and RoPE run as one op that writes the keys straight to where the attention
+/// reads them (the scratch, or the KV cache when decoding), and the values are copied there from
+/// the same GEMM's output.
 #[allow(clippy::too_many_arguments)]
 fn layer<B: Backend>(
     t: &Target<B>,
