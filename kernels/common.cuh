@@ -269,17 +269,35 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 
 // The store matching bf16_lane_load: one access a lane (p aligned to V * 2 bytes), each value
-// rounded once (RNE, as the CPU reference). It sits at the end of the file because placed beside
-// bf16_lane_load it changed ptxas's schedule of gdn_fast_prep_nk8 (388 SASS lines, with no source
-// change to that kernel; scripts/sass-diff.sh).
+// rounded once by the hardware's conversion (pack_bf16x2_rn_fast: the CPU's bits for every non-NaN
+// value), for kernels compared with the CPU within a tolerance.
 template <int V>
-__device__ __forceinline__ void bf16_lane_store_rne(__nv_bfloat16* p, const float (&f)[V]) {
+__device__ __forceinline__ void bf16_lane_store_rn_fast(__nv_bfloat16* p, const float (&f)[V]) {
   if constexpr (V == 8) {
-    *reinterpret_cast<uint4*>(p) = bf16x8_pack_rne(f);
+    *reinterpret_cast<uint4*>(p) = bf16x8_pack_rn_fast(f);
   } else if constexpr (V == 4) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2_rne(f[0], f[1]), pack_bf16x2_rne(f[2], f[3]));
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2_rn_fast(f[0], f[1]), pack_bf16x2_rn_fast(f[2], f[3]));
+  } else if constexpr (V == 2) {
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2_rn_fast(f[0], f[1]);
+  } else {
+    *p = __ushort_as_bfloat16((unsigned short)pack_bf16x2_rn_fast(f[0], 0.f));
+  }
+}
+
+// Each of a lane's V values rounded to bf16 and back (f32), two to one hardware conversion: the
+// same values as bf16_to_f32(f32_to_bf16_rne(f)) for every non-NaN f, in 3 instructions a pair
+// instead of ~14.
+template <int V>
+__device__ __forceinline__ void bf16_lane_round_rn_fast(float (&f)[V]) {
+  static_assert(V == 1 || V % 2 == 0, "a lane holds 1 or an even number of values");
+  if constexpr (V == 1) {
+    f[0] = bf16x2_lo_to_f32(pack_bf16x2_rn_fast(f[0], 0.f));
   } else {
 #pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = f32_to_bf16_rne(f[j]);
+    for (int j = 0; j < V; j += 2) {
+      const uint32_t u = pack_bf16x2_rn_fast(f[j], f[j + 1]);
+      f[j] = bf16x2_lo_to_f32(u);
+      f[j + 1] = bf16x2_hi_to_f32(u);
+    }
   }
 }

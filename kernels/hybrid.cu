@@ -550,10 +550,15 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //                    flight together, the row's sin and cos computed once for them), V =
 //                    bf16_lane_dims(D) elements a lane; the partner of element c (c +- rot/2) sits
 //                    rot / 2 / V lanes away (the launcher checks rot / 2 % V == 0 and that x's
-//                    offset and stride are multiples of V). 27B query heads (12288 x 24 x 256,
-//                    rot 64) on the H200: 0.241 ms in the bench, 0.355 with a warp per head (the
-//                    rotating lanes' sincosf for every head); in the forward 171 vs 214 us a call
-//                    (q and k calls averaged).
+//                    offset and stride are multiples of V). Each lane takes one of a round of 32
+//                    angles (one sincosf) and the rotating lanes gather theirs by shuffles; the
+//                    normed value and the output are rounded by the hardware's cvt.rn.bf16x2.f32
+//                    (the CPU's bits for every non-NaN value). 27B query heads (12288 x 24 x 256,
+//                    rot 64) on the H200, bench (in the forward, q and k calls averaged):
+//                    a warp per head 0.355 ms (214 us); heads in groups, each rotating lane
+//                    computing its own angles 0.241 ms (171 us); one sincosf a lane, packed loads,
+//                    3 blocks an SM 0.128 ms (100 us); the hardware rounding and ss * (1 / D)
+//                    instead of an IEEE division 0.096 ms (69 us), 74% of copy bandwidth.
 //   sigmoid_mul_strided  x[r, c] /= 1 + exp(-gate[r * gate_stride + c]) (the gate in place in the
 //                    q | gate projection); 8-element (16-byte) accesses where widths, strides and
 //                    addresses allow.
@@ -834,6 +839,7 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
                                                     const float* __restrict__ inv_freq, long long n, int heads,
                                                     int rot_dim, float eps) {
   constexpr int V = bf16_lane_dims(D), G = HYB_NORM_ROPE_HEADS;
+  static_assert(D >= 16 && (D & (D - 1)) == 0, "head_dim a power of two (exports below)");
   const int lane = threadIdx.x & 31;
   const bool active = lane * V < D;
   const int c0 = active ? lane * V : 0;
@@ -881,10 +887,11 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
       float ss = 0.f;
 #pragma unroll
       for (int j = 0; j < V; ++j) ss = active ? fmaf(xv[j], xv[j], ss) : ss;
-      const float inv = 1.f / sqrtf(hyb::warp_sum(ss) / (float)D + eps);
+      const float inv = 1.f / sqrtf(hyb::warp_sum(ss) * (1.f / D) + eps);  // / D exactly (a power of two)
       // xv becomes the normed row, then (rotated lanes) its rotation.
 #pragma unroll
-      for (int j = 0; j < V; ++j) xv[j] = bf16_to_f32(f32_to_bf16_rne(xv[j] * inv * (1.f + wb.at(j))));
+      for (int j = 0; j < V; ++j) xv[j] = xv[j] * inv * (1.f + wb.at(j));
+      bf16_lane_round_rn_fast<V>(xv);
       float other[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) other[j] = __shfl_sync(0xffffffffu, xv[j], src);
@@ -898,13 +905,7 @@ __device__ __forceinline__ void norm1p_rope_partial(const __nv_bfloat16* __restr
                            : __fadd_rn(__fmul_rn(xv[j], cs[j]), __fmul_rn(other[j], sn[j]));
         }
       }
-      __nv_bfloat16* out = y + (row * heads + h0 + g) * D + c0;
-      if constexpr (V == 8) {
-        *reinterpret_cast<uint4*>(out) = bf16x8_pack_rne(o);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) out[j] = f32_to_bf16_rne(o[j]);
-      }
+      bf16_lane_store_rn_fast<V>(y + (row * heads + h0 + g) * D + c0, o);
     }
   }
 }
