@@ -123,7 +123,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, gdn-conv add-norm norm-rope, attention, gdn, fc, gemm-algos) whose name contains a
+    // decode, gdn-conv rmsnorm1p norm-rope, attention, gdn, fc, gemm-algos) whose name contains a
     // pattern; the peaks are always measured. gemm-model runs only when named exactly.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
@@ -235,11 +235,6 @@ fn main() {
             "rope (32768 x 32 x 128)",
             time_per_call(&be, 10, MEM_CALLS, || be.rope(&s, &mut y, &pos, rb, 32, 128, 1e6, false).unwrap()),
             (rb * h * 4) as f64,
-        );
-        mem(
-            "add (32768 x 4096)",
-            time_per_call(&be, 10, MEM_CALLS, || be.add_inplace(&s, &mut y, &x).unwrap()),
-            (rb * h * 6) as f64,
         );
         drop((x, y, dx));
         // The Qwen3 target's per-head q/k norm and RoPE at the 8B shape (4 x 3072 rows, 32/8
@@ -390,7 +385,7 @@ fn main() {
         }
     }
 
-    if want("gdn-conv add-norm norm-rope") {
+    if want("gdn-conv rmsnorm1p norm-rope") {
         // The Gated DeltaNet's convolution + SiLU + q/k L2 norms (gdn_conv_qkv) at the 27B shape:
         // 4 x 3072 rows of the f32 q|k|v projection (16 key heads of 128, 6144 value channels),
         // kernel size 4. Bytes: the f32 input read once and q, k, v written once.
@@ -415,16 +410,13 @@ fn main() {
             be.gdn_conv_qkv(&s, &sh, &x, &w, &starts, &mut q, &mut k, &mut v).unwrap()
         });
         mem("gdn conv + q/k norms (4 x 3072, 10240 ch, K 4)", t, 8.0 * (n * c) as f64);
-        // The residual add and the next `1 + w` RMSNorm (add_rmsnorm1p), twice a layer at the 27B
-        // hidden size. Bytes: x and t read, x and y written.
+        // The `1 + w` RMSNorm after each residual add (the adds ride on the output projections'
+        // GEMMs), twice a layer at the 27B hidden size. Bytes: x read, y written.
         let hd = 5120;
-        let (mut xr, tr, wn) =
-            (normal_buf(DType::BF16, n * hd, 53), normal_buf(DType::BF16, n * hd, 54), normal_buf(DType::BF16, hd, 55));
+        let (xr, wn) = (normal_buf(DType::BF16, n * hd, 53), normal_buf(DType::BF16, hd, 55));
         let mut yn = buf(DType::BF16, n * hd);
-        let t = time_per_call(&be, 10, MEM_CALLS, || {
-            be.add_rmsnorm1p_fwd(&s, &mut xr, &tr, &wn, 0, &mut yn, n, hd, 1e-6).unwrap()
-        });
-        mem("add + rmsnorm1p (12288 x 5120)", t, 8.0 * (n * hd) as f64);
+        let t = time_per_call(&be, 10, MEM_CALLS, || be.rmsnorm1p_fwd(&s, &xr, &wn, 0, &mut yn, n, hd, 1e-6).unwrap());
+        mem("rmsnorm1p (12288 x 5120)", t, 4.0 * (n * hd) as f64);
         // The full-attention layer's per-head `1 + w` norm and partial RoPE of q (24 heads of 256,
         // 64 rotated, read from the q | gate projection at a stride of 512). Bytes: q read, y
         // written.

@@ -1,17 +1,15 @@
-// elementwise.cu: fills, dtype conversions, the residual add, the non-finite counter and the
-// embedding gather: the memory-bound odds and ends every step needs.
+// elementwise.cu: fills, dtype conversions, the non-finite counter and the embedding gather: the
+// memory-bound odds and ends every step needs.
 //
 // Math (n elements, T = bf16, every bf16 write one RNE rounding, f32_to_bf16_rne = half::bf16):
 //   fill_f32             x[i] = v                                   fill_bf16  x[i] = bf16(v)
 //   convert_f32_to_bf16  dst[i] = bf16(src[i])                      convert_bf16_to_f32  exact
-//   add_inplace_bf16     x[i] = bf16(f32(x[i]) + f32(y[i]))         (one f32 add, __fadd_rn)
 //   count_nonfinite_*    out[0] += #{i : x[i] is NaN or +-Inf}      (u64; launcher zeroes out[0])
 //   embed_bf16           out[r, :] = table[ids[r], :] (bit copy); ids[r] outside [0, vocab)
 //                        -> out[r, :] = NaN (0x7FC0) so the finite check catches it.
 // Layouts:  flat contiguous arrays; embed: table [vocab, dim], out [rows, dim] row-major bf16,
 //           ids [rows] i32. The launcher passes offset views as pointers (table + off).
-// Preconditions: n, rows, dim >= 0 (<= 0: nothing to do); src/dst, x/y, table/out do not
-//           overlap (add_inplace: x == y is fine, each element is read then written by one thread).
+// Preconditions: n, rows, dim >= 0 (<= 0: nothing to do); src/dst, table/out do not overlap.
 // Fast path: 16-byte accesses when every pointer is 16-byte aligned (and, for embed, dim % 8 == 0):
 //           8 bf16 or 4 f32 per access; the remaining n % 8 (n % 4) elements, or everything when
 //           unaligned, take a scalar loop. Results are bit-identical on both paths.
@@ -20,12 +18,11 @@
 //           any >= 1 (grid-stride loops). Suggested grid.x = clamp(ceil(work / 256), 1,
 //           16 * SM count) with work = ceil(n / 8) (bf16 vectors), ceil(n / 4) (fill_f32), or
 //           rows * ceil(dim / 8) (embed). No shared memory, no scratch.
-// Bytes:    fill: 4n / 2n written. convert: 4n + 2n. add: 3 * 2n. count: 4n / 2n read.
+// Bytes:    fill: 4n / 2n written. convert: 4n + 2n. count: 4n / 2n read.
 //           embed: rows * dim * 2 * 2 + rows * 4.
-// FLOPs:    add: n; the rest: 0 (integer bit tests for count).
+// FLOPs:    0 (integer bit tests for count).
 // Bound:    memory. Target >= 80% of the measured device-to-device copy bandwidth (~4.1 TB/s on
 //           an H200) for n or rows * dim >= 2^24; embed's table rows are random 2*dim-byte reads.
-//           Measured (H200): add_inplace_bf16 at n = 2^27, 4.05 TB/s.
 // Determinism: no float reductions; count uses one integer atomicAdd per warp with a non-zero
 //           count (exact in any order).
 #include "common.cuh"
@@ -114,35 +111,6 @@ extern "C" __global__ void convert_bf16_to_f32(const __nv_bfloat16* __restrict__
     done = nv * BF16_PER_VEC;
   }
   for (index_t i = done + first; i < n; i += stride) dst[i] = bf16_to_f32(src[i]);
-}
-
-// ---- residual add -----------------------------------------------------------------------------
-
-// No __restrict__: x == y (x = 2x) is allowed and correct, each element being read then written
-// by the same thread.
-extern "C" __global__ void add_inplace_bf16(__nv_bfloat16* x, const __nv_bfloat16* y,
-                                            long long n) {
-  if (n <= 0) return;
-  const index_t first = grid_thread_index();
-  const index_t stride = grid_thread_count();
-  index_t done = 0;
-  if (is_vec_aligned(x) && is_vec_aligned(y)) {
-    const index_t nv = n / BF16_PER_VEC;
-    uint4* x4 = reinterpret_cast<uint4*>(x);
-    const uint4* y4 = reinterpret_cast<const uint4*>(y);
-    for (index_t i = first; i < nv; i += stride) {
-      float a[8], b[8];
-      bf16x8_unpack(x4[i], a);
-      bf16x8_unpack(y4[i], b);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) a[j] = __fadd_rn(a[j], b[j]);
-      x4[i] = bf16x8_pack_rne(a);
-    }
-    done = nv * BF16_PER_VEC;
-  }
-  for (index_t i = done + first; i < n; i += stride) {
-    x[i] = f32_to_bf16_rne(__fadd_rn(bf16_to_f32(x[i]), bf16_to_f32(y[i])));
-  }
 }
 
 // ---- non-finite counters ----------------------------------------------------------------------

@@ -22,11 +22,13 @@
 // Launch:   every kernel: blockDim.x = HYB_BLOCK (launch.cuh), any grid >= 1 (grid-stride).
 //           Row kernels (norms) give each warp one row at a time (gated_rmsnorm two at dim <= 128):
 //           grid ceil(rows / 8); the bf16 norms move 4 elements (8 bytes) a lane where
-//           dim % 4 == 0 and the pointers allow. conv1d:
+//           dim % 4 == 0 and the pointers allow. rmsnorm1p_fwd_bf16_v4 / _v5 instead give a row
+//           to a block of dim / (8 VPT) threads (VPT = 4 or 5; 256 bytes of shared memory), grid
+//           min(rows, 2^31 - 1): the launcher's pick where dim and the pointers allow. conv1d:
 //           one item per HYB_CONV_ROWS rows of a channel, kernel_size <= HYB_CONV_MAX_K (traps
 //           otherwise). copy_strided: a CTA per row (grid-stride over rows), 16-byte units where addresses,
 //           strides and width allow.
-//           No shared memory.
+//           No shared memory but rmsnorm1p's block variants'.
 // Bytes:    each kernel reads its inputs once and writes its output once (the row norms read a
 //           row twice, the second time from L1/L2); e.g. rmsnorm1p 4 * rows * dim + 2 * dim.
 // FLOPs:    O(1) per element (conv1d: 2K + ~20 for silu); all memory-bound. Target: >= 60% of the
@@ -150,14 +152,83 @@ __device__ __forceinline__ void norm_rows(const bf16* __restrict__ x, bf16* __re
 
 }  // namespace hyb
 
-extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_fwd_bf16(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-    long long rows, int dim, float eps) {
-  const bool vec = dim % 4 == 0 && hyb::aligned8(x) && hyb::aligned8(w) && hyb::aligned8(y);
-  hyb::norm_rows(x, y, rows, dim, eps, vec, [&](index_t, int c, float xc, float inv) {
-    return xc * inv * (1.f + bf16_to_f32(w[c]));
-  });
+namespace hyb {
+
+// rmsnorm1p with a block per row (NT = dim / (8 VPT) threads, a multiple of 32): thread i holds
+// the row's 16-byte groups i, i + NT, ... (VPT of them, coalesced across the block), loads them
+// at once and keeps them in registers for the second pass (no reread of x), and loads w while the
+// warps' sums meet in shared memory. The warp per row of norm_rows takes 5120 elements in 40
+// dependent rounds and 12288 rows as 1.45 waves of warps; here every load of a row is in flight at
+// once. Same products as norm_rows; the row's sum of squares is added in another order.
+template <int VPT>
+__device__ __forceinline__ void norm1p_block_rows(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                  bf16* __restrict__ y, long long rows, int dim, float eps) {
+  __shared__ float part[2][32];
+  const int tid = threadIdx.x, nt = blockDim.x, nw = nt >> 5;
+  if (nt * 8 * VPT != dim || (nt & 31) != 0) __trap();
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  int parity = 0;
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {
+    const uint4* x4 = reinterpret_cast<const uint4*>(x + r * dim);
+    uint4 xv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) xv[i] = x4[i * nt + tid];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float a[8];
+      bf16x8_unpack(xv[i], a);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = fmaf(a[e], a[e], ss);
+    }
+    uint4 wv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) wv[i] = w4[i * nt + tid];
+    ss = warp_sum(ss);
+    if ((tid & 31) == 0) part[parity][tid >> 5] = ss;
+    __syncthreads();  // (the other parity's slots are free: every thread read them a row ago)
+    float tot = 0.f;
+    for (int i = 0; i < nw; ++i) tot += part[parity][i];
+    const float inv = 1.f / sqrtf(tot / (float)dim + eps);
+    uint4* y4 = reinterpret_cast<uint4*>(y + r * dim);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float v[8], wf[8];
+      bf16x8_unpack(xv[i], v);
+      bf16x8_unpack(wv[i], wf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * (1.f + wf[e]);
+      y4[i * nt + tid] = bf16x8_pack_rne(v);
+    }
+  }
 }
+
+// rmsnorm1p_fwd_bf16_v0: a warp per row, any dim; _v4, _v5: a block per row of VPT = 4 or 5
+// 16-byte groups a thread (the launcher picks; one argument list for all three).
+template <int V>
+__device__ __forceinline__ void norm1p(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y,
+                                       long long rows, int dim, float eps) {
+  if constexpr (V == 0) {
+    const bool vec = dim % 4 == 0 && aligned8(x) && aligned8(w) && aligned8(y);
+    norm_rows(x, y, rows, dim, eps, vec,
+              [&](index_t, int c, float xc, float inv) { return xc * inv * (1.f + bf16_to_f32(w[c])); });
+  } else {
+    norm1p_block_rows<V>(x, w, y, rows, dim, eps);
+  }
+}
+
+}  // namespace hyb
+
+#define HYB_NORM1P_EXPORT(V)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(HYB_BLOCK) rmsnorm1p_fwd_bf16_v##V(                             \
+      const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, \
+      long long rows, int dim, float eps) {                                                                    \
+    hyb::norm1p<V>(x, w, y, rows, dim, eps);                                                                   \
+  }
+
+HYB_NORM1P_EXPORT(0)
+HYB_NORM1P_EXPORT(4)
+HYB_NORM1P_EXPORT(5)
 
 extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gated_rmsnorm_fwd_bf16(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ w,
@@ -520,10 +591,6 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 
 // ---- Fused passes of the target's forward (each the composition of the kernels above that its
 // CPU reference runs, with the same roundings; only the order of a row's sum of squares differs).
-//   add_rmsnorm1p    x = bf16(x + t) (add_inplace), then y = rmsnorm1p(x): one read of x and t,
-//                    one write of x and y (the unfused pair reads x twice and writes it once more).
-//                    A warp per row as rmsnorm1p_fwd; the second pass rereads the lane's own
-//                    just-written x (L1/L2). Bytes: 8 * rows * dim.
 //   gdn_conv_qkv     conv1d_silu of the f32 q|k|v projection, then the per-head L2 norms of q
 //                    (times q_scale) and k, written to q, k, v [rows, key_dim|key_dim|value_dim]
 //                    (f32): the conv's output, the split copies and the norms' reads are gone.
@@ -564,139 +631,6 @@ extern "C" __global__ void __launch_bounds__(HYB_BLOCK) gdn_gates_bf16(
 //                    addresses allow.
 //   gdn_gates_ba     gdn_gates with b and a read from one [rows, 2 * heads] b | a projection (one
 //                    GEMM instead of two, each of which read the whole normed input).
-
-// add_rmsnorm1p with a warp per row (any dim; 8-byte accesses where dim % 4 == 0 and aligned).
-__device__ __forceinline__ void add_norm_warp(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
-                                              const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-                                              long long rows, int dim, float eps) {
-  using namespace hyb;
-  const bool vec = dim % 4 == 0 && aligned8(x) && aligned8(t) && aligned8(w) && aligned8(y);
-  const int lane = threadIdx.x & 31;
-  for (index_t r = (index_t)blockIdx.x * WARPS + (threadIdx.x >> 5); r < rows; r += (index_t)gridDim.x * WARPS) {
-    bf16* xr = x + r * dim;
-    const bf16* tr = t + r * dim;
-    bf16* yr = y + r * dim;
-    float ss = 0.f;
-    if (vec) {
-      for (int c = lane * 4; c < dim; c += 128) {
-        float a[4], b[4];
-        load4(xr + c, a);
-        load4(tr + c, b);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(a[i], b[i])));
-        store4_rne(xr + c, a);  // a holds bf16 values: the rounding is exact
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ss = fmaf(a[i], a[i], ss);
-      }
-      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)dim + eps);
-      for (int c = lane * 4; c < dim; c += 128) {
-        float v[4], wv[4];
-        load4(xr + c, v);  // this lane's own write above
-        load4(w + c, wv);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = v[i] * inv * (1.f + wv[i]);
-        store4_rne(yr + c, v);
-      }
-    } else {
-      for (int c = lane; c < dim; c += 32) {
-        const bf16 s = f32_to_bf16_rne(__fadd_rn(bf16_to_f32(xr[c]), bf16_to_f32(tr[c])));
-        xr[c] = s;
-        const float v = bf16_to_f32(s);
-        ss = fmaf(v, v, ss);
-      }
-      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)dim + eps);
-      for (int c = lane; c < dim; c += 32) {
-        yr[c] = f32_to_bf16_rne(bf16_to_f32(xr[c]) * inv * (1.f + bf16_to_f32(w[c])));
-      }
-    }
-  }
-}
-
-// add_norm_warp's operations with a block per row (NT = dim / (8 VPT) threads, a multiple
-// of 32): thread i holds the row's 16-byte groups i, i + NT, ... (VPT of them, coalesced across
-// the block), loads its x and t groups at once, keeps the rounded sums in registers for the
-// norm (no reread of x), loads w while the warps' sums meet in shared memory. The warp-per-row
-// kernel above handles 5120 elements a warp in 40 dependent rounds and 12288 rows as 1.45 waves
-// of warps; this one has every load of a row in flight at once. 27B shape on the H200: 152 us a
-// call inside the forward against the warp kernel's 184 (0.142 ms in the bench, 84% of copy
-// bandwidth).
-template <int VPT>
-__device__ __forceinline__ void add_norm_rows(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
-                                              const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-                                              long long rows, int dim, float eps) {
-  __shared__ float part[2][32];
-  const int tid = threadIdx.x, nt = blockDim.x, nw = nt >> 5;
-  if (nt * 8 * VPT != dim || (nt & 31) != 0) __trap();
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  int parity = 0;
-  for (index_t r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {
-    uint4* x4 = reinterpret_cast<uint4*>(x + r * dim);
-    const uint4* t4 = reinterpret_cast<const uint4*>(t + r * dim);
-    uint4 xv[VPT], tv[VPT];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      xv[i] = x4[i * nt + tid];
-      tv[i] = t4[i * nt + tid];
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      float a[8], b[8];
-      bf16x8_unpack(xv[i], a);
-      bf16x8_unpack(tv[i], b);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        a[e] = bf16_to_f32(f32_to_bf16_rne(__fadd_rn(a[e], b[e])));
-        ss = fmaf(a[e], a[e], ss);
-      }
-      xv[i] = bf16x8_pack_rne(a);  // a holds bf16 values: the rounding is exact
-      x4[i * nt + tid] = xv[i];
-    }
-    uint4 wv[VPT];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) wv[i] = w4[i * nt + tid];
-    ss = hyb::warp_sum(ss);
-    if ((tid & 31) == 0) part[parity][tid >> 5] = ss;
-    __syncthreads();  // (the other parity's slots are free: every thread read them a row ago)
-    float tot = 0.f;
-    for (int i = 0; i < nw; ++i) tot += part[parity][i];
-    const float inv = 1.f / sqrtf(tot / (float)dim + eps);
-    uint4* y4 = reinterpret_cast<uint4*>(y + r * dim);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      float v[8], wf[8];
-      bf16x8_unpack(xv[i], v);
-      bf16x8_unpack(wv[i], wf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = v[e] * inv * (1.f + wf[e]);
-      y4[i * nt + tid] = bf16x8_pack_rne(v);
-    }
-  }
-}
-
-// add_rmsnorm1p_fwd_bf16_v0: a warp per row, any dim; _v4, _v5: a block per row of VPT = 4 or 5
-// 16-byte groups a thread (the launcher picks; one argument list for all three).
-template <int V>
-__device__ __forceinline__ void add_norm(__nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t,
-                                         const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-                                         long long rows, int dim, float eps) {
-  if constexpr (V == 0) {
-    add_norm_warp(x, t, w, y, rows, dim, eps);
-  } else {
-    add_norm_rows<V>(x, t, w, y, rows, dim, eps);
-  }
-}
-
-#define HYB_ADD_NORM_EXPORT(V)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(HYB_BLOCK) add_rmsnorm1p_fwd_bf16_v##V(                         \
-      __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ t, const __nv_bfloat16* __restrict__ w, \
-      __nv_bfloat16* __restrict__ y, long long rows, int dim, float eps) {                                     \
-    add_norm<V>(x, t, w, y, rows, dim, eps);                                                                   \
-  }
-
-HYB_ADD_NORM_EXPORT(0)
-HYB_ADD_NORM_EXPORT(4)
-HYB_ADD_NORM_EXPORT(5)
 
 // silu with the fast exponential and division (a few ulp from silu above; exp(-x) = inf gives 0).
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }

@@ -28,6 +28,34 @@ fn gemm_linear_forms() {
     assert_grad_close("gemm dW", &dw, &numeric_grad(&w, |w| loss(&x, w)));
 }
 
+/// The residual forms: `gemm_residual` writes `r + x W^T` and leaves `r`; `Gemm::linear_add`
+/// adds `x W^T` to what `y` holds; both equal the sum computed here.
+#[test]
+fn gemm_residual_forms() {
+    let be = Exact::exact();
+    let (m, n, k, w_off) = (4, 3, 5, 2);
+    let x = randn(m * k, 11, 1.0);
+    let w = randn(w_off + n * k, 12, 1.0);
+    let r = randn(m * n, 13, 1.0);
+    let mut want = r.clone();
+    for i in 0..m {
+        for j in 0..n {
+            want[i * n + j] += (0..k).map(|p| x[i * k + p] * w[w_off + j * k + p]).sum::<f64>();
+        }
+    }
+    let (xb, wb, rb) = (buf(x.clone()), buf(w.clone()), buf(r.clone()));
+    let mut d = buf(vec![f64::NAN; m * n]);
+    be.gemm_residual(&S, &Gemm::linear(m, n, k), &xb, &wb, w_off, &rb, &mut d).unwrap();
+    let mut y = buf(r.clone());
+    be.gemm(&S, &Gemm::linear_add(m, n, k), &xb, 0, &wb, w_off, &mut y, 0).unwrap();
+    for (what, got) in [("gemm_residual", &d.data), ("linear_add", &y.data)] {
+        for (g, e) in got.iter().zip(&want) {
+            assert!((g - e).abs() <= 1e-12 * e.abs().max(1.0), "{what}: {g} vs {e}");
+        }
+    }
+    assert_eq!(rb.data, r, "gemm_residual left r as it was");
+}
+
 #[test]
 fn rmsnorm_and_head_norm() {
     let be = Exact::exact();

@@ -513,15 +513,6 @@ impl<F: Real> Backend for CpuBackend<F> {
         Ok(())
     }
 
-    fn add_inplace(&self, _s: &CpuStream, x: &mut CpuBuf<F>, y: &CpuBuf<F>) -> Result<()> {
-        check_len("add_inplace", "y", y.data.len(), 0, x.data.len())?;
-        let dt = x.dtype;
-        for (a, &b) in x.data.iter_mut().zip(&y.data) {
-            *a = self.st(dt, *a + b);
-        }
-        Ok(())
-    }
-
     fn rmsnorm_fwd(
         &self,
         _s: &CpuStream,

@@ -76,24 +76,6 @@ pub fn gdn_chunked_norm_fwd<B: Backend + ?Sized>(
     be.gated_rmsnorm_fwd(s, core, z, w, norm.w_off, y, sh.rows * sh.v_heads, sh.v_dim, norm.eps)
 }
 
-/// `add_inplace`, then `rmsnorm1p_fwd` of the sum.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rmsnorm1p_fwd<B: Backend + ?Sized>(
-    be: &B,
-    s: &B::Stream,
-    x: &mut B::Buf,
-    t: &B::Buf,
-    w: &B::Buf,
-    w_off: usize,
-    y: &mut B::Buf,
-    rows: usize,
-    dim: usize,
-    eps: f32,
-) -> Result<()> {
-    be.add_inplace(s, x, t)?;
-    be.rmsnorm1p_fwd(s, x, w, w_off, y, rows, dim, eps)
-}
-
 /// `causal_conv1d_silu`, three `copy_strided` splits and two `l2norm_fwd`.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_conv_qkv<B: Backend + ?Sized>(

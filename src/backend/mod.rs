@@ -130,6 +130,11 @@ impl Gemm {
     pub fn linear(m: usize, n: usize, k: usize) -> Self {
         Gemm { m, n, k, ta: false, tb: true, alpha: 1.0, beta: 0.0 }
     }
+    /// `Y[m, n] += X[m, k] W[n, k]^T`: a linear layer added to what `Y` holds (a residual
+    /// stream), rounded once to `Y`'s dtype.
+    pub fn linear_add(m: usize, n: usize, k: usize) -> Self {
+        Gemm { beta: 1.0, ..Gemm::linear(m, n, k) }
+    }
     /// `dX[m, k] (+)= dY[m, n] W[n, k]`.
     pub fn linear_dx(m: usize, n: usize, k: usize, accumulate: bool) -> Self {
         Gemm { m, n: k, k: n, ta: false, tb: false, alpha: 1.0, beta: if accumulate { 1.0 } else { 0.0 } }
@@ -473,6 +478,23 @@ pub trait Backend: Send + Sync + 'static {
         c: &mut Self::Buf,
         c_off: usize,
     ) -> Result<()>;
+    /// `d[m, n] = r[m, n] + x[m, k] w[w_off..][n, k]^T` (`g` from `Gemm::linear`): a linear
+    /// layer and the residual add after it, rounded once to `d`'s dtype, with `r` kept. The
+    /// CUDA backend reads `r` in the GEMM's epilogue; the default copies it to `d` first.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_residual(
+        &self,
+        s: &Self::Stream,
+        g: &Gemm,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        w_off: usize,
+        r: &Self::Buf,
+        d: &mut Self::Buf,
+    ) -> Result<()> {
+        self.copy(s, r, 0, d, 0, g.m * g.n)?;
+        self.gemm(s, &Gemm { beta: 1.0, ..*g }, x, 0, w, w_off, d, 0)
+    }
     /// The FC projection (DFLASH.md section 2): `y[rows, h] = x[rows, k] w[w_off..][h, k]^T`, bf16
     /// in and out, f32 accumulation. The CUDA backend runs its own kernel (kernels/fc.cu); the
     /// default is the GEMM.
@@ -490,29 +512,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         self.gemm(s, &Gemm::linear(rows, h, k), x, 0, w, w_off, y, 0)
     }
-    /// `x += y` elementwise over `x`'s length.
-    fn add_inplace(&self, s: &Self::Stream, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
-
     // ---- normalisation ----
-    /// `x += t` (`add_inplace`), then `rmsnorm_fwd` of the new `x` into `y`: the residual add and
-    /// the next norm of a decoder layer in one pass where the backend fuses them.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rmsnorm_fwd(
-        &self,
-        s: &Self::Stream,
-        x: &mut Self::Buf,
-        t: &Self::Buf,
-        w: &Self::Buf,
-        w_off: usize,
-        y: &mut Self::Buf,
-        rstd: &mut Self::Buf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.add_inplace(s, x, t)?;
-        self.rmsnorm_fwd(s, x, w, w_off, y, rstd, rows, dim, eps)
-    }
     /// `y = x * rstd * w`, `rstd = 1 / sqrt(mean(x^2) + eps)` per row of `dim`; saves `rstd` (f32).
     /// With `rows = tokens * heads`, `dim = head_dim` this is the per-head QK-norm.
     #[allow(clippy::too_many_arguments)]
@@ -914,23 +914,6 @@ pub trait Backend: Send + Sync + 'static {
     // ---- Fused hybrid ops: each is the composition of the ops above in `fused` (the default
     // here, and so the CPU reference), in one pass over memory where a backend fuses it, with the
     // same roundings.
-    /// `x += t` (`add_inplace`, x rounded to bf16), then `rmsnorm1p_fwd` of the new `x` into `y`:
-    /// a decoder layer's residual add and the norm after it.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rmsnorm1p_fwd(
-        &self,
-        s: &Self::Stream,
-        x: &mut Self::Buf,
-        t: &Self::Buf,
-        w: &Self::Buf,
-        w_off: usize,
-        y: &mut Self::Buf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps)
-    }
     /// The Gated DeltaNet's convolution, split and L2 norms ([`fused::GdnConvQkv`]):
     /// `causal_conv1d_silu` of `x [rows, 2 * key_dim + value_dim]` (f32), then the columns
     /// `[0, key_dim)` L2-normalised per key head and scaled by `q_scale` into `q`,

@@ -387,9 +387,9 @@ pub struct Drafter<B: Backend> {
     pub park_fault: super::park::ParkFault,
 }
 
-/// `x_mid = x_in + o Wo^T`, the residual after attention, and the scratch the product used.
-/// The forward builds it here, and so does the backward under `Recompute::Projections`: the same
-/// kernels on the same inputs, so both are bit-identical.
+/// `x_mid = x_in + o Wo^T`, the residual after attention (one GEMM with the add in its
+/// epilogue). The forward builds it here, and so does the backward under
+/// `Recompute::Projections`: the same kernel on the same inputs, so both are bit-identical.
 #[allow(clippy::too_many_arguments)]
 fn residual_after_attention<B: Backend>(
     be: &B,
@@ -400,14 +400,10 @@ fn residual_after_attention<B: Backend>(
     wo: usize,
     x_in: &B::Buf,
     o: &B::Buf,
-) -> Result<(B::Buf, B::Buf)> {
-    let h = sh.hidden;
-    let mut x_mid = be.alloc_uninit(s, DType::BF16, tb * h)?;
-    be.copy(s, x_in, 0, &mut x_mid, 0, tb * h)?;
-    let mut tmp = be.alloc_uninit(s, DType::BF16, tb * h)?;
-    be.gemm(s, &Gemm::linear(tb, h, sh.q_width()), o, 0, w, wo, &mut tmp, 0)?;
-    be.add_inplace(s, &mut x_mid, &tmp)?;
-    Ok((x_mid, tmp))
+) -> Result<B::Buf> {
+    let mut x_mid = be.alloc_uninit(s, DType::BF16, tb * sh.hidden)?;
+    be.gemm_residual(s, &Gemm::linear(tb, sh.hidden, sh.q_width()), o, w, wo, x_in, &mut x_mid)?;
+    Ok(x_mid)
 }
 
 impl<B: Backend> Drafter<B> {
@@ -530,8 +526,7 @@ impl<B: Backend> Drafter<B> {
             drop((q, kc, kb));
             let keep = sh.recompute == Recompute::Norms;
             a.q_pre = keep.then_some(q_pre);
-            let (x_mid, mut tmp) =
-                residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), x_in, &a.o)?;
+            let x_mid = residual_after_attention(be, s, &sh, tb, w, off("self_attn.o_proj.weight"), x_in, &a.o)?;
             // MLP
             let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.rmsnorm_fwd(
@@ -550,11 +545,9 @@ impl<B: Backend> Drafter<B> {
             drop(h2);
             let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.swiglu_fwd(s, &gu, &mut act, tb, inter)?;
-            be.gemm(s, &Gemm::linear(tb, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
-            drop(act);
             x = be.alloc_uninit(s, DType::BF16, tb * h)?;
-            be.copy(s, &x_mid, 0, &mut x, 0, tb * h)?;
-            be.add_inplace(s, &mut x, &tmp)?;
+            be.gemm_residual(s, &Gemm::linear(tb, h, inter), &act, w, off("mlp.down_proj.weight"), &x_mid, &mut x)?;
+            drop(act);
             a.x_mid = keep.then_some(x_mid);
             a.gu = match parking.as_mut() {
                 Some(p) if l < offload => GateUp::Parked(p.park(be, s, gu)?),
@@ -678,7 +671,7 @@ impl<B: Backend> Drafter<B> {
             let wo = off("self_attn.o_proj.weight");
             let x_mid = match a.x_mid.take() {
                 Some(x_mid) => x_mid,
-                None => residual_after_attention(be, s, &sh, tb, w, wo, &x_in, &a.o)?.0,
+                None => residual_after_attention(be, s, &sh, tb, w, wo, &x_in, &a.o)?,
             };
             let mut h2 = be.alloc_uninit(s, DType::BF16, tb * h)?;
             let mut rstd = be.alloc_uninit(s, DType::F32, tb * sh.heads.max(1))?;

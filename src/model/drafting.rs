@@ -221,8 +221,7 @@ impl<B: Backend> DraftWeights<'_, B> {
         be.embed(s, &self.embed.buf, self.embed.off, &block_ids, &mut x, bs, h)?;
         let (mut xn, mut q_pre, mut q, mut kb_pre, mut kb, mut vb) =
             (bf(bs * h)?, bf(bs * qw)?, bf(bs * qw)?, bf(bs * kw)?, bf(bs * kw)?, bf(bs * kw)?);
-        let (mut o, mut tmp, mut h2, mut gu, mut act) =
-            (bf(bs * qw)?, bf(bs * h)?, bf(bs * h)?, bf(bs * 2 * inter)?, bf(bs * inter)?);
+        let (mut o, mut h2, mut gu, mut act) = (bf(bs * qw)?, bf(bs * h)?, bf(bs * 2 * inter)?, bf(bs * inter)?);
         let mut rstd = be.alloc(s, DType::F32, bs * nh.max(1))?;
         let mut lse = be.alloc(s, DType::F32, bs * nh)?;
         for l in 0..sh.layers {
@@ -249,13 +248,11 @@ impl<B: Backend> DraftWeights<'_, B> {
                 &mut lse,
             )?;
             // x_mid = x + o Wo^T; x = x_mid + down(swiglu(post_norm(x_mid))), rounded as training does.
-            be.gemm(s, &Gemm::linear(bs, h, qw), &o, 0, w, off("self_attn.o_proj.weight"), &mut tmp, 0)?;
-            be.add_inplace(s, &mut x, &tmp)?;
+            be.gemm(s, &Gemm::linear_add(bs, h, qw), &o, 0, w, off("self_attn.o_proj.weight"), &mut x, 0)?;
             be.rmsnorm_fwd(s, &x, w, off("post_attention_layernorm.weight"), &mut h2, &mut rstd, bs, h, sh.eps)?;
             be.gemm(s, &Gemm::linear(bs, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
             be.swiglu_fwd(s, &gu, &mut act, bs, inter)?;
-            be.gemm(s, &Gemm::linear(bs, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut tmp, 0)?;
-            be.add_inplace(s, &mut x, &tmp)?;
+            be.gemm(s, &Gemm::linear_add(bs, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut x, 0)?;
         }
         // Final norm, lm_head over slots 1..bs, argmax on the device (the first maximum on ties,
         // the tie rule of training's accuracy).

@@ -1,5 +1,5 @@
-//! The GEMMs: cuBLASLt's (linear, dX accumulated in place, dW in f32) and the FC projection's
-//! own kernels (kernels/fc.cu), against the CPU GEMM.
+//! The GEMMs: cuBLASLt's (linear, dX accumulated in place, dW in f32, the residual forms) and the
+//! FC projection's own kernels (kernels/fc.cu), against the CPU GEMM.
 
 use dflash_engine::backend::cpu::CpuBackend;
 use dflash_engine::backend::cuda::CudaBackend;
@@ -49,6 +49,37 @@ fn gpu_gemm_matches_cpu() {
             &gemm_case(&c, &gw, &dy, &a, &acc, DType::F32),
             1e-5,
         );
+    }
+}
+
+/// The residual forms: `d = r + x W^T` (`gemm_residual`: r read in the GEMM's epilogue, left as
+/// it was) and `y += x W^T` in place (`Gemm::linear_add`), each one bf16 rounding of the f32 sum,
+/// against the CPU; the two forms give the same bits on the GPU (same algorithm, same inputs), as
+/// the drafter's inference (in place) and its training (r kept for the backward) rely on.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_residual_gemms_match_cpu() {
+    fn run<B: Backend>(be: &B, m: usize, n: usize, k: usize, x: &[f32], w: &[f32], r: &[f32]) -> [Vec<f32>; 3] {
+        let s = be.compute_stream();
+        let (xb, wb, rb) = (put(be, x, DType::BF16), put(be, w, DType::BF16), put(be, r, DType::BF16));
+        let mut d = be.alloc(&s, DType::BF16, m * n).unwrap();
+        be.gemm_residual(&s, &Gemm::linear(m, n, k), &xb, &wb, 8, &rb, &mut d).unwrap();
+        let mut y = put(be, r, DType::BF16);
+        be.gemm(&s, &Gemm::linear_add(m, n, k), &xb, 0, &wb, 8, &mut y, 0).unwrap();
+        [get(be, &d), get(be, &y), get(be, &rb)]
+    }
+    let (g, c) = (gpu(), CpuBackend::new());
+    for (m, n, k) in [(1, 1, 1), (7, 33, 65), (128, 256, 64), (300, 96, 520)] {
+        let x = rand(m * k, 6, 1.0);
+        let w = rand(n * k + 8, 7, 1.0);
+        let r = rand(m * n, 8, 4.0);
+        let [gd, gy, gr] = run(&g, m, n, k, &x, &w, &r);
+        let [cd, cy, _] = run(&c, m, n, k, &x, &w, &r);
+        rel_err(&format!("gemm_residual {m}x{n}x{k}"), &gd, &cd, BF16_TOL);
+        rel_err(&format!("gemm linear_add {m}x{n}x{k}"), &gy, &cy, BF16_TOL);
+        bits_equal(&format!("gemm_residual vs linear_add in place {m}x{n}x{k}"), &gd, &gy);
+        let r_bf16: Vec<f32> = r.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        bits_equal(&format!("gemm_residual leaves r {m}x{n}x{k}"), &gr, &r_bf16);
     }
 }
 

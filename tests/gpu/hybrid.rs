@@ -42,10 +42,24 @@ fn norms<B: Backend>(be: &B, rows: usize, dim: usize, w_off: usize, x: &[f32], z
 #[ignore = "needs a CUDA GPU"]
 fn gpu_hybrid_norms_match_cpu() {
     let (g, c) = (gpu(), CpuBackend::new());
-    // dim <= 128 with aligned rows takes the two-rows-per-warp path (38 x 100: lanes past the row idle).
-    for (rows, dim, w_off) in
-        [(1, 16, 0), (37, 100, 1), (38, 100, 0), (393, 128, 0), (1000, 64, 4), (64, 256, 3), (5, 5120, 0), (200, 33, 2)]
-    {
+    // dim <= 128 with aligned rows takes gated_rmsnorm's two-rows-per-warp path (38 x 100: lanes
+    // past the row idle). rmsnorm1p gives a row to a block at 5120 (128 threads of 5 16-byte
+    // groups), 4096 (128 of 4) and 2560 (64 of 5) with x, y and w 16-byte aligned (w_off 8), a
+    // warp otherwise (5120 with w_off 4: 8 bytes off).
+    for (rows, dim, w_off) in [
+        (1, 16, 0),
+        (37, 100, 1),
+        (38, 100, 0),
+        (393, 128, 0),
+        (1000, 64, 4),
+        (64, 256, 3),
+        (5, 5120, 0),
+        (393, 5120, 0),
+        (17, 4096, 8),
+        (9, 2560, 0),
+        (7, 5120, 4),
+        (200, 33, 2),
+    ] {
         let x = rand(rows * dim, 20, 2.0);
         let z = rand(rows * dim, 21, 2.0);
         let w = rand(dim + w_off, 22, 0.3);

@@ -6,9 +6,9 @@
 //! One module per kernel family (kernels/*.cu), then the whole-model checks. Every test name
 //! starts with `gpu_`; `gpu::MODULE::` selects a family (scripts/sanitize.sh does).
 //!
-//! - `gemm`: cuBLASLt's GEMM (linear, dX, dW) and the FC projection (kernels/fc.cu)
+//! - `gemm`: cuBLASLt's GEMM (linear, dX, dW, the residual forms) and the FC projection (kernels/fc.cu)
 //! - `norm`: RMSNorm forward and backward (kernels/rmsnorm.cu)
-//! - `elementwise`: RoPE (rope.cu), SwiGLU (swiglu.cu), the residual add (elementwise.cu)
+//! - `elementwise`: RoPE and the fused q/k norm + RoPE (rope.cu), SwiGLU (swiglu.cu)
 //! - `pack`: tap packing with noise (pack.cu) and the embedding gather (elementwise.cu)
 //! - `attention`: target causal attention and drafter attention forward/backward (attention.cu)
 //! - `hybrid`: the Qwen3.5/3.6 ops (hybrid.cu), the gated delta rule (gdn.cu), causal attention

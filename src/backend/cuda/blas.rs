@@ -238,8 +238,9 @@ impl Lt {
         }))
     }
 
-    /// `C = alpha op(A) op(B) + beta C` on `stream` (pointers already offset) with the heuristic's
-    /// `index`-th algorithm for this shape; `Ok(false)` (nothing enqueued) when it offered fewer.
+    /// `D = alpha op(A) op(B) + beta C` on `stream` (pointers already offset; `c == d` for the
+    /// usual in-place form, C and D share the layout) with the heuristic's `index`-th algorithm
+    /// for this shape; `Ok(false)` (nothing enqueued) when it offered fewer.
     /// GEMMs run index 0, fixed per shape (a run's results are deterministic); the bench times
     /// every candidate against it.
     #[allow(clippy::too_many_arguments)]
@@ -249,6 +250,7 @@ impl Lt {
         a: u64,
         b: u64,
         c: u64,
+        d: u64,
         c_dtype: DType,
         ws: u64,
         ws_bytes: usize,
@@ -274,7 +276,7 @@ impl Lt {
                 p.b,
                 c as *const c_void,
                 p.c,
-                c as *mut c_void,
+                d as *mut c_void,
                 p.c,
                 algo,
                 ws as *mut c_void,

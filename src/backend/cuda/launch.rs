@@ -345,7 +345,7 @@ mod tests {
             text.lines().filter(|l| l.starts_with("ATTN_WS_EXPORT(") || l.starts_with("ATTN_WSPP_EXPORT(")).count();
         let hnr = text
             .lines()
-            .filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(") || l.starts_with("HYB_ADD_NORM_EXPORT("))
+            .filter(|l| l.starts_with("HYB_NORM_ROPE_EXPORT(") || l.starts_with("HYB_NORM1P_EXPORT("))
             .count();
         let gfs = text
             .lines()
@@ -357,7 +357,7 @@ mod tests {
             .count();
         // ATTN_EXPORT stamps out 5 kernels per head dim, DEC_EXPORT 2; CEC_KERNEL,
         // ATTN_CAUSAL_EXPORT, QKR_EXPORT, ATTN_WG_EXPORT, ATTN_WS_EXPORT, ATTN_WSPP_EXPORT,
-        // HYB_NORM_ROPE_EXPORT, HYB_ADD_NORM_EXPORT and the three GDN_FAST_*_EXPORT one.
+        // HYB_NORM_ROPE_EXPORT, HYB_NORM1P_EXPORT and the three GDN_FAST_*_EXPORT one.
         assert_eq!(Kernel::ALL.len(), plain + 5 * attn + cec + causal + 2 * dec + qkr + wg + ws + hnr + gfs);
     }
 

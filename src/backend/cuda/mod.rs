@@ -451,27 +451,6 @@ impl CudaBackend {
         })
     }
 
-    /// The shared checks of the residual add + norm ops: x, t, y bf16 with `rows * dim` elements
-    /// (at least), w bf16 with `dim` from `w_off`.
-    #[allow(clippy::too_many_arguments)]
-    fn check_add_norm(
-        op: &'static str,
-        x: &CudaBuf,
-        t: &CudaBuf,
-        w: &CudaBuf,
-        w_off: usize,
-        y: &CudaBuf,
-        rows: usize,
-        dim: usize,
-    ) -> Result<()> {
-        for (n, b) in [("x", x), ("t", t), ("y", y)] {
-            check_len(op, n, b.len, 0, rows * dim)?;
-            Self::need_bf16(op, b)?;
-        }
-        check_len(op, "w", w.len, w_off, dim)?;
-        Self::need_bf16(op, w)
-    }
-
     /// `gemm` with cuBLASLt's `index`-th heuristic algorithm for this shape (the trait's `gemm`
     /// runs the first); `Ok(false)` (nothing enqueued) when the heuristic offered fewer. The
     /// bench times every candidate with it.
@@ -488,11 +467,36 @@ impl CudaBackend {
         c_off: usize,
         index: usize,
     ) -> Result<bool> {
+        self.gemm_from(s, g, a, a_off, b, b_off, None, c, c_off, index)
+    }
+
+    /// `gemm_with` where `c_in` (when given: `[m, n]` from its start, `c`'s dtype) is the C that
+    /// `beta` scales, and `c[c_off..]` only the output.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_from(
+        &self,
+        s: &Stream,
+        g: &Gemm,
+        a: &CudaBuf,
+        a_off: usize,
+        b: &CudaBuf,
+        b_off: usize,
+        c_in: Option<&CudaBuf>,
+        c: &mut CudaBuf,
+        c_off: usize,
+        index: usize,
+    ) -> Result<bool> {
         check_len("gemm", "A", a.len, a_off, g.m * g.k)?;
         check_len("gemm", "B", b.len, b_off, g.k * g.n)?;
         check_len("gemm", "C", c.len, c_off, g.m * g.n)?;
         Self::need_bf16("gemm A", a)?;
         Self::need_bf16("gemm B", b)?;
+        if let Some(r) = c_in {
+            check_len("gemm", "C in", r.len, 0, g.m * g.n)?;
+            if r.dtype != c.dtype {
+                return Err(BackendError::DType { op: "gemm C in", expected: c.dtype.name(), found: r.dtype.name() });
+            }
+        }
         if g.m == 0 || g.n == 0 {
             return Ok(true);
         }
@@ -506,8 +510,9 @@ impl CudaBackend {
             Work::Gemm,
             || Some(profile::gemm_label(g.m, g.n, g.k)),
             || {
-                let (a, b, c_ptr) = (off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off));
-                self.blas.matmul(g, a, b, c_ptr, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
+                let (a, b, d) = (off_ptr(a, a_off), off_ptr(b, b_off), off_ptr(c, c_off));
+                let c_ptr = c_in.map_or(d, |r| r.ptr);
+                self.blas.matmul(g, a, b, c_ptr, d, c.dtype, ws.ptr, ws_bytes, s.raw(), index)
             },
         )
     }
@@ -1622,6 +1627,19 @@ impl Backend for CudaBackend {
         self.gemm_with(s, g, a, a_off, b, b_off, c, c_off, 0).map(|_| ())
     }
 
+    fn gemm_residual(
+        &self,
+        s: &Stream,
+        g: &Gemm,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        r: &CudaBuf,
+        d: &mut CudaBuf,
+    ) -> Result<()> {
+        self.gemm_from(s, &Gemm { beta: 1.0, ..*g }, x, 0, w, w_off, Some(r), d, 0, 0).map(|_| ())
+    }
+
     fn fc_project(
         &self,
         s: &Stream,
@@ -1634,47 +1652,6 @@ impl Backend for CudaBackend {
         k: usize,
     ) -> Result<()> {
         self.fc_kernel(s, x, w, w_off, y, rows, h, k)
-    }
-
-    fn add_rmsnorm_fwd(
-        &self,
-        s: &Stream,
-        x: &mut CudaBuf,
-        t: &CudaBuf,
-        w: &CudaBuf,
-        w_off: usize,
-        y: &mut CudaBuf,
-        rstd: &mut CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        const OP: &str = "add_rmsnorm_fwd";
-        Self::check_add_norm(OP, x, t, w, w_off, y, rows, dim)?;
-        check_len(OP, "rstd", rstd.len, 0, rows)?;
-        Self::need_f32(OP, rstd)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let args = launch::AddRmsnormFwdBf16 {
-            x: x.at(OP, 0)?,
-            t: t.at(OP, 0)?,
-            w: w.at(OP, w_off)?,
-            y: y.at(OP, 0)?,
-            rstd: rstd.at(OP, 0)?,
-            rows,
-            dim,
-            eps,
-        };
-        self.launch(s, launch::AddRmsnormFwdBf16::KERNEL, (rows, RMS_BLOCK, 0), args)
-    }
-
-    fn add_inplace(&self, s: &Stream, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
-        check_len("add_inplace", "y", y.len, 0, x.len)?;
-        Self::need_bf16("add_inplace", x)?;
-        Self::need_bf16("add_inplace", y)?;
-        let args = launch::AddInplaceBf16 { x: x.at("add_inplace", 0)?, y: y.at("add_inplace", 0)?, n: x.len };
-        self.launch(s, launch::AddInplaceBf16::KERNEL, (self.ew_grid(x.len), 256, 0), args)
     }
 
     fn rmsnorm_fwd(
@@ -2266,8 +2243,23 @@ impl Backend for CudaBackend {
         check_len(OP, "x", x.len, 0, rows * dim)?;
         check_len(OP, "w", w.len, w_off, dim)?;
         check_len(OP, "y", y.len, 0, rows * dim)?;
-        let args = launch::Rmsnorm1pFwdBf16 { x: x.at(OP, 0)?, w: w.at(OP, w_off)?, y: y.at(OP, 0)?, rows, dim, eps };
-        self.launch(s, launch::Rmsnorm1pFwdBf16::KERNEL, (hyb_row_grid(rows), HYB_BLOCK, 0), args)
+        if rows == 0 {
+            return Ok(());
+        }
+        // A block per row (variant VPT) where the row is whole 16-byte groups of VPT per thread over
+        // 32..=256 threads (hidden 1024 .. 8192 in steps of 1024, and 2560) and every row starts
+        // 16-byte aligned; a warp per row (variant 0) otherwise.
+        let aligned = [off_ptr(x, 0), off_ptr(w, w_off), off_ptr(y, 0)].iter().all(|p| p % 16 == 0);
+        let vpt = [5usize, 4].into_iter().find(|v| aligned && dim % (256 * v) == 0 && dim / (8 * v) <= 256);
+        let cfg = match vpt {
+            Some(v) => (rows.min(i32::MAX as usize), dim / (8 * v), 0),
+            None => (hyb_row_grid(rows), HYB_BLOCK, 0),
+        };
+        let name = vpt.unwrap_or(0).to_string();
+        let kernel = variant(&launch::Rmsnorm1pFwdBf16V::VARIANTS, &name)
+            .ok_or_else(|| BackendError::Shape { op: OP, what: format!("no rmsnorm1p_fwd_bf16_v{name} kernel") })?;
+        let args = launch::Rmsnorm1pFwdBf16V { x: x.at(OP, 0)?, w: w.at(OP, w_off)?, y: y.at(OP, 0)?, rows, dim, eps };
+        self.launch(s, kernel, cfg, args)
     }
 
     fn gated_rmsnorm_fwd(
@@ -2478,51 +2470,6 @@ impl Backend for CudaBackend {
 
     // ---- Fused hybrid ops (kernels/hybrid.cu); shapes a fused kernel does not take run the
     // unfused ops (backend::fused).
-
-    fn add_rmsnorm1p_fwd(
-        &self,
-        s: &Stream,
-        x: &mut CudaBuf,
-        t: &CudaBuf,
-        w: &CudaBuf,
-        w_off: usize,
-        y: &mut CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        const OP: &str = "add_rmsnorm1p_fwd";
-        Self::check_add_norm(OP, x, t, w, w_off, y, rows, dim)?;
-        if x.len != rows * dim {
-            // add_inplace adds over the whole of x.
-            return fused::add_rmsnorm1p_fwd(self, s, x, t, w, w_off, y, rows, dim, eps);
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        // A block per row (variant VPT) where the row is whole 16-byte groups of VPT per thread over
-        // 32..=256 threads (hidden 1024 .. 8192 in steps of 1024, and 2560) and every row starts
-        // 16-byte aligned; a warp per row (variant 0) otherwise.
-        let aligned = [off_ptr(x, 0), off_ptr(t, 0), off_ptr(w, w_off), off_ptr(y, 0)].iter().all(|p| p % 16 == 0);
-        let vpt = [5usize, 4].into_iter().find(|v| aligned && dim % (256 * v) == 0 && dim / (8 * v) <= 256);
-        let cfg = match vpt {
-            Some(v) => (rows.min(i32::MAX as usize), dim / (8 * v), 0),
-            None => (hyb_row_grid(rows), HYB_BLOCK, 0),
-        };
-        let name = vpt.unwrap_or(0).to_string();
-        let kernel = variant(&launch::AddRmsnorm1pFwdBf16V::VARIANTS, &name)
-            .ok_or_else(|| BackendError::Shape { op: OP, what: format!("no add_rmsnorm1p_fwd_bf16_v{name} kernel") })?;
-        let args = launch::AddRmsnorm1pFwdBf16V {
-            x: x.at(OP, 0)?,
-            t: t.at(OP, 0)?,
-            w: w.at(OP, w_off)?,
-            y: y.at(OP, 0)?,
-            rows,
-            dim,
-            eps,
-        };
-        self.launch(s, kernel, cfg, args)
-    }
 
     fn gdn_conv_qkv(
         &self,

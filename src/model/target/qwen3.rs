@@ -122,7 +122,7 @@ impl<B: Backend> Family<B> for Qwen3 {
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Cached { k, v, max_len, step };
-            // The last layer's residual add comes with the final norm.
+            // After the last layer, the final norm (the logits' input).
             let next = if l + 1 < layers { input_norm(t, l + 1) } else { t.table.off(names::FINAL_NORM) };
             layer(t, be, s, l, &mut x, &mut sc, &pos, how, Some(next))?;
         }
@@ -161,9 +161,9 @@ impl<B: Backend> Family<B> for Qwen3 {
 }
 
 /// One decoder layer on `x [rows, hidden]` in place, from `sc.xn` (and `sc.rstd`) holding its
-/// input norm of `x`. Each residual add runs fused with the norm after it: the post-attention
-/// norm, then `next_norm` (the next layer's input norm, or the final norm) into `sc.xn`; with no
-/// `next_norm` the last add runs alone. `x` is complete after the call (for taps).
+/// input norm of `x`. The output projections accumulate into `x` (the residual adds ride on
+/// their GEMMs); the post-attention norm, then `next_norm` (the next layer's input norm, or the
+/// final norm) write `sc.xn`. `x` is complete after the call (for taps).
 ///
 /// q, k and v come from one GEMM (their weights are adjacent, [`push_layer`] with `fuse_qkv`);
 /// the per-head norms and RoPE run as one op that writes the keys straight to where the attention
@@ -214,26 +214,16 @@ fn layer<B: Backend>(
         }
     }
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
-    // Projection then residual add, each rounded to bf16, as a bf16 Hugging Face forward does.
-    be.gemm(s, &Gemm::linear(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), &mut sc.tmp, 0)?;
-    be.add_rmsnorm_fwd(
-        s,
-        x,
-        &sc.tmp,
-        w,
-        off("post_attention_layernorm.weight"),
-        &mut sc.xn,
-        &mut sc.rstd,
-        rows,
-        h,
-        sh.eps,
-    )?;
+    // Each projection adds itself to the residual stream, rounded to bf16 once.
+    be.gemm(s, &Gemm::linear_add(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), x, 0)?;
+    let post = off("post_attention_layernorm.weight");
+    be.rmsnorm_fwd(s, x, w, post, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
-    be.gemm(s, &Gemm::linear(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), &mut sc.tmp, 0)?;
+    be.gemm(s, &Gemm::linear_add(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), x, 0)?;
     match next_norm {
-        Some(norm) => be.add_rmsnorm_fwd(s, x, &sc.tmp, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
-        None => be.add_inplace(s, x, &sc.tmp),
+        Some(norm) => be.rmsnorm_fwd(s, x, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
+        None => Ok(()),
     }
 }
 
@@ -251,7 +241,6 @@ struct Scratch<B: Backend> {
     lse: B::Buf,
     gu: B::Buf,
     act: B::Buf,
-    tmp: B::Buf,
 }
 
 impl<B: Backend> Scratch<B> {
@@ -271,7 +260,6 @@ impl<B: Backend> Scratch<B> {
             lse: be.alloc_uninit(s, DType::F32, t * sh.heads)?,
             gu: bf(t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
-            tmp: bf(t * sh.hidden)?,
         })
     }
 }
