@@ -131,7 +131,9 @@ impl Gemm {
         Gemm { m, n, k, ta: false, tb: true, alpha: 1.0, beta: 0.0 }
     }
     /// `Y[m, n] += X[m, k] W[n, k]^T`: a linear layer added to what `Y` holds (a residual
-    /// stream), rounded once to `Y`'s dtype.
+    /// stream) in the GEMM's epilogue. In place, cuBLASLt is not bound to one rounding: at small
+    /// shapes its sums differ from `gemm_residual`'s by up to a second bf16 rounding
+    /// (tests/gpu/gemm.rs), as the product-then-add it replaces had.
     pub fn linear_add(m: usize, n: usize, k: usize) -> Self {
         Gemm { beta: 1.0, ..Gemm::linear(m, n, k) }
     }

@@ -222,6 +222,10 @@ impl<B: Backend> DraftWeights<'_, B> {
         let (mut xn, mut q_pre, mut q, mut kb_pre, mut kb, mut vb) =
             (bf(bs * h)?, bf(bs * qw)?, bf(bs * qw)?, bf(bs * kw)?, bf(bs * kw)?, bf(bs * kw)?);
         let (mut o, mut h2, mut gu, mut act) = (bf(bs * qw)?, bf(bs * h)?, bf(bs * 2 * inter)?, bf(bs * inter)?);
+        // The residual stream's other buffer: each residual GEMM reads `x` and writes `x_next`
+        // (as training's `gemm_residual` does; in place, cuBLASLt may round once more at these
+        // few rows), then the two swap.
+        let mut x_next = bf(bs * h)?;
         let mut rstd = be.alloc(s, DType::F32, bs * nh.max(1))?;
         let mut lse = be.alloc(s, DType::F32, bs * nh)?;
         for l in 0..sh.layers {
@@ -248,11 +252,13 @@ impl<B: Backend> DraftWeights<'_, B> {
                 &mut lse,
             )?;
             // x_mid = x + o Wo^T; x = x_mid + down(swiglu(post_norm(x_mid))), rounded as training does.
-            be.gemm(s, &Gemm::linear_add(bs, h, qw), &o, 0, w, off("self_attn.o_proj.weight"), &mut x, 0)?;
+            be.gemm_residual(s, &Gemm::linear(bs, h, qw), &o, w, off("self_attn.o_proj.weight"), &x, &mut x_next)?;
+            std::mem::swap(&mut x, &mut x_next);
             be.rmsnorm_fwd(s, &x, w, off("post_attention_layernorm.weight"), &mut h2, &mut rstd, bs, h, sh.eps)?;
             be.gemm(s, &Gemm::linear(bs, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
             be.swiglu_fwd(s, &gu, &mut act, bs, inter)?;
-            be.gemm(s, &Gemm::linear_add(bs, h, inter), &act, 0, w, off("mlp.down_proj.weight"), &mut x, 0)?;
+            be.gemm_residual(s, &Gemm::linear(bs, h, inter), &act, w, off("mlp.down_proj.weight"), &x, &mut x_next)?;
+            std::mem::swap(&mut x, &mut x_next);
         }
         // Final norm, lm_head over slots 1..bs, argmax on the device (the first maximum on ties,
         // the tie rule of training's accuracy).

@@ -214,7 +214,7 @@ fn layer<B: Backend>(
         }
     }
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
-    // Each projection adds itself to the residual stream, rounded to bf16 once.
+    // Each output projection adds itself to the residual stream in its GEMM's epilogue.
     be.gemm(s, &Gemm::linear_add(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), x, 0)?;
     let post = off("post_attention_layernorm.weight");
     be.rmsnorm_fwd(s, x, w, post, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;

@@ -5,8 +5,8 @@
 //!
 //! Rounding follows a bf16 Hugging Face forward where it costs little: every projection but the
 //! DeltaNet's `in_proj_qkv`, beta, the DeltaNet output and each norm round to bf16; the output
-//! projections (`o_proj`, `out_proj`, `down_proj`) round once, with the residual add they
-//! accumulate into (transformers rounds the product, then the sum). The
+//! projections (`o_proj`, `out_proj`, `down_proj`) accumulate into the residual stream in their
+//! GEMMs' epilogue (transformers rounds the product, then the sum). The
 //! DeltaNet's `in_proj_qkv` output, its convolution output and the q/k/v split (and the decode
 //! cache of convolution inputs), the L2-normalised q and k, the log decays `g` and the recurrent
 //! state stay f32: rounding the convolution's input and output to bf16 (as transformers does) is
@@ -490,32 +490,34 @@ impl<B: Backend> Scratch<B> {
     fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize, cached: bool) -> Result<Self> {
         let hy = hybrid(sh);
         // Every buffer is written in full before it is read (each layer's GEMMs and kernels write
-        // all rows of what they produce), so none needs a zero fill but `qkv`: compute-sanitizer's
-        // initcheck does not see the stores of cuBLASLt's f32-output GEMM (scripts/sanitize.sh), so
-        // that one is zero-filled to keep the forward clean under it.
+        // all rows of what they produce). The kernels' outputs are left uninitialised; the GEMMs'
+        // (`gemm`) are zero-filled, because compute-sanitizer's initcheck does not see every
+        // cuBLASLt store (the f32-output GEMM's, scripts/sanitize.sh, and on the H200 the b | a
+        // projection's too) and would report their readers.
         let bf = |n: usize| be.alloc_uninit(s, DType::BF16, n);
         let f32 = |n: usize| be.alloc_uninit(s, DType::F32, n);
+        let gemm = |dt: DType, n: usize| be.alloc(s, dt, n);
         let (qw, kw, hv) = (sh.q_width(), sh.kv_width(), hy.linear_num_value_heads);
         Ok(Scratch {
             rows: t,
             xn: bf(t * sh.hidden)?,
-            gu: bf(t * 2 * sh.inter)?,
+            gu: gemm(DType::BF16, t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
-            qg: bf(t * 2 * qw)?,
+            qg: gemm(DType::BF16, t * 2 * qw)?,
             q: bf(t * qw)?,
-            k_pre: bf(t * kw)?,
+            k_pre: gemm(DType::BF16, t * kw)?,
             k: bf(t * kw)?,
-            v: bf(t * kw)?,
+            v: gemm(DType::BF16, t * kw)?,
             o: bf(t * qw)?,
             lse: f32(t * sh.heads)?,
             // The Gated DeltaNet's input projection, its convolution and the q/k/v split stay f32
             // (transformers rounds each to bf16): these roundings are the largest error of the
             // layer, and no GEMM reads them.
-            qkv: be.alloc(s, DType::F32, t * hy.conv_dim())?,
+            qkv: gemm(DType::F32, t * hy.conv_dim())?,
             conv: if cached { Some(f32(t * hy.conv_dim())?) } else { None },
             raw: if cached { Some(f32(t * hy.key_dim())?) } else { None },
-            z: bf(t * hy.value_dim())?,
-            ba: bf(t * 2 * hv)?,
+            z: gemm(DType::BF16, t * hy.value_dim())?,
+            ba: gemm(DType::BF16, t * 2 * hv)?,
             lv: f32(t * hy.value_dim())?,
             // L2-normalised q and k stay f32, as inside flash-linear-attention's kernel.
             qn: f32(t * hy.key_dim())?,
