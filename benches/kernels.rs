@@ -739,7 +739,7 @@ fn gemm_model(be: &CudaBackend, random: &dyn Fn(usize, u64) -> <CudaBackend as B
     }
     let mut call_with = |i: usize, cand: usize| {
         let (_, n, k, _) = shapes[i];
-        assert!(be.gemm_with(&s, &Gemm::linear(m, n, k), &a, 0, &ws[i], 0, &mut cs[i], 0, cand).unwrap());
+        assert!(be.gemm_with(&s, &Gemm::linear(m, n, k), &a, 0, &ws[i], 0, None, &mut cs[i], 0, cand).unwrap());
     };
     let flop = |i: usize| 2.0 * (m * shapes[i].1 * shapes[i].2) as f64;
     println!("\nthe 27B forward's GEMMs (4 x 3072 tokens, layers 0..61), alone and in sequence:");
@@ -849,7 +849,7 @@ fn gemm_candidates(
         let (a, b) = (random(g.m * g.k, 51), random(g.k * g.n, 52));
         let mut c = be.alloc(&s, if f32_out { DType::F32 } else { DType::BF16 }, g.m * g.n).unwrap();
         let mut count = 0;
-        while count < CANDIDATES && be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, count).unwrap() {
+        while count < CANDIDATES && be.gemm_with(&s, &g, &a, 0, &b, 0, None, &mut c, 0, count).unwrap() {
             count += 1;
         }
         if count == 0 {
@@ -861,7 +861,7 @@ fn gemm_candidates(
             for (i, t) in best.iter_mut().enumerate() {
                 let t0 = Instant::now();
                 for _ in 0..calls {
-                    be.gemm_with(&s, &g, &a, 0, &b, 0, &mut c, 0, i).unwrap();
+                    be.gemm_with(&s, &g, &a, 0, &b, 0, None, &mut c, 0, i).unwrap();
                 }
                 be.synchronize(&s).unwrap();
                 *t = t.min(t0.elapsed().as_secs_f64() / calls as f64);

@@ -453,27 +453,10 @@ impl CudaBackend {
 
     /// `gemm` with cuBLASLt's `index`-th heuristic algorithm for this shape (the trait's `gemm`
     /// runs the first); `Ok(false)` (nothing enqueued) when the heuristic offered fewer. The
-    /// bench times every candidate with it.
+    /// bench times every candidate with it. `c_in` (when given: `[m, n]` from its start, `c`'s
+    /// dtype) is the C that `beta` scales, and `c[c_off..]` only the output (`gemm_residual`).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_with(
-        &self,
-        s: &Stream,
-        g: &Gemm,
-        a: &CudaBuf,
-        a_off: usize,
-        b: &CudaBuf,
-        b_off: usize,
-        c: &mut CudaBuf,
-        c_off: usize,
-        index: usize,
-    ) -> Result<bool> {
-        self.gemm_from(s, g, a, a_off, b, b_off, None, c, c_off, index)
-    }
-
-    /// `gemm_with` where `c_in` (when given: `[m, n]` from its start, `c`'s dtype) is the C that
-    /// `beta` scales, and `c[c_off..]` only the output.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_from(
         &self,
         s: &Stream,
         g: &Gemm,
@@ -1624,7 +1607,7 @@ impl Backend for CudaBackend {
         c: &mut CudaBuf,
         c_off: usize,
     ) -> Result<()> {
-        self.gemm_with(s, g, a, a_off, b, b_off, c, c_off, 0).map(|_| ())
+        self.gemm_with(s, g, a, a_off, b, b_off, None, c, c_off, 0).map(|_| ())
     }
 
     fn gemm_residual(
@@ -1637,7 +1620,7 @@ impl Backend for CudaBackend {
         r: &CudaBuf,
         d: &mut CudaBuf,
     ) -> Result<()> {
-        self.gemm_from(s, &Gemm { beta: 1.0, ..*g }, x, 0, w, w_off, Some(r), d, 0, 0).map(|_| ())
+        self.gemm_with(s, &Gemm { beta: 1.0, ..*g }, x, 0, w, w_off, Some(r), d, 0, 0).map(|_| ())
     }
 
     fn fc_project(
