@@ -30,6 +30,7 @@ cp scripts/gpu-run.sh gpu-bundle/run.sh
 cp scripts/sanitize.sh gpu-bundle/sanitize.sh
 cp scripts/gpu-all.sh gpu-bundle/all.sh
 cp scripts/gpu-models.sh gpu-bundle/models.sh
+cp scripts/gpu-pack.sh gpu-bundle/pack.sh
 cp tests/reference/bench_fla_gdn.py gpu-bundle/bench_fla_gdn.py
 cp scripts/ncu-sass-summary.py gpu-bundle/ncu-sass-summary.py
 # flash-linear-attention's wheels for the Gated DeltaNet reference (scripts/fetch-wheels.sh).
