@@ -28,8 +28,8 @@ fn gemm_linear_forms() {
     assert_grad_close("gemm dW", &dw, &numeric_grad(&w, |w| loss(&x, w)));
 }
 
-/// The residual forms: `gemm_residual` writes `r + x W^T` and leaves `r`; `Gemm::linear_add`
-/// adds `x W^T` to what `y` holds; both equal the sum computed here.
+/// The residual forms: `gemm_residual` writes `r + x W^T` and leaves `r`; a GEMM with beta 1
+/// adds `x W^T` to what `y` holds, in place; both equal the sum computed here.
 #[test]
 fn gemm_residual_forms() {
     let be = Exact::exact();
@@ -47,8 +47,8 @@ fn gemm_residual_forms() {
     let mut d = buf(vec![f64::NAN; m * n]);
     be.gemm_residual(&S, &Gemm::linear(m, n, k), &xb, &wb, w_off, &rb, &mut d).unwrap();
     let mut y = buf(r.clone());
-    be.gemm(&S, &Gemm::linear_add(m, n, k), &xb, 0, &wb, w_off, &mut y, 0).unwrap();
-    for (what, got) in [("gemm_residual", &d.data), ("linear_add", &y.data)] {
+    be.gemm(&S, &Gemm { beta: 1.0, ..Gemm::linear(m, n, k) }, &xb, 0, &wb, w_off, &mut y, 0).unwrap();
+    for (what, got) in [("gemm_residual", &d.data), ("in place", &y.data)] {
         for (g, e) in got.iter().zip(&want) {
             assert!((g - e).abs() <= 1e-12 * e.abs().max(1.0), "{what}: {g} vs {e}");
         }

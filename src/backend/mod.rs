@@ -130,13 +130,6 @@ impl Gemm {
     pub fn linear(m: usize, n: usize, k: usize) -> Self {
         Gemm { m, n, k, ta: false, tb: true, alpha: 1.0, beta: 0.0 }
     }
-    /// `Y[m, n] += X[m, k] W[n, k]^T`: a linear layer added to what `Y` holds (a residual
-    /// stream) in the GEMM's epilogue. In place, cuBLASLt is not bound to one rounding: at small
-    /// shapes its sums differ from `gemm_residual`'s by up to a second bf16 rounding
-    /// (tests/gpu/gemm.rs), as the product-then-add it replaces had.
-    pub fn linear_add(m: usize, n: usize, k: usize) -> Self {
-        Gemm { beta: 1.0, ..Gemm::linear(m, n, k) }
-    }
     /// `dX[m, k] (+)= dY[m, n] W[n, k]`.
     pub fn linear_dx(m: usize, n: usize, k: usize, accumulate: bool) -> Self {
         Gemm { m, n: k, k: n, ta: false, tb: false, alpha: 1.0, beta: if accumulate { 1.0 } else { 0.0 } }
@@ -494,6 +487,11 @@ pub trait Backend: Send + Sync + 'static {
         r: &Self::Buf,
         d: &mut Self::Buf,
     ) -> Result<()> {
+        // A copy into another dtype would round `r` before the add: refused, as the CUDA GEMM does.
+        let (rt, dt) = (self.dtype(r), self.dtype(d));
+        if rt != dt {
+            return Err(BackendError::DType { op: "gemm_residual r", expected: dt.name(), found: rt.name() });
+        }
         self.copy(s, r, 0, d, 0, g.m * g.n)?;
         self.gemm(s, &Gemm { beta: 1.0, ..*g }, x, 0, w, w_off, d, 0)
     }

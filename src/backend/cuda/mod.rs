@@ -2230,10 +2230,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         // A block per row (variant VPT) where the row is whole 16-byte groups of VPT per thread over
-        // 32..=256 threads (hidden 1024 .. 8192 in steps of 1024, and 2560) and every row starts
-        // 16-byte aligned; a warp per row (variant 0) otherwise.
+        // 32..=256 threads (hidden a multiple of 1280 up to 10240, or of 1024 up to 8192) and every
+        // row starts 16-byte aligned; a warp per row (variant 0) otherwise.
         let aligned = [off_ptr(x, 0), off_ptr(w, w_off), off_ptr(y, 0)].iter().all(|p| p % 16 == 0);
-        let vpt = [5usize, 4].into_iter().find(|v| aligned && dim % (256 * v) == 0 && dim / (8 * v) <= 256);
+        let vpt = rmsnorm1p_vpt(dim, aligned);
         let cfg = match vpt {
             Some(v) => (rows.min(i32::MAX as usize), dim / (8 * v), 0),
             None => (hyb_row_grid(rows), HYB_BLOCK, 0),
@@ -3450,9 +3450,30 @@ fn draft_geom(
     Ok(DraftGeom { qw, kw, ld: sh.head_dim + ATTN_LD_PAD, w: m.div_ceil(ATTN_WARP_ROWS) })
 }
 
+/// `rmsnorm1p_fwd`'s block-per-row variant for rows of `dim` bf16 values: VPT 16-byte groups
+/// (8 values each) per thread over 32..=256 threads, VPT 5 before 4; `None` (the warp-per-row
+/// variant 0) where no VPT fits or a pointer is not 16-byte aligned.
+fn rmsnorm1p_vpt(dim: usize, aligned: bool) -> Option<usize> {
+    [5usize, 4].into_iter().find(|v| aligned && dim % (256 * v) == 0 && dim / (8 * v) <= 256)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shapes `gpu_hybrid_norms_match_cpu` runs take the variants its comment says: a test
+    /// that passes on the warp kernel alone would not show the block kernels right.
+    #[test]
+    fn rmsnorm1p_picks_the_block_kernel_where_it_fits() {
+        for (dim, want) in [(5120, Some(5)), (2560, Some(5)), (4096, Some(4)), (10240, Some(5)), (8192, Some(4))] {
+            assert_eq!(rmsnorm1p_vpt(dim, true), want, "dim {dim}");
+            assert_eq!(rmsnorm1p_vpt(dim, false), None, "dim {dim} unaligned");
+        }
+        // 12288 = 9.6 x 1280 and 384 threads of 4: no block variant; nor below 1024.
+        for dim in [12288, 16, 100, 128, 256, 1000, 33] {
+            assert_eq!(rmsnorm1p_vpt(dim, true), None, "dim {dim}");
+        }
+    }
 
     /// Streams were once named by their handle's address, which the driver reuses: a new stream
     /// could inherit the cached blocks (and recorded uses) of a dropped one.

@@ -449,6 +449,26 @@ fn place_kv<B: Backend>(
     Ok(())
 }
 
+/// `x += a W^T` for an output projection (`w` at `w_off`, `[n, k]`), through a second residual
+/// buffer: one GEMM writes `spare = x + a W^T`, reading `x` in its epilogue (one bf16 rounding of
+/// the f32 sum, as the CPU reference rounds), then the two buffers trade places. The in-place form
+/// (`C = D`) rounded twice on the H200 at some shapes (tests/gpu/gemm.rs).
+#[allow(clippy::too_many_arguments)]
+fn add_projection<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    (rows, n, k): (usize, usize, usize),
+    a: &B::Buf,
+    w: &B::Buf,
+    w_off: usize,
+    x: &mut B::Buf,
+    spare: &mut B::Buf,
+) -> Result<()> {
+    be.gemm_residual(s, &Gemm::linear(rows, n, k), a, w, w_off, x, spare)?;
+    std::mem::swap(x, spare);
+    Ok(())
+}
+
 /// `o = attention(q, k, v)` for `rows` query rows as `how` says, the keys and values already
 /// placed ([`place_kv`]): a packed forward reads them from `k`, `v`; decoding and verification
 /// from the cache, with the split-K decoding attention (`Backend::attn_decode`).

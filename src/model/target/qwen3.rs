@@ -2,8 +2,8 @@
 //! SwiGLU MLP, no biases.
 
 use super::{
-    attend, input_norm, names, positions, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache, Target,
-    TargetInputs, TargetShape,
+    add_projection, attend, input_norm, names, positions, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache,
+    Target, TargetInputs, TargetShape,
 };
 use crate::backend::{Backend, Gemm, QkNormRope, Result, Rows};
 use crate::config::LayerDims;
@@ -148,7 +148,7 @@ impl<B: Backend> Family<B> for Qwen3 {
         for (l, lc) in cache.layers.iter_mut().enumerate() {
             let LayerCache::Attention { k, v } = lc else { unreachable!("a Qwen3 cache holds attention layers only") };
             let how = Attend::Extend { k, v, start: x.start };
-            // The last layer's add runs alone: the logits norm only the rows they need.
+            // No norm after the last layer: the logits norm only the rows they need.
             let next = (l + 1 < layers).then(|| input_norm(t, l + 1));
             layer(t, be, s, l, &mut hs, &mut sc, &pos, how, next)?;
             if let Some(taps) = x.taps_out.as_deref_mut() {
@@ -160,9 +160,10 @@ impl<B: Backend> Family<B> for Qwen3 {
     }
 }
 
-/// One decoder layer on `x [rows, hidden]` in place, from `sc.xn` (and `sc.rstd`) holding its
-/// input norm of `x`. The output projections accumulate into `x` (the residual adds ride on
-/// their GEMMs); the post-attention norm, then `next_norm` (the next layer's input norm, or the
+/// One decoder layer on `x [rows, hidden]`, from `sc.xn` (and `sc.rstd`) holding its input norm
+/// of `x`. The output projections add themselves to `x` (the residual adds ride on their GEMMs,
+/// [`add_projection`]: `x` and `sc.x2` trade places twice, so `x` is the caller's buffer again
+/// after the layer); the post-attention norm, then `next_norm` (the next layer's input norm, or the
 /// final norm) write `sc.xn`. `x` is complete after the call (for taps).
 ///
 /// q, k and v come from one GEMM (their weights are adjacent, [`push_layer`] with `fuse_qkv`);
@@ -215,12 +216,12 @@ fn layer<B: Backend>(
     }
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     // Each output projection adds itself to the residual stream in its GEMM's epilogue.
-    be.gemm(s, &Gemm::linear_add(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), x, 0)?;
+    add_projection(be, s, (rows, h, qw), &sc.o, w, off("self_attn.o_proj.weight"), x, &mut sc.x2)?;
     let post = off("post_attention_layernorm.weight");
     be.rmsnorm_fwd(s, x, w, post, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
-    be.gemm(s, &Gemm::linear_add(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), x, 0)?;
+    add_projection(be, s, (rows, h, sh.inter), &sc.act, w, off("mlp.down_proj.weight"), x, &mut sc.x2)?;
     match next_norm {
         Some(norm) => be.rmsnorm_fwd(s, x, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
         None => Ok(()),
@@ -241,6 +242,8 @@ struct Scratch<B: Backend> {
     lse: B::Buf,
     gu: B::Buf,
     act: B::Buf,
+    /// `[rows, hidden]`: the residual stream's second buffer ([`add_projection`]).
+    x2: B::Buf,
 }
 
 impl<B: Backend> Scratch<B> {
@@ -260,6 +263,7 @@ impl<B: Backend> Scratch<B> {
             lse: be.alloc_uninit(s, DType::F32, t * sh.heads)?,
             gu: bf(t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
+            x2: bf(t * sh.hidden)?,
         })
     }
 }

@@ -5,16 +5,16 @@
 //!
 //! Rounding follows a bf16 Hugging Face forward where it costs little: every projection but the
 //! DeltaNet's `in_proj_qkv`, beta, the DeltaNet output and each norm round to bf16; the output
-//! projections (`o_proj`, `out_proj`, `down_proj`) accumulate into the residual stream in their
-//! GEMMs' epilogue (transformers rounds the product, then the sum). The
+//! projections (`o_proj`, `out_proj`, `down_proj`) add themselves to the residual stream in their
+//! GEMMs' epilogue, one rounding of the sum (transformers rounds the product, then the sum). The
 //! DeltaNet's `in_proj_qkv` output, its convolution output and the q/k/v split (and the decode
 //! cache of convolution inputs), the L2-normalised q and k, the log decays `g` and the recurrent
 //! state stay f32: rounding the convolution's input and output to bf16 (as transformers does) is
 //! the largest error of the layer.
 
 use super::{
-    attend, input_norm, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family, KvCache, LayerCache,
-    LinearUndo, Target, TargetInputs, TargetShape,
+    add_projection, attend, input_norm, names, place_kv, positions, to_i32, Attend, Extend, ExtendUndo, Family,
+    KvCache, LayerCache, LinearUndo, Target, TargetInputs, TargetShape,
 };
 use crate::backend::fused::{GdnConvQkv, GdnOutNorm, NormRope};
 use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
@@ -218,9 +218,10 @@ enum Run<'a, B: Backend> {
     },
 }
 
-/// One decoder layer on `x [rows, hidden]` in place (QWEN35.md section 5), from `sc.xn` holding
-/// its input norm of `x`. The token mixer's and the MLP's output projections accumulate into `x`
-/// (the residual adds ride on their GEMMs); the post-attention norm, then `next_norm` (the next
+/// One decoder layer on `x [rows, hidden]` (QWEN35.md section 5), from `sc.xn` holding its input
+/// norm of `x`. The token mixer's and the MLP's output projections add themselves to `x` (the
+/// residual adds ride on their GEMMs, [`add_projection`]: `x` and `sc.x2` trade places twice, so
+/// `x` is the caller's buffer again after the layer); the post-attention norm, then `next_norm` (the next
 /// layer's input norm, or the final norm) write `sc.xn`.
 #[allow(clippy::too_many_arguments)]
 fn layer<B: Backend>(
@@ -246,7 +247,7 @@ fn layer<B: Backend>(
     be.rmsnorm1p_fwd(s, x, w, post, &mut sc.xn, rows, h, sh.eps)?;
     be.gemm(s, &Gemm::linear(rows, 2 * sh.inter, h), &sc.xn, 0, w, off("mlp.gate_proj.weight"), &mut sc.gu, 0)?;
     be.swiglu_fwd(s, &sc.gu, &mut sc.act, rows, sh.inter)?;
-    be.gemm(s, &Gemm::linear_add(rows, h, sh.inter), &sc.act, 0, w, off("mlp.down_proj.weight"), x, 0)?;
+    add_projection(be, s, (rows, h, sh.inter), &sc.act, w, off("mlp.down_proj.weight"), x, &mut sc.x2)?;
     match next_norm {
         Some(norm) => be.rmsnorm1p_fwd(s, x, w, norm, &mut sc.xn, rows, h, sh.eps),
         None => Ok(()),
@@ -302,7 +303,7 @@ fn gated_attention<B: Backend>(
     place_kv(be, s, &mut how, sh, rows, &sc.k, &sc.v)?;
     attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
     be.sigmoid_mul_strided(s, &mut sc.o, &sc.qg, hd, 2 * hd, rows * heads, hd)?;
-    be.gemm(s, &Gemm::linear_add(rows, h, qw), &sc.o, 0, w, off("self_attn.o_proj.weight"), x, 0)
+    add_projection(be, s, (rows, h, qw), &sc.o, w, off("self_attn.o_proj.weight"), x, &mut sc.x2)
 }
 
 /// Gated DeltaNet (QWEN35.md section 4) on `sc.xn`, added to `x`: chunked over a packed batch,
@@ -441,7 +442,7 @@ fn gated_delta_net<B: Backend>(
     if !normed {
         be.gated_rmsnorm_fwd(s, &sc.core, &sc.z, w, norm_w, &mut sc.y, rows * hv, dv, sh.eps)?;
     }
-    be.gemm(s, &Gemm::linear_add(rows, h, vd), &sc.y, 0, w, off("linear_attn.out_proj.weight"), x, 0)
+    add_projection(be, s, (rows, h, vd), &sc.y, w, off("linear_attn.out_proj.weight"), x, &mut sc.x2)
 }
 
 /// Which form of the delta rule a Gated DeltaNet layer runs.
@@ -458,6 +459,8 @@ enum Core<'a, B: Backend> {
 struct Scratch<B: Backend> {
     rows: usize,
     xn: B::Buf,
+    /// `[rows, hidden]`: the residual stream's second buffer ([`add_projection`]).
+    x2: B::Buf,
     gu: B::Buf,
     act: B::Buf,
     // Gated attention.
@@ -501,6 +504,7 @@ impl<B: Backend> Scratch<B> {
         Ok(Scratch {
             rows: t,
             xn: bf(t * sh.hidden)?,
+            x2: gemm(DType::BF16, t * sh.hidden)?,
             gu: gemm(DType::BF16, t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
             qg: gemm(DType::BF16, t * 2 * qw)?,
