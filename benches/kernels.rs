@@ -338,7 +338,7 @@ fn main() {
         let hp = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, t: 3, grad_scale: 1.0 };
         mem(
             "adamw (268M params)",
-            time_per_call(&be, 5, MEM_CALLS, || be.adamw(&s, &mut p, &gr, &mut m, &mut v, &mut wb, &hp).unwrap()),
+            time_per_call(&be, 5, MEM_CALLS, || be.adamw(&s, &mut p, &gr, &mut m, &mut v, &mut wb, 0, &hp).unwrap()),
             (np * (4 * 4 + 3 * 4 + 2)) as f64,
         );
         let mut out = buf(DType::F32, 1);

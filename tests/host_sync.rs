@@ -82,8 +82,8 @@ fn adamw_planned_is_adamw_with_the_plans_factor_or_nothing() {
         let (mut p, gb, mut m, mut v) = (put(&be, &p0), put(&be, &g), put(&be, &m0), put(&be, &v0));
         let mut w = be.alloc(&S, DType::BF16, n).unwrap();
         match plan {
-            Some(pl) => be.adamw_planned(&S, &mut p, &gb, &mut m, &mut v, &mut w, &hp, &put(&be, &pl)).unwrap(),
-            None => be.adamw(&S, &mut p, &gb, &mut m, &mut v, &mut w, &hp).unwrap(),
+            Some(pl) => be.adamw_planned(&S, &mut p, &gb, &mut m, &mut v, &mut w, 0, &hp, &put(&be, &pl)).unwrap(),
+            None => be.adamw(&S, &mut p, &gb, &mut m, &mut v, &mut w, 0, &hp).unwrap(),
         }
         [&p, &m, &v, &w].map(|b| be.download(&S, b).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
     };
@@ -102,17 +102,33 @@ fn new_side(be: &CpuBackend) -> DrafterSide<CpuBackend> {
 fn state(be: &CpuBackend, side: &DrafterSide<CpuBackend>) -> Vec<Vec<u32>> {
     let fc = side.fc.as_ref().unwrap();
     let b = &side.drafter.body;
-    [&b.master, &b.m, &fc.master, &fc.m]
-        .map(|x| be.download(&S, x).unwrap().iter().map(|v| v.to_bits()).collect())
-        .to_vec()
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect();
+    let m = |g: &dflash_engine::model::drafter::ParamGroup<CpuBackend>| g.moments.download(be, &S).unwrap().0;
+    vec![bits(be.download(&S, &b.master).unwrap()), bits(m(b)), bits(be.download(&S, &fc.master).unwrap()), bits(m(fc))]
 }
 
 /// `steps` steps of two micro-batches each through `drafter_step`, with the caller's protocol of
 /// the pipeline (read the previous step's metrics, then apply this step's update). Step `poison`
 /// gets NaN packed taps. Returns each step's metrics and the state after each step's update.
-fn drive(ranks: &mut dyn RankGroup<CpuBackend>, steps: u32, poison: u32) -> (Vec<StepMetrics>, Vec<Vec<Vec<u32>>>) {
+/// `offload`: the moments live in host slots (`ParamGroup::offload_moments`), three chunks a
+/// group with a shorter last one, instead of device buffers.
+fn drive(
+    ranks: &mut dyn RankGroup<CpuBackend>,
+    steps: u32,
+    poison: u32,
+    offload: bool,
+) -> (Vec<StepMetrics>, Vec<Vec<Vec<u32>>>) {
     let be = CpuBackend::new();
     let mut side = new_side(&be);
+    if offload {
+        for g in side.fc.iter_mut().chain(std::iter::once(&mut side.drafter.body)) {
+            let n = g.table.total();
+            let chunk = n / 3 + 1;
+            assert!(n > 2 * chunk && n % chunk != 0, "{n} parameters: three chunks, the last one shorter");
+            assert_eq!(g.offload_moments(&be, &S, chunk).unwrap(), 8 * n, "m and v, 4 bytes each");
+            assert!(g.moments.is_offloaded());
+        }
+    }
     let sh = fd_shape();
     let hb = fd_batch();
     let optim = OptimConfig { total_steps: steps, clip: 0.05, ..OptimConfig::default() };
@@ -164,8 +180,8 @@ fn bits(m: &StepMetrics) -> Vec<u64> {
 fn late_metrics_equal_the_host_decided_steps_and_a_nan_step_is_skipped() {
     let steps = 5;
     let poison = 2;
-    let (dev_m, dev_s) = drive(&mut SingleRank, steps, poison);
-    let (host_m, host_s) = drive(&mut HostDecided, steps, poison);
+    let (dev_m, dev_s) = drive(&mut SingleRank, steps, poison, false);
+    let (host_m, host_s) = drive(&mut HostDecided, steps, poison, false);
     assert_eq!(dev_m.len(), steps as usize);
     for (k, (a, b)) in dev_m.iter().zip(&host_m).enumerate() {
         assert_eq!(a.step, k as u32, "metrics come in step order");
@@ -180,4 +196,20 @@ fn late_metrics_equal_the_host_decided_steps_and_a_nan_step_is_skipped() {
     assert_ne!(dev_s[poison as usize + 1], dev_s[poison as usize], "the step after it trains again");
     // The clip (0.05) binds on the finite steps, so the device clip factor is exercised.
     assert!(dev_m.iter().filter(|m| !m.skipped).all(|m| m.grad_norm > 0.05), "{dev_m:?}");
+}
+
+/// AdamW moments kept in host slots (`--offload-optimizer`), a chunk at a time through the
+/// update, train bit for bit as moments on the device: the device-planned update and the
+/// host-decided one, the clip binding, a skipped NaN step leaving the moments as they were, and
+/// every step's masters and first moments compared.
+#[test]
+fn offloaded_moments_train_bit_identically() {
+    let (steps, poison) = (5, 2);
+    let (dev_m, dev_s) = drive(&mut SingleRank, steps, poison, false);
+    for ranks in [&mut SingleRank as &mut dyn RankGroup<CpuBackend>, &mut HostDecided] {
+        let (off_m, off_s) = drive(ranks, steps, poison, true);
+        assert_eq!(off_m.iter().map(bits).collect::<Vec<_>>(), dev_m.iter().map(bits).collect::<Vec<_>>());
+        assert_eq!(off_s, dev_s, "masters and moments after every step");
+    }
+    assert_eq!(dev_s[poison as usize], dev_s[poison as usize - 1], "the skipped step changed nothing");
 }

@@ -216,7 +216,7 @@ fn pitfall_7_f32_masters_and_skipped_bad_steps() {
     // Each step moves the master by ~1e-4, far below bf16's 2^-7 spacing at 1.0.
     for t in 1..=200 {
         let hp = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, t, grad_scale: 1.0 };
-        be.adamw(&S, &mut master, &grad, &mut m, &mut v, &mut w, &hp).unwrap();
+        be.adamw(&S, &mut master, &grad, &mut m, &mut v, &mut w, 0, &hp).unwrap();
     }
     let mm = be.download(&S, &master).unwrap()[0];
     assert!((mm - 0.98).abs() < 1e-3, "master {mm}");

@@ -444,7 +444,7 @@ fn init_from_round_trips_bit_for_bit() {
         let mut n = 0;
         for g in side.fc.iter().chain(std::iter::once(&side.drafter.body)) {
             let (master, weights) = (g.masters(&be, &s).unwrap(), be.download(&s, &g.weights).unwrap());
-            let (m, v) = (be.download(&s, &g.m).unwrap(), be.download(&s, &g.v).unwrap());
+            let (m, v) = g.moments.download(&be, &s).unwrap();
             assert!(m.iter().chain(&v).all(|&x| x == 0.0), "the optimizer starts fresh");
             for e in g.table.entries() {
                 let r = e.offset..e.offset + e.numel;

@@ -1188,13 +1188,13 @@ impl<F: Real> Backend for CpuBackend<F> {
         m: &mut CpuBuf<F>,
         v: &mut CpuBuf<F>,
         weights: &mut CpuBuf<F>,
+        off: usize,
         hp: &AdamStep,
     ) -> Result<()> {
-        let n = master.data.len();
-        for (name, len) in
-            [("grad", grad.data.len()), ("m", m.data.len()), ("v", v.data.len()), ("weights", weights.data.len())]
-        {
-            check_len("adamw", name, len, 0, n)?;
+        let n = m.data.len();
+        check_len("adamw", "v", v.data.len(), 0, n)?;
+        for (name, len) in [("master", master.data.len()), ("grad", grad.data.len()), ("weights", weights.data.len())] {
+            check_len("adamw", name, len, off, n)?;
         }
         // Bias corrections in f64 on the host side of the formula, as the kernel receives them.
         let bc1 = F::from_f64(1.0 - f64::from(hp.beta1).powi(hp.t as i32));
@@ -1203,13 +1203,13 @@ impl<F: Real> Backend for CpuBackend<F> {
         let (lr, eps, wd, gs) =
             (F::from_f32(hp.lr), F::from_f32(hp.eps), F::from_f32(hp.weight_decay), F::from_f32(hp.grad_scale));
         let wdt = weights.dtype;
-        master
-            .data
+        let r = off..off + n;
+        master.data[r.clone()]
             .par_iter_mut()
             .zip(m.data.par_iter_mut())
             .zip(v.data.par_iter_mut())
-            .zip(weights.data.par_iter_mut())
-            .zip(grad.data.par_iter())
+            .zip(weights.data[r.clone()].par_iter_mut())
+            .zip(grad.data[r].par_iter())
             .for_each(|((((p, mm), vv), w), &g)| {
                 let g = g * gs;
                 *mm = self.st(DType::F32, b1 * *mm + (F::ONE - b1) * g);
@@ -1257,6 +1257,7 @@ impl<F: Real> Backend for CpuBackend<F> {
         m: &mut CpuBuf<F>,
         v: &mut CpuBuf<F>,
         weights: &mut CpuBuf<F>,
+        off: usize,
         hp: &AdamStep,
         plan: &CpuBuf<F>,
     ) -> Result<()> {
@@ -1265,7 +1266,7 @@ impl<F: Real> Backend for CpuBackend<F> {
             return Ok(());
         }
         let hp = AdamStep { grad_scale: plan.data[0].to_f32(), ..*hp };
-        self.adamw(s, master, grad, m, v, weights, &hp)
+        self.adamw(s, master, grad, m, v, weights, off, &hp)
     }
 
     fn count_nonfinite(&self, _s: &CpuStream, x: &CpuBuf<F>) -> Result<u64> {

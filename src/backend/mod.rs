@@ -753,7 +753,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `out[0] = sum(x^2)` in a fixed order (deterministic).
     fn sum_squares(&self, s: &Self::Stream, x: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
     /// AdamW on the masters (f32, or split where `alloc_master` made them so); refreshes the bf16
-    /// weights from the masters.
+    /// weights from the masters. The update covers `m.len()` parameters: `master`, `grad` and
+    /// `weights` from element `off` on, `m` and `v` from 0 (the moments of a whole group at
+    /// `off` 0, or one chunk of them brought from the host, `model::moments`).
     #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,
@@ -763,6 +765,7 @@ pub trait Backend: Send + Sync + 'static {
         m: &mut Self::Buf,
         v: &mut Self::Buf,
         weights: &mut Self::Buf,
+        off: usize,
         hp: &AdamStep,
     ) -> Result<()>;
     /// The update decision of a step on the device (`train::step::plan_update` without the host):
@@ -793,6 +796,7 @@ pub trait Backend: Send + Sync + 'static {
         m: &mut Self::Buf,
         v: &mut Self::Buf,
         weights: &mut Self::Buf,
+        off: usize,
         hp: &AdamStep,
         plan: &Self::Buf,
     ) -> Result<()>;

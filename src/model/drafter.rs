@@ -15,6 +15,7 @@ use super::target::push_layer;
 use super::ParamTable;
 use crate::backend::profile::{self, Region};
 use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
+use crate::model::moments::Moments;
 use crate::rng::{self, Philox};
 use crate::tensor::DType;
 
@@ -107,14 +108,13 @@ impl DrafterShape {
 
 /// One group of trained parameters: bf16 weights for compute, the masters (f32 values; a backend
 /// may store them split beside the weights, `Backend::alloc_master`), f32 gradients and the two
-/// AdamW moments, all flat with the same layout.
+/// AdamW moments (on the device, or in host memory: [`Moments`]), all flat with the same layout.
 pub struct ParamGroup<B: Backend> {
     pub table: ParamTable,
     pub weights: B::Buf,
     pub master: B::Buf,
     pub grad: B::Buf,
-    pub m: B::Buf,
-    pub v: B::Buf,
+    pub moments: Moments<B>,
 }
 
 impl<B: Backend> ParamGroup<B> {
@@ -124,18 +124,29 @@ impl<B: Backend> ParamGroup<B> {
             weights: be.alloc(s, DType::BF16, n)?,
             master: be.alloc_master(s, n)?,
             grad: be.alloc(s, DType::F32, n)?,
-            m: be.alloc(s, DType::F32, n)?,
-            v: be.alloc(s, DType::F32, n)?,
+            moments: Moments::device(be, s, n)?,
             table,
         })
     }
 
     /// This group on another device (itself when `to` is `from`): every buffer copied over, the
-    /// host waiting until the copies are done.
+    /// host waiting until the copies are done. Moments move before they are offloaded only.
     pub fn move_to(self, from: &B, to: &B, s_to: &B::Stream) -> Result<Self> {
+        let Moments::Device { m, v } = self.moments else {
+            return Err(crate::backend::BackendError::Shape {
+                op: "ParamGroup::move_to",
+                what: "the group's moments are in host memory already: place the group, then offload them".into(),
+            });
+        };
         let [weights, master, grad, m, v] =
-            crate::backend::move_bufs(from, to, s_to, [self.weights, self.master, self.grad, self.m, self.v])?;
-        Ok(ParamGroup { weights, master, grad, m, v, table: self.table })
+            crate::backend::move_bufs(from, to, s_to, [self.weights, self.master, self.grad, m, v])?;
+        Ok(ParamGroup { weights, master, grad, moments: Moments::Device { m, v }, table: self.table })
+    }
+
+    /// Keeps the AdamW moments in pinned host memory from now on (`--offload-optimizer`), in
+    /// chunks of `chunk` parameters (`moments::CHUNK`); returns the bytes pinned.
+    pub fn offload_moments(&mut self, be: &B, s: &B::Stream, chunk: usize) -> Result<usize> {
+        self.moments.offload(be, s, chunk)
     }
 
     /// DFLASH.md init: linear weights ~ N(0, 0.02), norms = 1; each tensor its own Philox stream.
@@ -164,8 +175,7 @@ impl<B: Backend> ParamGroup<B> {
     pub fn set_masters(&mut self, be: &B, s: &B::Stream, host: &[f32]) -> Result<()> {
         be.set_master(s, host, &mut self.master, &mut self.weights)?;
         be.fill(s, &mut self.grad, 0.0)?;
-        be.fill(s, &mut self.m, 0.0)?;
-        be.fill(s, &mut self.v, 0.0)
+        self.moments.fill(be, s, 0.0)
     }
 
     /// The masters as f32 values.
@@ -183,12 +193,14 @@ impl<B: Backend> ParamGroup<B> {
     }
 
     pub fn adamw(&mut self, be: &B, s: &B::Stream, hp: &AdamStep) -> Result<()> {
-        be.adamw(s, &mut self.master, &self.grad, &mut self.m, &mut self.v, &mut self.weights, hp)
+        let ParamGroup { master, grad, weights, moments, .. } = self;
+        moments.update(be, s, |off, m, v| be.adamw(s, master, grad, m, v, weights, off, hp))
     }
 
     /// AdamW with the clip factor and the skip flag of a device update plan (`Backend::update_plan`).
     pub fn adamw_planned(&mut self, be: &B, s: &B::Stream, hp: &AdamStep, plan: &B::Buf) -> Result<()> {
-        be.adamw_planned(s, &mut self.master, &self.grad, &mut self.m, &mut self.v, &mut self.weights, hp, plan)
+        let ParamGroup { master, grad, weights, moments, .. } = self;
+        moments.update(be, s, |off, m, v| be.adamw_planned(s, master, grad, m, v, weights, off, hp, plan))
     }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod drafter;
 pub mod drafting;
+pub mod moments;
 pub mod park;
 pub mod target;
 

@@ -827,7 +827,7 @@ pub fn gather<B: Backend>(
 ) -> std::result::Result<Vec<TensorState>, Box<dyn std::error::Error + Send + Sync>> {
     let mut out = Vec::new();
     let mut take = |be: &B, s: &B::Stream, g: &ParamGroup<B>| -> std::result::Result<(), BackendError> {
-        let (master, m, v) = (g.masters(be, s)?, be.download(s, &g.m)?, be.download(s, &g.v)?);
+        let (master, (m, v)) = (g.masters(be, s)?, g.moments.download(be, s)?);
         for e in g.table.entries() {
             let r = e.offset..e.offset + e.numel;
             out.push(TensorState {
@@ -878,8 +878,7 @@ pub fn restore<B: Backend>(
             v[r].copy_from_slice(&t.exp_avg_sq);
         }
         be.set_master(s, &master, &mut g.master, &mut g.weights)?;
-        be.upload(s, &m, &mut g.m, 0)?;
-        be.upload(s, &v, &mut g.v, 0)?;
+        g.moments.upload(be, s, &m, &v)?;
     }
     Ok(())
 }

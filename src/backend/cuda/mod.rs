@@ -1145,7 +1145,8 @@ fn event_secs(origin: &device::Event, e: &device::Event) -> Result<f64> {
 
 impl CudaBackend {
     /// AdamW, plain or with a device update plan, on f32 masters (`master` is f32) or split
-    /// masters (`master` holds the low halves: `alloc_master`).
+    /// masters (`master` holds the low halves: `alloc_master`), over the `m.len` parameters from
+    /// `off` on (`Backend::adamw`).
     #[allow(clippy::too_many_arguments)]
     fn adamw_launch(
         &self,
@@ -1155,12 +1156,14 @@ impl CudaBackend {
         m: &mut CudaBuf,
         v: &mut CudaBuf,
         weights: &mut CudaBuf,
+        off: usize,
         hp: &AdamStep,
         plan: Option<&CudaBuf>,
     ) -> Result<()> {
-        let n = master.len;
-        for (name, len) in [("grad", grad.len), ("m", m.len), ("v", v.len), ("weights", weights.len)] {
-            check_len("adamw", name, len, 0, n)?;
+        let n = m.len;
+        check_len("adamw", "v", v.len, 0, n)?;
+        for (name, len) in [("master", master.len), ("grad", grad.len), ("weights", weights.len)] {
+            check_len("adamw", name, len, off, n)?;
         }
         for b in [grad, &*m, &*v] {
             Self::need_f32("adamw", b)?;
@@ -1175,11 +1178,11 @@ impl CudaBackend {
                     launch::$k::KERNEL,
                     grid,
                     launch::$k {
-                        master: master.at("adamw", 0)?,
-                        grad: grad.at("adamw", 0)?,
+                        master: master.at("adamw", off)?,
+                        grad: grad.at("adamw", off)?,
                         m: m.at("adamw", 0)?,
                         v: v.at("adamw", 0)?,
-                        w: weights.at("adamw", 0)?,
+                        w: weights.at("adamw", off)?,
                         n,
                         lr: hp.lr,
                         beta1: hp.beta1,
@@ -2098,9 +2101,10 @@ impl Backend for CudaBackend {
         m: &mut CudaBuf,
         v: &mut CudaBuf,
         weights: &mut CudaBuf,
+        off: usize,
         hp: &AdamStep,
     ) -> Result<()> {
-        self.adamw_launch(s, master, grad, m, v, weights, hp, None)
+        self.adamw_launch(s, master, grad, m, v, weights, off, hp, None)
     }
 
     fn update_plan(
@@ -2139,12 +2143,13 @@ impl Backend for CudaBackend {
         m: &mut CudaBuf,
         v: &mut CudaBuf,
         weights: &mut CudaBuf,
+        off: usize,
         hp: &AdamStep,
         plan: &CudaBuf,
     ) -> Result<()> {
         Self::need_f32("adamw_planned", plan)?;
         check_len("adamw_planned", "plan", plan.len, 0, 2)?;
-        self.adamw_launch(s, master, grad, m, v, weights, hp, Some(plan))
+        self.adamw_launch(s, master, grad, m, v, weights, off, hp, Some(plan))
     }
 
     /// Split masters (`tensor::master_split`): 2 bytes each, the low halves; the bf16 weights
