@@ -495,7 +495,8 @@ fn gpu_parking_without_its_wait_is_detected() {
 }
 
 /// Poison-on-free (every freed block filled with NaN bytes when it becomes reusable) changes
-/// nothing: no buffer is read after its memory was given back.
+/// nothing: no buffer is read after its memory was given back, the AdamW moments' staging buffers
+/// (`--offload-optimizer`) included.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_poison_on_free_runs_clean() {
@@ -523,6 +524,16 @@ fn gpu_poison_on_free_runs_clean() {
             eprintln!("poison     transport {} inflight {inflight}: bit-identical, no NaN", t.name());
         }
     }
+    // The AdamW moments in host memory (`--offload-optimizer`): each chunk's staging buffers go
+    // back to the compute stream's pool (and are poisoned there) only after their copies.
+    let o = {
+        let mut ro = busy(scratch.fresh("poison-offload"));
+        ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
+        ro.exec.offload_optimizer = true;
+        ro
+    };
+    assert_eq!(losses(&session::run(&o, None).unwrap()), losses(&want), "poison-on-free, moments offloaded");
+    eprintln!("poison     moments offloaded: bit-identical, no NaN");
 }
 
 /// The suite has teeth, every time: the drafter's reads of step 3 are held back on the device

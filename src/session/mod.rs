@@ -261,6 +261,16 @@ fn run_on<B: Backend>(
     let first = targets.remove(0);
     let tflops = crate::train::flops::TargetFlops::new(&first.shape, first.last_layer());
     let tsides = setup::target_sides(bes, topo, e.split_fc, first, targets, &mut sides)?;
+    if e.offload_optimizer && !host {
+        let t0 = std::time::Instant::now();
+        let pinned = setup::offload_moments(bes, topo, &mut sides)?;
+        say(format!(
+            "optimizer the drafter's AdamW moments live in {:.2} GiB of pinned host memory (pinned in {:.1} s){}",
+            pinned as f64 / (1u64 << 30) as f64,
+            t0.elapsed().as_secs_f64(),
+            if e.split_fc { "; the fc group on the target's device keeps its own" } else { "" }
+        ));
+    }
     let source = StepBatches {
         data,
         spec: BatchSpec {

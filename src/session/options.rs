@@ -103,6 +103,9 @@ pub struct ExecOptions {
     /// The first this many drafter layers' gate|up products wait in pinned host memory between
     /// the forward and the backward (`model::park`); 0 keeps them on the device.
     pub offload_activations: usize,
+    /// The drafter's AdamW moments live in pinned host memory and pass through the device a chunk
+    /// at a time for each update (`model::moments`); false keeps them on the device.
+    pub offload_optimizer: bool,
     /// The CUDA allocator's mode (None: normal). Debug modes only; the binary reads
     /// `DFLASH_ALLOC_MODE`.
     #[serde(skip)]
@@ -197,6 +200,7 @@ impl RunOptions {
                 logits_chunk: 2048,
                 recompute: crate::model::drafter::Recompute::Norms,
                 offload_activations: 2,
+                offload_optimizer: false,
                 alloc_mode: None,
                 faults: FaultPlan::default(),
             },

@@ -468,6 +468,20 @@ pub fn target_sides<B: Backend>(
     Ok(out)
 }
 
+/// `--offload-optimizer`: every drafter rank's AdamW moments (its body's and, where it holds it,
+/// its fc group's) move to pinned host memory, once the groups are placed (`target_sides`) and
+/// their state set (`resume`, `warm_start`). Returns the bytes pinned over all ranks.
+pub fn offload_moments<B: Backend>(bes: &[B], topo: &Topology, sides: &mut [DrafterSide<B>]) -> Result<usize> {
+    let mut pinned = 0;
+    for (side, &i) in sides.iter_mut().zip(&topo.drafters) {
+        let (be, s) = (&bes[i], bes[i].compute_stream());
+        for g in side.fc.iter_mut().chain(std::iter::once(&mut side.drafter.body)) {
+            pinned += g.offload_moments(be, &s, crate::model::moments::CHUNK)?;
+        }
+    }
+    Ok(pinned)
+}
+
 /// Loads a copy of the target on every target device (only the tapped layers, except the
 /// first copy when the data is generated: the generator needs every layer) and waits for the
 /// uploads, so the time printed is the load's.

@@ -6,7 +6,8 @@ use dflash_engine::session::{self, Device, RunOptions};
 
 /// 50 training steps on CUDA track the CPU backend (same data file, same seed), and two CUDA runs
 /// give bit-identical losses: one with the defaults (the first two layers' gate|up parked in host
-/// memory), one with `--recompute projections` and nothing parked.
+/// memory), one with `--recompute projections`, nothing parked and the AdamW moments in host
+/// memory (`--offload-optimizer`, its final checkpoint written from them).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_training_tracks_cpu_and_is_deterministic() {
@@ -49,8 +50,8 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
         ro.model.drafter_config = drafter_config;
         ro
     };
-    // The second CUDA run rebuilds the projections in the backward instead of keeping them, and
-    // keeps every gate|up product on the device: neither may change a bit.
+    // The second CUDA run rebuilds the projections in the backward instead of keeping them, keeps
+    // every gate|up product on the device and the AdamW moments on the host: none may change a bit.
     let run = |device, recompute, tag: &str| {
         session::run(
             &{
@@ -59,6 +60,7 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
                 ro.exec.recompute = recompute;
                 if recompute == Recompute::Projections {
                     ro.exec.offload_activations = 0;
+                    ro.exec.offload_optimizer = true;
                 }
                 ro.output.out = dir.join(tag);
                 ro
@@ -77,8 +79,17 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
     assert_eq!(
         bits(&g1),
         bits(&g2),
-        "two CUDA runs with the same seed, one recomputing the projections and parking nothing, must be bit-identical"
+        "two CUDA runs with the same seed, one recomputing the projections, parking nothing and keeping the moments on the host, must be bit-identical"
     );
+    // The final checkpoints' masters and moments (g2's read back through the host chunks).
+    let state = |tag: &str| {
+        let ck = dflash_engine::train::checkpoint::load_latest(dir.join(tag)).unwrap().expect("a final checkpoint");
+        let b = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        ck.tensors.iter().map(|t| (t.name.clone(), b(&t.master), b(&t.exp_avg), b(&t.exp_avg_sq))).collect::<Vec<_>>()
+    };
+    let (s1, s2) = (state("g1"), state("g2"));
+    assert!(!s1.is_empty() && s1.iter().all(|t| t.2.iter().any(|&x| x != 0)), "trained moments in the checkpoint");
+    assert!(s1 == s2, "the final checkpoints' masters and moments must be bit-identical");
     // bf16 activations rounded at the same points but summed in other orders: the runs drift
     // apart slowly; 5% per step at most, 2% on average over 50 steps.
     let rel: Vec<f64> = g1.history.iter().zip(&c.history).map(|(a, b)| ((a.loss - b.loss) / b.loss).abs()).collect();
