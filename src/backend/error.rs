@@ -147,7 +147,9 @@ fn oom_message(
     }
     m + ". Split each step into more micro-batches (halve --batch-size and double --grad-accum: the same \
          sequences per step, about half the drafter's activations), or reduce --seq-len, --logits-chunk or \
-         --pad-to-tokens (or stop other users of this GPU)"
+         --pad-to-tokens; with a large drafter beside its target, run --sync (no second step's target \
+         forward in flight) and keep the drafter's AdamW moments in host memory (--offload-optimizer: 8 bytes \
+         per drafter parameter off the device); or stop other users of this GPU"
 }
 
 /// An NCCL status as an error (cudarc's `NcclError` implements neither `Display` nor `Error`).

@@ -3564,6 +3564,8 @@ mod tests {
             "512.0 MiB free of 144384.0 MiB",
             "halve --batch-size and double --grad-accum",
             "--seq-len, --logits-chunk or --pad-to-tokens",
+            "run --sync",
+            "--offload-optimizer",
         ] {
             assert!(m.contains(part), "{part:?} missing from {m}");
         }
