@@ -252,32 +252,40 @@ impl<B: Backend> HostMoments<B> {
         Ok(st)
     }
 
-    /// Sets the moments from device buffers of the group's length (on `s`).
-    pub fn write(&mut self, be: &B, s: &B::Stream, m: &B::Buf, v: &B::Buf) -> Result<()> {
+    /// Sets every chunk's moments: `set(off, m, v)` fills new staging buffers of the chunk's
+    /// length on `s` (`off`: the chunk's first parameter), which then go to the chunk's slots.
+    fn set_chunks(
+        &mut self,
+        be: &B,
+        s: &B::Stream,
+        mut set: impl FnMut(usize, &mut B::Buf, &mut B::Buf) -> Result<()>,
+    ) -> Result<()> {
         for c in 0..self.chunks.len() {
             let (off, len) = (self.start(c), self.chunks[c].len);
             let mut bm = be.alloc_uninit(s, DType::F32, len)?;
             let mut bv = be.alloc_uninit(s, DType::F32, len)?;
-            be.copy(s, m, off, &mut bm, 0, len)?;
-            be.copy(s, v, off, &mut bv, 0, len)?;
+            set(off, &mut bm, &mut bv)?;
             let last = be.record_event(s)?;
             self.store(be, s, Staged { chunk: c, bufs: Some((bm, bv)), last, mem: self.mem.clone() })?;
         }
         Ok(())
     }
 
+    /// Sets the moments from device buffers of the group's length (on `s`).
+    pub fn write(&mut self, be: &B, s: &B::Stream, m: &B::Buf, v: &B::Buf) -> Result<()> {
+        self.set_chunks(be, s, |off, bm, bv| {
+            let len = be.len(bm);
+            be.copy(s, m, off, bm, 0, len)?;
+            be.copy(s, v, off, bv, 0, len)
+        })
+    }
+
     /// Sets every moment to `value` (on `s`).
     pub fn fill(&mut self, be: &B, s: &B::Stream, value: f32) -> Result<()> {
-        for c in 0..self.chunks.len() {
-            let len = self.chunks[c].len;
-            let mut bm = be.alloc_uninit(s, DType::F32, len)?;
-            let mut bv = be.alloc_uninit(s, DType::F32, len)?;
-            be.fill(s, &mut bm, value)?;
-            be.fill(s, &mut bv, value)?;
-            let last = be.record_event(s)?;
-            self.store(be, s, Staged { chunk: c, bufs: Some((bm, bv)), last, mem: self.mem.clone() })?;
-        }
-        Ok(())
+        self.set_chunks(be, s, |_, bm, bv| {
+            be.fill(s, bm, value)?;
+            be.fill(s, bv, value)
+        })
     }
 
     /// Sets the moments from host values (`m`, `v`: the group's length).
@@ -285,16 +293,11 @@ impl<B: Backend> HostMoments<B> {
         for (name, have) in [("m", m.len()), ("v", v.len())] {
             crate::backend::check_len("HostMoments::upload", name, have, 0, self.n)?;
         }
-        for c in 0..self.chunks.len() {
-            let (off, len) = (self.start(c), self.chunks[c].len);
-            let mut bm = be.alloc_uninit(s, DType::F32, len)?;
-            let mut bv = be.alloc_uninit(s, DType::F32, len)?;
-            be.upload(s, &m[off..off + len], &mut bm, 0)?;
-            be.upload(s, &v[off..off + len], &mut bv, 0)?;
-            let last = be.record_event(s)?;
-            self.store(be, s, Staged { chunk: c, bufs: Some((bm, bv)), last, mem: self.mem.clone() })?;
-        }
-        Ok(())
+        self.set_chunks(be, s, |off, bm, bv| {
+            let len = be.len(bm);
+            be.upload(s, &m[off..off + len], bm, 0)?;
+            be.upload(s, &v[off..off + len], bv, 0)
+        })
     }
 
     /// The moments as host values (for a checkpoint): each chunk through the device (`s`).
@@ -391,5 +394,50 @@ impl<B: Backend> Moments<B> {
             Moments::Device { m, v } => update(0, m, v),
             Moments::Host(h) => h.update(be, s, update),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuStream};
+
+    const S: CpuStream = CpuStream;
+
+    fn buf(be: &CpuBackend, v: &[f32]) -> <CpuBackend as Backend>::Buf {
+        let mut b = be.alloc(&S, DType::F32, v.len()).unwrap();
+        be.upload(&S, v, &mut b, 0).unwrap();
+        b
+    }
+
+    /// Every way of setting host moments lands each value in its place across chunks (the last
+    /// one shorter), and the update sees each chunk once, in order, at its offset.
+    #[test]
+    fn host_moments_keep_every_value_in_place_across_chunks() {
+        let be = CpuBackend::new();
+        let n = 23;
+        let (m, v): (Vec<f32>, Vec<f32>) = (0..n).map(|i| (i as f32, -(i as f32) - 0.5)).unzip();
+        let mut dev = Moments::Device { m: buf(&be, &m), v: buf(&be, &v) };
+        assert_eq!(dev.offload(&be, &S, 5).unwrap(), 8 * n);
+        assert!(dev.is_offloaded());
+        assert_eq!(dev.download(&be, &S).unwrap(), (m.clone(), v.clone()), "moved from the device");
+        let mut seen = Vec::new();
+        dev.update(&be, &S, |off, bm, bv| {
+            seen.push((off, be.len(bm)));
+            let (hm, hv) = (be.download(&S, bm)?, be.download(&S, bv)?);
+            assert_eq!((hm.as_slice(), hv.as_slice()), (&m[off..off + hm.len()], &v[off..off + hv.len()]));
+            be.fill(&S, bm, off as f32)?;
+            be.fill(&S, bv, 1.0)
+        })
+        .unwrap();
+        assert_eq!(seen, [(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]);
+        let (um, uv) = dev.download(&be, &S).unwrap();
+        assert_eq!(um, (0..n).map(|i| (i / 5 * 5) as f32).collect::<Vec<_>>(), "what the update left");
+        assert!(uv.iter().all(|&x| x == 1.0));
+        dev.fill(&be, &S, 0.0).unwrap();
+        assert_eq!(dev.download(&be, &S).unwrap(), (vec![0.0; n], vec![0.0; n]));
+        dev.upload(&be, &S, &v, &m).unwrap();
+        assert_eq!(dev.download(&be, &S).unwrap(), (v.clone(), m.clone()), "set from the host");
+        assert!(dev.upload(&be, &S, &v[1..], &m).is_err(), "a short host vector is refused");
     }
 }

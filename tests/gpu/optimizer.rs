@@ -188,7 +188,8 @@ fn gpu_split_masters_match_f32_masters() {
 /// the device a chunk at a time on two copy streams, update bit for bit as moments on the device:
 /// a group of 3 tensors in 12 chunks (the last one shorter), four steps with new gradients each
 /// (planned, plain, a skipped planned step, planned), masters, bf16 weights and both moments
-/// compared after each, and the moments set from the host and read back through the chunks.
+/// compared after each; new masters zeroing the moments; and the moments set from the host and
+/// read back through the chunks.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_offloaded_moments_update_bit_identically() {
@@ -241,6 +242,15 @@ fn gpu_offloaded_moments_update_bit_identically() {
         } else {
             assert_ne!(got[2], before[2], "step {t} moved the moments");
         }
+    }
+    // New masters zero the moments, chunk by chunk on the host side.
+    for grp in [&mut dev, &mut off] {
+        grp.set_masters(&g, &s, &p).unwrap();
+    }
+    let (want, got) = (state(&dev), state(&off));
+    assert!(got[2].iter().chain(&got[3]).all(|&x| x == 0.0), "zeroed moments");
+    for (i, name) in ["masters", "bf16 weights", "m", "v"].iter().enumerate() {
+        bits_equal(&format!("reset: offloaded {name}"), &got[i], &want[i]);
     }
     let (m, v) = (rand(n, 41, 1.0), rand(n, 42, 1.0));
     off.moments.upload(&g, &s, &m, &v).unwrap();
