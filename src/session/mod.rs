@@ -261,7 +261,9 @@ fn run_on<B: Backend>(
     let first = targets.remove(0);
     let tflops = crate::train::flops::TargetFlops::new(&first.shape, first.last_layer());
     let tsides = setup::target_sides(bes, topo, e.split_fc, first, targets, &mut sides)?;
-    if e.offload_optimizer && !host {
+    if e.offload_optimizer && host {
+        say("note      --offload-optimizer: this backend's buffers are host memory already; nothing to move".into());
+    } else if e.offload_optimizer {
         let t0 = std::time::Instant::now();
         let pinned = setup::offload_moments(bes, topo, &mut sides)?;
         say(format!(
