@@ -46,8 +46,9 @@ pub enum Moments<B: Backend> {
     Host(HostMoments<B>),
 }
 
-/// One chunk's pinned slots and the last copy that touched them.
+/// One chunk's place in the group, its pinned slots and the last copy that touched them.
 struct HostChunk<B: Backend> {
+    off: usize,
     len: usize,
     m: Option<Slot<B>>,
     v: Option<Slot<B>>,
@@ -135,27 +136,14 @@ impl<B: Backend> HostMoments<B> {
             let bytes = len * DType::F32.size_bytes();
             let m = mem.alloc_slot(bytes).map_err(slot_error)?;
             let v = mem.alloc_slot(bytes).map_err(slot_error)?;
-            chunks.push(HostChunk { len, m: Some(m), v: Some(v), last: None, mem: mem.clone() });
+            chunks.push(HostChunk { off: start, len, m: Some(m), v: Some(v), last: None, mem: mem.clone() });
         }
         Ok(HostMoments { n, up: be.new_stream()?, down: be.new_stream()?, mem, chunks })
-    }
-
-    /// Parameters covered.
-    pub fn len(&self) -> usize {
-        self.n
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
     }
 
     /// Bytes of pinned host memory held.
     pub fn pinned_bytes(&self) -> usize {
         2 * self.n * DType::F32.size_bytes()
-    }
-
-    fn start(&self, c: usize) -> usize {
-        self.chunks[..c].iter().map(|ch| ch.len).sum()
     }
 
     /// Starts bringing chunk `c` into new staging buffers of the compute stream `s`. The caller
@@ -231,7 +219,6 @@ impl<B: Backend> HostMoments<B> {
     ) -> Result<()> {
         let count = self.chunks.len();
         let mut next = if count > 0 { Some(self.fetch_next(be, s, 0)?) } else { None };
-        let mut off = 0;
         for c in 0..count {
             let mut st = next.take().expect("each chunk is fetched before its update");
             if c + 1 < count {
@@ -239,8 +226,7 @@ impl<B: Backend> HostMoments<B> {
             }
             be.wait_event(s, &st.last)?;
             let (m, v) = st.bufs();
-            update(off, m, v)?;
-            off += self.chunks[c].len;
+            update(self.chunks[c].off, m, v)?;
             self.store(be, s, st)?;
         }
         Ok(())
@@ -262,7 +248,7 @@ impl<B: Backend> HostMoments<B> {
         mut set: impl FnMut(usize, &mut B::Buf, &mut B::Buf) -> Result<()>,
     ) -> Result<()> {
         for c in 0..self.chunks.len() {
-            let (off, len) = (self.start(c), self.chunks[c].len);
+            let (off, len) = (self.chunks[c].off, self.chunks[c].len);
             let mut bm = be.alloc_uninit(s, DType::F32, len)?;
             let mut bv = be.alloc_uninit(s, DType::F32, len)?;
             set(off, &mut bm, &mut bv)?;
