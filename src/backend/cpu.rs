@@ -280,6 +280,21 @@ impl<F: Real> CpuBackend<F> {
     }
 }
 
+/// `len` copies of `value`, or an error naming the size where the host cannot provide it (an
+/// infallible `vec!` would abort the process instead).
+fn host_vec<F: Real>(value: F, len: usize, dtype: DType) -> Result<Vec<F>> {
+    let elem_bytes = std::mem::size_of::<F>();
+    let oom = || BackendError::HostOutOfMemory {
+        context: format!("alloc of {len} {} elements on the cpu", dtype.name()),
+        requested: len.saturating_mul(elem_bytes),
+        elem_bytes,
+    };
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| oom())?;
+    v.resize(len, value);
+    Ok(v)
+}
+
 impl<F: Real> Backend for CpuBackend<F> {
     type Buf = CpuBuf<F>;
     type Ids = Vec<i32>;
@@ -382,11 +397,11 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
 
     fn alloc(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
-        Ok(CpuBuf { dtype, data: vec![F::ZERO; len] })
+        Ok(CpuBuf { dtype, data: host_vec(F::ZERO, len, dtype)? })
     }
 
     fn alloc_uninit(&self, _s: &CpuStream, dtype: DType, len: usize) -> Result<CpuBuf<F>> {
-        Ok(CpuBuf { dtype, data: vec![F::NAN; len] })
+        Ok(CpuBuf { dtype, data: host_vec(F::NAN, len, dtype)? })
     }
 
     fn alloc_ids(&self, _s: &CpuStream, len: usize) -> Result<Vec<i32>> {

@@ -40,6 +40,13 @@ pub enum BackendError {
         #[source]
         source: Option<DriverError>,
     },
+    /// The host could not provide a buffer of the CPU backend (which keeps every buffer in host
+    /// memory at its working precision).
+    #[error(
+        "out of host memory: {context} asked for {requested} bytes ({}); the CPU backend keeps every buffer, the target's weights included, in host memory at {elem_bytes} bytes an element: use a smaller target or drafter, shorter or fewer sequences (--seq-len, --batch-size), or a GPU (--device cuda)",
+        mib(*.requested)
+    )]
+    HostOutOfMemory { context: String, requested: usize, elem_bytes: usize },
     /// Any other failed CUDA driver call.
     #[error("{context}: CUDA driver error {}", cu_name(.source))]
     Driver {
@@ -247,6 +254,26 @@ mod tests {
         ] {
             assert!(m.contains(part), "{part:?} missing from {m}");
         }
+    }
+
+    /// A CPU-backend buffer larger than the host can give is an error that names its size and the
+    /// way out, not an abort of the process.
+    #[test]
+    fn cpu_allocations_beyond_the_host_are_errors() {
+        use crate::backend::cpu::{CpuBackend, CpuStream};
+        use crate::backend::Backend as _;
+        let be = CpuBackend::new();
+        for len in [1usize << 50, usize::MAX / 2] {
+            let Err(e) = be.alloc(&CpuStream, crate::tensor::DType::BF16, len) else {
+                panic!("{len} elements allocated")
+            };
+            let m = e.to_string();
+            assert!(matches!(e, BackendError::HostOutOfMemory { elem_bytes: 4, .. }), "{m}");
+            for part in [format!("alloc of {len} bf16 elements on the cpu"), "--device cuda".into()] {
+                assert!(m.contains(&part), "{part:?} missing from {m}");
+            }
+        }
+        assert_eq!(be.len(&be.alloc_uninit(&CpuStream, crate::tensor::DType::F32, 3).unwrap()), 3);
     }
 
     #[test]
