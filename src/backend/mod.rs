@@ -307,6 +307,11 @@ pub trait Backend: Send + Sync + 'static {
     fn memory_report(&self) -> Option<String> {
         None
     }
+    /// The device's free and total memory in bytes, as the driver reports them now (None where
+    /// buffers are host memory).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Starts sampling the device's clocks and power for the run summary: `None` where there is
     /// no such device (the CPU), `Some(Err(why))` where it cannot be read.
     fn clock_monitor(&self) -> Option<std::result::Result<clocks::ClockMonitor, String>> {

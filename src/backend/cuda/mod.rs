@@ -1393,6 +1393,11 @@ impl Backend for CudaBackend {
         Some(open())
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.bind().ok()?;
+        cu::mem_get_info().ok()
+    }
+
     fn memory_report(&self) -> Option<String> {
         let st = self.allocator_stats();
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
