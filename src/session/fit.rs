@@ -169,7 +169,7 @@ pub fn check<B: Backend>(
         let name = bes[k].name();
         if need.setup() > free {
             bail!(
-                "the run cannot fit {name}: before the first step it holds at least {:.2} GiB there at once, and {room}:{}\nPut the drafter on a GPU of its own (--drafter-gpus), train a smaller drafter (--drafter-layers, --drafter-config), or free the device (other processes hold {:.2} GiB of it)",
+                "the run cannot fit {name}: before the first step it holds at least {:.2} GiB there at once, and {room}:{}\nPut the drafter on a GPU of its own (--drafter-gpus), train a smaller drafter (--drafter-layers, --drafter-config), or free the device ({:.2} GiB of it is taken already, this process's CUDA context included)",
                 gib(need.setup()),
                 lines(need, true),
                 gib(total.saturating_sub(free))
