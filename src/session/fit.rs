@@ -12,7 +12,11 @@
 //!   moments if they are offloaded, plus the gate|up product every layer that is not parked keeps
 //!   for the backward. How many blocks a micro-batch has depends on the data (each sequence gets
 //!   as many as the batch's most drawn anchors), so this counts them as if every sequence drew its
-//!   `--anchors`, and a device short of it gets a warning with the flags that bring it down.
+//!   `--anchors` (or as many as its trained positions allow, if fewer), and a device short of it
+//!   gets a warning with the flags that bring it down.
+//!
+//! Under `--split-fc` the fc group is created on each drafter device and then moves beside the
+//! target, where it keeps its moments even with `--offload-optimizer`.
 
 use anyhow::{bail, Result};
 
@@ -28,8 +32,8 @@ pub struct FitPlan<'a> {
     pub last_tap: usize,
     /// The drafter, `offload_layers` as the run parks them (0 where buffers are host memory).
     pub drafter: &'a DrafterShape,
-    /// Block rows of one micro-batch whose sequences all draw their anchors:
-    /// `--batch-size x --anchors x block size`.
+    /// Block rows of one micro-batch whose sequences all draw as many anchors as they may:
+    /// `--batch-size x min(--anchors, trained positions) x block size`.
     pub rows: usize,
     pub offload_optimizer: bool,
     pub split_fc: bool,
@@ -89,37 +93,52 @@ pub fn needs<B: Backend>(plan: &FitPlan<'_>, topo: &Topology) -> Vec<Need> {
     }
     let body = d.body_table().total() as u64;
     let fc = d.fc_table().total() as u64;
-    let group = |need: &mut Need, n: u64, name: &str| {
+    // One trained group: `PARAM_BYTES` a parameter at `at_setup` / `at_peak`, and its moments,
+    // which `--offload-optimizer` takes off the device after setup where `offloadable`.
+    let group = |need: &mut Need, n: u64, name: &str, at_setup: bool, at_peak: bool, moments: (&str, bool)| {
         need.push(
             n * PARAM_BYTES,
             format!(
                 "{name}: {:.2} B trained parameters x {PARAM_BYTES} bytes (bf16 weight, master low half, f32 gradient)",
                 n as f64 / 1e9
             ),
-            true,
-            true,
+            at_setup,
+            at_peak,
         );
-        let where_ = if plan.offload_optimizer { "created here, then moved to host memory" } else { "on the device" };
+        let (where_, offloaded) = moments;
         need.push(
             n * MOMENT_BYTES,
             format!("{name}: its AdamW moments, {MOMENT_BYTES} bytes a parameter ({where_})"),
-            true,
-            !plan.offload_optimizer,
+            at_setup,
+            at_peak && !offloaded,
         );
     };
-    // Under split-FC the fc group lives beside the (first) target; every other rank drops its own.
+    let body_moments = if plan.offload_optimizer {
+        ("created on the device, then moved to host memory", true)
+    } else {
+        ("on the device", false)
+    };
+    // Every rank creates its fc group. Under split-FC the first rank's then moves beside the
+    // (first) target, moments and all (they stay on the device), and the others are dropped.
+    let fc_moments = if plan.split_fc { ("until the group moves beside the target", false) } else { body_moments };
     if plan.split_fc {
-        group(&mut out[topo.targets[0]], fc, "the drafter's fc projection");
+        group(
+            &mut out[topo.targets[0]],
+            fc,
+            "the drafter's fc projection, beside the target",
+            false,
+            true,
+            ("on the device", false),
+        );
     }
     let parked = d.offload_layers.min(d.layers);
     let kept = (d.layers - parked) as u64;
     let gate_up = d.gate_up_len(plan.rows) as u64 * 2;
     for &i in &topo.drafters {
-        group(&mut out[i], body, "the drafter's layers");
-        if !plan.split_fc {
-            group(&mut out[i], fc, "the drafter's fc projection");
-        }
-        if !topo.targets.contains(&i) {
+        group(&mut out[i], body, "the drafter's layers", true, true, body_moments);
+        group(&mut out[i], fc, "the drafter's fc projection", true, !plan.split_fc, fc_moments);
+        // A rank off the first target's device gets copies (`setup::drafter_sides`).
+        if i != topo.targets[0] {
             out[i].push(
                 2 * (t.vocab * t.hidden) as u64 * 2,
                 "the drafter's copies of the target's embedding and lm_head (bf16)".into(),
@@ -167,21 +186,35 @@ pub fn check<B: Backend>(
         let (free, total) = (free as u64, total as u64);
         let room = format!("{:.2} GiB of its {:.2} GiB are free", gib(free), gib(total));
         let name = bes[k].name();
+        let (drafts, targets) = (topo.drafters.contains(&k), topo.targets.contains(&k));
         if need.setup() > free {
+            let mut fixes = Vec::new();
+            if drafts && targets {
+                fixes.push("put the drafter on a GPU of its own (--drafter-gpus)");
+            }
+            if drafts {
+                fixes.push("train a smaller drafter (--drafter-layers, --drafter-config)");
+            } else {
+                fixes.push("use a GPU with more memory for the target (--target-gpus)");
+            }
             bail!(
-                "the run cannot fit {name}: before the first step it holds at least {:.2} GiB there at once, and {room}:{}\nPut the drafter on a GPU of its own (--drafter-gpus), train a smaller drafter (--drafter-layers, --drafter-config), or free the device ({:.2} GiB of it is taken already, this process's CUDA context included)",
+                "the run cannot fit {name}: before the first step it holds at least {:.2} GiB there at once, and {room}:{}
+What helps: {}; or free the device ({:.2} GiB of it is taken already, this process's CUDA context included)",
                 gib(need.setup()),
                 lines(need, true),
+                fixes.join("; "),
                 gib(total.saturating_sub(free))
             );
         }
-        if need.peak() > free && topo.drafters.contains(&k) {
+        if need.peak() > free && drafts {
             let d = plan.drafter;
             let mut fixes = Vec::new();
             if !plan.offload_optimizer {
+                // The fc group that split-FC puts beside the target keeps its moments there.
+                let moved = d.body_table().total() + if plan.split_fc { 0 } else { d.fc_table().total() };
                 fixes.push(format!(
                     "--offload-optimizer (the AdamW moments in host memory: {:.2} GiB less; with --sync, how the Qwen3.6-27B recipe trains on one 80 GB card)",
-                    gib((d.body_table().total() + d.fc_table().total()) as u64 * MOMENT_BYTES)
+                    gib(moved as u64 * MOMENT_BYTES)
                 ));
             }
             if d.offload_layers < d.layers {
@@ -191,14 +224,16 @@ pub fn check<B: Backend>(
                     gib(d.gate_up_len(plan.rows) as u64 * 2)
                 ));
             }
-            if batch_size > 1 {
+            if batch_size > 1 && batch_size % 2 == 0 {
                 fixes.push(format!(
                     "--batch-size {} --grad-accum {} (the same sequences per step as smaller micro-batches: about half the activations)",
                     batch_size / 2,
                     grad_accum * 2
                 ));
             }
-            fixes.push("--drafter-gpus (the drafter on a GPU of its own)".into());
+            if targets {
+                fixes.push("--drafter-gpus (the drafter on a GPU of its own)".into());
+            }
             say(format!(
                 "warning   {name}: at the end of the drafter's forward the run holds at least {:.2} GiB there when every sequence draws its anchors (activations, logits and scratch come on top), and {room}:{}\n          expect it to run out of device memory in the first step; what lowers it: {}",
                 gib(need.peak()),
@@ -222,6 +257,17 @@ mod tests {
 
     /// The plan of a recipe: 4 sequences of 512 anchors, parking as given.
     fn need(target: &str, drafter: Option<&str>, parked: usize, offload: bool, topo: &Topology) -> Vec<Need> {
+        need_split(target, drafter, parked, offload, false, topo)
+    }
+
+    fn need_split(
+        target: &str,
+        drafter: Option<&str>,
+        parked: usize,
+        offload: bool,
+        split_fc: bool,
+        topo: &Topology,
+    ) -> Vec<Need> {
         let tcfg = TargetConfig::preset(target).unwrap();
         let dcfg = match drafter {
             Some(r) => DrafterConfig::recipe(r).unwrap(),
@@ -236,7 +282,7 @@ mod tests {
             drafter: &dshape,
             rows: 4 * 512 * dcfg.block_size,
             offload_optimizer: offload,
-            split_fc: false,
+            split_fc,
         };
         needs::<CpuBackend>(&plan, topo)
     }
@@ -267,6 +313,25 @@ mod tests {
             let p = need("qwen3-8b-shape", None, parked, offload, &t)[0].peak() as f64 / GIB;
             assert!(p < measured && p > 0.7 * measured, "8B, {parked} parked, offload {offload}: {p:.2} GiB");
         }
+    }
+
+    /// Under split-FC the fc group is created by the drafter rank and then moves beside the
+    /// target with its moments, which `--offload-optimizer` leaves there: counted once at setup
+    /// and once at the peak, moments included.
+    #[test]
+    fn split_fc_keeps_the_fc_groups_moments_beside_the_target() {
+        let t = one_device();
+        let plain = &need_split("qwen3-8b-shape", None, 2, true, false, &t)[0];
+        let split = &need_split("qwen3-8b-shape", None, 2, true, true, &t)[0];
+        assert_eq!(plain.setup(), split.setup());
+        let tcfg = TargetConfig::preset("qwen3-8b-shape").unwrap();
+        let fc = 5 * tcfg.hidden_size as u64 * tcfg.hidden_size as u64;
+        assert_eq!(split.peak() - plain.peak(), fc * MOMENT_BYTES, "the fc moments stay on the device");
+        let two = Topology { devices: vec![0, 1], targets: vec![0], drafters: vec![1] };
+        let split2 = need_split("qwen3-8b-shape", None, 2, true, true, &two);
+        assert!(split2[0].peak() > split2[0].setup(), "the fc group arrives at the target's device after setup");
+        assert_eq!(split2[0].peak() - split2[0].setup(), fc * (PARAM_BYTES + MOMENT_BYTES));
+        assert!(split2[1].parts.iter().all(|p| !p.what.contains("fc") || !p.at_peak));
     }
 
     /// Every part lands on the device that holds it: the target on its own, the drafter's state

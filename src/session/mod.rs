@@ -140,6 +140,14 @@ pub fn drafter_config(o: &RunOptions, tcfg: &TargetConfig) -> Result<DrafterConf
     Ok(d)
 }
 
+/// The most anchors a sequence can draw: positions `p < len - 1` whose token and next token are
+/// both trained (`Sample::anchor_candidates`), so a generated sequence's prompt draws none.
+fn anchor_room(o: &RunOptions) -> usize {
+    let d = &o.data;
+    let untrained = if d.path.is_some() { 0 } else { d.gen_prompt_len };
+    d.seq_len.saturating_sub(untrained + 1)
+}
+
 /// The run's data: a JSON Lines file, or sequences the target writes itself. Returns the
 /// dataset and the generation's seconds.
 fn load_data<B: Backend>(
@@ -231,7 +239,8 @@ fn run_on<B: Backend>(
         target: &crate::model::target::TargetShape::from(&tcfg),
         last_tap: dcfg.target_layer_ids.iter().copied().max().unwrap_or(0),
         drafter: &dshape,
-        rows: d.batch_size * d.anchors * dcfg.block_size,
+        // A sequence draws at most one anchor per position whose next token is trained.
+        rows: d.batch_size * d.anchors.min(anchor_room(opts).max(1)) * dcfg.block_size,
         offload_optimizer: e.offload_optimizer,
         split_fc: e.split_fc,
     };
