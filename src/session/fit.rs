@@ -46,6 +46,8 @@ pub struct Part {
     pub what: String,
     pub at_setup: bool,
     pub at_peak: bool,
+    /// AdamW moments that `--offload-optimizer` moves off this device after setup.
+    pub offloadable: bool,
 }
 
 /// What one device holds at setup and at the end of the drafter's forward, at least.
@@ -62,9 +64,16 @@ impl Need {
         self.parts.iter().filter(|p| p.at_peak).map(|p| p.bytes).sum()
     }
     fn push(&mut self, bytes: u64, what: String, at_setup: bool, at_peak: bool) {
-        if bytes > 0 {
-            self.parts.push(Part { bytes, what, at_setup, at_peak });
+        self.push_part(Part { bytes, what, at_setup, at_peak, offloadable: false });
+    }
+    fn push_part(&mut self, p: Part) {
+        if p.bytes > 0 {
+            self.parts.push(p);
         }
+    }
+    /// What `--offload-optimizer` would take off the peak.
+    pub fn offloadable_at_peak(&self) -> u64 {
+        self.parts.iter().filter(|p| p.offloadable && p.at_peak).map(|p| p.bytes).sum()
     }
 }
 
@@ -95,7 +104,7 @@ pub fn needs<B: Backend>(plan: &FitPlan<'_>, topo: &Topology) -> Vec<Need> {
     let fc = d.fc_table().total() as u64;
     // One trained group: `PARAM_BYTES` a parameter at `at_setup` / `at_peak`, and its moments,
     // which `--offload-optimizer` takes off the device after setup where `offloadable`.
-    let group = |need: &mut Need, n: u64, name: &str, at_setup: bool, at_peak: bool, moments: (&str, bool)| {
+    let group = |need: &mut Need, n: u64, name: &str, at_setup: bool, at_peak: bool, offloadable: bool| {
         need.push(
             n * PARAM_BYTES,
             format!(
@@ -105,38 +114,32 @@ pub fn needs<B: Backend>(plan: &FitPlan<'_>, topo: &Topology) -> Vec<Need> {
             at_setup,
             at_peak,
         );
-        let (where_, offloaded) = moments;
-        need.push(
-            n * MOMENT_BYTES,
-            format!("{name}: its AdamW moments, {MOMENT_BYTES} bytes a parameter ({where_})"),
+        let moved = offloadable && plan.offload_optimizer;
+        let where_ = match (moved, at_peak) {
+            (true, _) => "created on the device, then moved to host memory",
+            (false, true) => "on the device",
+            (false, false) => "until the group moves beside the target",
+        };
+        need.push_part(Part {
+            bytes: n * MOMENT_BYTES,
+            what: format!("{name}: its AdamW moments, {MOMENT_BYTES} bytes a parameter ({where_})"),
             at_setup,
-            at_peak && !offloaded,
-        );
-    };
-    let body_moments = if plan.offload_optimizer {
-        ("created on the device, then moved to host memory", true)
-    } else {
-        ("on the device", false)
+            at_peak: at_peak && !moved,
+            offloadable,
+        });
     };
     // Every rank creates its fc group. Under split-FC the first rank's then moves beside the
-    // (first) target, moments and all (they stay on the device), and the others are dropped.
-    let fc_moments = if plan.split_fc { ("until the group moves beside the target", false) } else { body_moments };
+    // (first) target, moments and all (`offload_moments` does not reach it), and the others are
+    // dropped.
     if plan.split_fc {
-        group(
-            &mut out[topo.targets[0]],
-            fc,
-            "the drafter's fc projection, beside the target",
-            false,
-            true,
-            ("on the device", false),
-        );
+        group(&mut out[topo.targets[0]], fc, "the drafter's fc projection, beside the target", false, true, false);
     }
     let parked = d.offload_layers.min(d.layers);
     let kept = (d.layers - parked) as u64;
     let gate_up = d.gate_up_len(plan.rows) as u64 * 2;
     for &i in &topo.drafters {
-        group(&mut out[i], body, "the drafter's layers", true, true, body_moments);
-        group(&mut out[i], fc, "the drafter's fc projection", true, !plan.split_fc, fc_moments);
+        group(&mut out[i], body, "the drafter's layers", true, true, true);
+        group(&mut out[i], fc, "the drafter's fc projection", true, !plan.split_fc, !plan.split_fc);
         // A rank off the first target's device gets copies (`setup::drafter_sides`).
         if i != topo.targets[0] {
             out[i].push(
@@ -209,12 +212,10 @@ What helps: {}; or free the device ({:.2} GiB of it is taken already, this proce
         if need.peak() > free && drafts {
             let d = plan.drafter;
             let mut fixes = Vec::new();
-            if !plan.offload_optimizer {
-                // The fc group that split-FC puts beside the target keeps its moments there.
-                let moved = d.body_table().total() + if plan.split_fc { 0 } else { d.fc_table().total() };
+            if need.offloadable_at_peak() > 0 {
                 fixes.push(format!(
                     "--offload-optimizer (the AdamW moments in host memory: {:.2} GiB less; with --sync, how the Qwen3.6-27B recipe trains on one 80 GB card)",
-                    gib(moved as u64 * MOMENT_BYTES)
+                    gib(need.offloadable_at_peak())
                 ));
             }
             if d.offload_layers < d.layers {
@@ -308,6 +309,8 @@ mod tests {
         assert_eq!(dev.setup(), off.setup(), "the moments are created on the device either way");
         let moments: u64 = dev.parts.iter().filter(|p| p.what.contains("AdamW")).map(|p| p.bytes).sum();
         assert_eq!(dev.peak() - off.peak(), moments, "offloading takes exactly the moments off the peak");
+        assert_eq!(dev.offloadable_at_peak(), moments, "what the warning says the flag saves");
+        assert_eq!(off.offloadable_at_peak(), 0);
         // Qwen3-8B recipe: 42.21 GiB (2 parked), 45.21 (none parked), 34.40 (offloaded).
         for (parked, offload, measured) in [(2, false, 42.21), (0, false, 45.21), (2, true, 34.40)] {
             let p = need("qwen3-8b-shape", None, parked, offload, &t)[0].peak() as f64 / GIB;
@@ -327,6 +330,8 @@ mod tests {
         let tcfg = TargetConfig::preset("qwen3-8b-shape").unwrap();
         let fc = 5 * tcfg.hidden_size as u64 * tcfg.hidden_size as u64;
         assert_eq!(split.peak() - plain.peak(), fc * MOMENT_BYTES, "the fc moments stay on the device");
+        let on_device = |split_fc| need_split("qwen3-8b-shape", None, 2, false, split_fc, &t)[0].offloadable_at_peak();
+        assert_eq!(on_device(false) - on_device(true), fc * MOMENT_BYTES, "the flag cannot move the fc moments");
         let two = Topology { devices: vec![0, 1], targets: vec![0], drafters: vec![1] };
         let split2 = need_split("qwen3-8b-shape", None, 2, true, true, &two);
         assert!(split2[0].peak() > split2[0].setup(), "the fc group arrives at the target's device after setup");
