@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|target27b|target8b|ncu|ncusrc|attn|gdn]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
-# hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b and run27b2 run only when
+# hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2 and pipe27b run only when
 # named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels), ncusrc
 # (Nsight Compute's full set with per-instruction samples over NCU_KERNELS, a kernel-name regex,
 # default the fast GDN kernels, in the bench group NCU_BENCH, default gdn, NCU_COUNT launches) and
@@ -139,6 +139,15 @@ if named run27b; then
   make27b_data
   $B/dflash-engine run --device cuda $Q27B ${EXTRA27B:-} --steps ${STEPS27B:-4} --log-every 1 --no-checkpoint --no-tensorboard \
     --out /tmp/q27b-run 2>&1 | tee "$OUT/run27b.log" || status=1
+fi
+# bench-pipeline at the 27B recipe: DFLASH_BENCH_ROWS picks the rows (on an 80 GB card only the
+# synchronous ones fit: "sync [0];sync serial update" with EXTRA27B="--offload-optimizer", the
+# update's PCIe trip beside the next target forward against the same update after the step).
+if named pipe27b; then
+  echo "== pipeline bench at the Qwen3.6-27B recipe, one GPU"
+  make27b_data
+  $B/dflash-engine bench-pipeline --device cuda $Q27B ${EXTRA27B:-} --steps ${STEPS27B:-6} --out /tmp/q27b-bench 2>&1 \
+    | tee "$OUT/pipe27b.log" || status=1
 fi
 if named run27b2; then
   echo "== Qwen3.6-27B drafter recipe, target on GPU 0, drafter on GPU 1"

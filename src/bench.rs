@@ -186,6 +186,14 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         ro.exec.drafter_gpus = Vec::new();
         ro
     })?;
+    // The same with each step's AdamW after the step instead of beside the next target forward.
+    go("sync serial update", one.clone(), {
+        let mut ro = base.clone();
+        ro.exec.sync = true;
+        ro.exec.serial_update = true;
+        ro.exec.drafter_gpus = Vec::new();
+        ro
+    })?;
     if opts.output.profile {
         // The same step with every launch timed: its phase table, and what the timing costs
         // (this row's ms/step against the sync row's).
@@ -268,7 +276,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             },
             r.ms_per_step,
             r.target_gpu_idle.map_or(
-                if r.mode == "sync" { "n/a (alternates)".into() } else { "n/a (no device clock)".into() },
+                if r.mode.starts_with("sync") { "n/a (alternates)".into() } else { "n/a (no device clock)".into() },
                 |f| format!("{:.1}%", 100.0 * f)
             ),
             r.target_waiting.map_or("-".into(), |f| format!("{:.1}%", 100.0 * f)),

@@ -39,6 +39,25 @@ pub struct FaultPlan {
     pub prepare_abort_after_chunk: Option<u64>,
     /// The forced hazard of parked activations (`model::park`); test-only.
     pub park: ParkFault,
+    /// The forced hazard of the update beside the target forward
+    /// (`DrafterSide::overlap_updates`); test-only.
+    pub update: UpdateFault,
+}
+
+/// The forced hazard of the AdamW on its own stream (`DrafterSide::overlap_updates`), test-only:
+/// each step's update is held back on the device (its stream waits on a flag) until the compute
+/// stream releases it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum UpdateFault {
+    #[default]
+    None,
+    /// Held, and released by the compute stream just before it waits for the update (after the
+    /// next step's first target forward): results must not change.
+    Held,
+    /// Held, and released only after the next step's drafter forward and backward, with the
+    /// compute stream not waiting for it: the drafter trains on weights one update behind and
+    /// zeroes the gradients the update has yet to read, every time.
+    Unjoined,
 }
 
 /// The forced hazard of parked activations (`model::park`), test-only: every parked copy to the
@@ -60,7 +79,8 @@ pub enum ParkFault {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "DFLASH_FAULT={0}: expected producer-error@STEP, publish-error@STEP, consumer-panic@STEP, copy-error@STEP, \
-     checkpoint-mid-write, context-off-by-one, park-held, park-unordered or prepare-abort@CHUNK (STEP, CHUNK: \
+     checkpoint-mid-write, context-off-by-one, park-held, park-unordered, update-held, update-unjoined or \
+     prepare-abort@CHUNK (STEP, CHUNK: \
      0-based indices)"
 )]
 pub struct BadFault(pub String);
@@ -76,6 +96,10 @@ impl FaultPlan {
         }
         if v == "context-off-by-one" {
             f.context_off_by_one = true;
+            return Ok(f);
+        }
+        if v == "update-held" || v == "update-unjoined" {
+            f.update = if v == "update-held" { UpdateFault::Held } else { UpdateFault::Unjoined };
             return Ok(f);
         }
         if v == "park-held" || v == "park-unordered" {
@@ -109,6 +133,8 @@ mod tests {
         assert!(FaultPlan::parse("context-off-by-one").unwrap().context_off_by_one);
         assert_eq!(FaultPlan::parse("park-held").unwrap().park, ParkFault::Held);
         assert_eq!(FaultPlan::parse("park-unordered").unwrap().park, ParkFault::HeldUnordered);
+        assert_eq!(FaultPlan::parse("update-held").unwrap().update, UpdateFault::Held);
+        assert_eq!(FaultPlan::parse("update-unjoined").unwrap().update, UpdateFault::Unjoined);
         assert_eq!(FaultPlan::parse("prepare-abort@2").unwrap().prepare_abort_after_chunk, Some(2));
         for bad in ["producer-error", "producer-error@x", "nonsense@1", ""] {
             let e = FaultPlan::parse(bad).unwrap_err().to_string();

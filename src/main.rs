@@ -328,6 +328,11 @@ struct RunArgs {
     /// the previous one).
     #[arg(long)]
     sync: bool,
+    /// With --sync on one GPU: run each step's AdamW after the step, on the compute stream,
+    /// instead of beside the next step's target forward (the same results, slower; the baseline
+    /// of that overlap). --profile implies it.
+    #[arg(long)]
+    serial_update: bool,
     /// Write a Chrome/Perfetto trace of the pipeline (one track per thread) to this file.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -449,6 +454,7 @@ impl RunArgs {
                 target_gpus: self.target_gpus,
                 drafter_gpus: self.drafter_gpus,
                 sync: self.sync,
+                serial_update: self.serial_update,
                 logits_chunk: self.logits_chunk,
                 recompute: self.recompute,
                 offload_activations: self.offload_activations,

@@ -494,6 +494,42 @@ fn gpu_parking_without_its_wait_is_detected() {
     assert_ne!(bad, want, "a parked buffer freed before its copy must corrupt the run");
 }
 
+/// The synchronous loop runs each step's AdamW on a stream of its own beside the next step's
+/// target forward (`DrafterSide::overlap_updates`), with the moments on the device and
+/// offloaded. Against the update run in order after the step (`--serial-update`): the same
+/// losses and weights, bit for bit, under poison-on-free; the same with every update held back
+/// on the device until the compute stream reaches its wait (`UpdateFault::Held`). And the wait
+/// has teeth: released only after the next step's drafter work, with no wait
+/// (`UpdateFault::Unjoined`), the run differs, every time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_update_beside_the_target_forward_is_exact_and_its_wait_is_needed() {
+    use dflash_engine::faults::UpdateFault;
+    let scratch = Scratch::new("nan-gpu_update_beside_the_target_forward");
+    let run = |tag: &str, update, serial: bool, offload: bool| {
+        let mut ro = busy(scratch.fresh(tag));
+        ro.train.steps = 4;
+        ro.exec.sync = true;
+        ro.exec.serial_update = serial;
+        ro.exec.offload_optimizer = offload;
+        ro.exec.alloc_mode = Some(Mode::PoisonOnFree);
+        ro.exec.faults = FaultPlan { update, ..Default::default() };
+        let r = session::run(&ro, None).unwrap();
+        (losses(&r), final_masters(&ro.output.out))
+    };
+    let want = run("serial", UpdateFault::None, true, false);
+    assert!(want.0.iter().all(|&l| f64::from_bits(l).is_finite()), "{:?}", want.0);
+    for offload in [false, true] {
+        assert!(run("overlap", UpdateFault::None, false, offload) == want, "overlapped update, offload {offload}");
+        assert!(run("held", UpdateFault::Held, false, offload) == want, "held update, offload {offload}");
+        let bad = run("unjoined", UpdateFault::Unjoined, false, offload);
+        assert_ne!(bad.0, want.0, "an update not waited for must change the run (offload {offload})");
+        eprintln!(
+            "update     offload {offload}: overlapped and held bit-identical to the serial update; unjoined differs"
+        );
+    }
+}
+
 /// Poison-on-free (every freed block filled with NaN bytes when it becomes reusable) changes
 /// nothing: no buffer is read after its memory was given back, the AdamW moments' staging buffers
 /// (`--offload-optimizer`) included.

@@ -679,6 +679,11 @@ pub fn run_sync<B: Backend>(
             break;
         }
     }
+    // A held update no step released (`UpdateFault::Unjoined`, test-only) runs now, so the run
+    // ends with nothing waiting on the device.
+    if let Err(e) = side.release_update(be, &s) {
+        result = result.and(Err(PipelineError::Consumer { step: st.current_step, cause: Box::new(e) }));
+    }
     // The last step's metrics, also after a failure (the step before the failed one finished).
     side.discard_staged();
     // The end of the last step on the device clock: the host waits for it (the run is over).

@@ -404,6 +404,13 @@ fn run_on<B: Backend>(
     // The clocks and power of each GPU while the steps run (the summary's `clocks` lines).
     let monitors: Vec<_> = bes.iter().filter_map(|b| b.clock_monitor().map(|m| (b.name(), m))).collect();
     let (result, stats) = if e.sync && one_device {
+        // Each step's AdamW beside the next step's target forward, except under --profile, whose
+        // phase table times one stream's launches back to back, or when asked not to.
+        if !profiling && !e.serial_update {
+            sides[0]
+                .overlap_updates(bt, &bt.compute_stream(), e.faults.update)
+                .context("setting up the optimizer's stream")?;
+        }
         pipeline::run_sync(bt, &tsides[0], &mut sides[0], &source, &pcfg, &optim, &mut on_step)
     } else {
         let dbes: Vec<&B> = topo.drafters.iter().map(|&i| &bes[i]).collect();

@@ -106,6 +106,10 @@ pub struct ExecOptions {
     /// The drafter's AdamW moments live in pinned host memory and pass through the device a chunk
     /// at a time for each update (`model::moments`); false keeps them on the device.
     pub offload_optimizer: bool,
+    /// With `sync` on one device: each step's AdamW runs after the step on the compute stream,
+    /// instead of on a stream of its own beside the next step's target forward (the same
+    /// results; the baseline of that overlap).
+    pub serial_update: bool,
     /// The CUDA allocator's mode (None: normal). Debug modes only; the binary reads
     /// `DFLASH_ALLOC_MODE`.
     #[serde(skip)]
@@ -197,6 +201,7 @@ impl RunOptions {
                 target_gpus: vec![0],
                 drafter_gpus: Vec::new(),
                 sync: false,
+                serial_update: false,
                 logits_chunk: 2048,
                 recompute: crate::model::drafter::Recompute::Norms,
                 offload_activations: 2,

@@ -822,9 +822,11 @@ pub fn gather<B: Backend>(
     st: &B::Stream,
     bd: &B,
     sd: &B::Stream,
-    side: &DrafterSide<B>,
+    side: &mut DrafterSide<B>,
     remote_fc: Option<&Mutex<ParamGroup<B>>>,
 ) -> std::result::Result<Vec<TensorState>, Box<dyn std::error::Error + Send + Sync>> {
+    // The last update may still run on its own stream (`DrafterSide::overlap_updates`).
+    side.join_update(bd, sd)?;
     let mut out = Vec::new();
     let mut take = |be: &B, s: &B::Stream, g: &ParamGroup<B>| -> std::result::Result<(), BackendError> {
         let (master, (m, v)) = (g.masters(be, s)?, g.moments.download(be, s)?);

@@ -6,6 +6,7 @@
 
 use crate::backend::profile::{self, Region};
 use crate::backend::{AdamStep, Backend, BackendError, Result};
+use crate::faults::UpdateFault;
 use crate::model::drafter::{fc_backward, fc_forward, DraftInputs, Drafter, DrafterShape, ParamGroup};
 use crate::model::target::{Target, TargetInputs};
 use crate::tensor::DType;
@@ -239,6 +240,18 @@ pub struct DrafterSide<B: Backend> {
     /// The metrics of the last step whose update was enqueued, on their way to the host
     /// (`finish_previous`).
     pending: Option<PendingMetrics<B>>,
+    /// The stream the AdamW runs on when the synchronous loop overlaps it with the next step's
+    /// target forward (`overlap_updates`); None: the compute stream the caller passes.
+    update_stream: Option<B::Stream>,
+    /// The end of the last update enqueued on `update_stream`: the compute stream waits for it
+    /// before it touches the weights, gradients or moments again (`join_update`).
+    updated: Option<B::Event>,
+    /// The forced hazard of the update stream (test-only): its flag (zeroed on the compute
+    /// stream), the number of the last held update, and whether that one awaits its release.
+    update_fault: UpdateFault,
+    update_flag: Option<B::Buf>,
+    held: u32,
+    unreleased: bool,
 }
 
 /// A step whose forward, backward, norm and update plan are enqueued, and whose AdamW is not.
@@ -310,7 +323,68 @@ impl<B: Backend> DrafterSide<B> {
             outputs: Vec::new(),
             staged: None,
             pending: None,
+            update_stream: None,
+            updated: None,
+            update_fault: UpdateFault::None,
+            update_flag: None,
+            held: 0,
+            unreleased: false,
         })
+    }
+
+    /// From now on the AdamW of each step runs on a stream of its own, so that in the synchronous
+    /// loop it runs beside the next step's target forward, which reads none of the drafter's
+    /// buffers (with `--offload-optimizer` the update is the moments' trip over PCIe, about 280 ms
+    /// a step at the Qwen3.6-27B recipe). The update stream waits for the step's gradients and
+    /// plan (an event), records its use of every buffer it touches (DESIGN.md rule 2: they are
+    /// freed on the compute stream at the end), takes its offloaded moments' staging buffers from
+    /// its own pool, and the compute stream waits for its end before the first drafter work of the
+    /// next step (`join_update`). The same kernels on the same values: results are unchanged.
+    /// `fault` arms the forced hazard of the failure tests (`UpdateFault`); the flag it needs is
+    /// made on `s`.
+    pub fn overlap_updates(&mut self, be: &B, s: &B::Stream, fault: UpdateFault) -> Result<()> {
+        let u = be.new_stream()?;
+        if fault != UpdateFault::None {
+            self.update_flag = Some(be.alloc(s, DType::F32, 1)?);
+        }
+        self.update_fault = fault;
+        let mut used: Vec<&B::Buf> = self.update_flag.iter().chain(std::iter::once(&self.plan)).collect();
+        for g in self.fc.iter().chain(std::iter::once(&self.drafter.body)) {
+            used.extend([&g.weights, &g.master, &g.grad]);
+            if let crate::model::moments::Moments::Device { m, v } = &g.moments {
+                used.extend([m, v]);
+            }
+        }
+        be.record_use(&u, &used)?;
+        self.update_stream = Some(u);
+        Ok(())
+    }
+
+    /// The compute stream `s` waits, on the device, for the last update enqueued on the update
+    /// stream (nothing without one). Every path that reads or writes the drafter's weights,
+    /// gradients or moments on `s` after an update calls it first.
+    pub fn join_update(&mut self, be: &B, s: &B::Stream) -> Result<()> {
+        match self.update_fault {
+            UpdateFault::None => {}
+            UpdateFault::Held => self.release_update(be, s)?,
+            // The defect the hazard test must see: no wait (`release_update` comes later).
+            UpdateFault::Unjoined => return Ok(()),
+        }
+        match &self.updated {
+            Some(ev) => be.wait_event(s, ev),
+            None => Ok(()),
+        }
+    }
+
+    /// Under `UpdateFault`: `s` releases the held update, if one waits.
+    pub fn release_update(&mut self, be: &B, s: &B::Stream) -> Result<()> {
+        match (&self.update_flag, self.unreleased) {
+            (Some(flag), true) => {
+                self.unreleased = false;
+                be.signal_flag(s, flag, self.held)
+            }
+            _ => Ok(()),
+        }
     }
 
     pub fn shape(&self) -> &DrafterShape {
@@ -328,6 +402,7 @@ impl<B: Backend> DrafterSide<B> {
         ctx: &Context<B>,
         grad_scale: f32,
     ) -> Result<Option<B::Buf>> {
+        self.join_update(be, s)?;
         let dev = DeviceDraftBatch::upload(be, s, &hb)?;
         let rows = hb.rows();
         let h = self.drafter.shape.hidden;
@@ -381,6 +456,7 @@ impl<B: Backend> DrafterSide<B> {
 
     /// Sum of squared body (and local fc) gradients.
     pub fn grad_sumsq(&mut self, be: &B, s: &B::Stream) -> Result<(f64, Option<f64>)> {
+        self.join_update(be, s)?;
         self.drafter.body.grad_sumsq(be, s, &mut self.sumsq)?;
         let body = f64::from(be.download(s, &self.sumsq)?[0]);
         let fc = match &self.fc {
@@ -394,6 +470,7 @@ impl<B: Backend> DrafterSide<B> {
     }
 
     pub fn zero_grad(&mut self, be: &B, s: &B::Stream) -> Result<()> {
+        self.join_update(be, s)?;
         self.drafter.body.zero_grad(be, s)?;
         if let Some(fc) = &mut self.fc {
             fc.zero_grad(be, s)?;
@@ -447,10 +524,27 @@ impl<B: Backend> DrafterSide<B> {
     pub fn apply_staged(&mut self, be: &B, s: &B::Stream) -> Result<()> {
         let Some(st) = self.staged.take() else { return Ok(()) };
         let _opt = profile::enter(Region::Optimizer);
+        let on = match &self.update_stream {
+            Some(u) => {
+                // The update reads the step's gradients and plan, all written on `s` so far.
+                let computed = be.record_event(s)?;
+                be.wait_event(u, &computed)?;
+                if let Some(flag) = &self.update_flag {
+                    self.held += 1;
+                    self.unreleased = true;
+                    be.wait_flag(u, flag, self.held)?;
+                }
+                u.clone()
+            }
+            None => s.clone(),
+        };
         if let Some(fc) = &mut self.fc {
-            fc.adamw_planned(be, s, &st.hp, &self.plan)?;
+            fc.adamw_planned(be, &on, &st.hp, &self.plan)?;
         }
-        self.drafter.body.adamw_planned(be, s, &st.hp, &self.plan)?;
+        self.drafter.body.adamw_planned(be, &on, &st.hp, &self.plan)?;
+        if self.update_stream.is_some() {
+            self.updated = Some(be.record_event(&on)?);
+        }
         self.pending = Some(st.metrics);
         Ok(())
     }
@@ -637,16 +731,23 @@ pub fn drafter_step<B: Backend>(
     side.apply_staged(be, s)?;
     let started = std::time::Instant::now();
     let scale = grad_scale(step_weight);
+    // The first micro-batch's context before the gradients are zeroed: in the synchronous loop
+    // that is the target's forward, which an update on its own stream runs beside
+    // (`DrafterSide::overlap_updates`); zeroing waits for that update.
+    let mut micro = micro.into_iter();
+    let first = micro.next();
     {
         let _opt = profile::enter(Region::Optimizer);
         side.zero_grad(be, s)?;
     }
-    for item in micro {
+    for item in first.into_iter().chain(micro) {
         let (hb, ctx) = item?;
         if let (Some(dy), FcPlace::Remote(remote)) = (side.consume(be, s, hb, &ctx, scale)?, &mut fc) {
             remote.send_dy(s, dy)?;
         }
     }
+    // `UpdateFault::Unjoined` only: the previous update, never waited for, runs from here.
+    side.release_update(be, s)?;
     if matches!(fc, FcPlace::Local) && side.fc.is_some() && ranks.single() {
         let computed = std::time::Instant::now();
         let _opt = profile::enter(Region::Optimizer);
