@@ -121,7 +121,7 @@ fi
 # weights (layers up to the last tap) + ~31 GB of drafter state + activations; the summary prints
 # tokens/s, the target's and the drafter's share of the step and the device's peak memory (H200:
 # 1,790 ms a step, 94.50 GiB device peak). On an 80 GB card: EXTRA27B="--offload-optimizer --sync"
-# (the drafter's AdamW moments in host memory; H100: 2,045 ms a step, 76.75 GiB device peak; the
+# (the drafter's AdamW moments in host memory; H100: 1,786 ms a step, 76.75 GiB device peak; the
 # async mode runs out of memory there, with four parked layers too).
 T27B=${T27B:-qwen3.6-27b-shape}
 make27b_data() {
