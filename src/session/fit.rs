@@ -214,7 +214,7 @@ What helps: {}; or free the device ({:.2} GiB of it is taken already, this proce
             let mut fixes = Vec::new();
             if need.offloadable_at_peak() > 0 {
                 fixes.push(format!(
-                    "--offload-optimizer (the AdamW moments in host memory: {:.2} GiB less; with --sync, how the Qwen3.6-27B recipe trains on one 80 GB card)",
+                    "--offload-optimizer (the AdamW moments in host memory: {:.2} GiB less; with --sync on one GPU their trip over PCIe runs beside the next target forward, so the step keeps its time: how the Qwen3.6-27B recipe trains on one 80 GB card)",
                     gib(need.offloadable_at_peak())
                 ));
             }
