@@ -277,11 +277,16 @@ impl RunOptions {
             positive_f32("--loss-gamma", g)?;
         }
         at_least("--max-inflight", e.max_inflight, 1)?;
-        if o.profile
-            && !(e.sync && e.target_gpus.len() <= 1 && (e.drafter_gpus.is_empty() || e.drafter_gpus == e.target_gpus))
-        {
+        let sync_on_one_device =
+            e.sync && e.target_gpus.len() <= 1 && (e.drafter_gpus.is_empty() || e.drafter_gpus == e.target_gpus);
+        if o.profile && !sync_on_one_device {
             return Err(OptionsError::Relation(
                 "--profile times the synchronous step on one device, where the phases follow one another on one stream: add --sync (target and drafter on one GPU)".into(),
+            ));
+        }
+        if e.serial_update && !sync_on_one_device {
+            return Err(OptionsError::Relation(
+                "--serial-update moves the synchronous step's AdamW back after the step on one device; elsewhere it already runs there or on the drafter's own stream: add --sync (target and drafter on one GPU) or drop the flag".into(),
             ));
         }
         if e.max_inflight > MAX_INFLIGHT {
@@ -457,6 +462,17 @@ mod tests {
         assert!(e.contains("one GPU"), "{e}");
         let mut o = RunOptions::tiny_default();
         o.output.profile = true;
+        o.exec.sync = true;
+        o.validate().unwrap();
+    }
+
+    /// --serial-update only means something where the update has a stream of its own.
+    #[test]
+    fn serial_update_needs_the_synchronous_step_on_one_device() {
+        let e = err(|o| o.exec.serial_update = true);
+        assert!(e.contains("--serial-update") && e.contains("--sync"), "{e}");
+        let mut o = RunOptions::tiny_default();
+        o.exec.serial_update = true;
         o.exec.sync = true;
         o.validate().unwrap();
     }
