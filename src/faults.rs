@@ -46,7 +46,9 @@ pub struct FaultPlan {
 
 /// The forced hazard of the AdamW on its own stream (`DrafterSide::overlap_updates`), test-only:
 /// each step's update is held back on the device (its stream waits on a flag) until the compute
-/// stream releases it.
+/// stream releases it. A held update blocks whatever waits for its stream: a host wait for the
+/// moments' copies (an update that fails mid-chunk) or the allocator's out-of-memory retry (which
+/// frees cached segments, a device-wide wait) would hang under `Held`; the tests reach neither.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub enum UpdateFault {
     #[default]
@@ -55,8 +57,9 @@ pub enum UpdateFault {
     /// next step's first target forward): results must not change.
     Held,
     /// Held, and released only after the next step's drafter forward and backward, with the
-    /// compute stream not waiting for it: the drafter trains on weights one update behind and
-    /// zeroes the gradients the update has yet to read, every time.
+    /// compute stream not waiting for it: every step from the second trains on weights one
+    /// update behind, and each update reads the next step's gradients instead of its own (and
+    /// races with that step's plan), so the run differs, every time.
     Unjoined,
 }
 

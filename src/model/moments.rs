@@ -13,14 +13,16 @@
 //! same kernel on the same f32 values, one chunk at a time.
 //!
 //! Ordering (DESIGN.md section 2): the two copy streams carry copies only (rule 4), and every
-//! hand-off is an event one stream records and another waits on (rule 3):
-//! - **fetch**: staging buffers from the compute stream's pool; the `up` stream waits for the
-//!   compute stream's work so far (the memory's earlier users) and for the chunk's last copy
-//!   (its slots' last writer), then fills them from the chunk's slots.
-//! - **update**: the compute stream waits for the fetch and runs AdamW on the chunk's range.
+//! hand-off is an event one stream records and another waits on (rule 3). `s` below is the stream
+//! the update runs on: the compute stream, or with `--sync` on one device the update's own stream
+//! (`DrafterSide::overlap_updates`), whose pool then keeps the staging buffers between steps.
+//! - **fetch**: staging buffers from `s`'s pool; the `up` stream waits for `s`'s work so far (the
+//!   memory's earlier users) and for the chunk's last copy (its slots' last writer), then fills
+//!   them from the chunk's slots.
+//! - **update**: `s` waits for the fetch and runs AdamW on the chunk's range.
 //! - **store**: the `down` stream waits for the update and copies the staging buffers back to the
-//!   slots; the compute stream waits for that copy before the buffers go back to its pool (as
-//!   `Parking::settle` frees a parked buffer), so the allocator may hand them out again at once.
+//!   slots; `s` waits for that copy before the buffers go back to its pool (as `Parking::settle`
+//!   frees a parked buffer), so the allocator may hand them out again at once.
 //!
 //! While chunk `c` is updated and stored, chunk `c + 1` is fetched: two chunks' staging buffers
 //! (`2 x 2 x CHUNK` f32) are the device memory this costs. A chunk's slots are freed only after

@@ -680,8 +680,9 @@ pub fn run_sync<B: Backend>(
         }
     }
     // A held update no step released (`UpdateFault::Unjoined`, test-only) runs now, so the run
-    // ends with nothing waiting on the device.
-    if let Err(e) = side.release_update(be, &s) {
+    // ends with nothing waiting on the device; and the last update (on its own stream) is part of
+    // the last step's time on the device clock.
+    if let Err(e) = side.release_update(be, &s).and_then(|()| side.join_update(be, &s)) {
         result = result.and(Err(PipelineError::Consumer { step: st.current_step, cause: Box::new(e) }));
     }
     // The last step's metrics, also after a failure (the step before the failed one finished).

@@ -400,17 +400,18 @@ fn run_on<B: Backend>(
         steplog.restart_clock();
         Ok(if stop { Control::Stop } else { Control::Continue })
     };
+    // With --sync on one device each step's AdamW runs beside the next step's target forward,
+    // except under --profile, whose phase table times one stream's launches back to back, or when
+    // asked not to. Set up before the leak check's starting point (the fault flag lives on).
+    if e.sync && one_device && !profiling && !e.serial_update {
+        sides[0]
+            .overlap_updates(bt, &bt.compute_stream(), e.faults.update)
+            .context("setting up the optimizer's stream")?;
+    }
     let mem_before: Vec<Option<usize>> = bes.iter().map(|b| b.allocated_bytes()).collect();
     // The clocks and power of each GPU while the steps run (the summary's `clocks` lines).
     let monitors: Vec<_> = bes.iter().filter_map(|b| b.clock_monitor().map(|m| (b.name(), m))).collect();
     let (result, stats) = if e.sync && one_device {
-        // Each step's AdamW beside the next step's target forward, except under --profile, whose
-        // phase table times one stream's launches back to back, or when asked not to.
-        if !profiling && !e.serial_update {
-            sides[0]
-                .overlap_updates(bt, &bt.compute_stream(), e.faults.update)
-                .context("setting up the optimizer's stream")?;
-        }
         pipeline::run_sync(bt, &tsides[0], &mut sides[0], &source, &pcfg, &optim, &mut on_step)
     } else {
         let dbes: Vec<&B> = topo.drafters.iter().map(|&i| &bes[i]).collect();
