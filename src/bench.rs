@@ -180,27 +180,24 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         Ok(())
     };
     eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.train.steps);
-    go("sync", one.clone(), {
+    let sync = {
         let mut ro = base.clone();
         ro.exec.sync = true;
         ro.exec.drafter_gpus = Vec::new();
         ro
-    })?;
+    };
+    go("sync", one.clone(), sync.clone())?;
     // The same with each step's AdamW after the step instead of beside the next target forward.
     go("sync serial update", one.clone(), {
-        let mut ro = base.clone();
-        ro.exec.sync = true;
+        let mut ro = sync.clone();
         ro.exec.serial_update = true;
-        ro.exec.drafter_gpus = Vec::new();
         ro
     })?;
     if opts.output.profile {
         // The same step with every launch timed: its phase table, and what the timing costs
         // (this row's ms/step against the sync row's).
         go("sync profiled", one.clone(), {
-            let mut ro = base.clone();
-            ro.exec.sync = true;
-            ro.exec.drafter_gpus = Vec::new();
+            let mut ro = sync;
             ro.output.profile = true;
             ro
         })?;

@@ -243,15 +243,20 @@ pub struct DrafterSide<B: Backend> {
     /// The stream the AdamW runs on when the synchronous loop overlaps it with the next step's
     /// target forward (`overlap_updates`); None: the compute stream the caller passes.
     update_stream: Option<B::Stream>,
-    /// The end of the last update enqueued on `update_stream`: the compute stream waits for it
-    /// before it touches the weights, gradients or moments again (`join_update`).
+    /// The end of the last update enqueued on `update_stream` that the compute stream has not
+    /// waited for yet (`join_update`).
     updated: Option<B::Event>,
-    /// The forced hazard of the update stream (test-only): its flag (zeroed on the compute
-    /// stream), the number of the last held update, and whether that one awaits its release.
-    update_fault: UpdateFault,
-    update_flag: Option<B::Buf>,
+    /// The forced hazard of the update stream (`UpdateFault`, test-only).
+    hold: Option<UpdateHold<B>>,
+}
+
+/// `UpdateFault` armed: each update waits on `flag` (zeroed on the compute stream) reaching its
+/// number; `held` updates were enqueued, the first `released` of them released.
+struct UpdateHold<B: Backend> {
+    unjoined: bool,
+    flag: B::Buf,
     held: u32,
-    unreleased: bool,
+    released: u32,
 }
 
 /// A step whose forward, backward, norm and update plan are enqueued, and whose AdamW is not.
@@ -325,10 +330,7 @@ impl<B: Backend> DrafterSide<B> {
             pending: None,
             update_stream: None,
             updated: None,
-            update_fault: UpdateFault::None,
-            update_flag: None,
-            held: 0,
-            unreleased: false,
+            hold: None,
         })
     }
 
@@ -345,10 +347,10 @@ impl<B: Backend> DrafterSide<B> {
     pub fn overlap_updates(&mut self, be: &B, s: &B::Stream, fault: UpdateFault) -> Result<()> {
         let u = be.new_stream()?;
         if fault != UpdateFault::None {
-            self.update_flag = Some(be.alloc(s, DType::F32, 1)?);
+            let flag = be.alloc(s, DType::F32, 1)?;
+            self.hold = Some(UpdateHold { unjoined: fault == UpdateFault::Unjoined, flag, held: 0, released: 0 });
         }
-        self.update_fault = fault;
-        let mut used: Vec<&B::Buf> = self.update_flag.iter().chain(std::iter::once(&self.plan)).collect();
+        let mut used: Vec<&B::Buf> = self.hold.iter().map(|h| &h.flag).chain(std::iter::once(&self.plan)).collect();
         for g in self.fc.iter().chain(std::iter::once(&self.drafter.body)) {
             used.extend([&g.weights, &g.master, &g.grad]);
             if let crate::model::moments::Moments::Device { m, v } = &g.moments {
@@ -361,27 +363,26 @@ impl<B: Backend> DrafterSide<B> {
     }
 
     /// The compute stream `s` waits, on the device, for the last update enqueued on the update
-    /// stream (nothing without one). Every path that reads or writes the drafter's weights,
-    /// gradients or moments on `s` after an update calls it first.
+    /// stream, once (nothing without one, or once waited for). Each step's first drafter work
+    /// (`zero_grad`), a checkpoint's `gather` and the end of the run call it.
     pub fn join_update(&mut self, be: &B, s: &B::Stream) -> Result<()> {
-        match self.update_fault {
-            UpdateFault::None => {}
-            UpdateFault::Held => self.release_update(be, s)?,
-            // The defect the hazard test must see: no wait (`release_update` comes later).
-            UpdateFault::Unjoined => return Ok(()),
+        // The defect the hazard test must see: no wait (`release_update` comes later).
+        if self.hold.as_ref().is_some_and(|h| h.unjoined) {
+            return Ok(());
         }
-        match &self.updated {
-            Some(ev) => be.wait_event(s, ev),
+        self.release_update(be, s)?;
+        match self.updated.take() {
+            Some(ev) => be.wait_event(s, &ev),
             None => Ok(()),
         }
     }
 
-    /// Under `UpdateFault`: `s` releases the held update, if one waits.
+    /// Under `UpdateFault`: `s` releases the held updates, if one waits.
     pub fn release_update(&mut self, be: &B, s: &B::Stream) -> Result<()> {
-        match (&self.update_flag, self.unreleased) {
-            (Some(flag), true) => {
-                self.unreleased = false;
-                be.signal_flag(s, flag, self.held)
+        match &mut self.hold {
+            Some(h) if h.released < h.held => {
+                h.released = h.held;
+                be.signal_flag(s, &h.flag, h.held)
             }
             _ => Ok(()),
         }
@@ -402,7 +403,6 @@ impl<B: Backend> DrafterSide<B> {
         ctx: &Context<B>,
         grad_scale: f32,
     ) -> Result<Option<B::Buf>> {
-        self.join_update(be, s)?;
         let dev = DeviceDraftBatch::upload(be, s, &hb)?;
         let rows = hb.rows();
         let h = self.drafter.shape.hidden;
@@ -456,7 +456,6 @@ impl<B: Backend> DrafterSide<B> {
 
     /// Sum of squared body (and local fc) gradients.
     pub fn grad_sumsq(&mut self, be: &B, s: &B::Stream) -> Result<(f64, Option<f64>)> {
-        self.join_update(be, s)?;
         self.drafter.body.grad_sumsq(be, s, &mut self.sumsq)?;
         let body = f64::from(be.download(s, &self.sumsq)?[0]);
         let fc = match &self.fc {
@@ -529,10 +528,9 @@ impl<B: Backend> DrafterSide<B> {
                 // The update reads the step's gradients and plan, all written on `s` so far.
                 let computed = be.record_event(s)?;
                 be.wait_event(u, &computed)?;
-                if let Some(flag) = &self.update_flag {
-                    self.held += 1;
-                    self.unreleased = true;
-                    be.wait_flag(u, flag, self.held)?;
+                if let Some(h) = &mut self.hold {
+                    h.held += 1;
+                    be.wait_flag(u, &h.flag, h.held)?;
                 }
                 u.clone()
             }
