@@ -188,6 +188,19 @@ pub struct StepPhases {
     /// from the last launch to the closing marker): a gap before a launch is time the device
     /// waited for the host to enqueue it.
     pub gaps_by_op: Vec<(String, f64, usize)>,
+    /// Per phase, its GEMMs' device seconds and FLOPs (from their labels, [`gemm_flops`]).
+    pub gemms: Vec<(Phase, f64, f64)>,
+}
+
+/// Adds `secs` and `flops` to `phase`'s entry of `into`.
+fn add_gemm(into: &mut Vec<(Phase, f64, f64)>, phase: Phase, secs: f64, flops: f64) {
+    match into.iter_mut().find(|(p, _, _)| *p == phase) {
+        Some(e) => {
+            e.1 += secs;
+            e.2 += flops;
+        }
+        None => into.push((phase, secs, flops)),
+    }
 }
 
 impl StepPhases {
@@ -236,6 +249,11 @@ pub struct PhaseTable {
     pub by_op: Vec<(String, f64, f64)>,
     /// Per step: idle seconds and gaps by the launch that ends them, longest first.
     pub gaps_by_op: Vec<(String, f64, f64)>,
+    /// Per step and phase: its GEMMs' device seconds and FLOPs.
+    pub gemms: Vec<(Phase, f64, f64)>,
+    /// The device's sustained bf16 GEMM rate (FLOP/s, measured: `train::flops::measure_gemm_peak`)
+    /// that [`PhaseTable::render`] sets the GEMMs against; `None` leaves that line out.
+    pub gemm_peak: Option<f64>,
 }
 
 /// Adds `1/n` of each `(label, secs, count)` of one step to the per-step means in `into`.
@@ -286,6 +304,9 @@ impl PhaseTable {
             t.intervals += sp.intervals as f64 / n;
             add_means(&mut t.by_op, &sp.by_op, n);
             add_means(&mut t.gaps_by_op, &sp.gaps_by_op, n);
+            for &(p, secs, flops) in &sp.gemms {
+                add_gemm(&mut t.gemms, p, secs / n, flops / n);
+            }
         }
         by_phase.retain(|&(_, s)| s > 0.0);
         t.by_phase = by_phase;
@@ -345,7 +366,14 @@ impl PhaseTable {
             self.intervals
         );
         for (p, s) in &self.by_phase {
-            out += &format!("  {:<40} {:>9.2} ms {:>6.1}%\n", p.name(), ms(*s), pct(*s));
+            // A phase's GEMMs at their rate: the part of the phase the GEMM peak bounds.
+            let rate = match self.gemms.iter().find(|g| g.0 == *p) {
+                Some(&(_, gs, gf)) if gs > 0.0 => {
+                    format!("   GEMMs {:.2} ms at {:.0} TFLOP/s", ms(gs), gf / gs / 1e12)
+                }
+                _ => String::new(),
+            };
+            out += &format!("  {:<40} {:>9.2} ms {:>6.1}%{rate}\n", p.name(), ms(*s), pct(*s));
         }
         out += &format!("  {:<40} {:>9.2} ms {:>6.1}%\n", "idle gaps on the stream", ms(self.gaps), pct(self.gaps));
         let acc = self.accounted();
@@ -364,7 +392,34 @@ impl PhaseTable {
             pct(acc),
             ms(self.step)
         );
+        if let Some(line) = self.gemm_bound() {
+            out += &line;
+        }
         out
+    }
+
+    /// The step's GEMMs against the device's sustained GEMM rate: how long they took, how long
+    /// they would take at that rate, and the step time that leaves with everything else as
+    /// measured (a bound on what faster GEMMs alone can give).
+    fn gemm_bound(&self) -> Option<String> {
+        let peak = self.gemm_peak.filter(|&p| p > 0.0)?;
+        let (secs, flops) = self.gemms.iter().fold((0.0, 0.0), |(s, f), g| (s + g.1, f + g.2));
+        if secs <= 0.0 || self.step <= 0.0 {
+            return None;
+        }
+        let at_peak = flops / peak;
+        Some(format!(
+            "  GEMMs: {:.1} TFLOP a step in {:.2} ms ({:.0} TFLOP/s, {:.0}% of the measured {:.0} TFLOP/s); at that rate \
+             {:.2} ms, and the step {:.2} ms with the rest ({:.2} ms) as measured\n",
+            flops / 1e12,
+            secs * 1e3,
+            flops / secs / 1e12,
+            100.0 * flops / secs / peak,
+            peak / 1e12,
+            at_peak * 1e3,
+            (self.step - secs + at_peak) * 1e3,
+            (self.step - secs) * 1e3
+        ))
     }
 }
 
@@ -421,6 +476,7 @@ pub fn fold(mut iv: Vec<(Phase, f64, f64)>) -> StepPhases {
         intervals: iv.len(),
         by_op: Vec::new(),
         gaps_by_op: Vec::new(),
+        gemms: Vec::new(),
     }
 }
 
@@ -518,7 +574,14 @@ pub fn time_step<E, X>(w: &StepWork<E>, mut at: impl FnMut(&E) -> Result<f64, X>
         ops.push((op.clone(), b - a));
     }
     let gaps = gaps_by_next(&spans, &ops, start, end);
+    let mut gemms = Vec::new();
+    for (&(p, a, b), (op, _)) in spans.iter().zip(&ops) {
+        if let Some(f) = gemm_flops(op) {
+            add_gemm(&mut gemms, p, (b - a).max(0.0), f);
+        }
+    }
     let mut step = fold_between(spans, start, end);
+    step.gemms = gemms;
     step.by_op = by_op(ops);
     step.gaps_by_op = by_op(gaps);
     Ok(step)
@@ -618,6 +681,50 @@ mod tests {
         let gemm = text.lines().find(|l| l.contains("gemm")).unwrap();
         assert!(gemm.ends_with("685 TFLOP/s"), "{text}");
         assert!(!text.lines().find(|l| l.contains("copy")).unwrap().contains("TFLOP"), "{text}");
+    }
+
+    #[test]
+    fn phases_show_their_gemms_rate_and_the_step_at_the_measured_peak() {
+        use Phase::*;
+        // 12288 x 24576 x 4096 (2.47 TFLOP) in 4 ms in the target, twice that in 9 ms in the
+        // drafter beside 1 ms of attention, in a 20 ms step.
+        let g = gemm_label(12288, 24576, 4096);
+        let f = gemm_flops(&g).unwrap();
+        let w = StepWork {
+            start: (0.0, true),
+            end: (0.020, true),
+            launches: vec![
+                (TargetGemm, g.clone(), (0.0, true), (0.004, true)),
+                (DrafterGemm, g.clone(), (0.004, true), (0.008, true)),
+                (DrafterAttentionFwd, "attn_draft_fwd".to_string(), (0.008, true), (0.009, true)),
+                (DrafterGemm, g.clone(), (0.009, true), (0.014, true)),
+            ],
+        };
+        let s = timed(&w);
+        let drafter = s.gemms.iter().find(|x| x.0 == DrafterGemm).unwrap();
+        assert!((drafter.1 - 0.009).abs() < 1e-12 && (drafter.2 - 2.0 * f).abs() < 1.0);
+        assert!(!s.gemms.iter().any(|x| x.0 == DrafterAttentionFwd), "attention is no GEMM");
+        let mut t = PhaseTable::from_marked_steps(&[s.clone(), s], 0).unwrap();
+        let text = t.render();
+        let row = |name: &str| text.lines().find(|l| l.contains(name)).unwrap().to_string();
+        // 2.47 TFLOP / 4 ms = 618 TFLOP/s; 4.95 TFLOP / 9 ms = 550.
+        assert!(row("target GEMMs").ends_with("GEMMs 4.00 ms at 618 TFLOP/s"), "{text}");
+        assert!(row("drafter GEMMs").ends_with("GEMMs 9.00 ms at 550 TFLOP/s"), "{text}");
+        assert!(!row("drafter attention fwd").contains("TFLOP"), "{text}");
+        assert!(!text.contains("at that rate"), "no peak, no bound: {text}");
+        // At a measured 742.2 TFLOP/s the 7.42 TFLOP take 10 ms: the 20 ms step with 13 ms of
+        // GEMMs would take 17 ms.
+        t.gemm_peak = Some(3.0 * f / 0.010);
+        let text = t.render();
+        let bound = text.lines().last().unwrap();
+        assert!(
+            bound.contains("7.4 TFLOP a step in 13.00 ms (571 TFLOP/s, 77% of the measured 742 TFLOP/s)"),
+            "{bound}"
+        );
+        assert!(
+            bound.contains("at that rate 10.00 ms, and the step 17.00 ms with the rest (7.00 ms) as measured"),
+            "{bound}"
+        );
     }
 
     #[test]

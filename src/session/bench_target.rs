@@ -131,7 +131,9 @@ fn on<B: Backend>(be: &B, src: &TargetSource, o: &TargetBenchOptions) -> Result<
                 let p = be.take_profile_step()?.unwrap_or_default();
                 steps.push((p, t0.elapsed().as_secs_f64()));
             }
-            if let Some(t) = PhaseTable::from_steps(&steps, 1) {
+            if let Some(mut t) = PhaseTable::from_steps(&steps, 1) {
+                // The forward's GEMMs against the card's own rate, measured after the forwards.
+                t.gemm_peak = super::device_peak(be)?;
                 println!("{}{}", t.render(), t.render_ops(25));
             }
         } else {

@@ -487,7 +487,11 @@ fn run_on<B: Backend>(
             parts.map(|p| p.join("; "))
         },
         // The first step builds GEMM plans and the allocator's segments: left out.
-        phases: crate::backend::profile::PhaseTable::from_marked_steps(&steady, 1),
+        // Profiled steps run on one device: its GEMMs against that device's measured rate.
+        phases: crate::backend::profile::PhaseTable::from_marked_steps(&steady, 1).map(|mut t| {
+            t.gemm_peak = mfu.as_ref().map(|m| m.peak / bes.len() as f64);
+            t
+        }),
         phase_steps: steady,
         mfu,
     };
