@@ -113,6 +113,13 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         opts.exec.device != Device::Cpu || opts.exec.drafter_gpus.is_empty(),
         "--drafter-gpus needs --device cuda"
     );
+    // Each row's first two steps warm plans and caches, and the rest are what it reports.
+    anyhow::ensure!(
+        opts.train.steps >= 3,
+        "bench-pipeline times each row's steps after its first two (warm-up): --steps {} leaves none; give --steps 3 \
+         or more (the GPU scripts use 8)",
+        opts.train.steps
+    );
     let t_gpu = opts.exec.target_gpus.first().copied().unwrap_or(0);
     // No checkpoints: at the 8B recipe each would write ~14 GB of masters and moments.
     let base = {
@@ -179,7 +186,11 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         rows.push(b);
         Ok(())
     };
-    eprintln!("bench-pipeline: {} steps per mode, median of the steps after the first two", opts.train.steps);
+    eprintln!(
+        "bench-pipeline: {} steps per mode; each row the mean of its steps after the first two (a pipelined row also \
+         leaves out its last --max-inflight steps)",
+        opts.train.steps
+    );
     let sync = {
         let mut ro = base.clone();
         ro.exec.sync = true;

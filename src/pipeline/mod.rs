@@ -647,6 +647,7 @@ pub fn run_sync<B: Backend>(
             break;
         }
         clock.read_done(be, &mut st);
+        let t_step = Instant::now();
         let micro = match source.micro_batches(step) {
             Ok(m) => m,
             Err(cause) => {
@@ -660,6 +661,7 @@ pub fn run_sync<B: Backend>(
             break;
         }
         st.drafter_busy += t0.elapsed();
+        let mut host_secs = t_step.elapsed().as_secs_f64();
         // The previous step's metrics while this one runs on the device; this step's update
         // waits until they were seen (a checkpoint of that step reads its weights).
         clock.read_done(be, &mut st);
@@ -674,9 +676,16 @@ pub fn run_sync<B: Backend>(
                 break;
             }
         }
+        let t_update = Instant::now();
         if let Err(e) = side.apply_staged(be, &s) {
             result = Err(PipelineError::Consumer { step, cause: Box::new(e) });
             break;
+        }
+        // Without a device clock the step's own time on the host, the report (and a checkpoint)
+        // of the step before left out.
+        if !st.device_clock {
+            host_secs += t_update.elapsed().as_secs_f64();
+            st.host_step_secs.push(host_secs);
         }
     }
     // A held update no step released (`UpdateFault::Unjoined`, test-only) runs now, so the run

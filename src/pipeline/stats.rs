@@ -55,6 +55,11 @@ pub struct PipelineStats {
     pub device_step_secs: Vec<f64>,
     /// Whether `device_step_secs` is being measured (the synchronous loop with a device clock).
     pub device_clock: bool,
+    /// The synchronous loop on a backend without a device clock (whose work is done when its
+    /// call returns): each step's host seconds, its data, forward, backward and update, in order.
+    /// A step's report comes during the next step, so the time between two reports would be
+    /// the next step's. Empty otherwise.
+    pub host_step_secs: Vec<f64>,
 }
 
 /// A target stream's timeline, from timed events: `busy` = the stretches of target work, `span` =

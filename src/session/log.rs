@@ -184,9 +184,13 @@ impl StepLog {
     }
 
     /// Records a finished step (`st`: the pipeline's counters, with the device step times known
-    /// so far); returns its host time in ms (since the previous step ended).
+    /// so far); returns its host time in ms: the synchronous loop's own measure of the step where
+    /// it has one (`PipelineStats::host_step_secs`), else the time since the previous step ended.
     pub fn step(&mut self, m: &StepMetrics, st: &PipelineStats) -> f64 {
-        let ms = self.last.elapsed().as_secs_f64() * 1e3;
+        let ms = match st.host_step_secs.get(self.history.len()) {
+            Some(secs) => secs * 1e3,
+            None => self.last.elapsed().as_secs_f64() * 1e3,
+        };
         self.pb.inc(1);
         self.history.push(m.clone());
         self.step_ms.push(ms);
