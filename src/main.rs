@@ -411,6 +411,10 @@ struct InitArgs {
     /// Output folder (e.g. weights/tiny).
     #[arg(long)]
     out: PathBuf,
+    /// Replace the model a folder already holds (its config.json and every *.safetensors file
+    /// and index are removed first).
+    #[arg(long)]
+    overwrite: bool,
 }
 
 impl RunArgs {
@@ -519,6 +523,17 @@ fn main() -> Result<()> {
         }
         Cmd::InitModel(a) => {
             let cfg = TargetConfig::preset(&a.preset)?;
+            if !(a.init_std.is_finite() && a.init_std > 0.0) {
+                anyhow::bail!("--init-std {}: must be a finite number above 0", a.init_std);
+            }
+            let removed = weights::clear_model_folder(&a.out, a.overwrite)?;
+            if !removed.is_empty() {
+                eprintln!(
+                    "note      --overwrite: removed {} files of the model {} held",
+                    removed.len(),
+                    a.out.display()
+                );
+            }
             let pb = indicatif::ProgressBar::new(0);
             pb.set_style(
                 indicatif::ProgressStyle::with_template("writing [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")

@@ -1115,6 +1115,47 @@ pub fn init_target(cfg: &TargetConfig, seed: u64, init_std: f32, out_dir: impl A
     init_target_with_progress(cfg, seed, init_std, out_dir, &|_, _| {})
 }
 
+/// Makes `dir` ready for a new model: nothing to do where it holds none; where it holds one
+/// (`config.json`, `*.safetensors`, a shard index), an error naming them unless `overwrite`, and
+/// then they are removed (a stale index would send a loader to the old shards). Returns what was
+/// removed.
+pub fn clear_model_folder(dir: &Path, overwrite: bool) -> Result<Vec<PathBuf>> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    if !dir.is_dir() {
+        return Err(WeightsError::InvalidInput(format!("--out {}: is a file, not a folder", dir.display())));
+    }
+    let mut held: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io_err(dir, "read directory"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            p.is_file()
+                && (name == "config.json"
+                    || name.ends_with(".safetensors")
+                    || name.ends_with(".safetensors.index.json"))
+        })
+        .collect();
+    held.sort();
+    if held.is_empty() {
+        return Ok(held);
+    }
+    if !overwrite {
+        let names: Vec<String> =
+            held.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
+        return Err(WeightsError::InvalidInput(format!(
+            "--out {}: already holds a model ({}); give --overwrite to replace it, or another --out",
+            dir.display(),
+            names.join(", ")
+        )));
+    }
+    for p in &held {
+        std::fs::remove_file(p).map_err(io_err(p, "remove"))?;
+    }
+    Ok(held)
+}
+
 /// [`init_target`] with `progress(bytes_written, total_bytes)` called (from a writer thread)
 /// after each chunk of `model.safetensors` reaches the OS.
 ///

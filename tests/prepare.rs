@@ -176,6 +176,14 @@ fn prepare_masks_exactly_the_answers_in_both_layouts() {
     assert!(matches!(e, PrepareError::OutputExists { .. }), "{e}");
     run_plain(&PrepareOptions { overwrite: true, ..opts(&dir, &input, &out) }).unwrap();
     assert_eq!(read_samples(&out), samples);
+    // --out naming the input, in any spelling, is refused even with --overwrite: the
+    // conversations would be replaced by their tokens.
+    let chats = std::fs::read(&input).unwrap();
+    for same in [input.clone(), dir.join(".").join("chats.jsonl")] {
+        let e = run_plain(&PrepareOptions { overwrite: true, ..opts(&dir, &input, &same) }).unwrap_err();
+        assert!(e.to_string().contains("is the --input file"), "{e}");
+    }
+    assert_eq!(std::fs::read(&input).unwrap(), chats);
 }
 
 #[test]

@@ -103,6 +103,8 @@ fn degenerate_generation_lengths_are_errors_not_panics() {
         let (res, err) = cli(&["gen-data", "--seq-len", seq, "--samples", "4", "--out", &f], None);
         assert!(!res.status.success(), "--seq-len {seq} must fail: {err}");
         assert!(err.contains("--seq-len") && !err.contains("panicked"), "--seq-len {seq}: {err}");
+        // gen-data has no --gen-prompt-len: its error names the prompt's length instead.
+        assert!(!err.contains("--gen-prompt-len") && err.contains("prompt tokens"), "--seq-len {seq}: {err}");
         assert!(!file.exists(), "--seq-len {seq}: no file");
     }
     let file = scratch.fresh("gen0").with_extension("jsonl");
@@ -331,4 +333,88 @@ fn drafter_config_conflicts_and_mismatches_are_named() {
         e.contains("--drafter-config qwen3.6-27b") && e.contains("hidden_size is 5120 in the drafter but 64"),
         "{e}"
     );
+}
+
+/// A bad data line, a finished run's `--resume` and a missing `--init-from` were found only after
+/// the target had loaded (minutes at 27B); a finished run's resume printed an empty summary. Each
+/// now stops before the load, saying what to do.
+#[test]
+fn data_resume_and_warm_start_mistakes_stop_before_the_load() {
+    let scratch = Scratch::new("user-data_resume_and_warm_start_mistakes_stop_before_the_load");
+    let dir = scratch.fresh("files");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("bad.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}\n{\"input_ids\": [1, 2\n").unwrap();
+    let out = scratch.fresh("bad").display().to_string();
+    let d = data.display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--data", &d]), None);
+    assert!(!res.status.success() && err.contains("line 2"), "{err}");
+    assert!(!err.contains("loaded "), "the data is read before the target loads: {err}");
+
+    let missing = dir.join("no-such-run").display().to_string();
+    let out = scratch.fresh("init").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--init-from", &missing]), None);
+    assert!(!res.status.success() && err.contains("no-such-run"), "{err}");
+    assert!(!err.contains("loaded "), "the warm start is checked before the target loads: {err}");
+
+    let mut o = quick(scratch.fresh("done"));
+    session::run(&o, None).unwrap();
+    o.output.resume = true;
+    let e = format!("{:#}", session::run(&o, None).expect_err("nothing left to train"));
+    assert!(e.contains("is complete") && e.contains("--init-from"), "{e}");
+    // What it advises works.
+    let mut more = quick(scratch.fresh("more"));
+    more.model.init_from = Some(o.output.out.clone());
+    let r = session::run(&more, None).expect("a new run from the finished one's weights");
+    assert_eq!(r.history.len(), 2);
+}
+
+/// `init-model` into a folder holding a model replaced it without a word (and left a stale shard
+/// index that a loader would follow); `--init-std 0` wrote an all-zero model.
+#[test]
+fn init_model_keeps_an_existing_model_unless_told() {
+    let scratch = Scratch::new("user-init_model_keeps_an_existing_model_unless_told");
+    let dir = scratch.fresh("model");
+    let d = dir.display().to_string();
+    let (res, err) = cli(&["init-model", "--preset", "tiny", "--out", &d], None);
+    assert!(res.status.success(), "{err}");
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(&index, "{}").unwrap();
+    let before = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let (res, err) = cli(&["init-model", "--preset", "tiny", "--seed", "1", "--out", &d], None);
+    assert!(!res.status.success() && err.contains("already holds a model") && err.contains("--overwrite"), "{err}");
+    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), before, "left as it was");
+    let (res, err) = cli(&["init-model", "--preset", "tiny", "--seed", "1", "--out", &d, "--overwrite"], None);
+    assert!(res.status.success(), "{err}");
+    assert!(!index.exists(), "the stale index is gone");
+    assert_ne!(std::fs::read(dir.join("model.safetensors")).unwrap(), before, "a new model");
+    let other = scratch.fresh("zero").display().to_string();
+    let (res, err) = cli(&["init-model", "--init-std", "0", "--out", &other], None);
+    assert!(!res.status.success() && err.contains("--init-std 0"), "{err}");
+}
+
+/// `eval --num-prompts 0` panicked; an `--out` in a missing folder failed after all the decoding;
+/// `--init-std 0` decoded against an all-zero target; `bench-pipeline --steps 2` printed a table
+/// of zeros.
+#[test]
+fn eval_and_bench_arguments_are_checked_first() {
+    let scratch = Scratch::new("user-eval_and_bench_arguments_are_checked_first");
+    let eval = |extra: &[&str]| {
+        let mut a = vec!["eval", "--drafter", "random", "--device", "cpu", "--quiet"];
+        a.extend_from_slice(extra);
+        cli(&a, None)
+    };
+    let (res, err) = eval(&["--num-prompts", "0"]);
+    assert!(!res.status.success() && err.contains("--num-prompts 0") && !err.contains("panicked"), "{err}");
+    let t0 = Instant::now();
+    let (res, err) = eval(&["--out", "/no-such-folder/eval.json"]);
+    assert!(!res.status.success() && err.contains("/no-such-folder") && !err.contains("accept"), "{err}");
+    assert!(t0.elapsed().as_secs() < 10, "refused before decoding");
+    let (res, err) = eval(&["--init-std", "0"]);
+    assert!(!res.status.success() && err.contains("--init-std 0"), "{err}");
+    let out = scratch.fresh("bench").display().to_string();
+    let mut a = vec!["bench-pipeline", "--device", "cpu", "--out", &out];
+    a.extend_from_slice(QUICK_ARGS);
+    let (res, err) = cli(&a, None);
+    assert!(!res.status.success() && err.contains("--steps 2") && err.contains("--steps 3"), "{err}");
 }

@@ -144,6 +144,23 @@ pub struct DecodeBound {
 /// Runs `eval` as `o` says, prints the report, writes `eval.json`.
 pub fn eval(o: &EvalOptions) -> Result<EvalReport> {
     use crate::backend::cuda::{alloc::Mode, CudaBackend};
+    if o.num_prompts == Some(0) {
+        bail!("--num-prompts 0: give at least 1");
+    }
+    if let Some(v) = o.init_std.filter(|v| !(v.is_finite() && *v > 0.0)) {
+        bail!("--init-std {v}: must be a finite number above 0");
+    }
+    // Where the report goes must exist before minutes of decoding, not after.
+    if let Some(out) = &o.out {
+        let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if !dir.is_dir() {
+            bail!(
+                "--out {}: the folder {} does not exist; create it or name another file",
+                out.display(),
+                dir.display()
+            );
+        }
+    }
     match o.device {
         Device::Cpu => eval_on(&CpuBackend::new(), o),
         Device::Cuda => {

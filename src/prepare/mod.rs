@@ -245,6 +245,17 @@ pub struct Generator<'a, B: Backend> {
     pub target: &'a Target<B>,
 }
 
+/// Whether `out` names the existing file `input` (through any spelling or link); `out` need not
+/// exist.
+fn same_path(input: &Path, out: &Path) -> bool {
+    let Ok(a) = input.canonicalize() else { return false };
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    match (parent.canonicalize(), out.file_name()) {
+        (Ok(dir), Some(name)) => a == dir.join(name) || out.canonicalize().is_ok_and(|b| b == a),
+        _ => false,
+    }
+}
+
 /// Runs `prepare-data`. `target_vocab` (from the target's config.json) bounds the ids;
 /// `generator` is required with `--regenerate`. `progress(lines_done)` follows the input.
 pub fn prepare<B: Backend>(
@@ -254,6 +265,12 @@ pub fn prepare<B: Backend>(
     generator: Option<Generator<'_, B>>,
     mut progress: impl FnMut(u64),
 ) -> Result<PrepareSummary, PrepareError> {
+    if same_path(&o.input, &o.out) {
+        return Err(PrepareError::InvalidArgument(format!(
+            "--out {} is the --input file: it would be replaced by its own tokens; choose another --out",
+            o.out.display()
+        )));
+    }
     if o.max_len == Some(0) || o.max_len == Some(1) {
         return Err(PrepareError::InvalidArgument(
             "--max-len must be at least 2 (a sample needs a supervised pair)".into(),

@@ -84,6 +84,14 @@ pub fn gen_data(target: &str, samples: usize, seq_len: usize, init_std: f32, out
         anyhow::bail!("--samples 0: must be at least 1");
     }
     let d = RunOptions::tiny_default();
+    // gen-data's prompts have the default length (`run --gen-prompt-len`, not a flag here).
+    if seq_len < d.data.gen_prompt_len + 2 {
+        anyhow::bail!(
+            "--seq-len {seq_len}: must exceed the {} prompt tokens every sample starts with by at least 2 (a sample \
+             needs a continuation to supervise)",
+            d.data.gen_prompt_len
+        );
+    }
     let mut o = d.clone();
     o.data.gen_samples = samples;
     o.data.seq_len = seq_len;

@@ -394,26 +394,68 @@ pub fn resume<B: Backend>(
         say(format!("resume    no checkpoint in {}: starting from step 0", o.output.out.display()));
         return Ok(0);
     };
-    let Some(theirs) = super::options::Fingerprint::from_json(&ck.state.run_fingerprint) else {
-        bail!(
-            "--resume: the checkpoint in {} was written by an older engine whose settings cannot be compared: start a new run with another --out",
-            ck.dir.display()
-        );
-    };
-    let diff = theirs.differences(fingerprint);
-    if !diff.is_empty() {
-        bail!(
-            "--resume: the checkpoint in {} was written with other settings:\n  {}\nUse the same settings, or another --out.",
-            ck.dir.display(),
-            diff.join("\n  ")
-        );
-    }
+    same_settings(&ck.dir, &ck.state, fingerprint)?;
     for (side, &i) in sides.iter_mut().zip(&topo.drafters) {
         checkpoint::restore(&bes[i], &bes[i].compute_stream(), side, &ck.tensors)
             .map_err(|e| anyhow::anyhow!("--resume from {}: {e}", ck.dir.display()))?;
     }
     say(format!("resume    from {} (step {})", ck.dir.display(), ck.state.step));
     Ok(ck.state.step)
+}
+
+/// What `--resume` and `--init-from` can check without tensors, before the target loads
+/// (minutes for a large one): the latest checkpoint's settings against this run's and a step
+/// left to train; else the warm start's folder and its config against the run's drafter.
+pub fn check_before_load(
+    o: &RunOptions,
+    dcfg: &DrafterConfig,
+    fingerprint: &super::options::Fingerprint,
+) -> Result<()> {
+    let latest = if o.output.resume { checkpoint::latest_state(&o.output.out)? } else { None };
+    match (latest, &o.model.init_from) {
+        (Some((dir, state)), _) => {
+            same_settings(&dir, &state, fingerprint)?;
+            if state.step >= o.train.steps {
+                bail!(
+                    "--resume: the run in {} is complete (its checkpoint {} is at step {} of --steps {}): nothing to \
+                     train; to train further, start a new run from its weights: --init-from {} and another --out",
+                    o.output.out.display(),
+                    dir.display(),
+                    state.step,
+                    o.train.steps,
+                    o.output.out.display()
+                );
+            }
+        }
+        (None, Some(init)) => {
+            checkpoint::check_init(init, dcfg)?;
+        }
+        (None, None) => {}
+    }
+    Ok(())
+}
+
+/// The checkpoint in `dir` (its trainer state `state`) was written with this run's settings.
+fn same_settings(
+    dir: &Path,
+    state: &checkpoint::TrainerState,
+    fingerprint: &super::options::Fingerprint,
+) -> Result<()> {
+    let Some(theirs) = super::options::Fingerprint::from_json(&state.run_fingerprint) else {
+        bail!(
+            "--resume: the checkpoint in {} was written by an older engine whose settings cannot be compared: start a new run with another --out",
+            dir.display()
+        );
+    };
+    let diff = theirs.differences(fingerprint);
+    if !diff.is_empty() {
+        bail!(
+            "--resume: the checkpoint in {} was written with other settings:\n  {}\nUse the same settings, or another --out.",
+            dir.display(),
+            diff.join("\n  ")
+        );
+    }
+    Ok(())
 }
 
 /// `--init-from`: every drafter rank starts from the checkpoint's weights (its config checked

@@ -541,7 +541,11 @@ fn fsync_dir(path: &Path) -> Result<()> {
 /// writing `latest`), the newest of them is loaded: a folder gets its `step-*` name only once
 /// complete.
 pub fn load_latest(dir: impl AsRef<Path>) -> Result<Option<Loaded>> {
-    let dir = dir.as_ref();
+    latest_dir(dir.as_ref())?.map(load).transpose()
+}
+
+/// The folder [`load_latest`] would load, `None` where there is no checkpoint.
+fn latest_dir(dir: &Path) -> Result<Option<PathBuf>> {
     if !dir.is_dir() {
         return Ok(None);
     }
@@ -551,13 +555,31 @@ pub fn load_latest(dir: impl AsRef<Path>) -> Result<Option<Loaded>> {
             if !target.is_dir() {
                 return Err(CheckpointError::LatestDangling { latest: dir.join(LATEST_FILE), target });
             }
-            load(target).map(Some)
+            Ok(Some(target))
         }
-        None => match step_folders(dir)?.pop() {
-            Some((_, newest)) => load(newest).map(Some),
-            None => Ok(None),
-        },
+        None => Ok(step_folders(dir)?.pop().map(|(_, newest)| newest)),
     }
+}
+
+/// The trainer state of the checkpoint [`load_latest`] would load, and its folder, read alone
+/// (no tensors): what a resume can check before anything is loaded.
+pub fn latest_state(dir: impl AsRef<Path>) -> Result<Option<(PathBuf, TrainerState)>> {
+    latest_dir(dir.as_ref())?.map(|d| read_state(&d).map(|st| (d, st))).transpose()
+}
+
+/// A checkpoint folder's trainer state, checked against the folder's `step-*` name.
+fn read_state(dir: &Path) -> Result<TrainerState> {
+    let state_path = dir.join(STATE_FILE);
+    let state_text = read_text(&state_path)?;
+    let state: TrainerState = serde_json::from_str(&state_text)
+        .map_err(|e| CheckpointError::BadState { path: state_path.clone(), reason: e.to_string() })?;
+    // The folder's own name (when it is a `step-*` name) must agree with the state inside.
+    if let Some(folder_step) = dir.file_name().and_then(|n| n.to_str()).and_then(parse_step_dir_name) {
+        if folder_step != state.step {
+            return Err(CheckpointError::StepMismatch { path: state_path, folder_step, state_step: state.step });
+        }
+    }
+    Ok(state)
 }
 
 /// Reads one checkpoint folder and checks it whole: every file present and parseable, the
@@ -569,16 +591,7 @@ pub fn load(step_dir: impl AsRef<Path>) -> Result<Loaded> {
     if !dir.is_dir() {
         return Err(CheckpointError::MissingCheckpoint { path: dir.to_path_buf() });
     }
-    let state_path = dir.join(STATE_FILE);
-    let state_text = read_text(&state_path)?;
-    let state: TrainerState = serde_json::from_str(&state_text)
-        .map_err(|e| CheckpointError::BadState { path: state_path.clone(), reason: e.to_string() })?;
-    // The folder's own name (when it is a `step-*` name) must agree with the state inside.
-    if let Some(folder_step) = dir.file_name().and_then(|n| n.to_str()).and_then(parse_step_dir_name) {
-        if folder_step != state.step {
-            return Err(CheckpointError::StepMismatch { path: state_path, folder_step, state_step: state.step });
-        }
-    }
+    let state = read_state(dir)?;
     let config_json = read_text(&dir.join(CONFIG_FILE))?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let model_path = dir.join(MODEL_FILE);
@@ -733,10 +746,10 @@ fn init_folder(dir: &Path) -> Result<PathBuf> {
     Err(CheckpointError::NoInitCheckpoint { path: dir.to_path_buf() })
 }
 
-/// Reads a warm start from `dir` and checks its config.json against `ours` (the run's drafter),
-/// naming the first field that differs. A checkpoint this engine wrote gives its f32 masters
-/// (checked against its model file as [`load`] does); a published one its bf16 model tensors.
-pub fn load_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) -> Result<InitWeights> {
+/// The checkpoint folder a warm start from `dir` reads, its config.json checked against `ours`
+/// (the first field that differs named): [`load_init`]'s checks without the tensors, which a run
+/// makes before its target loads.
+pub fn check_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) -> Result<PathBuf> {
     let dir = init_folder(dir.as_ref())?;
     let cfg_path = dir.join(CONFIG_FILE);
     if !cfg_path.is_file() {
@@ -747,6 +760,14 @@ pub fn load_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) -> 
     if let Some((field, ours_v, theirs_v)) = ours.first_difference(&theirs) {
         return Err(CheckpointError::InitMismatch { path: dir, field, theirs: theirs_v, ours: ours_v });
     }
+    Ok(dir)
+}
+
+/// Reads a warm start from `dir` and checks its config.json against `ours` (the run's drafter),
+/// naming the first field that differs. A checkpoint this engine wrote gives its f32 masters
+/// (checked against its model file as [`load`] does); a published one its bf16 model tensors.
+pub fn load_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) -> Result<InitWeights> {
+    let dir = check_init(dir, ours)?;
     let mut tensors = HashMap::new();
     let from_masters = dir.join(OPTIMIZER_FILE).is_file() && dir.join(STATE_FILE).is_file();
     if from_masters {
