@@ -251,8 +251,9 @@ pub struct PhaseTable {
     pub gaps_by_op: Vec<(String, f64, f64)>,
     /// Per step and phase: its GEMMs' device seconds and FLOPs.
     pub gemms: Vec<(Phase, f64, f64)>,
-    /// The device's sustained bf16 GEMM rate (FLOP/s, measured: `train::flops::measure_gemm_peak`)
-    /// that [`PhaseTable::render`] sets the GEMMs against; `None` leaves that line out.
+    /// The device's bf16 GEMM rate (FLOP/s) that [`PhaseTable::render`] sets the GEMMs against:
+    /// the MFU peak, a short burst of 8192^3 GEMMs (`train::flops::measure_gemm_peak`), above
+    /// what a power-capped step sustains; `None` leaves that line out.
     pub gemm_peak: Option<f64>,
 }
 
@@ -398,7 +399,7 @@ impl PhaseTable {
         out
     }
 
-    /// The step's GEMMs against the device's sustained GEMM rate: how long they took, how long
+    /// The step's GEMMs against the device's measured GEMM rate: how long they took, how long
     /// they would take at that rate, and the step time that leaves with everything else as
     /// measured (a bound on what faster GEMMs alone can give).
     fn gemm_bound(&self) -> Option<String> {
