@@ -523,9 +523,7 @@ fn main() -> Result<()> {
         }
         Cmd::InitModel(a) => {
             let cfg = TargetConfig::preset(&a.preset)?;
-            if !(a.init_std.is_finite() && a.init_std > 0.0) {
-                anyhow::bail!("--init-std {}: must be a finite number above 0", a.init_std);
-            }
+            session::options::positive_f32("--init-std", a.init_std)?;
             let removed = weights::clear_model_folder(&a.out, a.overwrite)?;
             if !removed.is_empty() {
                 eprintln!(

@@ -406,9 +406,16 @@ fn eval_and_bench_arguments_are_checked_first() {
     };
     let (res, err) = eval(&["--num-prompts", "0"]);
     assert!(!res.status.success() && err.contains("--num-prompts 0") && !err.contains("panicked"), "{err}");
+    // A folder that cannot be made: one under a file.
+    let file = scratch.fresh("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let out = file.join("eval.json").display().to_string();
     let t0 = Instant::now();
-    let (res, err) = eval(&["--out", "/no-such-folder/eval.json"]);
-    assert!(!res.status.success() && err.contains("/no-such-folder") && !err.contains("accept"), "{err}");
+    let (res, err) = eval(&["--out", &out]);
+    assert!(
+        !res.status.success() && err.contains("--out") && err.contains("a-file") && !err.contains("accept"),
+        "{err}"
+    );
     assert!(t0.elapsed().as_secs() < 10, "refused before decoding");
     let (res, err) = eval(&["--init-std", "0"]);
     assert!(!res.status.success() && err.contains("--init-std 0"), "{err}");

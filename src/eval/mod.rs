@@ -147,19 +147,12 @@ pub fn eval(o: &EvalOptions) -> Result<EvalReport> {
     if o.num_prompts == Some(0) {
         bail!("--num-prompts 0: give at least 1");
     }
-    if let Some(v) = o.init_std.filter(|v| !(v.is_finite() && *v > 0.0)) {
-        bail!("--init-std {v}: must be a finite number above 0");
+    if let Some(v) = o.init_std {
+        crate::session::options::positive_f32("--init-std", v)?;
     }
-    // Where the report goes must exist before minutes of decoding, not after.
+    // Where the report goes must be writable before minutes of decoding, not after.
     if let Some(out) = &o.out {
-        let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        if !dir.is_dir() {
-            bail!(
-                "--out {}: the folder {} does not exist; create it or name another file",
-                out.display(),
-                dir.display()
-            );
-        }
+        crate::session::setup::check_file_writable("--out", out)?;
     }
     match o.device {
         Device::Cpu => eval_on(&CpuBackend::new(), o),

@@ -85,7 +85,7 @@ pub fn gen_data(target: &str, samples: usize, seq_len: usize, init_std: f32, out
     }
     let d = RunOptions::tiny_default();
     // gen-data's prompts have the default length (`run --gen-prompt-len`, not a flag here).
-    if seq_len < d.data.gen_prompt_len + 2 {
+    if seq_len < super::options::shortest_generated(d.data.gen_prompt_len) {
         anyhow::bail!(
             "--seq-len {seq_len}: must exceed the {} prompt tokens every sample starts with by at least 2 (a sample \
              needs a continuation to supervise)",

@@ -240,7 +240,7 @@ impl RunOptions {
             at_least("--gen-samples", d.gen_samples, 1)?;
             at_least("--gen-prompt-len", d.gen_prompt_len, 1)?;
             non_negative_f32("--gen-temperature", d.gen_temperature)?;
-            if d.gen_prompt_len + 2 > d.seq_len {
+            if d.seq_len < shortest_generated(d.gen_prompt_len) {
                 return Err(OptionsError::Relation(format!(
                     "--seq-len {} must exceed --gen-prompt-len {} by at least 2 (a generated sample needs a continuation to supervise)",
                     d.seq_len, d.gen_prompt_len
@@ -384,7 +384,14 @@ pub enum OptionsError {
     Relation(String),
 }
 
-fn positive_f32(flag: &'static str, v: f32) -> Result<(), OptionsError> {
+/// The shortest generated sample after a prompt of `prompt_len` tokens: two more tokens, so that
+/// it has a continuation to supervise.
+pub fn shortest_generated(prompt_len: usize) -> usize {
+    prompt_len + 2
+}
+
+/// `v` is finite and above 0, or an error naming `flag`.
+pub fn positive_f32(flag: &'static str, v: f32) -> Result<(), OptionsError> {
     if v.is_finite() && v > 0.0 {
         Ok(())
     } else {

@@ -273,19 +273,26 @@ pub fn check_outputs(o: &RunOptions) -> Result<()> {
         }
     }
     if let Some(trace) = &o.output.trace {
-        if let Some(parent) = trace.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("--trace {}: cannot create its folder", trace.display()))?;
-        }
-        let existed = trace.exists();
-        std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(trace)
-            .with_context(|| format!("--trace {}: cannot write this file", trace.display()))?;
-        if !existed {
-            let _ = std::fs::remove_file(trace);
-        }
+        check_file_writable("--trace", trace)?;
+    }
+    Ok(())
+}
+
+/// The file a flag names can be created or appended to (its folder made if missing); a file that
+/// did not exist is removed again. Checked before the work that would write it.
+pub fn check_file_writable(flag: &str, path: &Path) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("{flag} {}: cannot create its folder", path.display()))?;
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("{flag} {}: cannot write this file", path.display()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
     }
     Ok(())
 }
