@@ -146,20 +146,20 @@ struct PrepareArgs {
     #[arg(long)]
     regenerate: bool,
     /// --regenerate: sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, requires = "regenerate")]
     temperature: f32,
     /// --regenerate: most tokens per answer.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, requires = "regenerate")]
     max_new_tokens: usize,
     /// Conversations per chunk: decoded together with --regenerate, and the unit of the
     /// progress record a rerun resumes from.
     #[arg(long, default_value_t = 64)]
     batch: usize,
     /// --regenerate: seed of the sampling draws.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, requires = "regenerate")]
     seed: u64,
     /// --regenerate: backend.
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    #[arg(long, value_enum, default_value_t = Device::Auto, requires = "regenerate")]
     device: Device,
     /// Replace an existing --out, or start an unfinished run over.
     #[arg(long)]
@@ -188,13 +188,13 @@ struct RunArgs {
     #[arg(long)]
     data: Option<PathBuf>,
     /// Generated data: number of samples.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, conflicts_with = "data")]
     gen_samples: usize,
     /// Generated data: random prompt tokens before the continuation.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, conflicts_with = "data")]
     gen_prompt_len: usize,
     /// Generated data: sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, conflicts_with = "data")]
     gen_temperature: f32,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]

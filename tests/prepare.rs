@@ -131,9 +131,13 @@ fn masked_runs(enc: &Encoder, ids: &[u32], mask: &[u8]) -> Vec<String> {
 fn check_sample(enc: &Encoder, msgs: &[Message], ids: &[u32], mask: &[u8]) {
     let text = enc.template.render(msgs, false).unwrap();
     assert_eq!(enc.tokenizer.decode(ids, false).unwrap(), text, "the ids spell the rendered conversation");
-    let want: Vec<String> =
-        msgs.iter().filter(|m| m.role == "assistant").map(|m| format!("{}<|im_end|>", m.content)).collect();
-    assert_eq!(masked_runs(enc, ids, mask), want, "mask 1 exactly on each answer + <|im_end|>");
+    // An answer cut at --max-new-tokens ends with the template's <|im_end|>, not the model's.
+    let want: Vec<String> = msgs
+        .iter()
+        .filter(|m| m.role == "assistant")
+        .map(|m| format!("{}{}", m.content, if m.unfinished { "" } else { "<|im_end|>" }))
+        .collect();
+    assert_eq!(masked_runs(enc, ids, mask), want, "mask 1 exactly on each answer + <|im_end|> where it ended");
 }
 
 const SINGLE_OPENAI: &str = r#"{"messages": [{"role": "user", "content": "What is the answer?"}, {"role": "assistant", "content": "The answer is forty two."}]}"#;
@@ -211,6 +215,16 @@ fn prepare_truncates_to_max_len_and_counts_it() {
     assert_eq!(cut[0].0, whole[1].0[..max_len].to_vec());
     assert_eq!(cut[0].1, whole[1].1[..max_len].to_vec());
     assert!(s.describe(&out).contains("1 truncated"), "{}", s.describe(&out));
+    // A cut that leaves no sample at all is an error naming why, and the output written before
+    // stays as it was (an empty file would only fail later, in `run --data`).
+    let before = std::fs::read(&out).unwrap();
+    let o = PrepareOptions { max_len: Some(2), overwrite: true, ..opts(&dir, &input, &out) };
+    let e = run_plain(&o).unwrap_err().to_string();
+    assert!(e.contains("chats.jsonl: none of its 2 lines gave a sample") && e.contains("2 no two consecutive"), "{e}");
+    assert_eq!(std::fs::read(&out).unwrap(), before);
+    let fresh = dir.join("none.jsonl");
+    run_plain(&PrepareOptions { max_len: Some(2), ..opts(&dir, &input, &fresh) }).unwrap_err();
+    assert!(std::fs::read_dir(&dir).unwrap().all(|f| !f.unwrap().file_name().to_string_lossy().starts_with("none.")));
     drop(enc);
 }
 
@@ -295,6 +309,7 @@ pub fn greedy_reference<B: Backend>(
         let mut logits = be.alloc(&s, DType::F32, vocab).unwrap();
         let mut tok = be.alloc_ids(&s, 1).unwrap();
         let mut answer = Vec::new();
+        let mut stopped = false;
         for t in 0.. {
             be.upload_ids(&s, &[seq[t] as i32], &mut tok).unwrap();
             target.decode_step(be, &s, &mut cache, &tok, t, &mut logits).unwrap();
@@ -305,6 +320,7 @@ pub fn greedy_reference<B: Backend>(
             let row = &row[..enc.tokenizer_vocab];
             let next = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32;
             if enc.stop_ids.contains(&next) {
+                stopped = true;
                 break;
             }
             answer.push(next);
@@ -314,6 +330,7 @@ pub fn greedy_reference<B: Backend>(
             }
         }
         msgs[a].content = enc.tokenizer.decode(&answer, false).unwrap();
+        msgs[a].unfinished = !stopped;
     }
     msgs
 }
@@ -369,6 +386,7 @@ pub fn check_regenerate<B: Backend>(be: &B, tag: &str) {
         changed += usize::from(want != orig);
     }
     assert_eq!(changed, 4, "every conversation got the target's answers");
+    assert!(sum.hit_max_new > 0, "the test covers answers cut at --max-new-tokens: {sum:?}");
     assert!(sum.generated_tokens > 0 && sum.decode_rows >= sum.generated_tokens);
 }
 

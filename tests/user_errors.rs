@@ -316,6 +316,14 @@ fn inspect_follows_latest_in_a_run_folder() {
     assert!(res.status.success(), "{err}");
     assert!(text.contains("latest checkpoint step-00000002") && text.contains("drafter:"), "{text}");
     assert!(text.contains("fc.weight"), "{text}");
+    // A run without checkpoints shows its last metrics and says why there is nothing more.
+    let mut o = quick(scratch.fresh("no-checkpoint"));
+    o.output.checkpoints = false;
+    session::run(&o, None).unwrap();
+    let (res, err) = cli(&["inspect", &o.output.out.display().to_string()], None);
+    let text = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{err}");
+    assert!(text.contains("step 2") && text.contains("no checkpoint (the run had --no-checkpoint"), "{text}");
 }
 
 /// `--drafter-config` replaces the drafter flags: giving both is refused by name instead of one
@@ -347,8 +355,29 @@ fn data_resume_and_warm_start_mistakes_stop_before_the_load() {
     std::fs::write(&data, "{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}\n{\"input_ids\": [1, 2\n").unwrap();
     let out = scratch.fresh("bad").display().to_string();
     let d = data.display().to_string();
-    let (res, err) = cli(&run_args(&out, &["--data", &d]), None);
+    let mut args: Vec<&str> = vec!["run", "--out", &out, "--data", &d];
+    args.extend(QUICK_ARGS.iter().skip(2)); // all but --gen-samples, which --data rules out
+    let (res, err) = cli(&args, None);
     assert!(!res.status.success() && err.contains("line 2"), "{err}");
+    // Samples longer than --seq-len are cut, and the data line says how many.
+    let good = dir.join("long.jsonl");
+    let line = |n: u32| {
+        format!("{{\"input_ids\": {:?}, \"loss_mask\": {:?}}}\n", (1..=n).collect::<Vec<_>>(), vec![1; n as usize])
+    };
+    std::fs::write(&good, [line(40), line(10), line(30)].concat()).unwrap();
+    let g = good.display().to_string();
+    let out_long = scratch.fresh("long").display().to_string();
+    let mut args: Vec<&str> = vec!["run", "--quiet", "--no-checkpoint", "--out", &out_long, "--data", &g];
+    args.extend(QUICK_ARGS.iter().skip(2));
+    let (res, err) = cli(&args, None);
+    assert!(res.status.success(), "{err}");
+    assert!(
+        err.contains("data      3 samples, 58 tokens (2 longer than --seq-len 24 cut to their first 24 tokens)"),
+        "{err}"
+    );
+    // A generator flag beside --data would be ignored: it is refused instead.
+    let (res, err) = cli(&run_args(&out, &["--data", &d]), None);
+    assert!(!res.status.success() && err.contains("--gen-samples") && err.contains("--data"), "{err}");
     assert!(!err.contains("loaded "), "the data is read before the target loads: {err}");
 
     let missing = dir.join("no-such-run").display().to_string();

@@ -17,11 +17,16 @@ use serde_json::Value;
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An answer that stops before its end (`--regenerate` cut it at `--max-new-tokens`): the
+    /// end-of-turn token the template writes after it is not the model's, so it is not
+    /// supervised. Not shown to the template.
+    #[serde(skip)]
+    pub unfinished: bool,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
-        Message { role: role.to_string(), content: content.to_string() }
+        Message { role: role.to_string(), content: content.to_string(), unfinished: false }
     }
 }
 
@@ -71,7 +76,7 @@ pub fn parse_line(line: &str) -> Result<Vec<Message>, ChatError> {
             }
             None => return Err(err(format!("no `{text_key}` key"))),
         };
-        out.push(Message { role: role.to_string(), content });
+        out.push(Message { role: role.to_string(), content, unfinished: false });
     }
     Ok(out)
 }

@@ -111,7 +111,7 @@ impl Encoder {
     }
 
     /// The whole conversation's ids and mask (1 on every assistant answer and its end-of-turn
-    /// token).
+    /// token, but not on the end-of-turn of an answer that is `unfinished`).
     pub fn encode(&self, messages: &[Message]) -> Result<(Vec<u32>, Vec<u8>), Skip> {
         let answers: Vec<usize> = (0..messages.len()).filter(|&i| messages[i].role == "assistant").collect();
         if answers.is_empty() {
@@ -125,12 +125,13 @@ impl Encoder {
                 return Err(Skip::NotPrefixStable);
             }
             let start = before.len();
-            let end = match self.end_of_turn.as_deref().and_then(|e| full[start..].find(e).map(|i| start + i + e.len()))
-            {
-                Some(end) => end,
-                // No end-of-turn token: the answer runs to the next turn's prompt or the end.
-                None => full.trim_end().len().max(start),
-            };
+            let eot_len = |e: &str| if messages[a].unfinished { 0 } else { e.len() };
+            let end =
+                match self.end_of_turn.as_deref().and_then(|e| full[start..].find(e).map(|i| start + i + eot_len(e))) {
+                    Some(end) => end,
+                    // No end-of-turn token: the answer runs to the next turn's prompt or the end.
+                    None => full.trim_end().len().max(start),
+                };
             spans.push((start, end));
         }
         let (ids, offsets) = self.tokenize(&full)?;

@@ -72,6 +72,12 @@ pub enum PrepareError {
     Backend(#[from] BackendError),
     #[error("aborting on purpose (DFLASH_FAULT prepare-abort)")]
     InjectedAbort,
+    #[error(
+        "{}: none of its {lines} lines gave a sample ({}), so nothing was written; check its format (one \
+         {{\"messages\": [...]}} or {{\"conversations\": [...]}} object per line, with an assistant turn) and --max-len",
+        .input.display(), .skipped.iter().map(|(why, n)| format!("{n} {why}")).collect::<Vec<_>>().join("; ")
+    )]
+    NoSamples { input: PathBuf, lines: u64, skipped: BTreeMap<String, u64> },
 }
 
 /// `--regenerate` settings.
@@ -424,6 +430,13 @@ pub fn prepare<B: Backend>(
         progress(lines_done);
     }
     drop(out);
+    if counts.samples == 0 {
+        // An empty file would fail only later, in `run --data`; an existing --out stays as it was.
+        for p in [&partial, &progress_path] {
+            std::fs::remove_file(p).map_err(io(p))?;
+        }
+        return Err(PrepareError::NoSamples { input: o.input.clone(), lines: counts.lines, skipped: counts.skipped });
+    }
     std::fs::rename(&partial, &o.out).map_err(io(&o.out))?;
     std::fs::remove_file(&progress_path).map_err(io(&progress_path))?;
     Ok(counts)

@@ -217,12 +217,16 @@ pub fn regenerate_batch<B: Backend>(
             let q = &mut seqs[i];
             stats.turns += 1;
             stats.generated_tokens += q.generated.len() as u64;
-            let answer: &[u32] = match q.generated.last() {
-                Some(last) if enc.stop_ids.contains(last) => &q.generated[..q.generated.len() - 1],
-                _ => &q.generated,
+            let (answer, unfinished): (&[u32], bool) = match q.generated.last() {
+                Some(last) if enc.stop_ids.contains(last) => (&q.generated[..q.generated.len() - 1], false),
+                _ => (&q.generated, true),
             };
             match enc.decode(answer) {
-                Ok(text) => convs[i][q.answers[round]].content = text,
+                Ok(text) => {
+                    let m = &mut convs[i][q.answers[round]];
+                    m.content = text;
+                    m.unfinished = unfinished;
+                }
                 Err(skip) => q.skip = Some(skip),
             }
         }

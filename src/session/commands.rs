@@ -17,10 +17,20 @@ use crate::weights;
 /// `dflash-engine inspect DIR`: a target checkpoint's config and tensors, or a drafter's. A run
 /// folder (`--out` of `run`) shows its latest checkpoint.
 pub fn inspect(dir: &Path) -> Result<()> {
-    if let Some(last) = crate::train::metrics::describe_last(dir)? {
+    let metrics = crate::train::metrics::describe_last(dir)?;
+    if let Some(last) = &metrics {
         println!("{last}");
     }
-    let dir: PathBuf = match checkpoint::latest_name(dir)? {
+    let latest = checkpoint::latest_name(dir)?;
+    if metrics.is_some() && latest.is_none() && !dir.join("config.json").is_file() {
+        // A run folder with metrics and no checkpoint: nothing more to show, and nothing wrong.
+        println!(
+            "run folder {}: no checkpoint (the run had --no-checkpoint, or stopped before its first save)",
+            dir.display()
+        );
+        return Ok(());
+    }
+    let dir: PathBuf = match latest {
         Some(name) if !dir.join("config.json").is_file() => {
             println!("run folder {}: latest checkpoint {name}", dir.display());
             dir.join(name)

@@ -322,6 +322,10 @@ impl RunOptions {
         for part in [to_map(&self.model), to_map(&self.data), to_map(&self.train)] {
             map.extend(part);
         }
+        if self.data.path.is_some() {
+            // The generator's flags do nothing with --data (the CLI refuses them there).
+            GENERATOR_KEYS.iter().for_each(|k| drop(map.remove(*k)));
+        }
         map.insert("target".into(), target_identity);
         map.insert("data".into(), data_identity);
         if let Some(d) = drafter {
@@ -339,6 +343,9 @@ fn to_map(v: &impl Serialize) -> BTreeMap<String, serde_json::Value> {
     }
 }
 
+/// The fingerprint's keys of the data generator's flags (`DataOptions`, kebab-case).
+const GENERATOR_KEYS: [&str; 3] = ["gen-samples", "gen-prompt-len", "gen-temperature"];
+
 /// The resume fingerprint: flag name -> value (JSON), as stored in a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fingerprint(pub BTreeMap<String, serde_json::Value>);
@@ -353,11 +360,16 @@ impl Fingerprint {
         v.as_object().map(|m| Fingerprint(m.clone().into_iter().collect()))
     }
 
-    /// One line per setting that differs: `--lr: checkpoint 0.003, this run 0.001`.
+    /// One line per setting that differs: `--lr: checkpoint 0.003, this run 0.001`. The
+    /// generator's flags count only where both sides generate their data (checkpoints of older
+    /// engines stored them beside a `--data` file too).
     pub fn differences(&self, this_run: &Fingerprint) -> Vec<String> {
+        let generated = |f: &Fingerprint| f.0.get("data") == Some(&serde_json::json!("generated"));
+        let both_generate = generated(self) && generated(this_run);
         let mut keys: Vec<&String> = self.0.keys().chain(this_run.0.keys()).collect();
         keys.sort();
         keys.dedup();
+        keys.retain(|k| both_generate || !GENERATOR_KEYS.contains(&k.as_str()));
         let show = |v: Option<&serde_json::Value>| v.map_or("(absent)".to_string(), show_value);
         keys.into_iter()
             .filter(|k| self.0.get(*k) != this_run.0.get(*k))
@@ -500,6 +512,27 @@ mod tests {
         assert!(d.iter().any(|l| l.starts_with("--target-seed")), "{d:?}");
         let back = Fingerprint::from_json(&a.fingerprint(id(), id(), None).to_json()).unwrap();
         assert!(back.differences(&a.fingerprint(id(), id(), None)).is_empty());
+    }
+
+    /// With --data the generator's flags change nothing, so they neither enter the fingerprint
+    /// nor count against one stored with them; with generated data they still do.
+    #[test]
+    fn the_fingerprint_leaves_out_the_generator_with_a_data_file() {
+        let id = || serde_json::json!({"sha256": "ab"});
+        let mut a = RunOptions::tiny_default();
+        a.data.path = Some("data.jsonl".into());
+        let fa = a.fingerprint(id(), id(), None);
+        assert!(GENERATOR_KEYS.iter().all(|k| !fa.0.contains_key(*k)), "{fa:?}");
+        // An older checkpoint's fingerprint, generator flags included, resumes.
+        let mut old = fa.clone();
+        old.0.insert("gen-samples".into(), serde_json::json!(64));
+        assert!(old.differences(&fa).is_empty());
+        let gen = || serde_json::json!("generated");
+        let mut b = RunOptions::tiny_default();
+        b.data.gen_samples = 64;
+        let d =
+            RunOptions::tiny_default().fingerprint(id(), gen(), None).differences(&b.fingerprint(id(), gen(), None));
+        assert_eq!(d, vec!["--gen-samples: checkpoint 512, this run 64".to_string()]);
     }
 
     /// The drafter config and --loss-gamma change results, so a resume must match them: a
