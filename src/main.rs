@@ -504,8 +504,45 @@ fn alloc_mode_from_env() -> Result<Option<Mode>> {
     })
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run_command(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", error_report(&e));
+            if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+                eprintln!("\n{}", e.backtrace());
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// `Error: <message>` and its causes, one a line, leaving out a cause whose text the line above
+/// already quotes (many messages carry their source's text, and then also expose it as the
+/// source: a serde or I/O message would otherwise be printed twice).
+fn error_report(e: &anyhow::Error) -> String {
+    let mut out = format!("Error: {e}");
+    let mut last = e.to_string();
+    let causes: Vec<String> = e
+        .chain()
+        .skip(1)
+        .map(|c| c.to_string())
+        .filter(|c| !std::mem::replace(&mut last, c.clone()).contains(c))
+        .collect();
+    if !causes.is_empty() {
+        out.push_str("\n\nCaused by:");
+        for (i, c) in causes.iter().enumerate() {
+            if causes.len() == 1 {
+                out.push_str(&format!("\n    {c}"));
+            } else {
+                out.push_str(&format!("\n    {i}: {c}"));
+            }
+        }
+    }
+    out
+}
+
+fn run_command(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Run(args) => {
             let stop = Arc::new(AtomicBool::new(false));

@@ -253,6 +253,21 @@ fn a_failed_run_leads_with_its_cause() {
     assert!(head.contains("leak check: no leaked slot or block"), "{head}");
 }
 
+/// A config.json that is not JSON printed serde's message twice (in the message, and again as
+/// its cause); each cause now appears once.
+#[test]
+fn a_cause_is_printed_once() {
+    let scratch = Scratch::new("user-a_cause_is_printed_once");
+    let dir = scratch.fresh("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), "{\"model_type\": \"qwen3\"").unwrap();
+    let out = scratch.fresh("run").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--target", &dir.display().to_string()]), None);
+    assert!(!res.status.success());
+    assert_eq!(err.matches("EOF while parsing").count(), 1, "{err}");
+    assert!(err.contains("Caused by:") && err.contains("config.json: not valid JSON"), "{err}");
+}
+
 /// `--target FILE` said the file "does not exist"; a local folder named like a preset silently
 /// shadowed the preset; the data line said "greedy" when sampling.
 #[test]
