@@ -484,7 +484,7 @@ fn main() {
         let mut cs = Vec::new();
         for b in 0..4 {
             for j in 0..512 {
-                anchors.push((j * 6) as i32);
+                anchors.push(j * 6);
                 cs.push(b * 3072);
             }
         }

@@ -1363,7 +1363,7 @@ impl DrafterConfig {
                 format!("lists {} layers but num_hidden_layers is {}", self.layer_types.len(), self.num_layers),
             ));
         }
-        if self.any_sliding() && !self.sliding_window.is_some_and(|w| w >= 1) {
+        if self.any_sliding() && self.sliding_window.is_none_or(|w| w < 1) {
             return Err(bad(
                 "sliding_window",
                 "is missing or 0, but layer_types has sliding_attention layers: set it to the window (e.g. 2048)"

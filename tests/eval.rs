@@ -154,7 +154,7 @@ fn drafter_inference_equals_the_training_forward() {
         pad_to_tokens: None,
         seed: 1,
     };
-    let hb = build_batch(&[sample.clone()], &spec, 0, 0).unwrap();
+    let hb = build_batch(std::slice::from_ref(&sample), &spec, 0, 0).unwrap();
     let mut x = be.alloc(&s, DType::BF16, n * shape.fc_in()).unwrap();
     let tap_refs: Vec<_> = taps.iter().collect();
     be.pack_taps(&s, &tap_refs, &mut x, n, h, n, 0.0, 0, 0).unwrap();

@@ -19,7 +19,7 @@ fn pitfall_1_labels_are_not_shifted() {
     let s = Sample { input_ids: (100..140).collect(), loss_mask: vec![1; 40] };
     let spec =
         BatchSpec { anchors_per_seq: 5, block_size: 8, mask_token_id: 7, gamma: 4.0, pad_to_tokens: None, seed: 3 };
-    let b = build_batch(&[s.clone()], &spec, 0, 0).unwrap();
+    let b = build_batch(std::slice::from_ref(&s), &spec, 0, 0).unwrap();
     let mut checked = 0;
     for j in 0..5 {
         let a = b.anchors[j] as usize;

@@ -134,7 +134,7 @@ fn prefill<B: Backend>(
     let mut logits = be.alloc(s, DType::BF16, v)?;
     let taps_out = if with_taps { Some(&mut taps[..]) } else { None };
     target.extend(be, s, &mut cache, &ids, 0, p, taps_out, &mut logits, 1)?;
-    let first = greedy(be, s, &mut logits, 1, v)?[0];
+    let first = greedy(be, s, &logits, 1, v)?[0];
     Ok(Prefilled { cache, taps, first })
 }
 
@@ -159,7 +159,7 @@ pub fn decode_target_alone<B: Backend>(
         let last = *d.tokens.last().expect("at least the first token");
         be.upload_ids(s, &[last as i32], &mut tok)?;
         target.decode_step(be, s, &mut pre.cache, &tok, p + d.tokens.len() - 1, &mut logits)?;
-        let next = greedy(be, s, &mut logits, 1, vocab)?[0];
+        let next = greedy(be, s, &logits, 1, vocab)?[0];
         done = push_tokens(&mut d.tokens, &[next], lim);
     }
     d.decode_secs = t1.elapsed().as_secs_f64();
@@ -232,7 +232,7 @@ pub fn decode_speculative<B: Backend>(
         block.extend_from_slice(&drafts);
         let ids = upload_ids(be, s, &block)?;
         let undo = target.extend(be, s, &mut pre.cache, &ids, a, bs, Some(&mut taps[..]), &mut logits, bs)?;
-        let choice = greedy(be, s, &mut logits, bs, vocab)?;
+        let choice = greedy(be, s, &logits, bs, vocab)?;
         // choice[i] is the target's token after block[..=i]: drafts[i] is accepted while equal.
         let accepted = if drafting { drafts.iter().zip(&choice).take_while(|(x, y)| x == y).count() } else { 0 };
         target.rewind(be, s, &mut pre.cache, undo, accepted + 1)?;

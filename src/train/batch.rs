@@ -79,7 +79,7 @@ impl HostBatch {
     /// after block: the rows the drafter's lm_head and loss run on (slot 0 is the anchor, never
     /// predicted). Index `j * (block_size - 1) + r - 1` is slot `r` of block `j`.
     pub fn predicted<T: Copy>(&self, per_slot: &[T]) -> Vec<T> {
-        let bs = if self.num_blocks == 0 { 1 } else { per_slot.len() / self.num_blocks };
+        let bs = per_slot.len().checked_div(self.num_blocks).unwrap_or(1);
         per_slot.chunks(bs.max(1)).flat_map(|b| b.iter().skip(1).copied()).collect()
     }
 }
@@ -215,7 +215,7 @@ mod tests {
     #[test]
     fn labels_weights_and_padding() {
         let s = sample(12, 4);
-        let b = build_batch(&[s.clone()], &spec(2), 0, 0).unwrap();
+        let b = build_batch(std::slice::from_ref(&s), &spec(2), 0, 0).unwrap();
         assert_eq!(b.num_blocks, 2);
         for j in 0..2 {
             let a = b.anchors[j] as usize;
@@ -233,7 +233,8 @@ mod tests {
                 }
             }
         }
-        let padded = build_batch(&[s.clone()], &BatchSpec { pad_to_tokens: Some(16), ..spec(2) }, 0, 0).unwrap();
+        let padded =
+            build_batch(std::slice::from_ref(&s), &BatchSpec { pad_to_tokens: Some(16), ..spec(2) }, 0, 0).unwrap();
         assert_eq!((padded.rows(), padded.n_valid), (16, 12));
         assert_eq!(padded.seq_starts, vec![0, 12, 16]);
         assert!(matches!(

@@ -43,7 +43,7 @@ fn gpu_eval_lossless_qwen3_tiny() {
             decode_speculative(&be, &s, &target, Proposer::Script { block_size: bs, draft: &script }, &prompt, &lim)
                 .unwrap();
         assert_eq!(spec.tokens, reference.tokens, "scripted drafts, prompt of {}", prompt.len());
-        assert!(spec.accept_lens.iter().any(|&n| n == bs), "some round must accept a whole block");
+        assert!(spec.accept_lens.contains(&bs), "some round must accept a whole block");
         let random = decode_speculative(&be, &s, &target, Proposer::Drafter(&dw), &prompt, &lim).unwrap();
         assert_eq!(random.tokens, reference.tokens, "random drafter, prompt of {}", prompt.len());
         let alone = decode_target_alone(&be, &s, &target, &prompt, &lim).unwrap();

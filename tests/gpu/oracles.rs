@@ -341,7 +341,7 @@ fn write_uniform_init(cfg: &dflash_engine::config::TargetConfig, seed: u64, dir:
         })
         .collect();
     std::fs::create_dir_all(dir).unwrap();
-    dflash_engine::weights::write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    dflash_engine::weights::write_safetensors_atomic(dir.join("model.safetensors"), &tensors, None).unwrap();
     std::fs::write(dir.join("config.json"), cfg.to_hf_json()).unwrap();
 }
 
@@ -371,7 +371,7 @@ fn qwen35_taps_match_hugging_face(g: Option<&dflash_engine::backend::cuda::CudaB
         }
         let to_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         dflash_engine::weights::write_safetensors_atomic(
-            &dir.join("in.safetensors"),
+            dir.join("in.safetensors"),
             &[
                 ("input_ids".to_string(), safetensors::Dtype::I32, vec![n], to_bytes(&tokens)),
                 ("seq_starts".to_string(), safetensors::Dtype::I32, vec![lens.len() + 1], to_bytes(&starts)),

@@ -2838,7 +2838,7 @@ impl CudaBackend {
             });
         }
         let (qw, kw) = (heads * hd, sh.kv_heads * hd);
-        for (n, b) in [("q", &*q), ("o", &*o)] {
+        for (n, b) in [("q", q), ("o", &*o)] {
             check_len(OP, n, b.len, 0, sh.rows * qw)?;
             Self::need_bf16(OP, b)?;
         }
