@@ -69,6 +69,9 @@ enum Cmd {
         init_std: f32,
         #[arg(long, default_value = "data.jsonl")]
         out: PathBuf,
+        /// Replace an existing --out.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Turn chat conversations (ShareGPT or OpenAI layout, JSON Lines) into `run --data` input
     /// through the target's chat template and tokenizer; --regenerate has the target write the
@@ -556,7 +559,19 @@ fn run_command(cli: Cli) -> Result<()> {
                 eprintln!("\nstopping after this step (Ctrl-C again to quit now)");
             })
             .context("installing the Ctrl-C handler")?;
-            session::run(&args.into_options()?, Some(stop))?;
+            let opts = args.into_options()?;
+            let summary = session::run(&opts, Some(stop.clone()))?;
+            let done = summary.history.last().map_or(summary.first_step, |m| m.step + 1);
+            if stop.load(Ordering::SeqCst) && done < opts.train.steps {
+                // Interrupted: a script's `run && eval` must not go on as if training had finished.
+                let next = if summary.checkpoint.is_some() {
+                    "continue it with the same command and --resume"
+                } else {
+                    "no checkpoint was written (--no-checkpoint), so it cannot be resumed"
+                };
+                eprintln!("interrupted at step {done} of {}: {next}", opts.train.steps);
+                std::process::exit(130);
+            }
         }
         Cmd::InitModel(a) => {
             let cfg = TargetConfig::preset(&a.preset)?;
@@ -615,8 +630,8 @@ fn run_command(cli: Cli) -> Result<()> {
             dflash_engine::plot::plot(&dirs, &out, smooth)?;
             eprintln!("wrote {}", out.display());
         }
-        Cmd::GenData { target, samples, seq_len, init_std, out } => {
-            session::gen_data(&target, samples, seq_len, init_std, &out)?
+        Cmd::GenData { target, samples, seq_len, init_std, out, overwrite } => {
+            session::gen_data(&target, samples, seq_len, init_std, &out, overwrite)?
         }
         Cmd::BenchDecode { target, init_std, batch, context, steps, device, profile } => {
             let o =

@@ -253,6 +253,14 @@ fn eval_acceptance_is_within_20_percent_of_training() {
         "real decoding's {real:.3} tokens per round is not within 20% of training's prediction {per_round:.3}"
     );
     assert_eq!(r.lossless_prompts, r.per_prompt.len());
+    // The verified tokens are the output's, less each prompt's prefill token, plus those the
+    // limit cut from last rounds: the summary's two per-round numbers add up.
+    for p in r.per_prompt.iter().chain([&r.overall]) {
+        let verified = (p.accept_len * p.rounds as f64).round() as usize;
+        let prompts = if std::ptr::eq(p, &r.overall) { r.per_prompt.len() } else { 1 };
+        assert_eq!(verified, p.new_tokens - prompts + p.cut_tokens, "{p:?}");
+        assert!(p.cut_tokens < r.block_size * prompts, "only a last round is cut: {p:?}");
+    }
     assert_eq!(r.train_step, Some(100));
     let written: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();

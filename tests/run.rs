@@ -135,6 +135,44 @@ fn kill_during_save_keeps_the_last_checkpoint() {
     assert_eq!(final_masters(&out), final_masters(&full.output.out));
 }
 
+/// Ctrl-C stops after the current step with a checkpoint, and the process says so and exits 130
+/// (it exited 0, so `run && eval` went on as if training had finished); the run resumes.
+#[test]
+fn ctrl_c_checkpoints_and_exits_130() {
+    let scratch = Scratch::new("run-ctrl_c_checkpoints_and_exits_130");
+    let bin = std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string());
+    let out = scratch.fresh("ctrl-c");
+    let args = ["run", "--quiet", "--device", "cpu", "--steps", "100000", "--gen-samples", "32", "--seq-len", "40"];
+    let mut child =
+        Command::new(&bin).args(args).arg("--out").arg(&out).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let metrics = out.join("metrics.jsonl");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(t0.elapsed().as_secs() < 120, "no step logged in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let done = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("interrupted at step")
+            && err.contains("of 100000: continue it with the same command and --resume"),
+        "{err}"
+    );
+    let ck = checkpoint::load_latest(&out).unwrap().expect("the stop writes a checkpoint");
+    assert!(ck.state.step >= 2, "{}", ck.state.step);
+    let resumed = Command::new(&bin)
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .args(["--resume", "--stop-after", &(ck.state.step + 1).to_string()])
+        .status()
+        .unwrap();
+    assert!(resumed.success());
+}
+
 /// Split-FC (exact mode) gives the unsplit run's losses and weights bit for bit over 20 steps,
 /// with and without --pad-to-tokens.
 #[test]
@@ -328,7 +366,7 @@ fn jsonl_data_trains() {
     let dir = scratch.fresh("jsonl");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("data.jsonl");
-    session::gen_data("tiny", 16, 40, session::TINY_INIT_STD, &path).unwrap();
+    session::gen_data("tiny", 16, 40, session::TINY_INIT_STD, &path, false).unwrap();
     let r = session::run(
         &{
             let mut ro = small(scratch.fresh("jsonl"));

@@ -112,6 +112,14 @@ fn degenerate_generation_lengths_are_errors_not_panics() {
     let (res, err) = cli(&["gen-data", "--samples", "0", "--out", &f], None);
     assert!(!res.status.success() && err.contains("--samples"), "{err}");
     assert!(!file.exists());
+    // An existing file (a user's own data.jsonl, say) is kept unless --overwrite.
+    std::fs::write(&file, "mine\n").unwrap();
+    let (res, err) = cli(&["gen-data", "--samples", "2", "--seq-len", "12", "--out", &f], None);
+    assert!(!res.status.success() && err.contains("already exists") && err.contains("--overwrite"), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine\n");
+    let (res, err) = cli(&["gen-data", "--samples", "2", "--seq-len", "12", "--out", &f, "--overwrite"], None);
+    assert!(res.status.success(), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap().lines().count(), 2);
 }
 
 /// An absurd `--pad-to-tokens` or `--max-inflight` aborted the process on a multi-terabyte
@@ -174,7 +182,7 @@ fn resume_checks_every_setting_that_changes_results() {
     let dir = scratch.fresh("fp");
     std::fs::create_dir_all(&dir).unwrap();
     let data = dir.join("data.jsonl");
-    session::gen_data("tiny", 12, 24, session::TINY_INIT_STD, &data).unwrap();
+    session::gen_data("tiny", 12, 24, session::TINY_INIT_STD, &data, false).unwrap();
     let mut o = quick(scratch.fresh("fp"));
     o.data.path = Some(data.clone());
     o.train.steps = 4;
@@ -331,6 +339,26 @@ fn inspect_follows_latest_in_a_run_folder() {
     assert!(res.status.success(), "{err}");
     assert!(text.contains("latest checkpoint step-00000002") && text.contains("drafter:"), "{text}");
     assert!(text.contains("fc.weight"), "{text}");
+    // Without `latest` (what resume's advice for a broken one leads to) the newest step-* folder
+    // is shown, as resume and --init-from take it; eval reads the folder the same way.
+    std::fs::remove_file(o.output.out.join("latest")).unwrap();
+    let (res, err) = cli(&["inspect", &o.output.out.display().to_string()], None);
+    let text = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success() && text.contains("latest checkpoint step-00000002"), "{text}{err}");
+    // A reader that stops early (`inspect DIR | head -1`) ends it quietly, without a panic.
+    let mut child = Command::new(bin())
+        .args(["inspect", &o.output.out.display().to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let done = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success() && !err.contains("panicked"), "{err}");
+    // A file is not a folder to inspect.
+    let (res, err) = cli(&["inspect", &o.output.out.join("metrics.jsonl").display().to_string()], None);
+    assert!(!res.status.success() && err.contains("not a folder"), "{err}");
     // A run without checkpoints shows its last metrics and says why there is nothing more.
     let mut o = quick(scratch.fresh("no-checkpoint"));
     o.output.checkpoints = false;

@@ -83,12 +83,16 @@ pub struct PromptReport {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub rounds: usize,
-    /// Tokens per verification round (accepted drafts + the target's own token).
+    /// Tokens per verification round (accepted drafts + the target's own token), as verified:
+    /// a prompt's last round may verify more than `--max-new-tokens` or an end-of-sequence id
+    /// lets out (those are `cut_tokens`).
     pub accept_len: f64,
+    /// Verified tokens that the output limit or an end-of-sequence id left out.
+    pub cut_tokens: usize,
     /// Training's simulated acceptance length on this output (every position an anchor, the
     /// context from one packed target forward): the number to compare with the run's.
     pub simulated_accept_len: f64,
-    /// `accept_hist[n - 1]`: rounds that produced `n` tokens, `n` in `1..=block_size`.
+    /// `accept_hist[n - 1]`: rounds that verified `n` tokens, `n` in `1..=block_size`.
     pub accept_hist: Vec<u64>,
     pub spec_tokens_per_s: f64,
     pub target_tokens_per_s: f64,
@@ -478,6 +482,9 @@ fn prompt_report(
     let alone_tokens: usize = alone.iter().map(|d| d.tokens.len()).sum();
     let lens: Vec<usize> = spec.iter().flat_map(|d| d.accept_lens.iter().copied()).collect();
     let rounds = lens.len();
+    // Each output's first token comes from the prefill; the rest from its rounds.
+    let cut_tokens =
+        spec.iter().map(|d| d.accept_lens.iter().sum::<usize>().saturating_sub(d.tokens.len().saturating_sub(1))).sum();
     let mut hist = vec![0u64; bs];
     for &n in &lens {
         hist[n.clamp(1, bs) - 1] += 1;
@@ -499,6 +506,7 @@ fn prompt_report(
         new_tokens,
         rounds,
         accept_len: if rounds > 0 { lens.iter().sum::<usize>() as f64 / rounds as f64 } else { 0.0 },
+        cut_tokens,
         simulated_accept_len: if sims.is_empty() { 0.0 } else { sims.iter().sum::<usize>() as f64 / sims.len() as f64 },
         accept_hist: hist,
         spec_tokens_per_s: spec_tps,
@@ -576,13 +584,30 @@ pub fn print_summary(r: &EvalReport) {
     eprintln!("---- eval summary ----");
     eprintln!("backend           {}", r.backend);
     eprintln!("prompts           {}", r.prompts);
-    eprintln!("new tokens        {} in {} rounds (block {})", o.new_tokens, o.rounds, r.block_size);
+    // Each prompt's first token comes from its prefill, the rest from the verification rounds.
+    let from_rounds = o.new_tokens.saturating_sub(r.per_prompt.len());
+    eprintln!(
+        "new tokens        {} in {} rounds (block {}): {} from the prefills, {from_rounds} from the rounds",
+        o.new_tokens,
+        o.rounds,
+        r.block_size,
+        r.per_prompt.len()
+    );
     let steps = |n: usize| if n == 1 { "step".to_string() } else { format!("last {n} steps") };
     let train = match (r.train_accept_len, r.train_step, r.train_steps_averaged) {
         (Some(a), Some(step), Some(n)) => format!(" (training's: {a:.2}, {} to step {step})", steps(n)),
         _ => String::new(),
     };
-    eprintln!("accept length     {:.2} tokens per round (real decoding)", o.accept_len);
+    let cut = if o.cut_tokens > 0 && o.rounds > 0 {
+        format!(
+            "; {:.2} let out: {} verified tokens fell past --max-new-tokens or an end-of-sequence id",
+            from_rounds as f64 / o.rounds as f64,
+            o.cut_tokens
+        )
+    } else {
+        String::new()
+    };
+    eprintln!("accept length     {:.2} tokens per round (real decoding, as verified){cut}", o.accept_len);
     if let (Some(a), Some(step), Some(n)) = (r.train_round_accept_len, r.train_step, r.train_steps_averaged) {
         eprintln!(
             "predicted         {a:.2} tokens per round by training ({}, to step {step}): real x{:.2} of it",

@@ -1,6 +1,8 @@
 //! The small subcommands beside `run`: `inspect` (a checkpoint's config and tensors) and
 //! `gen-data` (the embedded default data as JSON Lines).
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
@@ -17,22 +19,41 @@ use crate::weights;
 /// `dflash-engine inspect DIR`: a target checkpoint's config and tensors, or a drafter's. A run
 /// folder (`--out` of `run`) shows its latest checkpoint.
 pub fn inspect(dir: &Path) -> Result<()> {
+    // The report is written at the end, in one piece: a closed pipe (`inspect DIR | head`) ends
+    // the command quietly instead of panicking inside `println!`.
+    let mut text = String::new();
+    let r = inspect_into(dir, &mut text);
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+        w => w.context("writing to standard output")?,
+    }
+    r
+}
+
+fn inspect_into(dir: &Path, o: &mut String) -> Result<()> {
+    anyhow::ensure!(
+        dir.is_dir(),
+        "{}: not a folder; give a checkpoint folder (config.json + model.safetensors) or a run's --out folder",
+        dir.display()
+    );
     let metrics = crate::train::metrics::describe_last(dir)?;
     if let Some(last) = &metrics {
-        println!("{last}");
+        writeln!(o, "{last}")?;
     }
     let latest = checkpoint::latest_name(dir)?;
     if metrics.is_some() && latest.is_none() && !dir.join("config.json").is_file() {
         // A run folder with metrics and no checkpoint: nothing more to show, and nothing wrong.
-        println!(
+        writeln!(
+            o,
             "run folder {}: no checkpoint (the run had --no-checkpoint, or stopped before its first save)",
             dir.display()
-        );
+        )?;
         return Ok(());
     }
     let dir: PathBuf = match latest {
         Some(name) if !dir.join("config.json").is_file() => {
-            println!("run folder {}: latest checkpoint {name}", dir.display());
+            writeln!(o, "run folder {}: latest checkpoint {name}", dir.display())?;
             dir.join(name)
         }
         _ => dir.to_path_buf(),
@@ -42,8 +63,9 @@ pub fn inspect(dir: &Path) -> Result<()> {
     })?;
     let store = weights::TensorStore::open_dir(&dir)?;
     if cfg_text.contains("DFlashDraftModel") {
-        let d = DrafterConfig::from_json_str(&cfg_text)?;
-        println!(
+        let d = DrafterConfig::from_file(dir.join("config.json"))?;
+        writeln!(
+            o,
             "drafter: {} layers ({}), block {}, taps {:?}, mask token {}, hidden {}, {}/{} heads x {}, mlp {}",
             d.num_layers,
             d.layer_type_names().join(", "),
@@ -55,18 +77,19 @@ pub fn inspect(dir: &Path) -> Result<()> {
             d.num_key_value_heads,
             d.head_dim,
             d.intermediate_size
-        );
+        )?;
         if let Some(w) = d.sliding_window {
-            println!("sliding window: {w}");
+            writeln!(o, "sliding window: {w}")?;
         }
         if let Ok(state) = std::fs::read_to_string(dir.join(checkpoint::STATE_FILE)) {
             if let Ok(s) = serde_json::from_str::<checkpoint::TrainerState>(&state) {
-                println!("trainer: {} steps done, {}", s.step, s.extra);
+                writeln!(o, "trainer: {} steps done, {}", s.step, s.extra)?;
             }
         }
     } else {
-        let t = TargetConfig::from_json_str(&cfg_text)?;
-        println!(
+        let t = TargetConfig::from_file(dir.join("config.json"))?;
+        writeln!(
+            o,
             "target: {} layers, hidden {}, heads {}/{} x {}, mlp {}, vocab {}, {} parameters",
             t.num_hidden_layers,
             t.hidden_size,
@@ -76,20 +99,33 @@ pub fn inspect(dir: &Path) -> Result<()> {
             t.intermediate_size,
             t.vocab_size,
             t.num_params()
-        );
+        )?;
     }
     let mut names = store.names();
     names.sort();
     for n in names {
         let m = store.tensor_info(n)?;
-        println!("  {n:<56} {:?} {:?}", m.dtype, m.shape);
+        writeln!(o, "  {n:<56} {:?} {:?}", m.dtype, m.shape)?;
     }
     Ok(())
 }
 
 /// `dflash-engine gen-data`: the embedded default data as JSON Lines, generated exactly as `run`
 /// generates it (same prompt length, seed and checks), so every file it writes trains.
-pub fn gen_data(target: &str, samples: usize, seq_len: usize, init_std: f32, out: &Path) -> Result<()> {
+pub fn gen_data(
+    target: &str,
+    samples: usize,
+    seq_len: usize,
+    init_std: f32,
+    out: &Path,
+    overwrite: bool,
+) -> Result<()> {
+    if out.exists() && !overwrite {
+        anyhow::bail!(
+            "--out {}: already exists; pass --overwrite to replace it (or choose another --out)",
+            out.display()
+        );
+    }
     if samples == 0 {
         anyhow::bail!("--samples 0: must be at least 1");
     }

@@ -425,9 +425,10 @@ fn write_latest(dir: &Path, name: &str) -> Result<()> {
         .map_err(|e| CheckpointError::Write { path: path.clone(), reason: e.to_string() })
 }
 
-/// The checkpoint folder `dir/latest` names (`None`: no checkpoint there yet).
+/// The name of the checkpoint folder [`load_latest`] would load: the one `dir/latest` names, or
+/// the newest `step-*` folder where `latest` is missing (`None`: no checkpoint there yet).
 pub fn latest_name(dir: impl AsRef<Path>) -> Result<Option<String>> {
-    read_latest(dir.as_ref())
+    Ok(latest_dir(dir.as_ref())?.and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())))
 }
 
 /// The folder name in `dir/latest`, `None` if there is no such file.

@@ -40,7 +40,7 @@ fn tracks_cpu_and_is_deterministic(tag: &str, drafter_config: Option<String>) {
     let scratch = Scratch::new(&format!("gpu-tracks_cpu_and_is_deterministic-{tag}"));
     let dir = scratch.path().to_path_buf();
     let data = dir.join("data.jsonl");
-    session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data).unwrap();
+    session::gen_data("tiny", 256, 96, session::TINY_INIT_STD, &data, false).unwrap();
     let base = {
         let mut ro = RunOptions::tiny_default();
         ro.train.steps = 50;
@@ -108,7 +108,7 @@ fn gpu_hybrid_training_tracks_cpu_and_is_deterministic() {
     let scratch = Scratch::new("gpu-gpu_hybrid_training_tracks_cpu_and_is_deterministic");
     let dir = scratch.path().to_path_buf();
     let data = dir.join("data.jsonl");
-    session::gen_data("qwen3.5-tiny", 64, 64, session::TINY_INIT_STD, &data).unwrap();
+    session::gen_data("qwen3.5-tiny", 64, 64, session::TINY_INIT_STD, &data, false).unwrap();
     let base = {
         let mut ro = RunOptions::tiny_default();
         ro.model.target = "qwen3.5-tiny".into();
