@@ -109,10 +109,6 @@ fn peer_copy_secs(from: usize, to: usize, bytes: usize) -> Result<f64> {
 
 /// Runs the modes and prints the table. `opts` carries the model, data and shape flags.
 pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
-    anyhow::ensure!(
-        opts.exec.device != Device::Cpu || opts.exec.drafter_gpus.is_empty(),
-        "--drafter-gpus needs --device cuda"
-    );
     // Each row's first two steps warm plans and caches, and the rest are what it reports.
     anyhow::ensure!(
         opts.train.steps >= 3,
@@ -191,10 +187,16 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
          leaves out its last --max-inflight steps)",
         opts.train.steps
     );
-    let sync = {
+    // The one-device rows run on the first target device alone, whatever the lists say.
+    let base_one = {
         let mut ro = base.clone();
-        ro.exec.sync = true;
+        ro.exec.target_gpus = vec![t_gpu];
         ro.exec.drafter_gpus = Vec::new();
+        ro
+    };
+    let sync = {
+        let mut ro = base_one.clone();
+        ro.exec.sync = true;
         ro
     };
     go("sync", one.clone(), sync.clone())?;
@@ -215,18 +217,19 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
     }
     for t in [Transport::Same, Transport::Peer, Transport::Host] {
         go(&format!("async {}", t.name()), one.clone(), {
-            let mut ro = base.clone();
+            let mut ro = base_one.clone();
             ro.exec.transport = Some(t);
-            ro.exec.drafter_gpus = Vec::new();
             ro
         })?;
     }
     let mut peer_rate = None;
-    if let Some(&d) = opts.exec.drafter_gpus.first().filter(|&&d| d != t_gpu) {
+    // The second device: the first other one either list names.
+    let second = opts.exec.drafter_gpus.iter().chain(&opts.exec.target_gpus).copied().find(|&d| d != t_gpu);
+    if let Some(d) = second {
         let two = format!("{t_gpu}->{d}");
         for t in [Transport::Peer, Transport::Host] {
             go(&format!("async {}", t.name()), two.clone(), {
-                let mut ro = base.clone();
+                let mut ro = base_one.clone();
                 ro.exec.transport = Some(t);
                 ro.exec.drafter_gpus = vec![d];
                 ro
@@ -234,7 +237,7 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
         }
         // What split-FC saves: Y (hidden wide) crosses instead of X (taps x hidden), dY returns.
         go("async p2p split-FC", two.clone(), {
-            let mut ro = base.clone();
+            let mut ro = base_one.clone();
             ro.exec.transport = Some(Transport::Peer);
             ro.exec.split_fc = true;
             ro.exec.drafter_gpus = vec![d];
@@ -258,11 +261,19 @@ pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
             ro.data.grad_accum = ga;
             ro
         })?;
-        // A micro-batch's packed taps: rows x taps x hidden bf16.
-        if wanted("raw peer copy", &two) {
+        // A micro-batch's packed taps: rows x taps x hidden bf16. A CUDA measurement: on the CPU
+        // backend (or `--device auto` without a GPU, where the rows ran on the CPU) there is none.
+        let cuda = match opts.exec.device {
+            Device::Cpu => false,
+            Device::Cuda => true,
+            Device::Auto => CudaBackend::new(t_gpu, Mode::Normal).is_ok(),
+        };
+        if wanted("raw peer copy", &two) && cuda {
             let probe = session::micro_batch_bytes(opts)?;
             let secs = peer_copy_secs(t_gpu, d, probe)?;
             peer_rate = Some((probe, probe as f64 / secs / 1e9));
+        } else if wanted("raw peer copy", &two) {
+            eprintln!("  raw peer copy: needs CUDA devices; the rows above ran on the CPU backend");
         }
     }
     let sync_tps = rows.iter().find(|r| r.mode == "sync").map_or(f64::NAN, |r| r.tokens_per_s);

@@ -214,11 +214,12 @@ fn assert_tensorboard_matches(dir: &Path, recs: &[MetricsRecord]) -> Vec<Vec<Eve
     assert_eq!(view["train/loss"], want(|r| r.loss as f32));
     assert_eq!(view["train/accuracy"], want(|r| r.accuracy as f32));
     assert_eq!(view["train/accept_len"], want(|r| r.accept_len as f32));
+    assert_eq!(view["train/round_accept_len"], want(|r| r.round_accept_len as f32));
     assert_eq!(view["train/lr"], want(|r| r.lr));
     // Timings are not reproducible, but the event file holds the run's own values.
     let steps: Vec<i64> = view["perf/tokens_per_s"].iter().map(|p| p.0).collect();
     assert_eq!(steps, recs.iter().map(|r| i64::from(r.step)).collect::<Vec<_>>());
-    assert_eq!(view.len(), 12, "{:?}", view.keys().collect::<Vec<_>>());
+    assert_eq!(view.len(), 13, "{:?}", view.keys().collect::<Vec<_>>());
     files
 }
 

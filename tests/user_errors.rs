@@ -497,3 +497,31 @@ fn eval_and_bench_arguments_are_checked_first() {
     let (res, err) = cli(&a, None);
     assert!(!res.status.success() && err.contains("--steps 2") && err.contains("--steps 3"), "{err}");
 }
+
+/// On the CPU backend (which stands in for several devices), `bench-pipeline --target-gpus 0,1`
+/// failed on its own serial-update row and `--drafter-gpus 1` was refused as needing CUDA; both
+/// now give the whole table, the two-device rows included, and say that the raw peer copy rate
+/// needs CUDA devices.
+#[test]
+fn bench_pipeline_runs_two_device_rows_on_the_cpu() {
+    let scratch = Scratch::new("user-bench_pipeline_runs_two_device_rows_on_the_cpu");
+    for list in [["--target-gpus", "0,1"], ["--drafter-gpus", "1"]] {
+        let out = scratch.fresh("bench").display().to_string();
+        let mut a = vec!["bench-pipeline", "--device", "cpu", "--out", &out];
+        a.extend_from_slice(&QUICK_ARGS[..QUICK_ARGS.len() - 2]); // all but --steps 2
+        a.extend_from_slice(&["--steps", "3", "--grad-accum", "2"]);
+        a.extend_from_slice(&list);
+        let (res, err) = cli(&a, None);
+        let table = String::from_utf8_lossy(&res.stdout);
+        assert!(res.status.success(), "{list:?}: {err}");
+        for row in [
+            "| sync | 0 |",
+            "| sync serial update | 0 |",
+            "| async p2p | 0->1 |",
+            "| async p2p, 2 targets + 2 drafter ranks | 0,1->0,1 |",
+        ] {
+            assert!(table.contains(row), "{list:?}: no row {row}\n{table}");
+        }
+        assert!(err.contains("raw peer copy: needs CUDA devices"), "{err}");
+    }
+}

@@ -277,6 +277,14 @@ impl RunOptions {
             positive_f32("--loss-gamma", g)?;
         }
         at_least("--max-inflight", e.max_inflight, 1)?;
+        let mut devices: Vec<usize> = e.target_gpus.iter().chain(&e.drafter_gpus).copied().collect();
+        devices.sort_unstable();
+        devices.dedup();
+        if e.transport == Some(Transport::Same) && devices.len() > 1 {
+            return Err(OptionsError::Relation(format!(
+                "--transport same hands buffers over on one GPU, but this run uses {devices:?}: use --transport p2p or host, or put the target and the drafter on one GPU"
+            )));
+        }
         let sync_on_one_device =
             e.sync && e.target_gpus.len() <= 1 && (e.drafter_gpus.is_empty() || e.drafter_gpus == e.target_gpus);
         if o.profile && !sync_on_one_device {
@@ -466,6 +474,21 @@ mod tests {
             assert!(e.starts_with(flag), "{flag}: {e}");
         }
         RunOptions::tiny_default().validate().unwrap();
+    }
+
+    /// --transport same on two devices failed only when the pipeline started (after the load,
+    /// and after a new run had replaced the folder's metrics); it is refused up front.
+    #[test]
+    fn transport_same_needs_one_device() {
+        let e = err(|o| {
+            o.exec.transport = Some(Transport::Same);
+            o.exec.drafter_gpus = vec![1];
+        });
+        assert!(e.contains("--transport same") && e.contains("[0, 1]"), "{e}");
+        let mut o = RunOptions::tiny_default();
+        o.exec.transport = Some(Transport::Same);
+        o.exec.drafter_gpus = vec![0];
+        o.validate().unwrap();
     }
 
     /// The phase table needs the step's phases one after another on one stream.

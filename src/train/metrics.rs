@@ -109,6 +109,7 @@ impl MetricsRecord {
             ("train/loss", self.loss as f32),
             ("train/accuracy", self.accuracy as f32),
             ("train/accept_len", self.accept_len as f32),
+            ("train/round_accept_len", self.round_accept_len as f32),
             ("train/grad_norm", self.grad_norm as f32),
             ("train/lr", self.lr),
             ("train/skipped", f32::from(u8::from(self.skipped))),
