@@ -109,6 +109,12 @@ fn peer_copy_secs(from: usize, to: usize, bytes: usize) -> Result<f64> {
 
 /// Runs the modes and prints the table. `opts` carries the model, data and shape flags.
 pub fn bench_pipeline(opts: &RunOptions) -> Result<Vec<BenchRow>> {
+    // Each row is a fresh run of --steps steps: a flag that would cut or continue one is refused
+    // rather than ignored.
+    anyhow::ensure!(
+        !opts.output.resume && opts.output.stop_after.is_none(),
+        "bench-pipeline runs every row from step 0 for --steps steps: drop --resume and --stop-after"
+    );
     // Each row's first two steps warm plans and caches, and the rest are what it reports.
     anyhow::ensure!(
         opts.train.steps >= 3,

@@ -496,6 +496,9 @@ fn eval_and_bench_arguments_are_checked_first() {
     a.extend_from_slice(QUICK_ARGS);
     let (res, err) = cli(&a, None);
     assert!(!res.status.success() && err.contains("--steps 2") && err.contains("--steps 3"), "{err}");
+    a.extend_from_slice(&["--stop-after", "1"]);
+    let (res, err) = cli(&a, None);
+    assert!(!res.status.success() && err.contains("drop --resume and --stop-after"), "{err}");
 }
 
 /// On the CPU backend (which stands in for several devices), `bench-pipeline --target-gpus 0,1`

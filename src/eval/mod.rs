@@ -277,6 +277,13 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     let s = be.compute_stream();
     let say = |m: String| eprintln!("{m}");
     let src = DrafterSource::resolve(&o.drafter)?;
+    if let (None, DrafterSource::Checkpoint { run_dir: Some(d), .. }) = (&o.out, &src) {
+        // The report goes beside the run's metrics: found unwritable before the decoding, not after.
+        crate::session::setup::check_file_writable(
+            "the run's eval.json (choose another place with --out):",
+            &d.join("eval.json"),
+        )?;
+    }
     let state = src.trainer_state();
 
     // The target: as given, else the drafter's run's (a preset with its seed and std).
