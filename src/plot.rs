@@ -19,6 +19,8 @@ use crate::train::metrics::{self, MetricsError, MetricsRecord, METRICS_FILE};
 pub enum PlotError {
     #[error("{dir}: no {METRICS_FILE} in this folder; a run writes it there (`dflash-engine run --out {dir}`), one line per step")]
     NoMetrics { dir: PathBuf },
+    #[error("{path}: a file; give the run folder that holds it (`dflash-engine plot {}`)", .path.parent().map_or_else(|| ".".into(), |p| p.display().to_string()))]
+    NotAFolder { path: PathBuf },
     #[error("{path}: no complete step yet; plot it once the run has logged a step")]
     NoSteps { path: PathBuf },
     #[error("--out {out}: give a file name ending in .png or .svg")]
@@ -116,6 +118,9 @@ pub fn load_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
         .zip(&names)
         .map(|(dir, name)| {
             let path = dir.join(METRICS_FILE);
+            if dir.is_file() {
+                return Err(PlotError::NotAFolder { path: dir.clone() });
+            }
             if !path.is_file() {
                 return Err(PlotError::NoMetrics { dir: dir.clone() });
             }

@@ -443,6 +443,9 @@ fn plot_refuses_what_it_cannot_draw() {
         "{msg}"
     );
     assert!(!out.exists(), "nothing is written when a folder is refused");
+    // The metrics file itself, given for its folder, names the folder to give instead.
+    let err = plot::plot(&[good.join(METRICS_FILE)], &out, 0.9).unwrap_err().to_string();
+    assert!(err.contains("a file; give the run folder") && err.contains(&format!("plot {}`", good.display())), "{err}");
     assert!(matches!(plot::plot(&[empty_file], &out, 0.9), Err(PlotError::NoSteps { .. })));
     assert!(matches!(plot::plot(std::slice::from_ref(&good), &root.join("x.jpg"), 0.9), Err(PlotError::Format { .. })));
     assert!(matches!(plot::plot(std::slice::from_ref(&good), &out, 1.0), Err(PlotError::Smooth(_))));
