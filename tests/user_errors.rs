@@ -428,6 +428,7 @@ fn data_resume_and_warm_start_mistakes_stop_before_the_load() {
     let (res, err) = cli(&run_args(&out, &["--init-from", &missing]), None);
     assert!(!res.status.success() && err.contains("no-such-run"), "{err}");
     assert!(!err.contains("loaded "), "the warm start is checked before the target loads: {err}");
+    assert!(!Path::new(&out).exists(), "a refused run leaves no empty --out behind");
 
     let mut o = quick(scratch.fresh("done"));
     session::run(&o, None).unwrap();

@@ -84,10 +84,22 @@ pub fn peak_rss_bytes() -> Option<u64> {
 /// Runs training as `opts` says. Ctrl-C (when `interrupt` is set) stops after the current step
 /// with a checkpoint.
 pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
-    use crate::backend::cuda::CudaBackend;
     opts.validate()?;
     let topo = Topology::from_options(opts)?;
+    let out_is_new = !opts.output.out.exists();
     setup::check_outputs(opts)?;
+    let r = run_checked(opts, &topo, interrupt);
+    if r.is_err() && out_is_new {
+        // A run refused before it wrote anything leaves no empty --out behind (remove_dir
+        // removes only an empty folder).
+        let _ = std::fs::remove_dir(&opts.output.out);
+    }
+    r
+}
+
+/// `run` once the options and the output folder are checked.
+fn run_checked(opts: &RunOptions, topo: &Topology, interrupt: Option<Arc<AtomicBool>>) -> Result<RunSummary> {
+    use crate::backend::cuda::CudaBackend;
     let mode = opts.exec.alloc_mode.unwrap_or(crate::backend::cuda::alloc::Mode::Normal);
     let cuda = |ordinal: usize| CudaBackend::new(ordinal, mode).map_err(|why| anyhow::anyhow!("--device cuda: {why}"));
     let cpus = || -> Vec<CpuBackend> { topo.devices.iter().map(|_| CpuBackend::new()).collect() };
@@ -96,16 +108,16 @@ pub fn run(opts: &RunOptions, interrupt: Option<Arc<AtomicBool>>) -> Result<RunS
         for &d in &topo.devices[1..] {
             bes.push(cuda(d)?);
         }
-        run_on(&bes, &topo, opts, interrupt.clone())
+        run_on(&bes, topo, opts, interrupt.clone())
     };
     match opts.exec.device {
-        Device::Cpu => run_on(&cpus(), &topo, opts, interrupt),
+        Device::Cpu => run_on(&cpus(), topo, opts, interrupt),
         Device::Cuda => on_cuda(cuda(topo.devices[0])?),
         Device::Auto => match CudaBackend::new(topo.devices[0], mode) {
             Ok(be) => on_cuda(be),
             Err(why) => {
                 eprintln!("note      no usable GPU ({why}); running on the CPU backend");
-                run_on(&cpus(), &topo, opts, interrupt)
+                run_on(&cpus(), topo, opts, interrupt)
             }
         },
     }
