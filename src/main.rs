@@ -179,13 +179,14 @@ struct RunArgs {
     /// checkpoint folder (config.json + *.safetensors).
     #[arg(long, default_value = "tiny")]
     target: String,
-    /// Seed of a preset target's random weights.
-    #[arg(long, default_value_t = 0)]
-    target_seed: u64,
-    /// Std of a preset target's random weights (default: large enough for peaked, learnable
-    /// continuations; a Qwen3.5/3.6 hybrid's embedding and lm_head are drawn 16x and 4x larger).
-    #[arg(long, default_value_t = session::TINY_INIT_STD)]
-    init_std: f32,
+    /// Seed of a preset target's random weights (default 0; a preset only).
+    #[arg(long)]
+    target_seed: Option<u64>,
+    /// Std of a preset target's random weights (default 0.05: large enough for peaked, learnable
+    /// continuations; a Qwen3.5/3.6 hybrid's embedding and lm_head are drawn 16x and 4x larger;
+    /// a preset only).
+    #[arg(long)]
+    init_std: Option<f32>,
     /// Pre-tokenized JSON Lines: {"input_ids": [...], "loss_mask": [...]} per line. Default: the
     /// target generates its own data (random prompt, greedy continuation).
     #[arg(long)]
@@ -422,11 +423,22 @@ struct InitArgs {
 
 impl RunArgs {
     fn into_options(self) -> anyhow::Result<RunOptions> {
+        // A folder's own weights are loaded: a flag for a preset's random ones would do nothing.
+        let preset = dflash_engine::config::PRESET_NAMES.contains(&self.target.as_str())
+            && !std::path::Path::new(&self.target).exists();
+        for (flag, given) in [("--target-seed", self.target_seed.is_some()), ("--init-std", self.init_std.is_some())] {
+            anyhow::ensure!(
+                preset || !given,
+                "{flag} sets a preset target's random weights, but --target {} is not a preset: its weights are \
+                 loaded from the folder; drop {flag}",
+                self.target
+            );
+        }
         Ok(RunOptions {
             model: ModelOptions {
                 target: self.target,
-                target_seed: self.target_seed,
-                init_std: self.init_std,
+                target_seed: self.target_seed.unwrap_or(0),
+                init_std: self.init_std.unwrap_or(session::TINY_INIT_STD),
                 drafter_layers: self.drafter_layers,
                 block_size: self.block_size,
                 taps: self.taps,

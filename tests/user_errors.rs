@@ -292,6 +292,12 @@ fn target_and_data_lines_say_what_was_used() {
 
     let (res, err) = cli(&["init-model", "--preset", "tiny", "--out", "tiny"], Some(&dir));
     assert!(res.status.success(), "{err}");
+    // A preset's random-weight flags do nothing for a folder: refused, naming the flag.
+    for flag in ["--init-std", "--target-seed"] {
+        let out = dir.join("seeded").display().to_string();
+        let (res, err) = cli(&run_args(&out, &["--target", "./tiny", flag, "1"]), Some(&dir));
+        assert!(!res.status.success() && err.contains(flag) && err.contains("not a preset"), "{flag}: {err}");
+    }
     let out = dir.join("run").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--target", "tiny", "--gen-temperature", "0.7"]), Some(&dir));
     assert!(res.status.success(), "{err}");
