@@ -143,7 +143,7 @@ fn ctrl_c_checkpoints_and_exits_130() {
     let bin = std::env::var("DFLASH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dflash-engine").to_string());
     let out = scratch.fresh("ctrl-c");
     let args = ["run", "--quiet", "--device", "cpu", "--steps", "100000", "--gen-samples", "32", "--seq-len", "40"];
-    let mut child =
+    let child =
         Command::new(&bin).args(args).arg("--out").arg(&out).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let metrics = out.join("metrics.jsonl");
     let t0 = std::time::Instant::now();
