@@ -166,7 +166,7 @@ if has eval8b; then
   # The in-memory preset unless T8B names a folder that exists (no 16 GB written for this).
   t=qwen3-8b-shape
   [ -f "$T8B/config.json" ] && t=$T8B
-  timeout 240 $B/dflash-engine eval --device cuda --target $t --init-std 0.02 --drafter random --drafter-layers 5 \
+  timeout 240 $B/dflash-engine eval --device cuda --target $t $(preset_std $t) --drafter random --drafter-layers 5 \
     --prompts generated --num-prompts 4 --max-new-tokens 128 --out "$OUT/eval8b.json" 2>&1 | tee "$OUT/eval8b.log" || status=1
 fi
 if has decode8b; then

@@ -64,9 +64,9 @@ enum Cmd {
         samples: usize,
         #[arg(long, default_value_t = 96)]
         seq_len: usize,
-        /// Std of a preset target's random weights.
-        #[arg(long, default_value_t = session::TINY_INIT_STD)]
-        init_std: f32,
+        /// Std of a preset target's random weights (default 0.05; a preset only).
+        #[arg(long)]
+        init_std: Option<f32>,
         #[arg(long, default_value = "data.jsonl")]
         out: PathBuf,
         /// Replace an existing --out.
@@ -424,16 +424,10 @@ struct InitArgs {
 impl RunArgs {
     fn into_options(self) -> anyhow::Result<RunOptions> {
         // A folder's own weights are loaded: a flag for a preset's random ones would do nothing.
-        let preset = dflash_engine::config::PRESET_NAMES.contains(&self.target.as_str())
-            && !std::path::Path::new(&self.target).exists();
-        for (flag, given) in [("--target-seed", self.target_seed.is_some()), ("--init-std", self.init_std.is_some())] {
-            anyhow::ensure!(
-                preset || !given,
-                "{flag} sets a preset target's random weights, but --target {} is not a preset: its weights are \
-                 loaded from the folder; drop {flag}",
-                self.target
-            );
-        }
+        session::setup::refuse_preset_flags(
+            &self.target,
+            &[("--target-seed", self.target_seed.is_some()), ("--init-std", self.init_std.is_some())],
+        )?;
         Ok(RunOptions {
             model: ModelOptions {
                 target: self.target,
@@ -643,7 +637,8 @@ fn run_command(cli: Cli) -> Result<()> {
             eprintln!("wrote {}", out.display());
         }
         Cmd::GenData { target, samples, seq_len, init_std, out, overwrite } => {
-            session::gen_data(&target, samples, seq_len, init_std, &out, overwrite)?
+            session::setup::refuse_preset_flags(&target, &[("--init-std", init_std.is_some())])?;
+            session::gen_data(&target, samples, seq_len, init_std.unwrap_or(session::TINY_INIT_STD), &out, overwrite)?
         }
         Cmd::BenchDecode { target, init_std, batch, context, steps, device, profile } => {
             let o =

@@ -298,6 +298,11 @@ fn target_and_data_lines_say_what_was_used() {
         let (res, err) = cli(&run_args(&out, &["--target", "./tiny", flag, "1"]), Some(&dir));
         assert!(!res.status.success() && err.contains(flag) && err.contains("not a preset"), "{flag}: {err}");
     }
+    let (res, err) =
+        cli(&["eval", "--drafter", "random", "--device", "cpu", "--target", "./tiny", "--init-std", "1"], Some(&dir));
+    assert!(!res.status.success() && err.contains("--init-std") && err.contains("not a preset"), "{err}");
+    let (res, err) = cli(&["gen-data", "--target", "./tiny", "--init-std", "1", "--out", "g.jsonl"], Some(&dir));
+    assert!(!res.status.success() && err.contains("--init-std") && err.contains("not a preset"), "{err}");
     let out = dir.join("run").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--target", "tiny", "--gen-temperature", "0.7"]), Some(&dir));
     assert!(res.status.success(), "{err}");

@@ -297,6 +297,10 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
         }
         (None, None) => "tiny".into(),
     };
+    crate::session::setup::refuse_preset_flags(
+        &target_spec,
+        &[("--target-seed", o.target_seed.is_some()), ("--init-std", o.init_std.is_some())],
+    )?;
     let run_num = |k: &str| run_target.and_then(|t| t.get(k)).and_then(serde_json::Value::as_f64);
     let target_seed = o.target_seed.or(run_num("seed").map(|x| x as u64)).unwrap_or(0);
     let init_std = o.init_std.or(run_num("std").map(|x| x as f32)).unwrap_or(TINY_INIT_STD);

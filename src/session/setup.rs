@@ -137,6 +137,20 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A preset's random-weight flags (`given`: each flag and whether it was given) beside a
+/// `--target` that is not a preset: refused, since the folder's own weights are loaded.
+pub fn refuse_preset_flags(target: &str, given: &[(&str, bool)]) -> Result<()> {
+    let preset = crate::config::PRESET_NAMES.contains(&target) && !Path::new(target).exists();
+    for &(flag, is_given) in given {
+        anyhow::ensure!(
+            preset || !is_given,
+            "{flag} sets a preset target's random weights, but --target {target} is not a preset: its weights are \
+             loaded from the folder; drop {flag}"
+        );
+    }
+    Ok(())
+}
+
 /// What the data is, for the resume fingerprint: a JSON Lines file's content hash (not its
 /// path), or the generator's settings (the target's identity covers the rest).
 pub fn data_identity(o: &RunOptions) -> Result<serde_json::Value> {
