@@ -29,12 +29,17 @@ pub enum TargetSource {
 }
 
 impl TargetSource {
+    /// `spec` names a preset that `resolve` generates: a preset's name with no file or folder of
+    /// that name beside it.
+    pub fn is_preset(spec: &str) -> bool {
+        crate::config::PRESET_NAMES.contains(&spec) && !Path::new(spec).exists()
+    }
+
     /// A preset name, or a checkpoint folder. A folder that carries a preset's name wins (it is
     /// what the user has on disk) and `note` says so.
     pub fn resolve(spec: &str, seed: u64, std: f32, note: &mut Vec<String>) -> Result<Self> {
         let path = Path::new(spec);
-        let is_preset = crate::config::PRESET_NAMES.contains(&spec);
-        if is_preset && !path.exists() {
+        if Self::is_preset(spec) {
             return Ok(TargetSource::Preset { name: spec.to_string(), cfg: TargetConfig::preset(spec)?, seed, std });
         }
         if path.is_file() {
@@ -43,7 +48,7 @@ impl TargetSource {
                 crate::config::PRESET_NAMES.join(", ")
             );
         }
-        if is_preset {
+        if crate::config::PRESET_NAMES.contains(&spec) {
             note.push(format!(
                 "--target {spec}: using the folder ./{spec}, not the preset of the same name (rename the folder to use the preset)"
             ));
@@ -140,7 +145,7 @@ fn hex(bytes: &[u8]) -> String {
 /// A preset's random-weight flags (`given`: each flag and whether it was given) beside a
 /// `--target` that is not a preset: refused, since the folder's own weights are loaded.
 pub fn refuse_preset_flags(target: &str, given: &[(&str, bool)]) -> Result<()> {
-    let preset = crate::config::PRESET_NAMES.contains(&target) && !Path::new(target).exists();
+    let preset = TargetSource::is_preset(target);
     for &(flag, is_given) in given {
         anyhow::ensure!(
             preset || !is_given,
