@@ -242,7 +242,8 @@ pub struct DraftInputs<'a, B: Backend> {
     pub num_blocks: usize,
     /// Position of each context row inside its sequence.
     pub ctx_pos: &'a B::Ids,
-    /// Block slot tokens: the anchor token in slot 0, `mask_token_id` elsewhere.
+    /// Block slot tokens: the anchor token in slot 0, `mask_token_id` elsewhere (padded blocks
+    /// too). Layer 0 projects the mask slots once for all of them (`SharedRows`).
     pub block_ids: &'a B::Ids,
     /// Absolute position `anchor + r` of each block slot.
     pub block_pos: &'a B::Ids,
@@ -268,6 +269,7 @@ pub struct DraftOutputs<B: Backend> {
 struct LayerActs<B: Backend> {
     /// The layer's input; None for layer 0, whose input the backward embeds again.
     x_in: Option<B::Buf>,
+    /// The input norm's rstd, of every block row (layer 0: of its `SharedRows`).
     rstd_in: B::Buf,
     /// Kept unless `Recompute::Projections` (then the backward rebuilds it, as `x_mid`).
     q_pre: Option<B::Buf>,
@@ -399,6 +401,108 @@ pub struct Drafter<B: Backend> {
     pub park_fault: super::park::ParkFault,
 }
 
+/// Layer 0's block rows hold two kinds of input only: slot 0 of block `j` embeds its anchor's
+/// token, and every other slot of every block embeds `mask_token_id` (`DraftInputs::block_ids`).
+/// What the layer computes before its attention is row by row (the input norm, the query, key
+/// and value projections), so it needs `nb + 1` distinct rows: row `j < nb` is block `j`'s slot
+/// 0, row `nb` the mask row. The projections run on those rows and are then spread to every
+/// slot; the backward sums the mask slots' gradients into row `nb` before the weight and input
+/// gradients, so three GEMMs of `nb * bs` rows forward, and six backward, shrink to `nb + 1`.
+/// The values are the same up to f32 summation order and the one bf16 rounding of that sum.
+struct SharedRows {
+    nb: usize,
+    bs: usize,
+}
+
+impl SharedRows {
+    /// For layer 0 of a batch whose blocks have mask slots (a block size of 1 has none).
+    fn of(layer: usize, nb: usize, bs: usize) -> Option<Self> {
+        (layer == 0 && bs > 1 && nb > 0).then_some(SharedRows { nb, bs })
+    }
+
+    fn rows(&self) -> usize {
+        self.nb + 1
+    }
+
+    /// The distinct rows of `full` (`[nb * bs, width]`) into `out` (`[nb + 1, width]`): the slot-0
+    /// rows, then slot 1 of block 0 as the mask row.
+    fn gather<B: Backend>(&self, be: &B, s: &B::Stream, full: &B::Buf, out: &mut B::Buf, width: usize) -> Result<()> {
+        be.copy_strided(s, full, 0, self.bs * width, out, 0, width, self.nb, width)?;
+        be.copy(s, full, width, out, self.nb * width, width)
+    }
+
+    /// `gather` into a new buffer.
+    fn gathered<B: Backend>(&self, be: &B, s: &B::Stream, full: &B::Buf, width: usize) -> Result<B::Buf> {
+        let mut out = be.alloc_uninit(s, be.dtype(full), self.rows() * width)?;
+        self.gather(be, s, full, &mut out, width)?;
+        Ok(out)
+    }
+
+    /// `full` (`[nb * bs, width]`) from the distinct rows `c`: slot 0 of block `j` gets row `j`,
+    /// every other slot row `nb`.
+    fn spread<B: Backend>(&self, be: &B, s: &B::Stream, c: &B::Buf, full: &mut B::Buf, width: usize) -> Result<()> {
+        let (nb, bs) = (self.nb, self.bs);
+        be.copy_strided(s, c, 0, width, full, 0, bs * width, nb, width)?;
+        // One block's mask slots, then that tile into every block.
+        let mut tile = be.alloc_uninit(s, be.dtype(c), (bs - 1) * width)?;
+        be.copy_strided(s, c, nb * width, 0, &mut tile, 0, width, bs - 1, width)?;
+        be.copy_strided(s, &tile, 0, 0, full, width, bs * width, nb, (bs - 1) * width)
+    }
+
+    /// A bf16 `[nb * bs]` vector: 1 at the mask slots, 0 at slot 0 (the weights of `reduce`'s sum).
+    fn mask_slots<B: Backend>(&self, be: &B, s: &B::Stream) -> Result<B::Buf> {
+        let mut v = be.alloc(s, DType::BF16, self.nb * self.bs)?;
+        be.fill(s, &mut v, 1.0)?;
+        let zero = be.alloc(s, DType::BF16, 1)?;
+        be.copy_strided(s, &zero, 0, 0, &mut v, 0, self.bs, self.nb, 1)?;
+        Ok(v)
+    }
+
+    /// The gradient of the distinct rows from that of every slot (`d_full`, `[nb * bs, width]`):
+    /// row `j` is slot 0 of block `j`, row `nb` the sum over the mask slots (a GEMV with the
+    /// `mask_slots` weights, f32 accumulation, rounded once to bf16).
+    fn reduce<B: Backend>(
+        &self,
+        be: &B,
+        s: &B::Stream,
+        d_full: &B::Buf,
+        mask_slots: &B::Buf,
+        width: usize,
+    ) -> Result<B::Buf> {
+        let (nb, bs) = (self.nb, self.bs);
+        let mut out = be.alloc_uninit(s, DType::BF16, self.rows() * width)?;
+        be.copy_strided(s, d_full, 0, bs * width, &mut out, 0, width, nb, width)?;
+        let sum = Gemm { m: 1, n: width, k: nb * bs, ta: false, tb: false, alpha: 1.0, beta: 0.0 };
+        be.gemm(s, &sum, mask_slots, 0, d_full, 0, &mut out, nb * width)?;
+        Ok(out)
+    }
+}
+
+/// `out = xn W^T` for the block rows of a projection of width `width`: `xn` holds every row, or
+/// under `shared` (layer 0) its distinct rows, whose products are then spread to every slot.
+#[allow(clippy::too_many_arguments)]
+fn project<B: Backend>(
+    be: &B,
+    s: &B::Stream,
+    shared: Option<&SharedRows>,
+    xn: &B::Buf,
+    tb: usize,
+    hidden: usize,
+    w: &B::Buf,
+    w_off: usize,
+    out: &mut B::Buf,
+    width: usize,
+) -> Result<()> {
+    match shared {
+        None => be.gemm(s, &Gemm::linear(tb, width, hidden), xn, 0, w, w_off, out, 0),
+        Some(sr) => {
+            let mut c = be.alloc_uninit(s, DType::BF16, sr.rows() * width)?;
+            be.gemm(s, &Gemm::linear(sr.rows(), width, hidden), xn, 0, w, w_off, &mut c, 0)?;
+            sr.spread(be, s, &c, out, width)
+        }
+    }
+}
+
 /// `x_mid = x_in + o Wo^T`, the residual after attention (one GEMM with the add in its
 /// epilogue). The forward builds it here, and so does the backward under
 /// `Recompute::Projections`: the same kernel on the same inputs, so both are bit-identical.
@@ -473,8 +577,11 @@ impl<B: Backend> Drafter<B> {
                 a.gu.settle(be, s, parking)?;
             }
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
+            let shared = SharedRows::of(l, inp.num_blocks, sh.block_size);
+            // Rows of the normed input the projections read: every block row, or layer 0's distinct ones.
+            let in_rows = shared.as_ref().map_or(tb, SharedRows::rows);
             let mut a = LayerActs::<B> {
-                rstd_in: be.alloc_uninit(s, DType::F32, tb)?,
+                rstd_in: be.alloc_uninit(s, DType::F32, in_rows)?,
                 q_pre: None,
                 q_rstd: be.alloc_uninit(s, DType::F32, tb * sh.heads)?,
                 keys: KeyProj {
@@ -496,12 +603,21 @@ impl<B: Backend> Drafter<B> {
             // xn, q, the normed and rotated keys, h2 and act are not kept for the backward: it
             // recomputes them from x_in, q_pre, kc_pre / kb_pre, x_mid and gu with the same kernels
             // (bit-identical, ~1% of the step), which saves six buffers per layer.
-            let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
-            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-            be.rmsnorm_fwd(s, x_in, w, off("input_layernorm.weight"), &mut xn, &mut a.rstd_in, tb, h, sh.eps)?;
-            // Queries from the block stream only.
+            let (wq, wk, wv) =
+                (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
+            let xc = shared.as_ref().map(|sr| sr.gathered(be, s, x_in, h)).transpose()?;
+            let mut xn = be.alloc_uninit(s, DType::BF16, in_rows * h)?;
+            let inn = off("input_layernorm.weight");
+            be.rmsnorm_fwd(s, xc.as_ref().unwrap_or(x_in), w, inn, &mut xn, &mut a.rstd_in, in_rows, h, sh.eps)?;
+            drop(xc);
+            // Queries from the block stream only; keys and values from [ctx ; xn] with the same
+            // Wk / Wv.
             let mut q_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-            be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
+            project(be, s, shared.as_ref(), &xn, tb, h, w, wq, &mut q_pre, qw)?;
+            project(be, s, shared.as_ref(), &xn, tb, h, w, wk, &mut a.keys.kb_pre, kw)?;
+            project(be, s, shared.as_ref(), &xn, tb, h, w, wv, &mut a.vb, kw)?;
+            drop(xn);
+            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.rmsnorm_fwd(
                 s,
                 &q_pre,
@@ -514,13 +630,8 @@ impl<B: Backend> Drafter<B> {
                 sh.eps,
             )?;
             be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
-            // Keys and values from [ctx ; xn] with the same Wk / Wv.
-            let (wk, wv) = (off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.keys.kc_pre, 0)?;
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wv, &mut a.vc, 0)?;
-            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wk, &mut a.keys.kb_pre, 0)?;
-            be.gemm(s, &Gemm::linear(tb, kw, h), &xn, 0, w, wv, &mut a.vb, 0)?;
-            drop(xn);
             let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
             be.attn_draft_fwd(
                 s,
@@ -663,6 +774,8 @@ impl<B: Backend> Drafter<B> {
                 }
             };
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
+            let shared = SharedRows::of(l, inp.num_blocks, sh.block_size);
+            let in_rows = shared.as_ref().map_or(tb, SharedRows::rows);
             // MLP: x_out = x_mid + act Wd^T. One [block rows, inter] buffer at a time (act, then
             // dact), and gate|up turns into its own gradient in place: the MLP's backward adds
             // one such buffer to what the forward kept, not three.
@@ -704,16 +817,20 @@ impl<B: Backend> Drafter<B> {
             let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
             let (wq, wk, wv) =
                 (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
-            // The normed input: for the projections' weight gradients below, and for the
-            // queries' projection when it was not kept.
+            // The normed input (layer 0: its distinct rows): for the projections' weight
+            // gradients below, and for the queries' projection when it was not kept.
             let inn = off("input_layernorm.weight");
-            let mut xn = be.alloc_uninit(s, DType::BF16, tb * h)?;
-            be.rmsnorm_fwd(s, &x_in, w, inn, &mut xn, &mut rstd, tb, h, sh.eps)?;
+            let x_in = match &shared {
+                Some(sr) => sr.gathered(be, s, &x_in, h)?,
+                None => x_in,
+            };
+            let mut xn = be.alloc_uninit(s, DType::BF16, in_rows * h)?;
+            be.rmsnorm_fwd(s, &x_in, w, inn, &mut xn, &mut rstd, in_rows, h, sh.eps)?;
             let q_pre = match a.q_pre.take() {
                 Some(q_pre) => q_pre,
                 None => {
                     let mut q_pre = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-                    be.gemm(s, &Gemm::linear(tb, qw, h), &xn, 0, w, wq, &mut q_pre, 0)?;
+                    project(be, s, shared.as_ref(), &xn, tb, h, w, wq, &mut q_pre, qw)?;
                     q_pre
                 }
             };
@@ -787,22 +904,41 @@ impl<B: Backend> Drafter<B> {
                 sh.head_dim,
             )?;
             drop((dq, dkc, dkb, q_pre));
+            // The block rows' projection gradients, as rows of `xn` (layer 0: its distinct rows,
+            // the mask slots summed).
+            let [dq_pre, dkb_pre, dvb] = match &shared {
+                None => [dq_pre, dkb_pre, dvb],
+                Some(sr) => {
+                    let mask = sr.mask_slots(be, s)?;
+                    [
+                        sr.reduce(be, s, &dq_pre, &mask, qw)?,
+                        sr.reduce(be, s, &dkb_pre, &mask, kw)?,
+                        sr.reduce(be, s, &dvb, &mask, kw)?,
+                    ]
+                }
+            };
             // Projection weights: block rows and context rows share Wk / Wv.
-            be.gemm(s, &Gemm::linear_dw(tb, qw, h), &dq_pre, 0, &xn, 0, wgrad, wq)?;
+            be.gemm(s, &Gemm::linear_dw(in_rows, qw, h), &dq_pre, 0, &xn, 0, wgrad, wq)?;
             be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dkc_pre, 0, &ctx, 0, wgrad, wk)?;
-            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dkb_pre, 0, &xn, 0, wgrad, wk)?;
+            be.gemm(s, &Gemm::linear_dw(in_rows, kw, h), &dkb_pre, 0, &xn, 0, wgrad, wk)?;
             be.gemm(s, &Gemm::linear_dw(tc, kw, h), &dvc, 0, &ctx, 0, wgrad, wv)?;
-            be.gemm(s, &Gemm::linear_dw(tb, kw, h), &dvb, 0, &xn, 0, wgrad, wv)?;
+            be.gemm(s, &Gemm::linear_dw(in_rows, kw, h), &dvb, 0, &xn, 0, wgrad, wv)?;
             drop(xn);
             // dxn = dq Wq + dkb Wk + dvb Wv ; dctx += dkc Wk + dvc Wv
-            let mut dxn = be.alloc_uninit(s, DType::BF16, tb * h)?;
-            be.gemm(s, &Gemm::linear_dx(tb, qw, h, false), &dq_pre, 0, w, wq, &mut dxn, 0)?;
-            be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dkb_pre, 0, w, wk, &mut dxn, 0)?;
-            be.gemm(s, &Gemm::linear_dx(tb, kw, h, true), &dvb, 0, w, wv, &mut dxn, 0)?;
+            let mut dxn = be.alloc_uninit(s, DType::BF16, in_rows * h)?;
+            be.gemm(s, &Gemm::linear_dx(in_rows, qw, h, false), &dq_pre, 0, w, wq, &mut dxn, 0)?;
+            be.gemm(s, &Gemm::linear_dx(in_rows, kw, h, true), &dkb_pre, 0, w, wk, &mut dxn, 0)?;
+            be.gemm(s, &Gemm::linear_dx(in_rows, kw, h, true), &dvb, 0, w, wv, &mut dxn, 0)?;
             let first = l + 1 == sh.layers;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, !first), &dkc_pre, 0, w, wk, &mut dctx, 0)?;
             be.gemm(s, &Gemm::linear_dx(tc, kw, h, true), &dvc, 0, w, wv, &mut dctx, 0)?;
-            be.rmsnorm_bwd(s, &dxn, &x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
+            if shared.is_some() {
+                // The embedding is frozen: layer 0's input gradient only feeds its norm's weight.
+                let mut unused = be.alloc_uninit(s, DType::BF16, in_rows * h)?;
+                be.rmsnorm_bwd(s, &dxn, &x_in, w, inn, &a.rstd_in, &mut unused, false, wgrad, inn, in_rows, h)?;
+            } else {
+                be.rmsnorm_bwd(s, &dxn, &x_in, w, inn, &a.rstd_in, &mut dx, true, wgrad, inn, tb, h)?;
+            }
         }
         // The input embedding is frozen: dx stops here. Context: Y -> hidden_norm -> ctx.
         let hnorm = table.off("hidden_norm.weight");

@@ -5,8 +5,9 @@
 //! to its deepest tap, the drafter's forward and backward, and no recomputation. Two FLOPs per
 //! multiply-add:
 //! - a linear layer `[m, k] x [k, n]`: `2 m n k` forward; a trained one three times that (forward,
-//!   dX, dW); the drafter's frozen lm_head twice (forward, dX); the FC twice (forward, dW: the taps
-//!   need no gradient), wherever it runs (split-FC moves it, not its work);
+//!   dX, dW), over distinct input rows (the drafter's layer 0 projects its mask token once); the
+//!   drafter's frozen lm_head twice (forward, dX); the FC twice (forward, dW: the taps need no
+//!   gradient), wherever it runs (split-FC moves it, not its work);
 //! - attention: `4 * head_dim * heads` per visible (query, key) pair forward (`Q K^T` and `P V`),
 //!   twice that backward (`dV`, `dP`, `dQ = dS K`, `dK = dS^T Q`; the kernels' recompute of `S`,
 //!   and their second `S` and `dP` in the context-key pass, are the engine's cost, not the model's);
@@ -130,13 +131,22 @@ impl DrafterFlops {
         let fc = 2.0 * 2.0 * tc * sh.fc_in() as f64 * h;
         // Per layer: q, k and v of the block rows, o, gate | up, down; k and v of the context rows.
         let linear = tb * (h * qw + 2.0 * h * kw + qw * h + h * 2.0 * inter + inter * h) + tc * 2.0 * h * kw;
+        // Layer 0's block rows hold the anchors' tokens and one mask token repeated: its queries,
+        // keys and values need those distinct rows only (forward, dX, dW), plus the sums of the
+        // mask slots' gradients (a GEMV each; `drafter::SharedRows`).
+        let first_layer_saving = if bs > 1 && hb.real_anchors > 0 {
+            let distinct = (hb.real_anchors + 1) as f64;
+            3.0 * 2.0 * (tb - distinct) * h * (qw + 2.0 * kw) - 2.0 * tb * (qw + 2.0 * kw)
+        } else {
+            0.0
+        };
         let lm_head = 2.0 * 2.0 * (hb.real_anchors * bs.saturating_sub(1)) as f64 * sh.vocab as f64 * h;
         // Forward and backward: three times the forward's pair FLOPs.
         let per_pair = pair_flops(sh.head_dim) * sh.heads as f64 * 3.0;
         // Layer l is full attention unless `windows` gives it a window (as the drafter reads it).
         let window = |l: usize| sh.windows.get(l).copied().flatten();
         DrafterFlops {
-            gemm: fc + sh.layers as f64 * 3.0 * 2.0 * linear + lm_head,
+            gemm: fc + sh.layers as f64 * 3.0 * 2.0 * linear - first_layer_saving + lm_head,
             attention: (0..sh.layers).map(|l| per_pair * drafter_pairs(hb, bs, window(l))).sum(),
         }
     }
