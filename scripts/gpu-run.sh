@@ -175,15 +175,15 @@ if has decode8b; then
   # that exists; 256 context positions, 32 timed steps.
   t=qwen3-8b-shape
   [ -f "$T8B/config.json" ] && t=$T8B
-  $B/dflash-engine bench-decode --device cuda --target $t --init-std 0.02 --batch 64 \
+  $B/dflash-engine bench-decode --device cuda --target $t $(preset_std $t) --batch 64 \
     --context ${CONTEXT8B:-256} --steps 32 --profile 2>&1 | tee "$OUT/decode8b.log" || status=1
   echo "== the same at batch 1 (eval's target-alone decoding)"
-  $B/dflash-engine bench-decode --device cuda --target $t --init-std 0.02 --batch 1 \
+  $B/dflash-engine bench-decode --device cuda --target $t $(preset_std $t) --batch 1 \
     --context ${CONTEXT8B:-256} --steps 32 --profile 2>&1 | tee "$OUT/decode8b1.log" || status=1
 fi
 if named target27b; then
   echo "== the target's forward with taps at the qwen3.6-27b-shape, 4 x 3072 tokens, layers 0..61 (training's first stage)"
-  $B/dflash-engine bench-target --device cuda --target $T27B --init-std 0.02 --batch 4 --seq-len 3072 --steps 3 \
+  $B/dflash-engine bench-target --device cuda --target $T27B $(preset_std $T27B) --batch 4 --seq-len 3072 --steps 3 \
     --profile 2>&1 | tee "$OUT/target27b.log" || status=1
   echo "== its peer: transformers (+ flash-linear-attention) at the same shape, 64 layers and cut after layer 61"
   PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} python3 tests/reference/bench_target_hf.py --batch 4 --seq-len 3072 \

@@ -83,9 +83,9 @@ enum Cmd {
         /// A preset (generated in memory) or a checkpoint folder.
         #[arg(long, default_value = "qwen3-8b-shape")]
         target: String,
-        /// Std of a preset target's random weights.
-        #[arg(long, default_value_t = 0.02)]
-        init_std: f32,
+        /// Std of a preset target's random weights (default 0.02; a preset only).
+        #[arg(long)]
+        init_std: Option<f32>,
         #[arg(long, default_value_t = 64)]
         batch: usize,
         /// Positions decoded before the timed steps.
@@ -106,9 +106,9 @@ enum Cmd {
         /// A preset (generated in memory) or a checkpoint folder.
         #[arg(long, default_value = "qwen3-8b-shape")]
         target: String,
-        /// Std of a preset target's random weights.
-        #[arg(long, default_value_t = 0.02)]
-        init_std: f32,
+        /// Std of a preset target's random weights (default 0.02; a preset only).
+        #[arg(long)]
+        init_std: Option<f32>,
         /// Sequences per forward.
         #[arg(long, default_value_t = 4)]
         batch: usize,
@@ -392,7 +392,8 @@ struct EvalArgs {
     /// Print the report as JSON on stdout.
     #[arg(long)]
     json: bool,
-    /// Write the report here (default: eval.json in the drafter's run folder, when it is one).
+    /// Write the report here (default: eval.json in the --drafter run folder or step-* checkpoint
+    /// folder).
     #[arg(long)]
     out: Option<PathBuf>,
     /// No progress bar or per-prompt lines.
@@ -493,6 +494,15 @@ impl RunArgs {
 }
 
 /// `DFLASH_FAULT`: the failure tests that drive the binary (see `FaultPlan::parse`).
+/// The benches' `--init-std`: 0.02 for a preset target (the scale of trained weights), refused
+/// beside a folder, whose own weights are loaded.
+fn bench_init_std(target: &str, init_std: Option<f32>) -> Result<f32> {
+    session::setup::refuse_preset_flags(target, &[("--init-std", init_std.is_some())])?;
+    let std = init_std.unwrap_or(0.02);
+    session::options::positive_f32("--init-std", std)?;
+    Ok(std)
+}
+
 fn faults_from_env() -> Result<FaultPlan> {
     match std::env::var("DFLASH_FAULT") {
         Ok(v) => Ok(FaultPlan::parse(&v)?),
@@ -641,11 +651,13 @@ fn run_command(cli: Cli) -> Result<()> {
             session::gen_data(&target, samples, seq_len, init_std.unwrap_or(session::TINY_INIT_STD), &out, overwrite)?
         }
         Cmd::BenchDecode { target, init_std, batch, context, steps, device, profile } => {
+            let init_std = bench_init_std(&target, init_std)?;
             let o =
                 session::bench_decode::DecodeBenchOptions { target, init_std, batch, context, steps, device, profile };
             session::bench_decode::bench_decode(&o)?;
         }
         Cmd::BenchTarget { target, init_std, batch, seq_len, taps, steps, device, profile } => {
+            let init_std = bench_init_std(&target, init_std)?;
             let o = session::bench_target::TargetBenchOptions {
                 target,
                 init_std,

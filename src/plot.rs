@@ -33,12 +33,15 @@ pub enum PlotError {
     Metrics(#[from] MetricsError),
     #[error("drawing the plot: {0}")]
     Draw(String),
-    #[error("writing {path}: {source}")]
+    #[error("{op} {path}: {source}")]
     Io {
+        op: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
+    #[error("listing the run's checkpoints: {0}")]
+    Checkpoints(Box<crate::train::checkpoint::CheckpointError>),
     #[error("encoding the PNG: {0}")]
     Png(#[from] png::EncodingError),
     #[error("{path}: not an eval report ({why}); `dflash-engine eval --drafter RUN_DIR` writes it, delete it or run eval again")]
@@ -72,10 +75,11 @@ const COLORS: [RGBColor; 10] = [
 pub struct Run {
     pub label: String,
     pub records: Vec<MetricsRecord>,
-    pub eval: Option<EvalMark>,
+    /// Its `eval` results, one per evaluated checkpoint, by step.
+    pub eval: Vec<EvalMark>,
 }
 
-/// What `eval` measured for a run's drafter (its `eval.json`): drawn on the acceptance panel at
+/// What `eval` measured for a run's drafter (an `eval.json`): drawn on the acceptance panel at
 /// the step of the evaluated checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalMark {
@@ -86,13 +90,30 @@ pub struct EvalMark {
     pub simulated_accept_len: f64,
 }
 
+/// Every eval report of the run in `dir`, by step: its own `eval.json` (`eval` of the run folder,
+/// its latest checkpoint at the time) and those in its `step-*` checkpoint folders (`eval` of
+/// one checkpoint). Where two are of the same step, the run's own is kept.
+pub fn load_evals(dir: &Path) -> Result<Vec<EvalMark>> {
+    let steps = crate::train::checkpoint::step_folders(dir).map_err(|e| PlotError::Checkpoints(Box::new(e)))?;
+    let mut marks: Vec<EvalMark> = Vec::new();
+    for folder in std::iter::once(dir.to_path_buf()).chain(steps.into_iter().map(|(_, p)| p)) {
+        if let Some(m) = load_eval(&folder)? {
+            if m.step.is_none() || !marks.iter().any(|k| k.step == m.step) {
+                marks.push(m);
+            }
+        }
+    }
+    marks.sort_by_key(|m| m.step);
+    Ok(marks)
+}
+
 /// The eval report in `dir`, if any (`eval.json`, written by `dflash-engine eval`).
 pub fn load_eval(dir: &Path) -> Result<Option<EvalMark>> {
-    let path = dir.join("eval.json");
+    let path = dir.join(crate::eval::EVAL_FILE);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(PlotError::Io { path, source }),
+        Err(source) => return Err(PlotError::Io { op: "reading", path, source }),
     };
     let bad = |why: String| PlotError::Eval { path: path.clone(), why };
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
@@ -129,7 +150,7 @@ pub fn load_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
                 return Err(PlotError::NoSteps { path });
             }
             let unique = names.iter().filter(|n| *n == name).count() == 1;
-            let eval = load_eval(dir)?;
+            let eval = load_evals(dir)?;
             Ok(Run { label: if unique { name.clone() } else { dir.display().to_string() }, records, eval })
         })
         .collect()
@@ -173,7 +194,7 @@ pub fn plot(dirs: &[PathBuf], out: &Path, smooth: f64) -> Result<()> {
     };
     let runs = load_runs(dirs)?;
     register_font()?;
-    let io = |source| PlotError::Io { path: out.to_path_buf(), source };
+    let io = |source| PlotError::Io { op: "writing", path: out.to_path_buf(), source };
     let (w, h) = SIZE;
     if is_png {
         let mut rgb = vec![0u8; w as usize * h as usize * 3];
@@ -288,10 +309,11 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, runs: &[Run], smooth:
         let marks: Vec<(usize, f64, f64, f64)> = if i == 2 {
             runs.iter()
                 .enumerate()
-                .filter_map(|(k, r)| {
-                    let e = r.eval.as_ref()?;
-                    let at = e.step.map_or_else(|| r.records.last().map_or(x_hi, |l| f64::from(l.step)), f64::from);
-                    Some((k, at, e.accept_len, e.simulated_accept_len))
+                .flat_map(|(k, r)| {
+                    r.eval.iter().map(move |e| {
+                        let at = e.step.map_or_else(|| r.records.last().map_or(x_hi, |l| f64::from(l.step)), f64::from);
+                        (k, at, e.accept_len, e.simulated_accept_len)
+                    })
                 })
                 .collect()
         } else {

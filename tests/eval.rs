@@ -266,6 +266,24 @@ fn eval_acceptance_is_within_20_percent_of_training() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
     assert_eq!(written["overall"]["rounds"].as_u64(), Some(r.overall.rounds as u64));
     assert!(written["train_round_accept_len"].as_f64().is_some());
+
+    // One of the run's checkpoint folders: its report goes into that folder, and the run's own
+    // (the latest checkpoint's) stays as it was; plot shows both.
+    let run_report = std::fs::read_to_string(dir.join("eval.json")).unwrap();
+    let (step, folder) = dflash_engine::train::checkpoint::step_folders(&dir).unwrap().remove(0);
+    let mut o = EvalOptions::new(folder.display().to_string());
+    o.device = Device::Cpu;
+    o.quiet = true;
+    o.num_prompts = Some(2);
+    let early = eval::eval(&o).unwrap();
+    assert_eq!(early.train_step, Some(step));
+    assert_eq!(std::fs::read_to_string(dir.join("eval.json")).unwrap(), run_report, "the run's report was replaced");
+    let own: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("eval.json")).unwrap()).unwrap();
+    assert_eq!(own["train_step"].as_u64(), Some(u64::from(step)));
+    let marks = dflash_engine::plot::load_evals(&dir).unwrap();
+    assert_eq!(marks.first().and_then(|m| m.step), Some(step), "{marks:?}");
+    assert_eq!(marks.last().and_then(|m| m.step), Some(100), "{marks:?}");
 }
 
 /// The off-by-one switch (`FaultPlan::context_off_by_one`) is a trainer's label shift: slot `r`

@@ -476,10 +476,23 @@ fn plot_marks_the_eval_result_of_a_run() {
     .unwrap();
     let mark = plot::load_eval(&run).unwrap().expect("the eval report");
     assert_eq!(mark, plot::EvalMark { step: Some(60), accept_len: 1.52, simulated_accept_len: 4.07 });
+    // An earlier checkpoint's own report (`eval` of its step folder) is a second mark; one of the
+    // same step as the run's is left out.
+    for (step, accept) in [(20, 1.21), (60, 9.99)] {
+        let folder = run.join(format!("step-{step:08}"));
+        std::fs::create_dir_all(&folder).unwrap();
+        let report =
+            format!(r#"{{"train_step": {step}, "overall": {{"accept_len": {accept}, "simulated_accept_len": 3.5}}}}"#);
+        std::fs::write(folder.join("eval.json"), report).unwrap();
+    }
+    let marks = plot::load_evals(&run).unwrap();
+    assert_eq!(marks.iter().map(|m| (m.step, m.accept_len)).collect::<Vec<_>>(), [(Some(20), 1.21), (Some(60), 1.52)]);
     let svg_path = root.join("curves.svg");
     plot::plot(std::slice::from_ref(&run), &svg_path, 0.9).unwrap();
     let svg = std::fs::read_to_string(&svg_path).unwrap();
     assert!(svg.contains("eval 1.52 (sim 4.07)"), "no eval label in the SVG");
+    assert!(svg.contains("eval 1.21 (sim 3.50)"), "no label for the earlier checkpoint's eval");
+    assert!(!svg.contains("9.99"), "a second report of the same step was drawn");
     assert!(svg.contains("<circle"), "no eval marker in the SVG");
     // Without eval.json: no label.
     let plain = root.join("plain");

@@ -303,6 +303,10 @@ fn target_and_data_lines_say_what_was_used() {
     assert!(!res.status.success() && err.contains("--init-std") && err.contains("not a preset"), "{err}");
     let (res, err) = cli(&["gen-data", "--target", "./tiny", "--init-std", "1", "--out", "g.jsonl"], Some(&dir));
     assert!(!res.status.success() && err.contains("--init-std") && err.contains("not a preset"), "{err}");
+    for bench in ["bench-decode", "bench-target"] {
+        let (res, err) = cli(&[bench, "--device", "cpu", "--target", "./tiny", "--init-std", "1"], Some(&dir));
+        assert!(!res.status.success() && err.contains("--init-std") && err.contains("not a preset"), "{bench}: {err}");
+    }
     let out = dir.join("run").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--target", "tiny", "--gen-temperature", "0.7"]), Some(&dir));
     assert!(res.status.success(), "{err}");

@@ -106,6 +106,10 @@ pub struct PromptReport {
     pub first_divergence: Option<usize>,
 }
 
+/// The report's file name: in a run folder (its latest checkpoint's), or in one of its `step-*`
+/// checkpoint folders (that checkpoint's); `plot` reads both.
+pub const EVAL_FILE: &str = "eval.json";
+
 /// The whole evaluation (written as `eval.json`).
 #[derive(Clone, Debug, Serialize)]
 pub struct EvalReport {
@@ -176,10 +180,16 @@ pub fn eval(o: &EvalOptions) -> Result<EvalReport> {
 /// Where the drafter comes from.
 enum DrafterSource {
     Random,
-    /// A checkpoint folder, and the run folder holding it (where `eval.json` goes).
+    /// A checkpoint folder and the training run holding it, if any (its metrics give training's
+    /// acceptance).
     Checkpoint {
         dir: PathBuf,
         run_dir: Option<PathBuf>,
+        /// Where the report goes without `--out`: the run's `eval.json` for a run folder (its
+        /// latest checkpoint); the checkpoint folder's own for one of a run's `step-*` folders,
+        /// so that evaluating an earlier checkpoint leaves the latest's report as it is; none
+        /// for a checkpoint outside a run.
+        report: Option<PathBuf>,
     },
 }
 
@@ -195,7 +205,8 @@ impl DrafterSource {
             );
         }
         if let Some(name) = checkpoint::latest_name(&path)? {
-            return Ok(DrafterSource::Checkpoint { dir: path.join(name), run_dir: Some(path) });
+            let report = Some(path.join(EVAL_FILE));
+            return Ok(DrafterSource::Checkpoint { dir: path.join(name), run_dir: Some(path), report });
         }
         if !path.join(checkpoint::CONFIG_FILE).is_file() || !path.join(checkpoint::MODEL_FILE).is_file() {
             bail!(
@@ -206,7 +217,8 @@ impl DrafterSource {
         }
         let run_dir =
             path.parent().filter(|p| checkpoint::latest_name(p).ok().flatten().is_some()).map(Path::to_path_buf);
-        Ok(DrafterSource::Checkpoint { dir: path, run_dir })
+        let report = run_dir.as_ref().map(|_| path.join(EVAL_FILE));
+        Ok(DrafterSource::Checkpoint { dir: path, run_dir, report })
     }
 
     /// The training run's state saved with the checkpoint (None: not ours, or random).
@@ -277,12 +289,9 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     let s = be.compute_stream();
     let say = |m: String| eprintln!("{m}");
     let src = DrafterSource::resolve(&o.drafter)?;
-    if let (None, DrafterSource::Checkpoint { run_dir: Some(d), .. }) = (&o.out, &src) {
-        // The report goes beside the run's metrics: found unwritable before the decoding, not after.
-        crate::session::setup::check_file_writable(
-            "the run's eval.json (choose another place with --out):",
-            &d.join("eval.json"),
-        )?;
+    if let (None, DrafterSource::Checkpoint { report: Some(path), .. }) = (&o.out, &src) {
+        // The report goes into the run: found unwritable before the decoding, not after.
+        crate::session::setup::check_file_writable("the report (choose another place with --out):", path)?;
     }
     let state = src.trainer_state();
 
@@ -425,8 +434,8 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
     };
     print_summary(&report);
     let dest = o.out.clone().or_else(|| match &src {
-        DrafterSource::Checkpoint { run_dir: Some(d), .. } => Some(d.join("eval.json")),
-        _ => None,
+        DrafterSource::Checkpoint { report, .. } => report.clone(),
+        DrafterSource::Random => None,
     });
     let text = serde_json::to_string_pretty(&report)?;
     if let Some(path) = dest {

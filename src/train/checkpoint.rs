@@ -474,7 +474,7 @@ fn link_or_copy_dir(src: &Path, dst: &Path) -> Result<()> {
 }
 
 /// `step-*` folders in `dir` as `(step, path)`, ascending.
-fn step_folders(dir: &Path) -> Result<Vec<(u32, PathBuf)>> {
+pub fn step_folders(dir: &Path) -> Result<Vec<(u32, PathBuf)>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir, "list"))? {
         let entry = entry.map_err(io(dir, "list"))?;
