@@ -809,11 +809,12 @@ impl<B: Backend> Drafter<B> {
             let mut d_o = be.alloc_uninit(s, DType::BF16, tb * qw)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, qw, false), &dx, 0, w, wo, &mut d_o, 0)?;
             be.gemm(s, &Gemm::linear_dw(tb, h, qw), &dx, 0, &a.o, 0, wgrad, wo)?;
-            let mut dq = be.alloc(s, DType::BF16, tb * qw)?;
-            let mut dkc = be.alloc(s, DType::BF16, tc * kw)?;
-            let mut dvc = be.alloc(s, DType::BF16, tc * kw)?;
-            let mut dkb = be.alloc(s, DType::BF16, tb * kw)?;
-            let mut dvb = be.alloc(s, DType::BF16, tb * kw)?;
+            // The attention backward writes every element of its gradients: nothing to zero.
+            let mut dq = be.alloc_uninit(s, DType::BF16, tb * qw)?;
+            let mut dkc = be.alloc_uninit(s, DType::BF16, tc * kw)?;
+            let mut dvc = be.alloc_uninit(s, DType::BF16, tc * kw)?;
+            let mut dkb = be.alloc_uninit(s, DType::BF16, tb * kw)?;
+            let mut dvb = be.alloc_uninit(s, DType::BF16, tb * kw)?;
             let (qn, kn) = (off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight"));
             let (wq, wk, wv) =
                 (off("self_attn.q_proj.weight"), off("self_attn.k_proj.weight"), off("self_attn.v_proj.weight"));
