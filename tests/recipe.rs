@@ -482,9 +482,15 @@ fn init_from_round_trips_bit_for_bit() {
     // Another drafter (window 16): refused, naming the field.
     let other = write_config(&tiny_sliding_config(16), scratch.fresh("init-other"));
     let mut bad = small(scratch.fresh("init-d"), Some(&other));
-    bad.model.init_from = Some(published);
+    bad.model.init_from = Some(published.clone());
     let e = format!("{:#}", session::run(&bad, None).unwrap_err());
-    assert!(e.contains("sliding_window") && e.contains("--init-from"), "{e}");
+    assert!(e.contains("sliding_window") && e.contains("--init-from") && e.contains("--drafter-config"), "{e}");
+    // Another target (a drafter takes its hidden size from it): the advice is the target.
+    let mut moved = small(scratch.fresh("init-f"), None);
+    moved.model.target = "small".into();
+    moved.model.init_from = Some(published);
+    let e = format!("{:#}", session::run(&moved, None).unwrap_err());
+    assert!(e.contains("hidden_size") && e.contains("another target") && e.contains("--target"), "{e}");
     // Not a checkpoint at all.
     let mut none = small(scratch.fresh("init-e"), Some(&cfg));
     none.model.init_from = Some(scratch.fresh("nothing"));

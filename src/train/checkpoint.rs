@@ -191,11 +191,23 @@ pub enum CheckpointError {
     },
     #[error(
         "--init-from {}: the checkpoint's drafter differs from this run's: {field} is {theirs} \
-         in its config.json but {ours} here; give the same --drafter-config (or drafter flags) \
-         as the checkpoint was trained with",
-        .path.display()
+         in its config.json but {ours} here; {}",
+        .path.display(),
+        init_mismatch_advice(field)
     )]
     InitMismatch { path: PathBuf, field: &'static str, theirs: String, ours: String },
+}
+
+/// What to change for a warm start whose drafter differs in `field`: the fields a drafter takes
+/// from its target point at the target, the others at the drafter's own settings.
+fn init_mismatch_advice(field: &str) -> &'static str {
+    match field {
+        "hidden_size" | "vocab_size" | "dflash_config.mask_token_id" => {
+            "the drafter takes it from its target, so the checkpoint was trained against another target: give \
+             the --target it was trained against"
+        }
+        _ => "give the same --drafter-config (or drafter flags) as the checkpoint was trained with",
+    }
 }
 
 fn fmt_parent(path: &Path) -> String {
