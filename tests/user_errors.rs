@@ -374,6 +374,12 @@ fn inspect_follows_latest_in_a_run_folder() {
     // A file is not a folder to inspect.
     let (res, err) = cli(&["inspect", &o.output.out.join("metrics.jsonl").display().to_string()], None);
     assert!(!res.status.success() && err.contains("not a folder"), "{err}");
+    // A drafter folder without its weights says so (not how to make a random target).
+    let part = scratch.fresh("config-only");
+    std::fs::create_dir_all(&part).unwrap();
+    std::fs::copy(o.output.out.join("step-00000002/config.json"), part.join("config.json")).unwrap();
+    let (res, err) = cli(&["inspect", &part.display().to_string()], None);
+    assert!(!res.status.success() && err.contains("without its weights") && !err.contains("init-model"), "{err}");
     // A run without checkpoints shows its last metrics and says why there is nothing more.
     let mut o = quick(scratch.fresh("no-checkpoint"));
     o.output.checkpoints = false;

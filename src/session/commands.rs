@@ -61,8 +61,17 @@ fn inspect_into(dir: &Path, o: &mut String) -> Result<()> {
     let cfg_text = std::fs::read_to_string(dir.join("config.json")).with_context(|| {
         format!("{}: no readable config.json (a checkpoint folder or a run folder with `latest`)", dir.display())
     })?;
+    let drafter = cfg_text.contains("DFlashDraftModel");
+    let model = dir.join(checkpoint::MODEL_FILE);
+    anyhow::ensure!(
+        !drafter || model.is_file(),
+        "{}: a drafter's config.json without its weights, {} (a checkpoint folder holds both; one copied \
+         in part, or still being written, may not)",
+        dir.display(),
+        checkpoint::MODEL_FILE
+    );
     let store = weights::TensorStore::open_dir(&dir)?;
-    if cfg_text.contains("DFlashDraftModel") {
+    if drafter {
         let d = DrafterConfig::from_file(dir.join("config.json"))?;
         writeln!(
             o,
