@@ -303,6 +303,10 @@ pub trait Backend: Send + Sync + 'static {
     fn memory_is_host(&self) -> bool {
         false
     }
+    /// The largest drafter block (`block_size`) its drafter attention takes; `None`: any.
+    fn max_block_size(&self) -> Option<usize> {
+        None
+    }
     /// Device memory in use, for the run summary (None where the host's resident set says it).
     fn memory_report(&self) -> Option<String> {
         None

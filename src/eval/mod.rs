@@ -328,6 +328,7 @@ fn eval_on<B: Backend>(be: &B, o: &EvalOptions) -> Result<EvalReport> {
         DrafterSource::Checkpoint { dir, .. } => DrafterConfig::from_file(dir.join(checkpoint::CONFIG_FILE))?,
     };
     dcfg.check_against_target(&tcfg).context("--drafter does not fit --target")?;
+    crate::session::setup::check_block_size(std::slice::from_ref(be), dcfg.block_size)?;
     let (prompts, default_new, prompts_what) = load_prompts(o, &tcfg, &dcfg, &state)?;
     let max_new = o.max_new_tokens.unwrap_or(default_new);
     if max_new == 0 {

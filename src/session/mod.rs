@@ -213,6 +213,7 @@ fn run_on<B: Backend>(
     let tcfg = src.config().clone();
     let dcfg = drafter_config(opts, &tcfg)?;
     setup::check_inflight_memory(opts, &tcfg, dcfg.target_layer_ids.len())?;
+    setup::check_block_size(bes, dcfg.block_size)?;
     let drafter_identity = m.drafter_config.as_ref().map(|_| dcfg.to_json_value());
     let fingerprint = opts.fingerprint(src.identity()?, setup::data_identity(opts)?, drafter_identity);
     let backend_name = backend_name(bes, topo);

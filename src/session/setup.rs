@@ -142,6 +142,21 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A drafter block of `block_size` slots fits the drafter attention of every backend in `bes`
+/// (checked before a target loads, not at the first step).
+pub fn check_block_size<B: Backend>(bes: &[B], block_size: usize) -> Result<()> {
+    for be in bes {
+        if let Some(max) = be.max_block_size().filter(|&m| block_size > m) {
+            anyhow::bail!(
+                "block size {block_size}: {}'s drafter attention takes blocks of up to {max} slots (DFlash drafters \
+                 use 16); use --block-size {max} or less, or the CPU backend (--device cpu)",
+                be.name()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A preset's random-weight flags (`given`: each flag and whether it was given) beside a
 /// `--target` that is not a preset: refused, since the folder's own weights are loaded.
 pub fn refuse_preset_flags(target: &str, given: &[(&str, bool)]) -> Result<()> {

@@ -218,3 +218,24 @@ fn gpu_profile_accounts_for_the_step_and_changes_nothing() {
     assert!(t.sums_to_the_step(), "phases + gaps {} s vs the device's step {} s", t.accounted(), t.step);
     assert!(t.render().contains("of the device's step time"));
 }
+
+/// A block larger than the CUDA drafter attention takes is refused before anything loads, naming
+/// the limit, and the same run trains on the CPU backend (which takes any block).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_run_refuses_a_block_the_kernels_cannot_take() {
+    let scratch = Scratch::new("gpu-gpu_run_refuses_a_block_the_kernels_cannot_take");
+    let mut ro = RunOptions::tiny_default();
+    ro.train.steps = 1;
+    ro.output.quiet = true;
+    ro.output.checkpoints = false;
+    ro.model.block_size = 32;
+    ro.exec.device = Device::Cuda;
+    ro.output.out = scratch.path().join("cuda");
+    let e = format!("{:#}", session::run(&ro, None).unwrap_err());
+    assert!(e.contains("block size 32") && e.contains("up to 16") && e.contains("--device cpu"), "{e}");
+    assert!(!ro.output.out.exists(), "a refused run leaves no folder");
+    ro.exec.device = Device::Cpu;
+    ro.output.out = scratch.path().join("cpu");
+    session::run(&ro, None).unwrap();
+}

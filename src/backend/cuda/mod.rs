@@ -1393,6 +1393,12 @@ impl Backend for CudaBackend {
         Some(open())
     }
 
+    fn max_block_size(&self) -> Option<usize> {
+        // The backward's limit (kernels/attention.cu holds a block's keys in one tile); the
+        // warpgroup forms take no more, and training needs the backward.
+        Some(ATTN_MAX_BLOCK_KEYS)
+    }
+
     fn device_memory(&self) -> Option<(usize, usize)> {
         self.bind().ok()?;
         cu::mem_get_info().ok()
