@@ -82,8 +82,9 @@ with open("/tmp/q8b-data.jsonl", "w") as f:
         ids = [r.randrange(151000) for _ in range(3072)]
         f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 256 + [1] * (3072 - 256)}) + "\n")'
 }
-# --init-std draws a preset's random weights; a folder's own weights need none (run refuses it).
-preset_std() { case "$1" in tiny|small|qwen3-8b-shape|qwen3.5-tiny|qwen3.5-small|qwen3.6-27b-shape) echo "--init-std 0.02";; esac; }
+# --init-std draws a preset's random weights; a folder's own weights need none (the engine refuses
+# it there, and a name that is no folder is a preset or refused as unknown).
+preset_std() { [ -d "$1" ] || echo "--init-std 0.02"; }
 Q8B="--target $T8B $(preset_std $T8B) --data /tmp/q8b-data.jsonl --batch-size 4 --seq-len 3072 --anchors 512 --block-size 16 --drafter-layers 5 --lr 6e-4"
 if has run8b; then
   echo "== Qwen3-8B-shaped run (random weights, random-token data)"

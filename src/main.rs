@@ -493,7 +493,6 @@ impl RunArgs {
     }
 }
 
-/// `DFLASH_FAULT`: the failure tests that drive the binary (see `FaultPlan::parse`).
 /// The benches' `--init-std`: 0.02 for a preset target (the scale of trained weights), refused
 /// beside a folder, whose own weights are loaded.
 fn bench_init_std(target: &str, init_std: Option<f32>) -> Result<f32> {
@@ -503,6 +502,7 @@ fn bench_init_std(target: &str, init_std: Option<f32>) -> Result<f32> {
     Ok(std)
 }
 
+/// `DFLASH_FAULT`: the failure tests that drive the binary (see `FaultPlan::parse`).
 fn faults_from_env() -> Result<FaultPlan> {
     match std::env::var("DFLASH_FAULT") {
         Ok(v) => Ok(FaultPlan::parse(&v)?),
