@@ -60,9 +60,9 @@ constexpr int ATTN_WG_ALIGN = 1024;
 constexpr int ATTN_WG_BLOCK_KEYS = 16;
 // The drafter backward over queries (attn_draft_bwd_q_wg): 64-key context tiles (S, dP = 32
 // registers each beside the 64 of dQ), K in 3 stages (tile t's K serves S_t and, one iteration
-// later, dQ += dS_t K_t) and V in 2 (dP_t only). Shared memory: (2 * ROWS + (K_STAGES + V_STAGES)
-// * KEYS + 4 * BLOCK_KEYS) * hd * 2 + 4 * 64 * BLOCK_KEYS * 4 (f32 P and dS of the block keys per
-// warpgroup) + 1024 = 181,248 bytes at hd 128.
+// later, dQ += dS_t K_t) and V in 2 (dP_t only). Shared memory:
+// (2 * ROWS + (K_STAGES + V_STAGES) * KEYS + 4 * BLOCK_KEYS) * hd * 2 + 4 * 64 * BLOCK_KEYS * 4
+// (f32 P and dS of the block keys per warpgroup) + 1024 = 181,248 bytes at hd 128.
 constexpr int ATTN_WG_BWD_KEYS = 64;
 constexpr int ATTN_WG_BWD_K_STAGES = 3;
 constexpr int ATTN_WG_BWD_V_STAGES = 2;

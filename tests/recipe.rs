@@ -284,6 +284,7 @@ fn recipes_are_checked_against_the_target() {
 #[test]
 fn drafter_config_file_errors_name_the_field() {
     let base = DrafterConfig::recipe("qwen3.6-27b").unwrap().to_json_value();
+    #[allow(clippy::type_complexity)]
     let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Map<String, Value>)>)> = vec![
         ("layer_types", Box::new(|m| drop(m.insert("layer_types".into(), json!(vec!["sliding_attention"; 3]))))),
         ("layer_types", Box::new(|m| drop(m.insert("layer_types".into(), json!(vec!["linear_attention"; 5]))))),

@@ -595,6 +595,7 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- embedding, packing ----
     /// `out[r] = table[off + ids[r] * dim ..][..dim]`.
+    #[allow(clippy::too_many_arguments)]
     fn embed(
         &self,
         s: &Self::Stream,

@@ -926,8 +926,10 @@ fn produce<B: Backend>(
             FcError::Gone => PipelineError::ProducerGone { step: pstep },
         }
     };
-    // Split-FC: the packed X of the previous step, kept for dWfc.
-    let mut prev: Option<(u32, Vec<(HostBatch, B::Buf)>)> = None;
+    // Split-FC: the packed X of the previous step (its index, and each micro-batch with its X),
+    // kept for dWfc.
+    type Packed<B> = Vec<(HostBatch, <B as Backend>::Buf)>;
+    let mut prev: Option<(u32, Packed<B>)> = None;
     let steps = (cfg.first_step..cfg.end_step).filter(|&k| owner(cfg, k, sh.targets) == p);
     // Host time waited on the drafter side since the last stretch of target work closed; every
     // such wait happens with no stretch open.

@@ -22,6 +22,9 @@ use crate::faults::FaultPlan;
 use crate::pipeline::slots::{SlotGuard, SlotPool, SlotStats};
 use crate::tensor::DType;
 
+/// One timed copy: whether it ran on the sender's copy stream, and its start and end events.
+type CopyTiming<E> = (bool, E, E);
+
 /// How batches travel between the target and the drafter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -88,7 +91,7 @@ pub struct Link<'a, B: Backend> {
     pool: Option<Arc<SlotPool<B::HostMem>>>,
     bytes: AtomicU64,
     /// Device timestamps around every copy (backend, start, end), for the copy rate.
-    timed: Mutex<Vec<(bool, B::Event, B::Event)>>,
+    timed: Mutex<Vec<CopyTiming<B::Event>>>,
 }
 
 impl<'a, B: Backend> Link<'a, B> {

@@ -453,6 +453,7 @@ mod tests {
     /// checkpoint; `--init-std nan` reported accuracy 1.000): each is refused with its flag.
     #[test]
     fn non_finite_and_out_of_range_numbers_are_refused_with_their_flag() {
+        #[allow(clippy::type_complexity)]
         let cases: Vec<(&str, Box<dyn FnOnce(&mut RunOptions)>)> = vec![
             ("--lr", Box::new(|o| o.train.lr = f32::NAN)),
             ("--lr", Box::new(|o| o.train.lr = f32::INFINITY)),

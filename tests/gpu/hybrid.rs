@@ -558,6 +558,7 @@ fn gpu_gdn_split_matches_cpu_at_the_27b_head_shape() {
 // Causal attention at head_dim 256
 // ---------------------------------------------------------------------------------------------
 
+#[allow(clippy::too_many_arguments)]
 fn causal<B: Backend>(
     be: &B,
     q: &[f32],

@@ -16,6 +16,7 @@ pub(super) struct Qwen3;
 /// Appends one decoder layer's tensors named `{prefix}{suffix}` in `LayerTensor::ALL` order, with
 /// up right after gate so the MLP's first projection is one `[2 * inter, hidden]` GEMM, and with
 /// `fuse_qkv` k and v right after q (one `[q + 2 kv width, hidden]` GEMM).
+#[allow(clippy::too_many_arguments)]
 pub fn push_layer(
     t: &mut ParamTable,
     prefix: &str,
