@@ -76,11 +76,9 @@ for tool in ${TOOLS:-memcheck synccheck}; do
   done
 done
 wait
-# A tool's window ends its sanitize.sh, but not the `timeout 900 compute-sanitizer` inside it:
-# that timeout runs in a process group of its own, which the window's signal does not reach (its
-# tool and test binary run on). After synccheck's window ran out that way, the timed run that
-# followed in the same call measured half the GEMM rate (352 TFLOP/s; 802 in the next call). So
-# whatever still runs on the GPU now is ended, and said.
+# sanitize.sh ends its tool's process group when a window ends it. Before it did, synccheck's tool
+# ran on past its window, and the timed run that followed in the same call measured half the GEMM
+# rate (352 TFLOP/s; 802 in the next call). Whatever still runs on the GPU now is ended, and said.
 left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
 if [ -n "$left" ]; then
   echo "ending what still ran on the GPU after the window (pids $(echo $left | tr '\n' ' '))" | tee -a $L/stream.txt

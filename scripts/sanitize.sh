@@ -35,6 +35,13 @@ if [ -n "${SHARD:-}" ]; then
     if [ "$si" -eq 0 ]; then KERNEL_TESTS=""; else PIPE_TESTS="" KERNEL_TESTS=$(pick "$KERNEL_TESTS" 1 $((sn - 1))); fi
   fi
 fi
+# Each tool runs under a timeout of its own, and that timeout puts it (and the instrumented test
+# binary) in a process group of its own, which a signal that ends this script does not reach: when
+# all.sh's or models.sh's window ended this script, the tool ran on, holding the GPU under the
+# timed runs that followed. So the tool runs in the background and an ending signal ends its group.
+child=""
+trap '[ -n "$child" ] && kill -KILL -- -"$child" 2>/dev/null; exit 143' TERM INT
+sanitized() { timeout 900 compute-sanitizer "$@" & child=$!; wait $child; local rc=$?; child=""; return $rc; }
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
@@ -53,7 +60,7 @@ for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   # nothing but cuBLASLt GEMMs, which gpu_gemm_matches_cpu covers: instrumented, their ~100
   # GEMMs of 4096^3 kept gemm's shard past 420 s under synccheck on the H200.
   tests="$tests --skip gpu_clock_monitor_reads_the_device_under_gemm_load --skip gpu_gemm_peak_is_measured_on_the_device"
-  timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
+  sanitized --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"
   [ $rc -eq 0 ] || status=1
@@ -67,7 +74,7 @@ STREAM_TESTS=${STREAM_TESTS:-"$PIPE_TESTS run::async run::split $two"}
 # NCCL (data-parallel runs) probes kernel images with cudaFuncGetAttributes and handles the
 # "no kernel image" answers itself; those API errors are not ours, so API errors are not reported
 # here (every CUDA call of ours is checked, and a failure fails its test).
-DFLASH_ALLOC_MODE=free-async timeout 900 compute-sanitizer --tool memcheck --track-stream-ordered-races all \
+DFLASH_ALLOC_MODE=free-async sanitized --tool memcheck --track-stream-ordered-races all \
   --report-api-errors no --error-exitcode 9 "$B/integration" --include-ignored --test-threads=1 $STREAM_TESTS > "$log" 2>&1
 rc=$?; echo "stream-ordered races (free-async allocator): exit $rc; $(summary "$log")"
 [ $rc -eq 0 ] || status=1
