@@ -167,7 +167,9 @@ if has eval8b; then
   # The in-memory preset unless T8B names a folder that exists (no 16 GB written for this).
   t=qwen3-8b-shape
   [ -f "$T8B/config.json" ] && t=$T8B
-  timeout 240 $B/dflash-engine eval --device cuda --target $t $(preset_std $t) --drafter random --drafter-layers 5 \
+  # --foreground: the timeout stays in this script's process group, so a caller's window that
+  # ends this script (models.sh) ends the run too (a timeout of its own group would outlive it).
+  timeout --foreground 240 $B/dflash-engine eval --device cuda --target $t $(preset_std $t) --drafter random --drafter-layers 5 \
     --prompts generated --num-prompts 4 --max-new-tokens 128 --out "$OUT/eval8b.json" 2>&1 | tee "$OUT/eval8b.log" || status=1
 fi
 if has decode8b; then
@@ -245,7 +247,7 @@ if named gdn; then
   gt="$gt gpu::hybrid::gpu_gdn_fused gpu::hybrid_fused::gpu_fused_gdn_conv"
   for tool in racecheck memcheck initcheck synccheck; do
     tests=$gt; [ $tool = racecheck ] && tests="gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_fused"
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 \
+    timeout --foreground 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 \
       $tests > /tmp/gdn-san.log 2>&1 || { status=1; { echo "== $tool"; head -c 6000 /tmp/gdn-san.log; } >> "$OUT/gdn-san-detail.txt"; }
     echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gdn-san.log | tail -1)" | tee -a "$OUT/gdn-san.txt"
   done
