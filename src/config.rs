@@ -1119,6 +1119,18 @@ pub fn default_gamma(block_size: usize) -> f64 {
     1.0 + 3.0 * block_size as f64 / 8.0
 }
 
+/// The first field in which two drafter configs differ ([`DrafterConfig::first_difference`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigDifference {
+    /// The field as config.json spells it.
+    pub field: &'static str,
+    pub ours: String,
+    pub theirs: String,
+    /// The drafter takes this field from its target (hidden size, vocabulary, mask token), so a
+    /// difference means another target, not other drafter settings.
+    pub from_target: bool,
+}
+
 /// The drafter: Qwen3 layers with KV injection (DFLASH.md section 3). It inherits the target's
 /// layer shape, vocabulary and RoPE, because it borrows the target's embedding and lm_head.
 #[derive(Clone, Debug, PartialEq)]
@@ -1252,31 +1264,38 @@ impl DrafterConfig {
     }
 
     /// The first field where `other` (e.g. a warm start's checkpoint config) describes another
-    /// drafter than `self`, as (field, self's value, other's value): geometry, layer kinds,
+    /// drafter than `self`: geometry, layer kinds,
     /// window, taps, block size, mask token, norm eps and RoPE. Training settings (the loss
     /// gamma) and token ids other than the mask may differ.
-    pub fn first_difference(&self, other: &DrafterConfig) -> Option<(&'static str, String, String)> {
-        let pairs: [(&'static str, String, String); 14] = [
-            ("hidden_size", self.hidden_size.to_string(), other.hidden_size.to_string()),
-            ("num_hidden_layers", self.num_layers.to_string(), other.num_layers.to_string()),
-            ("num_attention_heads", self.num_attention_heads.to_string(), other.num_attention_heads.to_string()),
-            ("num_key_value_heads", self.num_key_value_heads.to_string(), other.num_key_value_heads.to_string()),
-            ("head_dim", self.head_dim.to_string(), other.head_dim.to_string()),
-            ("intermediate_size", self.intermediate_size.to_string(), other.intermediate_size.to_string()),
-            ("vocab_size", self.vocab_size.to_string(), other.vocab_size.to_string()),
-            ("block_size", self.block_size.to_string(), other.block_size.to_string()),
+    pub fn first_difference(&self, other: &DrafterConfig) -> Option<ConfigDifference> {
+        // (field, self's value, other's value, whether the drafter takes the field from its target)
+        let pairs: [(&'static str, String, String, bool); 14] = [
+            ("hidden_size", self.hidden_size.to_string(), other.hidden_size.to_string(), true),
+            ("num_hidden_layers", self.num_layers.to_string(), other.num_layers.to_string(), false),
+            ("num_attention_heads", self.num_attention_heads.to_string(), other.num_attention_heads.to_string(), false),
+            ("num_key_value_heads", self.num_key_value_heads.to_string(), other.num_key_value_heads.to_string(), false),
+            ("head_dim", self.head_dim.to_string(), other.head_dim.to_string(), false),
+            ("intermediate_size", self.intermediate_size.to_string(), other.intermediate_size.to_string(), false),
+            ("vocab_size", self.vocab_size.to_string(), other.vocab_size.to_string(), true),
+            ("block_size", self.block_size.to_string(), other.block_size.to_string(), false),
             (
                 "dflash_config.target_layer_ids",
                 format!("{:?}", self.target_layer_ids),
                 format!("{:?}", other.target_layer_ids),
+                false,
             ),
-            ("dflash_config.mask_token_id", self.mask_token_id.to_string(), other.mask_token_id.to_string()),
-            ("layer_types", format!("{:?}", self.layer_type_names()), format!("{:?}", other.layer_type_names())),
-            ("sliding_window", format!("{:?}", self.sliding_window), format!("{:?}", other.sliding_window)),
-            ("rms_norm_eps", self.rms_norm_eps.to_string(), other.rms_norm_eps.to_string()),
-            ("rope_theta", self.rope_theta.to_string(), other.rope_theta.to_string()),
+            ("dflash_config.mask_token_id", self.mask_token_id.to_string(), other.mask_token_id.to_string(), true),
+            ("layer_types", format!("{:?}", self.layer_type_names()), format!("{:?}", other.layer_type_names()), false),
+            ("sliding_window", format!("{:?}", self.sliding_window), format!("{:?}", other.sliding_window), false),
+            ("rms_norm_eps", self.rms_norm_eps.to_string(), other.rms_norm_eps.to_string(), false),
+            ("rope_theta", self.rope_theta.to_string(), other.rope_theta.to_string(), false),
         ];
-        pairs.into_iter().find(|(_, a, b)| a != b)
+        pairs.into_iter().find(|(_, a, b, _)| a != b).map(|(field, ours, theirs, from_target)| ConfigDifference {
+            field,
+            ours,
+            theirs,
+            from_target,
+        })
     }
 
     /// `layer_types` as the config spells them.

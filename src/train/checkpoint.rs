@@ -193,21 +193,14 @@ pub enum CheckpointError {
         "--init-from {}: the checkpoint's drafter differs from this run's: {field} is {theirs} \
          in its config.json but {ours} here; {}",
         .path.display(),
-        init_mismatch_advice(field)
-    )]
-    InitMismatch { path: PathBuf, field: &'static str, theirs: String, ours: String },
-}
-
-/// What to change for a warm start whose drafter differs in `field`: the fields a drafter takes
-/// from its target point at the target, the others at the drafter's own settings.
-fn init_mismatch_advice(field: &str) -> &'static str {
-    match field {
-        "hidden_size" | "vocab_size" | "dflash_config.mask_token_id" => {
+        if *from_target {
             "the drafter takes it from its target, so the checkpoint was trained against another target: give \
              the --target it was trained against"
+        } else {
+            "give the same --drafter-config (or drafter flags) as the checkpoint was trained with"
         }
-        _ => "give the same --drafter-config (or drafter flags) as the checkpoint was trained with",
-    }
+    )]
+    InitMismatch { path: PathBuf, field: &'static str, theirs: String, ours: String, from_target: bool },
 }
 
 fn fmt_parent(path: &Path) -> String {
@@ -770,8 +763,9 @@ pub fn check_init(dir: impl AsRef<Path>, ours: &crate::config::DrafterConfig) ->
     }
     let theirs = crate::config::DrafterConfig::from_file(&cfg_path)
         .map_err(|source| CheckpointError::InitConfig { path: dir.clone(), source })?;
-    if let Some((field, ours_v, theirs_v)) = ours.first_difference(&theirs) {
-        return Err(CheckpointError::InitMismatch { path: dir, field, theirs: theirs_v, ours: ours_v });
+    if let Some(d) = ours.first_difference(&theirs) {
+        let crate::config::ConfigDifference { field, ours, theirs, from_target } = d;
+        return Err(CheckpointError::InitMismatch { path: dir, field, theirs, ours, from_target });
     }
     Ok(dir)
 }
