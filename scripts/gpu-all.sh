@@ -76,15 +76,6 @@ for tool in ${TOOLS:-memcheck synccheck}; do
   done
 done
 wait
-# sanitize.sh ends its tool's process group when a window ends it. Before it did, synccheck's tool
-# ran on past its window, and the timed run that followed in the same call measured half the GEMM
-# rate (352 TFLOP/s; 802 in the next call). Whatever still runs on the GPU now is ended, and said.
-left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
-if [ -n "$left" ]; then
-  echo "ending what still ran on the GPU after the window (pids $(echo $left | tr '\n' ' '))" | tee -a $L/stream.txt
-  pkill -KILL -x compute-sanitiz 2>/dev/null; for p in $left; do kill -KILL "$p" 2>/dev/null; done
-  for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break; sleep 1; done
-fi
 { cat $L/tests.rc $L/san-*.txt $L/stream.txt 2>/dev/null; for f in $L/sanitize-*.log $L/*/sanitize-*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20; done; } > $OUT/summary.txt
 if [ "${RUN_TESTS:-1}" != 0 ]; then
   grep -E "^test .*(FAILED|panicked)|panicked at" $OUT/tests.log | head -20; grep "test result" $OUT/tests.log

@@ -35,13 +35,10 @@ if [ -n "${SHARD:-}" ]; then
     if [ "$si" -eq 0 ]; then KERNEL_TESTS=""; else PIPE_TESTS="" KERNEL_TESTS=$(pick "$KERNEL_TESTS" 1 $((sn - 1))); fi
   fi
 fi
-# Each tool runs under a timeout of its own, and that timeout puts it (and the instrumented test
-# binary) in a process group of its own, which a signal that ends this script does not reach: when
-# all.sh's or models.sh's window ended this script, the tool ran on, holding the GPU under the
-# timed runs that followed. So the tool runs in the background and an ending signal ends its group.
-child=""
-trap '[ -n "$child" ] && kill -KILL -- -"$child" 2>/dev/null; exit 143' TERM INT
-sanitized() { timeout 900 compute-sanitizer "$@" & child=$!; wait $child; local rc=$?; child=""; return $rc; }
+# Each tool's timeout runs with --foreground: in a process group of its own, the tool and its
+# instrumented test binary outlived a caller's window that ended this script (all.sh, models.sh),
+# holding the GPU under the timed runs that followed.
+sanitized() { timeout --foreground 900 compute-sanitizer "$@"; }
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
