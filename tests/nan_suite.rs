@@ -64,8 +64,19 @@ fn run_matches(o: &RunOptions, want_l: &[u64], want_w: &Masters, what: &str, ref
 /// Every (transport, split, pad, inflight) against the synchronous reference of its pad.
 /// `DFLASH_NAN_SUITE=quick` (the sanitizer runs, where every kernel is 10-100x slower) keeps
 /// every transport and split but only no padding, the deeper queue and 3 steps.
+/// `DFLASH_NAN_SUITE_TRANSPORT=same|p2p|host` keeps one transport, so that a sanitizer run can
+/// split the suite over processes (scripts/sanitize.sh, SUITE_SPLIT); the names are
+/// `Transport::name`'s, and a name matching none of them fails the test.
 fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
     let quick = std::env::var("DFLASH_NAN_SUITE").is_ok_and(|v| v == "quick");
+    let only = std::env::var("DFLASH_NAN_SUITE_TRANSPORT").ok().filter(|v| !v.is_empty());
+    let transports: Vec<Transport> =
+        transports.iter().copied().filter(|t| only.as_deref().is_none_or(|o| o == t.name())).collect();
+    assert!(
+        !transports.is_empty(),
+        "DFLASH_NAN_SUITE_TRANSPORT={} names none of this suite's transports",
+        only.unwrap_or_default()
+    );
     let pads: &[Option<usize>] = if quick { &[None] } else { &[None, Some(160)] };
     let depths: &[usize] = if quick { &[3] } else { &[1, 3] };
     let mut rows = Vec::new();
@@ -86,7 +97,7 @@ fn matrix(base: impl Fn(&str) -> RunOptions, transports: &[Transport]) {
         let want = session::run(&reference, None).unwrap();
         let want_w = final_masters(&reference.output.out);
         assert!(want.history.iter().all(|m| m.loss.is_finite()));
-        for &t in transports {
+        for &t in &transports {
             for split in [false, true] {
                 for &inflight in depths {
                     let o = async_run(base("async"), t, split, inflight, pad);
