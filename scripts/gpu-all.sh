@@ -32,6 +32,15 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # where memcheck took 325 s); alone with SHARDS=4 and WINDOW=420 (at 36b38f2) its shards of norm +
 # attention + cross-entropy (66 s) and elementwise + hybrid + optimizer (55 s) finished clean,
 # while gemm + pack + hybrid_fused and the suite's shard did not finish.
+# On the H100 at 0cd91fe, TOOLS="initcheck synccheck" SHARDS=4 SUITE_SPLIT="same p2p host"
+# WINDOW=540 (twelve processes): every kernel shard finished (synccheck 41-121 s, 0 errors;
+# initcheck 110-154 s, 0 errors but for gemm + pack + hybrid_fused: 327,680 reports; rerun alone,
+# gpu_gemm_matches_cpu gave 81,920, and those printed were cuBLASLt's split-K reduce reading its
+# workspace after the 16x1024x8192 GEMM, whose result matched the CPU), while
+# each transport's third of the suite still ran past 540 s under both tools. racecheck alone
+# (SHARDS=4, gpu::hybrid:: included, WINDOW=420): attention + gemm + optimizer 381 s with 4
+# hazards, each in one of cuBLASLt's nvjet split-K kernels; norm + hybrid past 420 s (in the chunked
+# Gated DeltaNet test); the other two clean.
 W=${WINDOW:-400}
 N=${SHARDS:-1}
 if [ "${BENCH:-1}" != 0 ]; then

@@ -41,6 +41,15 @@ fi
 sanitized() { timeout --foreground 900 compute-sanitizer "$@"; }
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
+# Which kernels a log's printed reports are in (the tools print the first 100 in full), most
+# first, NVIDIA's library kernels named as such: on the H100, initcheck and racecheck reported
+# inside cuBLASLt's split-K kernels (a decoding-sized 16x1024x8192 GEMM), not in ours.
+where() {
+  grep -oE '(^=+ +at |access at )(void )?[^(<+ ]+' "$1" | sed -E 's/.* at (void )?//' | sort | uniq -c | sort -rn | head -8 |
+    while read -r n k; do
+      case $k in cublasLt::* | nvjet_* | *xmma* | cutlass*) echo "  $n printed in $k (cuBLASLt's kernel, not this engine's)" ;; *) echo "  $n printed in $k" ;; esac
+    done
+}
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   log="$OUT/sanitize-$tool.log"
   # racecheck instruments shared memory per access: the kernel tests are enough there.
@@ -60,6 +69,7 @@ for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   sanitized --tool "$tool" --error-exitcode 9 "$B/integration" --include-ignored \
     --test-threads=1 $tests > "$log" 2>&1
   rc=$?; echo "$tool: exit $rc; $(summary "$log")"
+  where "$log"
   [ $rc -eq 0 ] || status=1
 done
 # STREAM_TESTS=none skips this pass (a device call too short for every pass runs it separately).
@@ -74,5 +84,6 @@ STREAM_TESTS=${STREAM_TESTS:-"$PIPE_TESTS run::async run::split $two"}
 DFLASH_ALLOC_MODE=free-async sanitized --tool memcheck --track-stream-ordered-races all \
   --report-api-errors no --error-exitcode 9 "$B/integration" --include-ignored --test-threads=1 $STREAM_TESTS > "$log" 2>&1
 rc=$?; echo "stream-ordered races (free-async allocator): exit $rc; $(summary "$log")"
+where "$log"
 [ $rc -eq 0 ] || status=1
 exit $status
