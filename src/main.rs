@@ -351,6 +351,11 @@ struct RunArgs {
     /// phase table in the summary (with --sync on one GPU; costs a few microseconds per launch).
     #[arg(long)]
     profile: bool,
+    /// What the MFU column divides by: `measure` (a ~20 ms burst of bf16 8192^3 GEMMs on the first
+    /// device before the first step: what the card sustains now), a device's peak in TFLOP/s (e.g.
+    /// a datasheet's dense bf16 figure, to set runs against one number), or `off`.
+    #[arg(long, default_value = "measure", value_parser = clap::value_parser!(session::options::MfuPeak))]
+    mfu_peak: session::options::MfuPeak,
 }
 
 #[derive(Args)]
@@ -488,6 +493,7 @@ impl RunArgs {
                 trace: self.trace,
                 tensorboard: !self.no_tensorboard,
                 profile: self.profile,
+                mfu_peak: self.mfu_peak,
             },
         })
     }

@@ -89,6 +89,27 @@ fn non_finite_or_out_of_range_flags_stop_before_training() {
     }
 }
 
+/// `--mfu-peak`: a given peak is set against (the summary says "given" and the figure), `off`
+/// leaves the column out and says so, and a bad value stops the binary naming the flag.
+#[test]
+fn mfu_peak_is_given_or_off_or_refused() {
+    let scratch = Scratch::new("user-mfu_peak_is_given_or_off_or_refused");
+    let out = scratch.fresh("given").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--mfu-peak", "0.05"]), None);
+    assert!(res.status.success(), "{err}");
+    assert!(err.contains("peak 0.05 TFLOP/s per device, given (--mfu-peak)"), "{err}");
+    let line = err.lines().find(|l| l.starts_with("mfu            ")).expect("a summary mfu line");
+    assert!(line.contains("of the given peak") && line.contains("(--mfu-peak)"), "{line}");
+    let out = scratch.fresh("off").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--mfu-peak", "off"]), None);
+    assert!(res.status.success(), "{err}");
+    assert!(err.lines().any(|l| l == "mfu            off (--mfu-peak off)"), "{err}");
+    let out = scratch.fresh("bad").display().to_string();
+    let (res, err) = cli(&run_args(&out, &["--mfu-peak", "fast"]), None);
+    assert!(!res.status.success() && err.contains("--mfu-peak") && err.contains("TFLOP/s"), "{err}");
+    assert!(!std::path::Path::new(&out).join("latest").exists(), "nothing may be written");
+}
+
 /// `run --gen-prompt-len 0` and `gen-data --seq-len` up to 8 panicked in the generator; now they
 /// are errors naming the flag, and no file is written.
 #[test]

@@ -41,8 +41,10 @@ pub struct RunSummary {
     pub phases: Option<crate::backend::profile::PhaseTable>,
     /// `--profile`: the steps the table averages, one entry per step, in order.
     pub phase_steps: Vec<crate::backend::profile::StepPhases>,
-    /// The FLOP model and measured peak of the MFU column; `None` where no peak was measured.
+    /// The FLOP model and peak (measured or given) of the MFU column; `None` without a peak.
     pub mfu: Option<Mfu>,
+    /// `--mfu-peak off`: no MFU asked for (the summary says so instead of why there is none).
+    pub mfu_off: bool,
 }
 
 impl RunSummary {
@@ -75,15 +77,16 @@ impl RunSummary {
         let total = target + gemm + attn;
         let per = |x: f64| flops_text(x / n as f64);
         Some(format!(
-            "{} of the measured peak: {} of model FLOPs per step (target forward {}, drafter {} of which attention {}) \
-             at {}/s, against {:.0} TFLOP/s ({})",
+            "{} of the {} peak: {} of model FLOPs per step (target forward {}, drafter {} of which attention {}) \
+             at {}/s, against {} ({})",
             percent_text(100.0 * total / secs.max(1e-12) / mfu.peak),
+            if mfu.measured { "measured" } else { "given" },
             per(total),
             per(target),
             per(gemm + attn),
             per(attn),
             flops_text(total / secs.max(1e-12)),
-            mfu.peak / 1e12,
+            crate::train::flops::peak_text(mfu.peak),
             mfu.peak_source
         ))
     }
@@ -91,7 +94,7 @@ impl RunSummary {
 
 /// FLOPs with a unit that leaves one to four digits before the point (`3.2 TFLOP`, `840 MFLOP`).
 fn flops_text(x: f64) -> String {
-    let (v, unit) = [(1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]
+    let (v, unit) = [(1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP")]
         .into_iter()
         .find(|&(scale, _)| x >= scale)
         .map_or((x, "FLOP"), |(scale, unit)| (x / scale, unit));
@@ -318,6 +321,7 @@ pub fn print_summary(r: &RunSummary) {
     );
     match r.mfu_line() {
         Some(line) => eprintln!("mfu            {line}"),
+        None if r.mfu_off => eprintln!("mfu            off (--mfu-peak off)"),
         None if r.mfu.is_none() => {
             eprintln!("mfu            n/a: no device clock to measure a GEMM peak with (the CPU backend)")
         }
@@ -488,6 +492,7 @@ mod tests {
             target: TargetFlops { gemm_per_token: 6e9, recurrence_per_token: 4e9, per_pair: 1e6 },
             peak: 8e12,
             peak_source: "a test".into(),
+            measured: true,
         };
         // Target 100 * 1e10 + 1e6 * 1e6 = 2e12, drafter 1.5e12 + 0.5e12: 4e12 per step.
         let m = StepMetrics {

@@ -34,7 +34,7 @@ use crate::weights;
 pub use commands::{gen_data, inspect};
 pub use log::{print_summary, RunSummary, StepClock};
 pub use options::{
-    DataOptions, Device, ExecOptions, ModelOptions, OutputOptions, RunOptions, TrainOptions, TINY_INIT_STD,
+    DataOptions, Device, ExecOptions, MfuPeak, ModelOptions, OutputOptions, RunOptions, TrainOptions, TINY_INIT_STD,
 };
 pub use prepare::prepare_data;
 use setup::{StepBatches, TargetSource, Topology};
@@ -361,19 +361,21 @@ fn run_on<B: Backend>(
         say(note);
     }
     let mut steplog = log::StepLog::new(out.quiet, out.log_every, t.steps, first_step);
-    // The MFU column's peak: measured on the first device, counted once per device the run uses.
-    let mfu = match device_peak(bt)? {
-        Some(peak) => {
-            let source = format!(
-                "cuBLASLt bf16 {MFU_PEAK_N}^3 on {}{}",
-                bt.name(),
-                if bes.len() > 1 { format!(", x {} devices", bes.len()) } else { String::new() }
-            );
-            say(format!("mfu       peak {:.0} TFLOP/s per device, measured ({source})", peak / 1e12));
-            Some(crate::train::flops::Mfu { target: tflops, peak: peak * bes.len() as f64, peak_source: source })
+    // The MFU column's peak (measured on the first device, or given), counted once per device
+    // the run uses.
+    let devices = if bes.len() > 1 { format!(", x {} devices", bes.len()) } else { String::new() };
+    let peak = match out.mfu_peak {
+        MfuPeak::Measure => {
+            device_peak(bt)?.map(|p| (p, true, format!("cuBLASLt bf16 {MFU_PEAK_N}^3 on {}{devices}", bt.name())))
         }
-        None => None,
+        MfuPeak::Given(p) => Some((p, false, format!("--mfu-peak{devices}"))),
+        MfuPeak::Off => None,
     };
+    let mfu = peak.map(|(peak, measured, source)| {
+        let how = if measured { "measured" } else { "given" };
+        say(format!("mfu       peak {} per device, {how} ({source})", crate::train::flops::peak_text(peak)));
+        crate::train::flops::Mfu { target: tflops, peak: peak * bes.len() as f64, peak_source: source, measured }
+    });
     if let Some(m) = &mfu {
         steplog.set_mfu(m.clone());
     }
@@ -516,11 +518,13 @@ fn run_on<B: Backend>(
         // The first step builds GEMM plans and the allocator's segments: left out.
         // Profiled steps run on one device: its GEMMs against that device's measured rate.
         phases: crate::backend::profile::PhaseTable::from_marked_steps(&steady, 1).map(|mut t| {
-            t.gemm_peak = mfu.as_ref().map(|m| m.peak / bes.len() as f64);
+            // The phase table sets the GEMMs against a rate this device measured, not a given one.
+            t.gemm_peak = mfu.as_ref().filter(|m| m.measured).map(|m| m.peak / bes.len() as f64);
             t
         }),
         phase_steps: steady,
         mfu,
+        mfu_off: out.mfu_peak == MfuPeak::Off,
     };
     print_summary(&summary);
     Ok(summary)

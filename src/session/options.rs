@@ -119,6 +119,48 @@ pub struct ExecOptions {
     pub faults: FaultPlan,
 }
 
+/// What the MFU column divides the model FLOPs by (`--mfu-peak`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MfuPeak {
+    /// A short burst of bf16 GEMMs on the first device before the first step (about 20 ms, once
+    /// per process and device): what the card sustains now, at its clocks.
+    Measure,
+    /// This many FLOP/s per device, e.g. a datasheet's dense bf16 figure, so that runs on
+    /// different days or cards are set against one number.
+    Given(f64),
+    /// No MFU column (and no GEMM burst at the start).
+    Off,
+}
+
+impl std::str::FromStr for MfuPeak {
+    type Err = String;
+
+    /// `measure`, `off`, or a peak in TFLOP/s per device (a positive number).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "measure" => Ok(MfuPeak::Measure),
+            "off" => Ok(MfuPeak::Off),
+            v => match v.parse::<f64>() {
+                Ok(t) if t.is_finite() && t > 0.0 => Ok(MfuPeak::Given(t * 1e12)),
+                _ => Err(format!(
+                    "`{v}` is not `measure`, `off` or a device's bf16 peak in TFLOP/s (a positive number, e.g. 989)"
+                )),
+            },
+        }
+    }
+}
+
+/// `"measure"`, `"off"`, or the given peak in TFLOP/s (what the flag took).
+impl Serialize for MfuPeak {
+    fn serialize<S: serde::Serializer>(&self, se: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MfuPeak::Measure => se.serialize_str("measure"),
+            MfuPeak::Off => se.serialize_str("off"),
+            MfuPeak::Given(p) => se.serialize_f64(p / 1e12),
+        }
+    }
+}
+
 /// Where the run writes and what it shows.
 #[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -142,6 +184,8 @@ pub struct OutputOptions {
     /// Time every kernel, GEMM and copy of the synchronous step by phase (device events) and
     /// print the phase table in the summary.
     pub profile: bool,
+    /// The MFU column's peak.
+    pub mfu_peak: MfuPeak,
 }
 
 /// Everything `run` needs; the CLI fills it (see `main.rs` for each flag's help).
@@ -221,6 +265,7 @@ impl RunOptions {
                 trace: None,
                 tensorboard: true,
                 profile: false,
+                mfu_peak: MfuPeak::Measure,
             },
         }
     }
@@ -442,6 +487,22 @@ fn at_least(flag: &'static str, v: usize, min: usize) -> Result<(), OptionsError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--mfu-peak`: `measure`, `off`, or a positive TFLOP/s figure (kept as FLOP/s); anything
+    /// else is refused with what the flag takes.
+    #[test]
+    fn mfu_peak_takes_measure_off_or_a_positive_peak() {
+        assert_eq!("measure".parse::<MfuPeak>(), Ok(MfuPeak::Measure));
+        assert_eq!("off".parse::<MfuPeak>(), Ok(MfuPeak::Off));
+        assert_eq!("989".parse::<MfuPeak>(), Ok(MfuPeak::Given(989e12)));
+        assert_eq!("0.5".parse::<MfuPeak>(), Ok(MfuPeak::Given(0.5e12)));
+        for bad in ["0", "-3", "nan", "inf", "fast", ""] {
+            let e = bad.parse::<MfuPeak>().expect_err(bad);
+            assert!(e.contains("`measure`, `off` or a device's bf16 peak in TFLOP/s"), "{bad}: {e}");
+        }
+        assert_eq!(serde_json::to_string(&MfuPeak::Given(989e12)).unwrap(), "989.0");
+        assert_eq!(serde_json::to_string(&MfuPeak::Off).unwrap(), "\"off\"");
+    }
 
     fn err(f: impl FnOnce(&mut RunOptions)) -> String {
         let mut o = RunOptions::tiny_default();

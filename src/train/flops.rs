@@ -170,8 +170,10 @@ pub struct Mfu {
     pub target: TargetFlops,
     /// FLOP/s: the measured peak of one device times the devices the run uses.
     pub peak: f64,
-    /// How the peak was measured, for the summary.
+    /// How the peak was measured (or that it was given), for the summary.
     pub peak_source: String,
+    /// Measured on the device (`measure_gemm_peak`), not given (`--mfu-peak`).
+    pub measured: bool,
 }
 
 impl Mfu {
@@ -184,6 +186,23 @@ impl Mfu {
     pub fn percent(&self, m: &StepMetrics, secs: f64) -> f64 {
         100.0 * self.step_flops(m) / secs.max(1e-12) / self.peak
     }
+}
+
+/// A peak rate in TFLOP/s with three significant digits at most (`802`, `51.2`, `0.05`).
+pub fn peak_text(flops_per_s: f64) -> String {
+    let t = flops_per_s / 1e12;
+    let digits = if t >= 100.0 {
+        0
+    } else if t >= 10.0 {
+        1
+    } else if t >= 1.0 {
+        2
+    } else {
+        3
+    };
+    let text = format!("{t:.digits$}");
+    let text = if text.contains('.') { text.trim_end_matches('0').trim_end_matches('.').to_string() } else { text };
+    format!("{text} TFLOP/s")
 }
 
 /// `n` bf16 values uniform in [-1, 1) from a 64-bit LCG seeded by `seed`, uploaded in chunks of
@@ -234,6 +253,14 @@ pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peak_text_keeps_three_significant_digits() {
+        assert_eq!(peak_text(802.4e12), "802 TFLOP/s");
+        assert_eq!(peak_text(51.23e12), "51.2 TFLOP/s");
+        assert_eq!(peak_text(8e12), "8 TFLOP/s");
+        assert_eq!(peak_text(0.05e12), "0.05 TFLOP/s");
+    }
     use crate::config::HybridConfig;
 
     fn batch(lens: &[usize], pad: usize, anchors: &[i32]) -> HostBatch {
