@@ -253,14 +253,6 @@ pub fn measure_gemm_peak<B: Backend>(be: &B, n: usize) -> Result<Option<f64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn peak_text_keeps_three_significant_digits() {
-        assert_eq!(peak_text(802.4e12), "802 TFLOP/s");
-        assert_eq!(peak_text(51.23e12), "51.2 TFLOP/s");
-        assert_eq!(peak_text(8e12), "8 TFLOP/s");
-        assert_eq!(peak_text(0.05e12), "0.05 TFLOP/s");
-    }
     use crate::config::HybridConfig;
 
     fn batch(lens: &[usize], pad: usize, anchors: &[i32]) -> HostBatch {
@@ -346,5 +338,13 @@ mod tests {
             f,
             TargetFlops { gemm_per_token: 384.0 + 512.0 + 2.0 * 768.0, recurrence_per_token: 48.0, per_pair: 32.0 }
         );
+    }
+
+    #[test]
+    fn peak_text_keeps_three_significant_digits() {
+        assert_eq!(peak_text(802.4e12), "802 TFLOP/s");
+        assert_eq!(peak_text(51.23e12), "51.2 TFLOP/s");
+        assert_eq!(peak_text(8e12), "8 TFLOP/s");
+        assert_eq!(peak_text(0.05e12), "0.05 TFLOP/s");
     }
 }
