@@ -37,7 +37,9 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # initcheck 110-154 s, 0 errors but for gemm + pack + hybrid_fused: 327,680 reports; rerun alone,
 # gpu_gemm_matches_cpu gave 81,920, and those printed were cuBLASLt's split-K reduce reading its
 # workspace after the 16x1024x8192 GEMM, whose result matched the CPU), while
-# each transport's third of the suite still ran past 540 s under both tools. racecheck alone
+# each transport's third of the suite still ran past 540 s under both tools, initcheck having
+# reported 2-byte reads of uninitialised memory in each (the suite now runs with --mfu-peak off;
+# `where` names the kernel next time). racecheck alone
 # (SHARDS=4, gpu::hybrid:: included, WINDOW=420): attention + gemm + optimizer 381 s with 4
 # hazards, each in one of cuBLASLt's nvjet split-K kernels; norm + hybrid past 420 s (in the chunked
 # Gated DeltaNet test); the other two clean.
