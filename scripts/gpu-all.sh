@@ -97,7 +97,9 @@ for tool in ${TOOLS:-memcheck synccheck}; do
   done
 done
 wait
-{ cat $L/tests.rc $L/san-*.txt $L/stream.txt 2>/dev/null; for f in $L/sanitize-*.log $L/*/sanitize-*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20; done; } > $OUT/summary.txt
+{ cat $L/tests.rc $L/san-*.txt $L/stream.txt 2>/dev/null; for f in $L/sanitize-*.log $L/*/sanitize-*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|rror" $f | head -20
+  # The first report whole (what, where, which thread, the address), for a finding to be placed.
+  grep -m1 -A4 -E "=+ (Uninitialized|Invalid|Error:|Barrier|Program hit)" $f | grep -v "Host Frame"; done; } > $OUT/summary.txt
 if [ "${RUN_TESTS:-1}" != 0 ]; then
   grep -E "^test .*(FAILED|panicked)|panicked at" $OUT/tests.log | head -20; grep "test result" $OUT/tests.log
 fi
