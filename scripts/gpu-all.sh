@@ -82,7 +82,10 @@ fi
 # SUITE_SPLIT (with SHARDS > 1) names transports of the async-vs-sync suite, e.g. "same p2p host":
 # shard 0, which holds the suite alone, becomes one process per transport
 # (DFLASH_NAN_SUITE_TRANSPORT, tests/nan_suite.rs), since under initcheck and synccheck the whole
-# suite did not finish in one window. racecheck's shards hold no suite and are not split.
+# suite did not finish in one window. racecheck's shards hold no suite and are not split. Each
+# such process runs both one-GPU matrices, the dense target's and the hybrid one's (the filter
+# nan_suite::gpu_async_matches_sync_on_one_gpu matches both names); SAN_TESTS="--exact
+# nan_suite::gpu_async_matches_sync_on_one_gpu" keeps the dense one alone.
 for tool in ${TOOLS:-memcheck synccheck}; do
   for i in $(seq 0 $((N - 1))); do
     shard=""; [ "$N" -gt 1 ] && shard=$i/$N
