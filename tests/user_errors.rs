@@ -97,7 +97,7 @@ fn mfu_peak_is_given_or_off_or_refused() {
     let out = scratch.fresh("given").display().to_string();
     let (res, err) = cli(&run_args(&out, &["--mfu-peak", "0.05"]), None);
     assert!(res.status.success(), "{err}");
-    assert!(err.contains("peak 0.05 TFLOP/s per device, given (--mfu-peak)"), "{err}");
+    assert!(err.contains("peak 50.0 GFLOP/s per device, given (--mfu-peak)"), "{err}");
     let line = err.lines().find(|l| l.starts_with("mfu            ")).expect("a summary mfu line");
     assert!(line.contains("of the given peak") && line.contains("(--mfu-peak)"), "{line}");
     let out = scratch.fresh("off").display().to_string();

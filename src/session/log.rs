@@ -78,7 +78,7 @@ impl RunSummary {
         let per = |x: f64| flops_text(x / n as f64);
         Some(format!(
             "{} of the {} peak: {} of model FLOPs per step (target forward {}, drafter {} of which attention {}) \
-             at {}/s, against {} ({})",
+             at {}/s, against {}/s ({})",
             percent_text(100.0 * total / secs.max(1e-12) / mfu.peak),
             if mfu.measured { "measured" } else { "given" },
             per(total),
@@ -86,14 +86,14 @@ impl RunSummary {
             per(gemm + attn),
             per(attn),
             flops_text(total / secs.max(1e-12)),
-            crate::train::flops::peak_text(mfu.peak),
+            flops_text(mfu.peak),
             mfu.peak_source
         ))
     }
 }
 
 /// FLOPs with a unit that leaves one to four digits before the point (`3.2 TFLOP`, `840 MFLOP`).
-fn flops_text(x: f64) -> String {
+pub(crate) fn flops_text(x: f64) -> String {
     let (v, unit) = [(1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP")]
         .into_iter()
         .find(|&(scale, _)| x >= scale)
@@ -519,8 +519,9 @@ mod tests {
             line.contains("(target forward 2.0 TFLOP, drafter 2.0 TFLOP of which attention 500.0 GFLOP)"),
             "{line}"
         );
-        assert!(line.contains("at 5.3 TFLOP/s, against 8 TFLOP/s (a test)"), "{line}");
+        assert!(line.contains("at 5.3 TFLOP/s, against 8.0 TFLOP/s (a test)"), "{line}");
         assert_eq!(flops_text(3.2e6), "3.2 MFLOP");
+        assert_eq!(flops_text(933_888.0), "933.9 kFLOP");
         assert_eq!(flops_text(12.0), "12.0 FLOP");
         assert_eq!(percent_text(0.0123), "0.012%");
         assert_eq!(percent_text(0.5), "0.50%");

@@ -373,7 +373,7 @@ fn run_on<B: Backend>(
     };
     let mfu = peak.map(|(peak, measured, source)| {
         let how = if measured { "measured" } else { "given" };
-        say(format!("mfu       peak {} per device, {how} ({source})", crate::train::flops::peak_text(peak)));
+        say(format!("mfu       peak {}/s per device, {how} ({source})", log::flops_text(peak)));
         crate::train::flops::Mfu { target: tflops, peak: peak * bes.len() as f64, peak_source: source, measured }
     });
     if let Some(m) = &mfu {

@@ -188,23 +188,6 @@ impl Mfu {
     }
 }
 
-/// A peak rate in TFLOP/s with three significant digits at most (`802`, `51.2`, `0.05`).
-pub fn peak_text(flops_per_s: f64) -> String {
-    let t = flops_per_s / 1e12;
-    let digits = if t >= 100.0 {
-        0
-    } else if t >= 10.0 {
-        1
-    } else if t >= 1.0 {
-        2
-    } else {
-        3
-    };
-    let text = format!("{t:.digits$}");
-    let text = if text.contains('.') { text.trim_end_matches('0').trim_end_matches('.').to_string() } else { text };
-    format!("{text} TFLOP/s")
-}
-
 /// `n` bf16 values uniform in [-1, 1) from a 64-bit LCG seeded by `seed`, uploaded in chunks of
 /// 2^22 (16 MiB of host memory at a time): the operands of a timed GEMM (all-zero ones draw less
 /// power, so the clocks, and the GEMM's TFLOP/s, would be flattered). The bench's GEMMs use it too.
@@ -338,13 +321,5 @@ mod tests {
             f,
             TargetFlops { gemm_per_token: 384.0 + 512.0 + 2.0 * 768.0, recurrence_per_token: 48.0, per_pair: 32.0 }
         );
-    }
-
-    #[test]
-    fn peak_text_keeps_three_significant_digits() {
-        assert_eq!(peak_text(802.4e12), "802 TFLOP/s");
-        assert_eq!(peak_text(51.23e12), "51.2 TFLOP/s");
-        assert_eq!(peak_text(8e12), "8 TFLOP/s");
-        assert_eq!(peak_text(0.05e12), "0.05 TFLOP/s");
     }
 }
