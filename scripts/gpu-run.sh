@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|initrun]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2 and pipe27b run only when
@@ -10,7 +10,8 @@
 # attn (every attention test, the four sanitizers on the forms tests, the bench with peers), gdn
 # (what a change to kernels/gdn.cu or hybrid.cu needs: every gpu::hybrid / hybrid_fused test and the
 # hybrid training test, the sanitizers on the Gated DeltaNet and conv tests, the 27B-shaped bench
-# beside flash-linear-attention),
+# beside flash-linear-attention), initrun (initcheck over training runs at the async-vs-sync
+# suite's shape, dense and hybrid, each report's kernel printed),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -271,6 +272,27 @@ if named ncusrc; then
   ncu --import /tmp/ncusrc.ncu-rep --page details > "$OUT/ncusrc-details.txt" 2>&1 || status=1
   gzip -c /tmp/sass.csv > "$OUT/sass.csv.gz"
   python3 $B/ncu-sass-summary.py /tmp/sass.csv | tee "$OUT/ncusrc-summary.txt" || status=1
+fi
+if named initrun; then
+  echo "== initcheck over training runs at the async-vs-sync suite's shape (dense and hybrid tiny targets)"
+  # The suite under initcheck takes longer than a device call; one run of its shape does not, and
+  # its printed reports name the kernel and the thread. Sync and async on the same GPU.
+  # The four runs go side by side (the instrumentation runs on the host's cores).
+  for tgt in tiny qwen3.5-tiny; do
+    for mode in --sync "--transport same"; do
+      tag=$tgt-${mode//[- ]/}
+      ( timeout --foreground ${INITRUN_S:-200} compute-sanitizer --tool initcheck --print-limit 12 $B/dflash-engine run \
+          --device cuda --target $tgt --gen-samples 32 --seq-len 40 --steps 3 --batch-size 3 --grad-accum 2 --anchors 6 \
+          --block-size 8 --mfu-peak off --no-checkpoint --quiet $mode --out /tmp/initrun-$tag > "$OUT/initrun-$tag.log" 2>&1
+        echo "exit $?" >> "$OUT/initrun-$tag.log" ) &
+    done
+  done
+  wait
+  for f in "$OUT"/initrun-*.log; do
+    echo "$(basename $f .log): $(tail -1 $f); $(grep -E 'ERROR SUMMARY' $f)"
+    grep -oE '(^=+ +at |access at )(void )?[^(<+ ]+' $f | sed -E 's/.* at (void )?//' | sort | uniq -c | sort -rn | head -5
+    grep -m1 -A6 -E "=+ Uninitialized" $f
+  done
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"
