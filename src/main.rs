@@ -517,7 +517,7 @@ fn faults_from_env() -> Result<FaultPlan> {
 }
 
 /// `DFLASH_ALLOC_MODE`: the CUDA allocator's debug modes (DESIGN.md rule 6): poison freed
-/// blocks with NaN, skip the cross-stream deferral (test-only: reproduces the corruption), or
+/// blocks and new segments with NaN, skip the cross-stream deferral (test-only: reproduces the corruption), or
 /// map every free to cuMemFreeAsync so compute-sanitizer can check the stream bookkeeping.
 fn alloc_mode_from_env() -> Result<Option<Mode>> {
     Ok(match std::env::var("DFLASH_ALLOC_MODE").as_deref() {

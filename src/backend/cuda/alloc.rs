@@ -25,7 +25,10 @@
 //!   [`AllocError::OutOfMemory`], which says what was asked, what is held, and what to do.
 //!
 //! Modes ([`Mode`]): `Normal`; `PoisonOnFree` fills each freed block with 0xFF (NaN in f32 and
-//! bf16) on its owner stream when it becomes reusable, so a use-after-free shows up as a NaN;
+//! bf16) on its owner stream when it becomes reusable, so a use-after-free shows up as a NaN, and
+//! each new segment the same way when it is reserved, so a read of memory nothing wrote shows up
+//! too, whoever's stores wrote the rest (compute-sanitizer's initcheck does not see every
+//! cuBLASLt store);
 //! `UnsafeReuse` (tests only) ignores foreign uses and reproduces the corruption the rules
 //! prevent; `FreeAsync` caches nothing and maps every alloc/free to the driver's stream-ordered
 //! `cuMemAllocAsync`/`cuMemFreeAsync` on the owner stream, after making it wait on events for the
@@ -388,6 +391,11 @@ impl<D: DeviceMem> CachingAllocator<D> {
             Err(e) => return Err(e),
         };
         self.stats.reserved += seg_size;
+        if self.mode == Mode::PoisonOnFree {
+            // Fresh memory reads as NaN too, not as whatever the driver left there. On the owner
+            // stream, before the first block of it is handed out.
+            self.dev.poison(base, seg_size, stream);
+        }
         let mut chunks = BTreeMap::new();
         chunks.insert(base, Chunk { size: seg_size, state: ChunkState::Free });
         self.segments.insert(base, Segment { size: seg_size, owner: stream, small, chunks });
@@ -1014,9 +1022,14 @@ mod tests {
             if !clean || !self.a.dev.raw.is_empty() || !self.a.dev.asyncs.is_empty() {
                 return Err(Violation::Broken(format!("left over after everything was freed: {st:?}")));
             }
-            let want = if self.a.mode() == Mode::PoisonOnFree { self.frees } else { 0 };
+            // One fill per free and one per segment reserved.
+            let segments = self.a.dev.log.iter().filter(|c| matches!(c, Call::RawAlloc { ok: true, .. })).count();
+            let want = if self.a.mode() == Mode::PoisonOnFree { self.frees + segments } else { 0 };
             if self.poisons != want {
-                return Err(Violation::Broken(format!("{} poisons for {} frees", self.poisons, self.frees)));
+                return Err(Violation::Broken(format!(
+                    "{} poisons for {} frees and {segments} segments",
+                    self.poisons, self.frees
+                )));
             }
             Ok(())
         }
@@ -1268,24 +1281,29 @@ mod tests {
         let x = a.alloc(0, 4096).unwrap();
         let px = a.ptr(x);
         a.free(x);
-        assert_eq!(poisons(&mut a), vec![(px, 4096, 0)], "at once, on the owner");
+        // The new segment when it is reserved, then the block at once when freed, on the owner.
+        assert_eq!(poisons(&mut a), vec![(px, SEGMENT_ROUND, 0), (px, 4096, 0)]);
 
         let y = a.alloc(0, 4096).unwrap();
         assert_eq!(a.ptr(y), px);
         a.record_use(y, 1);
         a.device().enqueue(1, 2);
         a.free(y);
-        assert_eq!(poisons(&mut a).len(), 1, "not while stream 1 may still read it");
+        assert_eq!(poisons(&mut a).len(), 2, "not while stream 1 may still read it");
         a.device().progress(1, 1);
         let s = a.alloc(1, 512).unwrap(); // sweeps; the event is not done yet
         let ps = a.ptr(s);
-        assert_eq!(poisons(&mut a).len(), 1);
+        assert_eq!(poisons(&mut a)[2..], [(ps, SEGMENT_ROUND, 1)], "only stream 1's new segment");
         a.device().progress(1, 1);
         a.free(s);
         let _t = a.alloc(1, 512).unwrap(); // sweeps: y's block is reusable now, so it is poisoned
         a.empty_cache();
         let _u = a.alloc(1, 512).unwrap();
-        assert_eq!(poisons(&mut a), vec![(px, 4096, 0), (ps, 512, 1), (px, 4096, 0)], "once per free, no more");
+        assert_eq!(
+            poisons(&mut a),
+            vec![(px, SEGMENT_ROUND, 0), (px, 4096, 0), (ps, SEGMENT_ROUND, 1), (ps, 512, 1), (px, 4096, 0)],
+            "once per segment and once per free, no more"
+        );
     }
 
     #[test]
