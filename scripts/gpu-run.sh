@@ -290,7 +290,7 @@ if named initrun; then
   wait
   for f in "$OUT"/initrun-*.log; do
     echo "$(basename $f .log): $(tail -1 $f); $(grep -E 'ERROR SUMMARY' $f)"
-    grep -oE '(^=+ +at |access at )(void )?[^(<+ ]+' $f | sed -E 's/.* at (void )?//' | sort | uniq -c | sort -rn | head -5
+    bash $B/sanitize.sh --where $f
     grep -m1 -A6 -E "=+ Uninitialized" $f
   done
 fi

@@ -12,6 +12,24 @@
 # takes the async-vs-sync suite alone and shards 1 .. N - 1 share KERNEL_TESTS' modules
 # round-robin (N = 1: everything): all.sh runs N of them side by side, each with its own OUT).
 set -uo pipefail
+# Which kernels a log's printed reports are in (the tools print the first 100 in full), most
+# first, NVIDIA's library kernels named as such: on the H100, initcheck and racecheck reported
+# inside cuBLASLt's split-K kernels (a decoding-sized 16x1024x8192 GEMM), not in ours. Reports on a
+# host API call (initcheck: a copy reading memory it counts as unwritten) are counted by the call.
+# `bash sanitize.sh --where LOG` prints it for a log of one's own (run.sh initrun).
+where() {
+  { grep -oE '(^=+ +at |access at )(void )?[^(<+ ]+' "$1" | sed -E 's/.* at (void )?//'
+    grep -oE 'on access by [A-Za-z]+ [a-z]+' "$1" | sed -E 's/on access by ([A-Za-z]+) ([a-z]+)/host-API:\1-\2/'; } |
+    sort | uniq -c | sort -rn | head -8 |
+    while read -r n k; do
+      case $k in
+        cublasLt::* | nvjet_* | *xmma* | cutlass*) echo "  $n printed in $k (cuBLASLt's kernel, not this engine's)" ;;
+        host-API:*) echo "  $n printed at the host API call $(echo "${k#host-API:}" | tr - ' ')" ;;
+        *) echo "  $n printed in $k" ;;
+      esac
+    done
+}
+if [ "${1:-}" = --where ]; then where "$2"; exit 0; fi
 B=${1:-gpu-bundle}
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -41,15 +59,6 @@ fi
 sanitized() { timeout --foreground 900 compute-sanitizer "$@"; }
 status=0
 summary() { grep -E 'ERROR SUMMARY|test result' "$1" | tr '\n' ' '; }
-# Which kernels a log's printed reports are in (the tools print the first 100 in full), most
-# first, NVIDIA's library kernels named as such: on the H100, initcheck and racecheck reported
-# inside cuBLASLt's split-K kernels (a decoding-sized 16x1024x8192 GEMM), not in ours.
-where() {
-  grep -oE '(^=+ +at |access at )(void )?[^(<+ ]+' "$1" | sed -E 's/.* at (void )?//' | sort | uniq -c | sort -rn | head -8 |
-    while read -r n k; do
-      case $k in cublasLt::* | nvjet_* | *xmma* | cutlass*) echo "  $n printed in $k (cuBLASLt's kernel, not this engine's)" ;; *) echo "  $n printed in $k" ;; esac
-    done
-}
 for tool in ${SANITIZERS:-memcheck initcheck synccheck racecheck}; do
   log="$OUT/sanitize-$tool.log"
   # racecheck instruments shared memory per access: the kernel tests are enough there.

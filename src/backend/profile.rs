@@ -37,14 +37,15 @@ pub enum Region {
 }
 
 impl Region {
-    pub fn name(self) -> &'static str {
+    /// Where in the step this is, as the memory line says where its peak was reached.
+    pub fn place(self) -> &'static str {
         match self {
             Region::Other => "outside the step's phases",
-            Region::Target => "the target's forward",
-            Region::Fc => "the FC projection",
-            Region::Drafter => "the drafter's layers",
-            Region::Loss => "the lm_head + cross-entropy",
-            Region::Optimizer => "the optimizer",
+            Region::Target => "in the target's forward",
+            Region::Fc => "in the FC projection",
+            Region::Drafter => "in the drafter's layers",
+            Region::Loss => "in the lm_head + cross-entropy",
+            Region::Optimizer => "in the optimizer",
         }
     }
 }

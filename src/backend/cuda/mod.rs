@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaStream, DriverError};
 use rayon::prelude::*;
 
-use super::profile::{self, Phase, Region, StepPhases, Timed, Work};
+use super::profile::{self, Phase, StepPhases, Timed, Work};
 use super::{
     check_causal_attn, check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape,
     Gemm, QkNormRope, Result, Rows, StartError,
@@ -1410,11 +1410,7 @@ impl Backend for CudaBackend {
         Some(format!(
             "{:.2} GiB peak allocated (reached {}), {:.2} GiB reserved now ({} segments; {} cache hits, {} misses, {} deferred frees)",
             gib(st.peak_allocated),
-            // "in the target's forward", but "outside the step's phases" (loading, the MFU burst).
-            match st.peak_region {
-                Region::Other => st.peak_region.name().to_string(),
-                r => format!("in {}", r.name()),
-            },
+            st.peak_region.place(),
             gib(st.reserved),
             st.segments,
             st.hits,
