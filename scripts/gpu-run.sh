@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|initrun]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|initrun|racehybrid]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2 and pipe27b run only when
@@ -11,7 +11,9 @@
 # (what a change to kernels/gdn.cu or hybrid.cu needs: every gpu::hybrid / hybrid_fused test and the
 # hybrid training test, the sanitizers on the Gated DeltaNet and conv tests, the 27B-shaped bench
 # beside flash-linear-attention), initrun (initcheck over training runs at the async-vs-sync
-# suite's shape, dense and hybrid, each report's kernel printed),
+# suite's shape, dense and hybrid, each report's kernel printed), racehybrid (racecheck over every
+# gpu::hybrid / hybrid_fused test, one process per test: RACE_PAR side by side, RACE_S each,
+# RACE_SPLIT's tests as RACE_CASES processes of a share of their cases each, RACE_ONLY a filter),
 # DFLASH_BENCH_ROWS (pipe8b*: which rows, see src/bench.rs), TESTS (a test-name filter),
 # EXTRA8B / EXTRA27B (more flags for the 8B / 27B runs, e.g. "--recompute projections").
 # tests: with fewer than two GPUs (nvidia-smi -L) the two-GPU tests (names containing two_gpu) are
@@ -244,7 +246,7 @@ if named gdn; then
   # racecheck instruments every shared-memory access: over the GDN tests that run every form it
   # takes more than 400 s, so it covers the fast form's test alone (every fast kernel, dk = 128);
   # the other tools take the GDN and conv tests whole.
-  gt="gpu::hybrid::gpu_gdn_chunked gpu::hybrid::gpu_gdn_state gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_split"
+  gt="gpu::hybrid::gpu_gdn_chunked gpu::hybrid::gpu_gdn_recurrent gpu::hybrid::gpu_gdn_state gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_split"
   gt="$gt gpu::hybrid::gpu_gdn_fused gpu::hybrid_fused::gpu_fused_gdn_conv"
   for tool in racecheck memcheck initcheck synccheck; do
     tests=$gt; [ $tool = racecheck ] && tests="gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_fused"
@@ -293,6 +295,45 @@ if named initrun; then
     bash $B/sanitize.sh --where $f
     grep -m1 -A6 -E "=+ Uninitialized" $f
   done
+fi
+if named racehybrid; then
+  echo "== racecheck over every gpu::hybrid and gpu::hybrid_fused test, one process per test"
+  # racecheck instruments every shared-memory access; over gpu::hybrid:: in one process (or its
+  # ragged-batch Gated DeltaNet cases in one test) it ran past every window. One process per test,
+  # RACE_PAR side by side (the tool's work runs on the host's cores too), each with its own
+  # RACE_S limit; the tests in RACE_SPLIT (default: the CUDA-core form's ragged-batch test, past
+  # 500 s alone on an H100) run as RACE_CASES processes, each a share of the cases
+  # (DFLASH_GDN_CASES=i/N). RACE_ONLY (a pattern) keeps the matching tests only. A test whose
+  # tool is stopped is reported as such, never as clean.
+  rm -rf /tmp/racehybrid; mkdir -p /tmp/racehybrid
+  split=${RACE_SPLIT:-gpu::hybrid::gpu_gdn_chunked_simt_matches_cpu_on_ragged_batches} n=${RACE_CASES:-6}
+  $B/integration --include-ignored --list gpu::hybrid:: gpu::hybrid_fused:: 2>/dev/null | sed -n 's/: test$//p' |
+    grep -E -- "${RACE_ONLY:-.}" | while read -r t; do
+      if [[ " $split " == *" $t "* ]]; then for i in $(seq 0 $((n - 1))); do echo "$t $i/$n"; done; else echo "$t -"; fi
+    done > /tmp/racehybrid.jobs
+  race_one() {  # TEST SHARD (- for the whole test): one racecheck process, its log named after both
+    local log=/tmp/racehybrid/$1; [ "$2" = - ] || log=$log@${2/\//-of-}
+    if [ "$2" = - ]; then unset DFLASH_GDN_CASES; else export DFLASH_GDN_CASES=$2; fi
+    timeout --foreground ${RACE_S:-500} compute-sanitizer --tool racecheck --error-exitcode 9 \
+      $B/integration --include-ignored --exact "$1" > "$log.log" 2>&1
+    echo "exit $?" >> "$log.log"
+  }
+  export -f race_one; export B
+  xargs -P ${RACE_PAR:-8} -L 1 bash -c 'race_one "$0" "$1"' < /tmp/racehybrid.jobs
+  for f in /tmp/racehybrid/*.log; do
+    rc=$(tail -1 "$f")
+    case $rc in
+      "exit 0") verdict="clean" ;;
+      "exit 124" | "exit 137") verdict="STOPPED by its ${RACE_S:-500} s limit (no result)" ;;
+      *) verdict="FAILED ($rc)" ;;
+    esac
+    echo "$(basename "$f" .log): $verdict; $(grep -E 'RACECHECK SUMMARY|test result|gdn ragged cases' "$f" | tr '\n' ' ')"
+    bash $B/sanitize.sh --where "$f"
+  done > "$OUT/racehybrid.txt"
+  cat "$OUT/racehybrid.txt"
+  echo "racehybrid: $(grep -c ': clean;' "$OUT/racehybrid.txt") of $(wc -l < /tmp/racehybrid.jobs) processes clean"
+  grep -qE ': (STOPPED|FAILED)' "$OUT/racehybrid.txt" && status=1
+  tar -C /tmp -czf "$OUT/racehybrid-logs.tgz" racehybrid
 fi
 if has tiny; then
   echo "== the default run on CUDA (tiny preset)"

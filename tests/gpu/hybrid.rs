@@ -328,11 +328,6 @@ fn gdn_run_form(
 const GDN_FORMS: [GdnForm; 5] =
     [GdnForm::ChunkedFast, GdnForm::ChunkedSplit, GdnForm::ChunkedTc, GdnForm::ChunkedSimt, GdnForm::Recurrent];
 
-/// Every delta-rule kernel that takes these head dims against the CPU.
-fn gdn_check(what: &str, x: &GdnInputs, starts: &[i32]) {
-    gdn_check_forms(what, x, starts, &GDN_FORMS);
-}
-
 /// `forms` (those that take these head dims) against the CPU (the chunked ones against the CPU's
 /// chunked form, the recurrent one against its recurrent form), from a zero state and from a
 /// given one (the state out compared too), the chunked kernels against the recurrent one on the
@@ -371,31 +366,92 @@ fn gdn_check_forms(what: &str, x: &GdnInputs, starts: &[i32], forms: &[GdnForm])
     rel_err(&format!("gdn_chunked_fwd (trait) {what}"), &a, &rec, BF16_TOL);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_chunked_and_recurrent_match_cpu_on_ragged_batches() {
+/// The ragged-batch cases for `forms`: GQA (3 value heads per key head) at small dims (the tiny
+/// preset's) and at the 27B head dims, dims that end in partial column blocks, dims that do not
+/// tile by 16, and each length alone. One test per form, so that each can run in a sanitizer
+/// process of its own (racecheck over all five forms in one process runs past a device call's
+/// window). `DFLASH_GDN_CASES=i/N` runs only cases i, i + N, ... (run.sh racehybrid splits the
+/// slowest forms' tests over N processes that way); unset, every case runs.
+fn gdn_ragged_cases(forms: &[GdnForm]) {
     let rows: usize = LENS.iter().sum();
-    // GQA 3 value heads per key head, small dims (the tiny preset's), then the 27B head dims.
-    gdn_check("2/6 heads 16x16 packed", &gdn_inputs(rows, 2, 6, 16, 16, 1), &starts_of(&LENS));
-    gdn_check("1/3 heads 128x128 packed", &gdn_inputs(rows, 1, 3, 128, 128, 2), &starts_of(&LENS));
-    gdn_check("2/4 heads 32x64 packed", &gdn_inputs(rows, 2, 4, 32, 64, 3), &starts_of(&LENS));
-    // Value dims that end in a partial column block of the split form (state pass 32 + 32 + 16,
-    // output 64 + 16) and a key dim below the output block.
-    gdn_check("1/2 heads 48x80 packed", &gdn_inputs(rows, 1, 2, 48, 80, 5), &starts_of(&LENS));
-    gdn_check("1/1 heads 16x48 packed", &gdn_inputs(rows, 1, 1, 16, 48, 6), &starts_of(&LENS));
-    // A value dim past one output block of the fast form (128 + 32: the second block's upper
-    // half of warps has no columns but still takes its share of Q K^T) and five state blocks.
-    gdn_check("1/2 heads 32x160 packed", &gdn_inputs(rows, 1, 2, 32, 160, 7), &starts_of(&LENS));
-    // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
-    gdn_check("1/2 heads 24x40 packed", &gdn_inputs(rows, 1, 2, 24, 40, 4), &starts_of(&LENS));
+    let packed = starts_of(&LENS);
+    // (what, key heads, value heads, dk, dv, seed), on the packed batch.
+    let shapes = [
+        ("2/6 heads 16x16 packed", 2, 6, 16, 16, 1),
+        ("1/3 heads 128x128 packed", 1, 3, 128, 128, 2),
+        ("2/4 heads 32x64 packed", 2, 4, 32, 64, 3),
+        // Value dims that end in a partial column block of the split form (state pass 32 + 32 +
+        // 16, output 64 + 16) and a key dim below the output block.
+        ("1/2 heads 48x80 packed", 1, 2, 48, 80, 5),
+        ("1/1 heads 16x48 packed", 1, 1, 16, 48, 6),
+        // A value dim past one output block of the fast form (128 + 32: the second block's upper
+        // half of warps has no columns but still takes its share of Q K^T) and five state blocks.
+        ("1/2 heads 32x160 packed", 1, 2, 32, 160, 7),
+        // Head dims that do not tile by 16: the CUDA-core kernel and the recurrent one.
+        ("1/2 heads 24x40 packed", 1, 2, 24, 40, 4),
+    ];
+    let mut cases: Vec<(String, GdnInputs, Vec<i32>)> = shapes
+        .iter()
+        .map(|&(what, hk, hv, dk, dv, seed)| (what.to_string(), gdn_inputs(rows, hk, hv, dk, dv, seed), packed.clone()))
+        .collect();
     // Each length alone.
     for (i, &l) in LENS.iter().enumerate() {
-        gdn_check(
-            &format!("1/3 heads 64x64 alone, {l} tokens"),
-            &gdn_inputs(l, 1, 3, 64, 64, 10 + i as u64),
-            &[0, l as i32],
-        );
+        cases.push((
+            format!("1/3 heads 64x64 alone, {l} tokens"),
+            gdn_inputs(l, 1, 3, 64, 64, 10 + i as u64),
+            vec![0, l as i32],
+        ));
     }
+    let (shard, shards) = match std::env::var("DFLASH_GDN_CASES") {
+        Err(_) => (0, 1),
+        Ok(v) => {
+            let parsed =
+                v.split_once('/').and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n.parse::<usize>().ok()?)));
+            match parsed {
+                Some((i, n)) if i < n => (i, n),
+                _ => panic!("DFLASH_GDN_CASES={v:?}: expected i/N with i < N (e.g. 0/4), or unset for every case"),
+            }
+        }
+    };
+    let mut ran = 0;
+    for (what, x, starts) in cases.iter().skip(shard).step_by(shards) {
+        gdn_check_forms(what, x, starts, forms);
+        ran += 1;
+    }
+    assert!(ran > 0, "DFLASH_GDN_CASES={shard}/{shards} selects none of the {} cases", cases.len());
+    if shards > 1 {
+        eprintln!("gdn ragged cases: {ran} of {} ran (shard {shard}/{shards})", cases.len());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_chunked_fast_matches_cpu_on_ragged_batches() {
+    gdn_ragged_cases(&[GdnForm::ChunkedFast]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_chunked_split_matches_cpu_on_ragged_batches() {
+    gdn_ragged_cases(&[GdnForm::ChunkedSplit]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_chunked_tc_matches_cpu_on_ragged_batches() {
+    gdn_ragged_cases(&[GdnForm::ChunkedTc]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_chunked_simt_matches_cpu_on_ragged_batches() {
+    gdn_ragged_cases(&[GdnForm::ChunkedSimt]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gdn_recurrent_matches_cpu_on_ragged_batches() {
+    gdn_ragged_cases(&[GdnForm::Recurrent]);
 }
 
 #[test]
