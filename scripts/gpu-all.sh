@@ -75,8 +75,9 @@ if [ "${RUN_TESTS:-1}" != 0 ]; then
     grep -E "two-GPU tests" $OUT/tests.log >> $L/tests.rc ) &
   ( OUT=$L SANITIZERS=" " timeout $W bash $B/sanitize.sh $B > $L/stream.txt 2>&1; echo "stream rc $?" >> $L/stream.txt ) &
 fi
-# racecheck over the Gated DeltaNet kernels (gpu::hybrid::) runs in models.sh: with them it does not
-# fit beside the tests; the fused passes (gpu::hybrid_fused::) are quick and run here.
+# racecheck over the Gated DeltaNet kernels (gpu::hybrid::) takes a call of its own (run.sh
+# racehybrid, one process per test): with them it does not fit beside the tests; the fused passes
+# (gpu::hybrid_fused::) are quick and run here too.
 # RACE_TESTS (env) narrows racecheck further, e.g. to the tests of the kernels a change touched.
 # One process per tool: one after the other they need more than the window (memcheck alone ~100 s,
 # initcheck longer); side by side they share the 16 host cores, where the instrumentation runs.
