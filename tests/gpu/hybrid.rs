@@ -424,34 +424,23 @@ fn gdn_ragged_cases(forms: &[GdnForm]) {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_chunked_fast_matches_cpu_on_ragged_batches() {
-    gdn_ragged_cases(&[GdnForm::ChunkedFast]);
+/// One GPU test per delta-rule form over `gdn_ragged_cases`.
+macro_rules! gdn_ragged_test {
+    ($($name:ident: $form:ident),* $(,)?) => {$(
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn $name() {
+            gdn_ragged_cases(&[GdnForm::$form]);
+        }
+    )*};
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_chunked_split_matches_cpu_on_ragged_batches() {
-    gdn_ragged_cases(&[GdnForm::ChunkedSplit]);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_chunked_tc_matches_cpu_on_ragged_batches() {
-    gdn_ragged_cases(&[GdnForm::ChunkedTc]);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_chunked_simt_matches_cpu_on_ragged_batches() {
-    gdn_ragged_cases(&[GdnForm::ChunkedSimt]);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gdn_recurrent_matches_cpu_on_ragged_batches() {
-    gdn_ragged_cases(&[GdnForm::Recurrent]);
+gdn_ragged_test! {
+    gpu_gdn_chunked_fast_matches_cpu_on_ragged_batches: ChunkedFast,
+    gpu_gdn_chunked_split_matches_cpu_on_ragged_batches: ChunkedSplit,
+    gpu_gdn_chunked_tc_matches_cpu_on_ragged_batches: ChunkedTc,
+    gpu_gdn_chunked_simt_matches_cpu_on_ragged_batches: ChunkedSimt,
+    gpu_gdn_recurrent_matches_cpu_on_ragged_batches: Recurrent,
 }
 
 #[test]
