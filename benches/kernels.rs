@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm};
+use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm, MlpForm};
 use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm, QkNormRope, Rows};
 use dflash_engine::tensor::DType;
 
@@ -123,7 +123,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, gdn-conv rmsnorm1p norm-rope, attention, gdn, fc, gemm-algos) whose name contains a
+    // decode, gdn-conv rmsnorm1p norm-rope, attention, gdn, fc, mlp, gemm-algos) whose name contains a
     // pattern; the peaks are always measured. gemm-model runs only when named exactly.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
@@ -650,6 +650,33 @@ fn main() {
         flops("FC projection, cuBLASLt (12288 x 4096 x 20480)", t_lt, fc_flops);
         flops("FC projection, fc_wgmma_bf16 (12288 x 4096 x 20480)", t_fc, fc_flops);
         println!("fc kernel / cuBLASLt = {:.2} (throughput ratio on 12288 x 4096 x 20480)", t_lt / t_fc);
+    }
+
+    if want("mlp") {
+        // The target's gate | up projection and SwiGLU at the two recipes' shapes (4 x 3072 rows):
+        // cuBLASLt's GEMM then swiglu_fwd, against kernels/mlp.cu's one kernel (forced, so a
+        // fallback cannot hide in the number). Throughput counts the two projections' FLOPs.
+        for (name, inter, k) in [("8B", 12288, 4096), ("27B", 17408, 5120)] {
+            let x = random(t_rows * k, 5);
+            let w = random(2 * inter * k, 6);
+            let mut gu = buf(DType::BF16, t_rows * 2 * inter);
+            let mut act = buf(DType::BF16, t_rows * inter);
+            let f = 4.0 * (t_rows * inter * k) as f64;
+            let mut run = |form| {
+                time(&be, 10, || {
+                    be.mlp_gate_up_act_with(&s, &x, &w, 0, &mut gu, &mut act, t_rows, inter, k, form).unwrap()
+                })
+            };
+            let t_two = run(MlpForm::Gemm);
+            let t_fused = run(MlpForm::Fused);
+            flops(&format!("{name} MLP gate|up + swiglu, cuBLASLt + swiglu_fwd ({t_rows} x {inter} x {k})"), t_two, f);
+            flops(
+                &format!("{name} MLP gate|up + swiglu, mlp_swiglu_wgmma_bf16 ({t_rows} x {inter} x {k})"),
+                t_fused,
+                f,
+            );
+            println!("mlp kernel / (cuBLASLt + swiglu_fwd) = {:.3} ({name} shape, throughput ratio)", t_two / t_fused);
+        }
     }
 
     if want("gemm-algos") {

@@ -141,6 +141,13 @@ constexpr int FC_SMEM_BYTES = FC_STAGES * (FC_BM + FC_BN) * FC_BK * 2 + 2 * FC_S
 constexpr int FC_S_TILE = 64;
 constexpr int FC_S_THREADS = 256;
 
+// ---- mlp.cu ----------------------------------------------------------------------------------
+// mlp_swiglu_wgmma_bf16: fc_wgmma_bf16's ring, roles and K stages (FC_BM rows, FC_BK, FC_STAGES,
+// FC_THREADS), with MLP_BN output columns per tile: their MLP_BN gate and MLP_BN up columns are one
+// 2 * MLP_BN-wide wgmma (the same shared-memory bytes per stage as fc's 256-wide tile).
+constexpr int MLP_BN = 128;
+constexpr int MLP_SMEM_BYTES = FC_STAGES * (FC_BM + 2 * MLP_BN) * FC_BK * 2 + 2 * FC_STAGES * 8 + FC_SWIZZLE_ALIGN;
+
 // ---- pack.cu ---------------------------------------------------------------------------------
 // Most tapped layers one call packs: TapPtrs stays at 128 bytes of kernel parameters.
 constexpr int MAX_TAPS = 16;

@@ -77,7 +77,8 @@ __device__ __forceinline__ void wg_abt(float (&d)[BN / 8][4], uint64_t da, uint6
   if constexpr (BN == 16) wgmma_ss_m64n16k16(d, da, db, accumulate);
   else if constexpr (BN == 64) wgmma_ss_m64n64k16(d, da, db, accumulate);
   else if constexpr (BN == 128) wgmma_ss_m64n128k16(d, da, db, accumulate);
-  else static_assert(BN == 16 || BN == 64 || BN == 128, "no wgmma wrapper for this key tile");
+  else if constexpr (BN == 256) wgmma_ss_m64n256k16(d, da, db, accumulate);
+  else static_assert(BN == 16 || BN == 64 || BN == 128 || BN == 256, "no wgmma wrapper for this tile");
 }
 
 // O[64 x HD] (+)= P B for one k16 step, P in registers, B an N-major tile.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes kernels/wgmma_ops.cuh: inline-PTX wrappers of the warpgroup MMAs (wgmma.mma_async,
-sm_90a) the attention kernels use. Each wrapper names every accumulator register, which inline
+sm_90a) the attention kernels and the gated MLP kernel use. Each wrapper names every accumulator register, which inline
 asm needs one operand at a time (64 or 128 of them), so they are generated, not typed.
 
 Run from the repository root: python3 scripts/gen-wgmma.py (kernels/wgmma_ops.cuh is committed;
@@ -10,8 +10,9 @@ rerun after changing the shape lists below).
 import pathlib
 
 # (N, kind): "ss" = A and B from shared-memory descriptors, both K-major (S = Q K^T);
+# (256 "ss": the gated MLP kernel of mlp.cu, gate and up columns side by side);
 # "rs_tb" = A from registers, B from a descriptor in N-major (transposed) layout (O += P V).
-SHAPES = [(16, "ss"), (64, "ss"), (128, "ss"), (128, "rs_tb"), (256, "rs_tb")]
+SHAPES = [(16, "ss"), (64, "ss"), (128, "ss"), (256, "ss"), (128, "rs_tb"), (256, "rs_tb")]
 
 
 def wrapper(n: int, kind: str) -> str:

@@ -151,7 +151,8 @@ impl Phase {
             (Region::Optimizer, _) => Phase::Optimizer,
             (Region::Loss, _) => Phase::LossHead,
             (Region::Fc, _) | (_, Work::Kernel { family: "fc", .. }) => Phase::FcProjection,
-            (Region::Target, Work::Gemm) => Phase::TargetGemm,
+            // kernels/mlp.cu is the gate | up GEMM with SwiGLU in its epilogue.
+            (Region::Target, Work::Gemm | Work::Kernel { family: "mlp", .. }) => Phase::TargetGemm,
             (Region::Target, Work::Kernel { family, .. }) if attention(family) => Phase::TargetAttention,
             (Region::Target, Work::Kernel { .. }) => Phase::TargetElementwise,
             (Region::Drafter, Work::Gemm) => Phase::DrafterGemm,
@@ -640,6 +641,8 @@ mod tests {
     fn phases_by_region_and_work() {
         let k = |family, symbol| Work::Kernel { family, symbol };
         assert_eq!(Phase::of(Region::Target, Work::Gemm), Phase::TargetGemm);
+        assert_eq!(Phase::of(Region::Target, k("mlp", "mlp_swiglu_wgmma_bf16")), Phase::TargetGemm);
+        assert_eq!(Phase::of(Region::Target, k("swiglu", "swiglu_fwd_bf16")), Phase::TargetElementwise);
         assert_eq!(Phase::of(Region::Target, k("attention", "attn_causal_fwd_bf16_hd128")), Phase::TargetAttention);
         assert_eq!(Phase::of(Region::Target, k("pack", "pack_taps_noise_bf16")), Phase::PackNoise);
         assert_eq!(

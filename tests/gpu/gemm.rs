@@ -231,6 +231,127 @@ fn gpu_fc_kernel_matches_cpu() {
     fc_close(&format!("{tag} fast vs cpu (12 rows)"), &got, &want);
 }
 
+// The gated MLP's gate | up projection with SwiGLU in one kernel (kernels/mlp.cu).
+
+/// `act = swiglu(x [Wg; Wu]^T)` in `form` on the GPU (NaN-filled output with a guard tail: an
+/// element the kernel forgets, or one past the end, shows).
+#[allow(clippy::too_many_arguments)]
+fn mlp_gpu(
+    g: &CudaBackend,
+    x: &[f32],
+    wbuf: &[f32],
+    w_off: usize,
+    rows: usize,
+    inter: usize,
+    k: usize,
+    form: dflash_engine::backend::cuda::MlpForm,
+) -> Vec<f32> {
+    let s = g.compute_stream();
+    let (xb, wb) = (put(g, x, DType::BF16), put(g, wbuf, DType::BF16));
+    let mut gu = g.alloc(&s, DType::BF16, (rows * 2 * inter).max(1)).unwrap();
+    let mut act = put(g, &vec![f32::NAN; rows * inter + FC_TAIL], DType::BF16);
+    g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k, form).unwrap();
+    let mut out = get(g, &act);
+    let tail = out.split_off(rows * inter);
+    assert!(tail.iter().all(|v| v.is_nan()), "mlp {rows}x{inter}x{k} ({form:?}) wrote past act[rows * inter]");
+    out
+}
+
+/// The CPU's GEMM then its swiglu_fwd (the reference the target's forward is tested against).
+fn mlp_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, inter: usize, k: usize) -> Vec<f32> {
+    let c = CpuBackend::new();
+    let s = c.compute_stream();
+    let (xb, wb) = (put(&c, x, DType::BF16), put(&c, wbuf, DType::BF16));
+    let mut gu = c.alloc(&s, DType::BF16, rows * 2 * inter).unwrap();
+    let mut act = c.alloc(&s, DType::BF16, rows * inter).unwrap();
+    c.mlp_gate_up_act(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k).unwrap();
+    get(&c, &act)
+}
+
+/// g and u each within one bf16 ulp of the reference's (the GEMM's f32 summation order), and
+/// silu(g) * u moves by up to ~|g| ulps of itself where the gate is negative (silu's relative
+/// slope is 1 + g (1 - sigmoid(g))): every element within 16 ulps of itself plus 1e-3 of the
+/// largest output, and max |diff| / max |ref| under BF16_TOL. A missing (NaN), misplaced or
+/// wrong-half element (gate and up swapped, another column's up) fails the first check.
+fn mlp_close(what: &str, got: &[f32], want: &[f32]) {
+    rel_err(what, got, want, BF16_TOL);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let ulp = 2f32.powi(-7);
+    let bad: Vec<usize> = (0..want.len())
+        .filter(|&i| {
+            let diff = (got[i] - want[i]).abs();
+            diff.is_nan() || diff > 16.0 * ulp * got[i].abs().max(want[i].abs()) + 1e-3 * scale
+        })
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!("{what}: {} elements off; first at {i}: {} vs {}", bad.len(), got[i], want[i]);
+    }
+}
+
+/// The fused kernel against the CPU's GEMM + SwiGLU and cuBLASLt's GEMM + swiglu_fwd. Shapes:
+/// one row, ragged rows and K, an inter that ends inside a 128-column tile (the gate box runs on
+/// into W's up rows there, the up box past W's end), more tiles than SMs (persistent CTAs), an
+/// aligned nonzero weight offset inside a larger buffer, and operands the kernel must refuse
+/// (a misaligned weight offset, inter % 8 != 0).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_mlp_fused_kernel_matches_cpu() {
+    use dflash_engine::backend::cuda::MlpForm;
+    let g = gpu();
+    // (rows, inter, k, w_off, the fused kernel can take it)
+    let cases: [(usize, usize, usize, usize, bool); 9] = [
+        (1, 8, 64, 0, true),
+        (100, 128, 320, 64, true),
+        (300, 200, 136, 8, true),
+        (130, 384, 1024, 0, true),
+        (2000, 2048, 128, 0, true),
+        (257, 136, 72, 0, true),
+        (0, 64, 64, 0, true),
+        (100, 256, 192, 3, false),
+        (37, 100, 64, 0, false),
+    ];
+    for (rows, inter, k, w_off, fused_ok) in cases {
+        let x = rand((rows * k).max(1), 51, 1.0);
+        let mut wbuf = rand(w_off + 2 * inter * k + 64, 52, 1.0);
+        wbuf[w_off..w_off + 2 * inter * k].copy_from_slice(&rand(2 * inter * k, 53, 0.5));
+        let tag = format!("mlp {rows}x{inter}x{k} w_off {w_off}");
+        if fused_ok {
+            let want = mlp_cpu(&x, &wbuf, w_off, rows, inter, k);
+            let two_step = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Gemm);
+            mlp_close(&format!("{tag} gemm + swiglu"), &two_step, &want);
+            let fused = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Fused);
+            mlp_close(&format!("{tag} fused vs cpu"), &fused, &want);
+            mlp_close(&format!("{tag} fused vs cuBLASLt + swiglu"), &fused, &two_step);
+            let again = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Fused);
+            bits_equal(&format!("{tag} fused: rerun"), &again, &fused);
+            let same = fused.iter().zip(&two_step).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            eprintln!("{tag}: fused equals cuBLASLt + swiglu bit for bit in {same} of {} elements", fused.len());
+        } else {
+            let s = g.compute_stream();
+            let (xb, wb) = (put(&g, &x, DType::BF16), put(&g, &wbuf, DType::BF16));
+            let mut gu = g.alloc(&s, DType::BF16, rows * 2 * inter).unwrap();
+            let mut act = g.alloc(&s, DType::BF16, rows * inter).unwrap();
+            let forced = g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k, MlpForm::Fused);
+            assert!(forced.is_err(), "{tag}: the fused kernel accepted operands it cannot take");
+        }
+    }
+    // A recipe-like K through the 4-stage ring with several tiles per CTA, against cuBLASLt + swiglu
+    // (the CPU on sampled rows). Smaller under compute-sanitizer (DFLASH_SANITIZE=1).
+    let (rows, inter, k) =
+        if std::env::var_os("DFLASH_SANITIZE").is_some() { (512, 512, 512) } else { (4096, 3072, 4096) };
+    let x = rand(rows * k, 61, 1.0);
+    let w = rand(2 * inter * k, 62, 0.05);
+    let tag = format!("mlp {rows}x{inter}x{k}");
+    let fused = mlp_gpu(&g, &x, &w, 0, rows, inter, k, MlpForm::Fused);
+    let two_step = mlp_gpu(&g, &x, &w, 0, rows, inter, k, MlpForm::Gemm);
+    mlp_close(&format!("{tag} fused vs cuBLASLt + swiglu"), &fused, &two_step);
+    let picked: Vec<usize> = vec![0, 1, 127, 128, rows / 2, rows - 1];
+    let xs: Vec<f32> = picked.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect();
+    let want = mlp_cpu(&xs, &w, 0, picked.len(), inter, k);
+    let got: Vec<f32> = picked.iter().flat_map(|&r| fused[r * inter..(r + 1) * inter].iter().copied()).collect();
+    mlp_close(&format!("{tag} fused vs cpu (6 rows)"), &got, &want);
+}
+
 // The clock monitor (backend::clocks over NVML): what the run summary's `clocks` line reads.
 
 #[test]

@@ -11,6 +11,7 @@ pub mod blas;
 mod device;
 mod fc;
 pub mod launch;
+mod mlp;
 mod nccl;
 mod nvml;
 mod tma;
@@ -53,6 +54,7 @@ use alloc::{AllocError, BlockId, CachingAllocator, Mode};
 pub use device::CudaMem;
 pub use fc::FcPath;
 use launch::{variant, DevPtr, Elem, Kernel, KernelArgs, Kernels, LaunchCfg, TapPtrs};
+pub use mlp::MlpForm;
 pub use transport::{CudaEvent, CudaHostMem, CudaReadback, PinnedSlot};
 
 /// A failed driver call while doing `what` (out of memory becomes [`BackendError::OutOfMemory`]).
@@ -214,6 +216,8 @@ pub struct CudaBackend {
     timed: Mutex<Vec<profile::Timed<CudaEvent>>>,
     /// Pinned slots of finished `read_async` reads, kept for the next one.
     readback_slots: Arc<Mutex<Vec<PinnedSlot>>>,
+    /// The form `mlp_gate_up_act` runs (`DFLASH_MLP_KERNEL`, read at start-up).
+    mlp_form: MlpForm,
 }
 
 impl CudaBackend {
@@ -293,6 +297,12 @@ impl CudaBackend {
                 n => ce_clusters.push((*ce, n)),
             }
         }
+        // DFLASH_MLP_KERNEL=fused runs the target's gate | up projection and SwiGLU as one
+        // kernel (kernels/mlp.cu); unset or gemm, as cuBLASLt's GEMM and swiglu_fwd.
+        let mlp_form = match std::env::var("DFLASH_MLP_KERNEL") {
+            Err(_) => MlpForm::Gemm,
+            Ok(v) => MlpForm::from_env_value(&v).ok_or(StartError::UnknownMlpKernel { value: v })?,
+        };
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
         let blas = blas::Lt::new()?;
         Ok(CudaBackend {
@@ -310,6 +320,7 @@ impl CudaBackend {
             profiling: std::sync::atomic::AtomicBool::new(false),
             timed: Mutex::new(Vec::new()),
             readback_slots: Arc::new(Mutex::new(Vec::new())),
+            mlp_form,
         })
     }
 
@@ -1787,6 +1798,21 @@ impl Backend for CudaBackend {
         check_len("swiglu_fwd", "out", out.len, 0, rows * inter)?;
         let args = launch::SwigluFwdBf16 { gu: gu.at("swiglu_fwd", 0)?, out: out.at("swiglu_fwd", 0)?, rows, inter };
         self.launch(s, launch::SwigluFwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
+    }
+
+    fn mlp_gate_up_act(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        gu: &mut CudaBuf,
+        act: &mut CudaBuf,
+        rows: usize,
+        inter: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.mlp_gate_up_act_auto(s, x, w, w_off, gu, act, rows, inter, h)
     }
 
     fn swiglu_bwd(&self, s: &Stream, dout: &CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {

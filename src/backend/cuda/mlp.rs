@@ -1,0 +1,170 @@
+//! The gated MLP's gate | up projection and SwiGLU as one kernel (kernels/mlp.cu), or as
+//! cuBLASLt's GEMM followed by `swiglu_fwd`.
+//!
+//! `DFLASH_MLP_KERNEL` picks the form `Backend::mlp_gate_up_act` runs: unset or `gemm`, the two
+//! steps; `fused`, `mlp_swiglu_wgmma_bf16` wherever [`fused_blocker`] allows it (the two steps
+//! elsewhere, logged once). [`CudaBackend::mlp_gate_up_act_with`] forces either, for the tests
+//! and the bench.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::launch::{self, DevPtr};
+use super::tma::tensor_map_2d;
+use super::{CudaBackend, CudaBuf, Stream};
+use crate::backend::{check_len, Backend, BackendError, Gemm, Result};
+use crate::kernels::launch::{FC_BK, FC_BM, FC_THREADS, MLP_BN, MLP_SMEM_BYTES};
+
+/// Which form computes `act = swiglu(x [Wg; Wu]^T)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpForm {
+    /// cuBLASLt's GEMM into the `[rows, 2 * inter]` scratch, then `swiglu_fwd_bf16`.
+    Gemm,
+    /// `mlp_swiglu_wgmma_bf16`: k and inter multiples of 8, x and W 16-byte aligned, act 4-byte
+    /// aligned (anything else is an error when this form is forced).
+    Fused,
+}
+
+impl MlpForm {
+    /// The form `DFLASH_MLP_KERNEL` names (`None`: unset, the default two steps).
+    pub fn from_env_value(v: &str) -> Option<MlpForm> {
+        match v {
+            "gemm" => Some(MlpForm::Gemm),
+            "fused" => Some(MlpForm::Fused),
+            _ => None,
+        }
+    }
+}
+
+/// Set once the fused form has fallen back to the two steps (STYLE.md rule 8: log once).
+static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Why `mlp_swiglu_wgmma_bf16` cannot run on these operands (`None`: it can). Pointers are byte
+/// addresses of x, of W's first element (offset applied) and of act.
+fn fused_blocker(x: u64, w: u64, act: u64, w_off: usize, inter: usize, k: usize) -> Option<String> {
+    if k == 0 {
+        Some("k = 0 (nothing to load)".into())
+    } else if k % 8 != 0 {
+        Some(format!("k = {k} is not a multiple of 8 (TMA rows must be a multiple of 16 bytes)"))
+    } else if inter % 8 != 0 {
+        Some(format!("inter = {inter} is not a multiple of 8"))
+    } else if x % 16 != 0 {
+        Some(format!("x at {x:#x} is not 16-byte aligned"))
+    } else if w % 16 != 0 {
+        Some(format!("W at element offset {w_off} is not 16-byte aligned"))
+    } else if act % 4 != 0 {
+        Some(format!("act at {act:#x} is not 4-byte aligned"))
+    } else if i32::try_from(2 * inter).is_err() || i32::try_from(k).is_err() {
+        Some(format!("inter = {inter} or k = {k} is past the kernel's 32-bit coordinates"))
+    } else {
+        None
+    }
+}
+
+impl CudaBackend {
+    /// `Backend::mlp_gate_up_act` on CUDA: the form `DFLASH_MLP_KERNEL` picked at start-up, the
+    /// fused kernel falling back to the two steps (logged once) where it cannot run.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mlp_gate_up_act_auto(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        gu: &mut CudaBuf,
+        act: &mut CudaBuf,
+        rows: usize,
+        inter: usize,
+        h: usize,
+    ) -> Result<()> {
+        let mut form = self.mlp_form;
+        if form == MlpForm::Fused {
+            let wp = w.ptr + (w_off * w.dtype.size_bytes()) as u64;
+            if let Some(why) = fused_blocker(x.ptr, wp, act.ptr, w_off, inter, h) {
+                if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "note      mlp_gate_up_act ({rows} x {inter} x {h}): {why}; running the GEMM and swiglu_fwd \
+                         (logged once)"
+                    );
+                }
+                form = MlpForm::Gemm;
+            }
+        }
+        self.mlp_gate_up_act_with(s, x, w, w_off, gu, act, rows, inter, h, form)
+    }
+
+    /// `act[rows, inter] = swiglu(x[rows, h] w[w_off..][2 * inter, h]^T)` in the form `form`
+    /// names. [`MlpForm::Fused`] leaves `gu` untouched; forcing it on operands it cannot take is
+    /// an error, not a silent fallback.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mlp_gate_up_act_with(
+        &self,
+        s: &Stream,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        w_off: usize,
+        gu: &mut CudaBuf,
+        act: &mut CudaBuf,
+        rows: usize,
+        inter: usize,
+        h: usize,
+        form: MlpForm,
+    ) -> Result<()> {
+        const OP: &str = "mlp_gate_up_act";
+        match form {
+            MlpForm::Gemm => {
+                self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, gu, 0)?;
+                self.swiglu_fwd(s, gu, act, rows, inter)
+            }
+            MlpForm::Fused => {
+                check_len(OP, "x", x.len, 0, rows * h)?;
+                check_len(OP, "w", w.len, w_off, 2 * inter * h)?;
+                check_len(OP, "act", act.len, 0, rows * inter)?;
+                let (xp, wp, ap): (DevPtr<half::bf16>, DevPtr<half::bf16>, DevPtr<half::bf16>) =
+                    (x.at(OP, 0)?, w.at(OP, w_off)?, act.at(OP, 0)?);
+                if rows == 0 || inter == 0 {
+                    return Ok(());
+                }
+                if let Some(why) = fused_blocker(xp.addr(), wp.addr(), ap.addr(), w_off, inter, h) {
+                    return Err(BackendError::Shape {
+                        op: OP,
+                        what: format!("mlp_swiglu_wgmma_bf16 cannot run: {why}"),
+                    });
+                }
+                let map_x = tensor_map_2d(OP, xp.addr(), h, rows, FC_BM)?;
+                let map_w = tensor_map_2d(OP, wp.addr(), h, 2 * inter, MLP_BN)?;
+                let tiles = rows.div_ceil(FC_BM) * inter.div_ceil(MLP_BN);
+                // Persistent: one CTA per SM at most (197 KB of shared memory each).
+                let grid = tiles.min(self.sm_count);
+                let args = launch::MlpSwigluWgmmaBf16 { map_x, map_w, act: ap, rows, inter, k: h };
+                self.launch(s, launch::MlpSwigluWgmmaBf16::KERNEL, (grid, FC_THREADS, MLP_SMEM_BYTES), args)
+            }
+        }
+    }
+}
+
+const _: () = assert!(FC_BK == super::tma::SWIZZLE_ROW, "mlp.cu's k-block is one swizzle row");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_form_takes_aligned_multiples_of_8_only() {
+        assert_eq!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 4096), None);
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 0).unwrap().contains("k = 0"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 4100).unwrap().contains("k = 4100"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 100, 4096).unwrap().contains("inter = 100"));
+        assert!(fused_blocker(0x1008, 0x2000, 0x3000, 0, 128, 64).unwrap().contains("x at 0x1008"));
+        assert!(fused_blocker(0x1000, 0x2008, 0x3000, 4, 128, 64).unwrap().contains("element offset 4"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3002, 0, 128, 64).unwrap().contains("act at 0x3002"));
+        // The second box's row coordinate, inter + n0, is an i32 on the device.
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 1 << 30, 64).unwrap().contains("32-bit"));
+    }
+
+    #[test]
+    fn the_env_names_each_form() {
+        assert_eq!(MlpForm::from_env_value("gemm"), Some(MlpForm::Gemm));
+        assert_eq!(MlpForm::from_env_value("fused"), Some(MlpForm::Fused));
+        assert_eq!(MlpForm::from_env_value("Fused"), None);
+    }
+}
