@@ -40,6 +40,12 @@
 //           12288 x 2 * 17408 x 5120). Target: the cuBLASLt GEMM's time alone, so the SwiGLU pass
 //           (~0.45 ms a layer at these shapes) is saved whole; benches/kernels.rs ("mlp") times
 //           both forms side by side.
+// Measured (H100, the bench's mlp group): 0.875x the two-step form's throughput at the 8B shape
+//           (3.815 against 3.338 ms), 0.892x at the 27B shape (6.872 against 6.131 ms); output
+//           equal to cuBLASLt + swiglu_fwd bit for bit on every test case. The epilogue stores
+//           from registers before the next tile's MMAs start (as fc.cu), which at 64-80 k-blocks
+//           a tile costs more than the saved pass: hence not the default. The next step is an
+//           epilogue that overlaps the next tile's main loop.
 #include "common.cuh"
 #include "launch.cuh"
 #include "tma.cuh"

@@ -4,7 +4,8 @@
 //! `DFLASH_MLP_KERNEL` picks the form `Backend::mlp_gate_up_act` runs: unset or `gemm`, the two
 //! steps; `fused`, `mlp_swiglu_wgmma_bf16` wherever [`fused_blocker`] allows it (the two steps
 //! elsewhere, logged once). [`CudaBackend::mlp_gate_up_act_with`] forces either, for the tests
-//! and the bench.
+//! and the bench. The two-step form is the default: on an H100 the fused kernel gave the same
+//! bits at 0.875x (8B shape) and 0.892x (27B shape) of its throughput (kernels/mlp.cu says why).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
