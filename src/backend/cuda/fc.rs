@@ -34,18 +34,35 @@ static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Why `fc_wgmma_bf16` cannot run on these operands (`None`: it can). Pointers are byte addresses
 /// of x, of W's first element (offset already applied) and of y.
 fn fast_path_blocker(x: u64, w: u64, y: u64, w_off: usize, h: usize, k: usize) -> Option<String> {
+    tma_gemm_blocker([("x", x), ("y", y)], w, w_off, ("h", h), k)
+}
+
+/// Why a TMA + wgmma kernel reading `x [rows, k]` and `W [n, k]` by TMA and storing bf16 pairs
+/// cannot run (`None`: it can): k and n multiples of 8 (16-byte TMA row pitch, whole pairs), x and
+/// W 16-byte aligned, the output 4-byte aligned. `ptrs` names x and the output with their byte
+/// addresses, `w` is W's first element's (offset `w_off` applied), `n` names the output width.
+/// fc.cu's kernel and mlp.cu's share it.
+pub(super) fn tma_gemm_blocker(
+    ptrs: [(&str, u64); 2],
+    w: u64,
+    w_off: usize,
+    n: (&str, usize),
+    k: usize,
+) -> Option<String> {
+    let [(x_name, x), (y_name, y)] = ptrs;
+    let (n_name, n) = n;
     if k == 0 {
         Some("k = 0 (nothing to load)".into())
     } else if k % 8 != 0 {
         Some(format!("k = {k} is not a multiple of 8 (TMA rows must be a multiple of 16 bytes)"))
-    } else if h % 8 != 0 {
-        Some(format!("h = {h} is not a multiple of 8"))
+    } else if n % 8 != 0 {
+        Some(format!("{n_name} = {n} is not a multiple of 8"))
     } else if x % TMA_ALIGN != 0 {
-        Some(format!("x at {x:#x} is not 16-byte aligned"))
+        Some(format!("{x_name} at {x:#x} is not 16-byte aligned"))
     } else if w % TMA_ALIGN != 0 {
         Some(format!("W at element offset {w_off} is not 16-byte aligned"))
     } else if y % 4 != 0 {
-        Some(format!("y at {y:#x} is not 4-byte aligned"))
+        Some(format!("{y_name} at {y:#x} is not 4-byte aligned"))
     } else {
         None
     }

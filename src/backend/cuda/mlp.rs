@@ -9,6 +9,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::fc::tma_gemm_blocker;
 use super::launch::{self, DevPtr};
 use super::tma::tensor_map_2d;
 use super::{CudaBackend, CudaBuf, Stream};
@@ -42,23 +43,11 @@ static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Why `mlp_swiglu_wgmma_bf16` cannot run on these operands (`None`: it can). Pointers are byte
 /// addresses of x, of W's first element (offset applied) and of act.
 fn fused_blocker(x: u64, w: u64, act: u64, w_off: usize, inter: usize, k: usize) -> Option<String> {
-    if k == 0 {
-        Some("k = 0 (nothing to load)".into())
-    } else if k % 8 != 0 {
-        Some(format!("k = {k} is not a multiple of 8 (TMA rows must be a multiple of 16 bytes)"))
-    } else if inter % 8 != 0 {
-        Some(format!("inter = {inter} is not a multiple of 8"))
-    } else if x % 16 != 0 {
-        Some(format!("x at {x:#x} is not 16-byte aligned"))
-    } else if w % 16 != 0 {
-        Some(format!("W at element offset {w_off} is not 16-byte aligned"))
-    } else if act % 4 != 0 {
-        Some(format!("act at {act:#x} is not 4-byte aligned"))
-    } else if i32::try_from(2 * inter).is_err() || i32::try_from(k).is_err() {
-        Some(format!("inter = {inter} or k = {k} is past the kernel's 32-bit coordinates"))
-    } else {
-        None
-    }
+    tma_gemm_blocker([("x", x), ("act", act)], w, w_off, ("inter", inter), k).or_else(|| {
+        // The up box's row coordinate, inter + n0, is an i32 on the device.
+        (i32::try_from(2 * inter).is_err() || i32::try_from(k).is_err())
+            .then(|| format!("inter = {inter} or k = {k} is past the kernel's 32-bit coordinates"))
+    })
 }
 
 impl CudaBackend {
