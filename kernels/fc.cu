@@ -73,6 +73,7 @@
 #include "common.cuh"
 #include "launch.cuh"
 #include "tma.cuh"  // CUtensorMap and the TMA wrappers
+#include "tma_gemm.cuh"  // the ring, roles and tile walk fc_wgmma_bf16 shares with mlp.cu
 
 namespace fc {
 
@@ -81,10 +82,8 @@ constexpr int BM = FC_BM;                // output rows per CTA tile (2 consumer
 constexpr int BN = FC_BN;                // output columns per CTA tile (one m64n256 wgmma)
 constexpr int BK = FC_BK;                // K per stage: 64 bf16 = one 128-byte swizzle row
 constexpr int STAGES = FC_STAGES;        // ring depth: 4 x 48 KB of the 227 KB of shared memory
-constexpr int GROUP_M = 16;              // row blocks per raster group (L2 reuse, see header)
 constexpr int WG_ROWS = 64;              // tile rows per consumer warpgroup (the M of wgmma)
 constexpr int THREADS = FC_THREADS;      // producer warpgroup + 2 consumer warpgroups
-constexpr int CONSUMER_WARPS = 8;        // arrivals that free one stage (one per consumer warp)
 constexpr uint32_t A_STAGE_BYTES = BM * BK * 2;   // 16 KB: x box 64 x 128
 constexpr uint32_t B_STAGE_BYTES = BN * BK * 2;   // 32 KB: W box 64 x 256
 constexpr uint32_t STAGE_TX_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;  // TMA bytes per stage
@@ -95,7 +94,7 @@ static_assert(SMEM_BYTES == STAGES * STAGE_TX_BYTES + BARRIER_BYTES + SWIZZLE_AL
               "launch.cuh FC_SMEM_BYTES must cover the ring, its barriers and the alignment slack");
 static_assert(A_STAGE_BYTES % SWIZZLE_ALIGN == 0 && B_STAGE_BYTES % SWIZZLE_ALIGN == 0,
               "every stage must start on a swizzle atom");
-static_assert(BM == 2 * WG_ROWS && THREADS == 128 * 3 && CONSUMER_WARPS == 8, "2 consumer warpgroups");
+static_assert(BM == 2 * WG_ROWS && THREADS == 128 * 3 && tma_gemm::CONSUMER_WARPS == 8, "2 consumer warpgroups");
 
 // ---- simple path geometry --------------------------------------------------------------------
 constexpr int S_TILE = FC_S_TILE; // output tile edge
@@ -103,16 +102,6 @@ constexpr int S_BK = 32;       // K per shared-memory step
 constexpr int S_THREADS = FC_S_THREADS; // 16 x 16 threads, 4 x 4 outputs each
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-  return r;
-}
 
 // wgmma shared-memory matrix descriptor for a K-major tile of 128-byte rows with the 128-byte
 // swizzle: start address >> 4 in bits 0-13, leading-dimension byte offset >> 4 in bits 16-29
@@ -122,13 +111,6 @@ __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
 __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 // Tells the compiler every accumulator may have changed here, so no read of one is moved above
@@ -177,31 +159,13 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// Tile t (in the persistent walk) -> (row block, column block): groups of GROUP_M row blocks,
-// row block fastest inside a group, so consecutive tiles share W rows and nearby ones x rows.
-struct TileCoord {
-  int m_blk;
-  int n_blk;
-};
-
-__device__ __forceinline__ TileCoord tile_coord(long long t, int num_m, int num_n) {
-  const long long per_group = static_cast<long long>(GROUP_M) * num_n;
-  const long long group = t / per_group;
-  const int first_m = static_cast<int>(group * GROUP_M);
-  const int group_m = min(num_m - first_m, GROUP_M);  // the last group may be short
-  const int in_group = static_cast<int>(t - group * per_group);  // < group_m * num_n
-  TileCoord c;
-  c.m_blk = first_m + in_group % group_m;
-  c.n_blk = in_group / group_m;
-  return c;
-}
-
 }  // namespace fc
 
 extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
     fc_wgmma_bf16(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                   __nv_bfloat16* __restrict__ y, int rows, int h, int k) {
   using namespace fc;
+  using namespace tma_gemm;
   if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < SMEM_BYTES) {
     __trap();
   }
@@ -210,51 +174,27 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
   const uint32_t base = (smem_u32(fc_smem) + (SWIZZLE_ALIGN - 1)) & ~(SWIZZLE_ALIGN - 1);
   const uint32_t a_smem = base;                                // STAGES x 16 KB
   const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;       // STAGES x 32 KB
-  const uint32_t bars = b_smem + STAGES * B_STAGE_BYTES;       // full[STAGES], empty[STAGES]
-  // full(s) completes when stage s holds its k-block (TMA bytes landed); empty(s) when all 8
-  // consumer warps are done reading it.
-  auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };
-  auto empty_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(STAGES + s); };
+  const Ring<STAGES> ring{b_smem + STAGES * B_STAGE_BYTES};    // full[STAGES], empty[STAGES]
 
   const int num_m = static_cast<int>((static_cast<long long>(rows) + BM - 1) / BM);
   const int num_n = static_cast<int>((static_cast<long long>(h) + BN - 1) / BN);
   const int num_k = static_cast<int>((static_cast<long long>(k) + BK - 1) / BK);
   const long long num_tiles = static_cast<long long>(num_m) * num_n;
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx; the bytes do the rest
-      mbar_init(empty_bar(s), CONSUMER_WARPS);
-    }
-    fence_barrier_init();
-  }
+  ring.init();
   __syncthreads();  // the last block-wide barrier: the roles below never meet again
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // ---- producer ----
+    // ---- producer: one thread; per k-block the x box and the 256-row W box ----
     if (threadIdx.x == 0) {
       prefetch_tensor_map(&map_x);
       prefetch_tensor_map(&map_w);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileCoord c = tile_coord(t, num_m, num_n);
-        const int m0 = c.m_blk * BM;  // < rows <= INT_MAX
-        const int n0 = c.n_blk * BN;  // < h <= INT_MAX
-        for (int kb = 0; kb < num_k; ++kb) {
-          mbar_wait(empty_bar(stage), phase ^ 1u);  // the consumers freed this stage's last use
-          mbar_arrive_expect_tx(full_bar(stage), STAGE_TX_BYTES);
-          const int k0 = kb * BK;  // < k <= INT_MAX
-          tma_load_2d(a_smem + stage * A_STAGE_BYTES, &map_x, full_bar(stage), k0, m0);
-          tma_load_2d(b_smem + stage * B_STAGE_BYTES, &map_w, full_bar(stage), k0, n0);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1u;
-          }
-        }
-      }
+      produce<STAGES, BK>(ring, num_tiles, num_m, num_n, num_k, STAGE_TX_BYTES,
+                          [&](int stage, int k0, TileCoord c) {
+                            tma_load_2d(a_smem + stage * A_STAGE_BYTES, &map_x, ring.full(stage), k0, c.m_blk * BM);
+                            tma_load_2d(b_smem + stage * B_STAGE_BYTES, &map_w, ring.full(stage), k0, c.n_blk * BN);
+                          });
     }
     return;
   }
@@ -275,30 +215,17 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
     const TileCoord c = tile_coord(t, num_m, num_n);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    int prev_stage = 0;
-    for (int kb = 0; kb < num_k; ++kb) {
-      mbar_wait(full_bar(stage), phase);
-      wgmma_fence();  // orders the zeroing (and the last tile's epilogue reads) before the MMAs
-      const uint64_t da = desc_a0 + ((static_cast<uint32_t>(stage) * A_STAGE_BYTES) >> 4);
-      const uint64_t db = desc_b0 + ((static_cast<uint32_t>(stage) * B_STAGE_BYTES) >> 4);
+    consume_tile(
+        ring, num_k, lane, stage, phase,
+        [&](int s) {
+          const uint64_t da = desc_a0 + ((static_cast<uint32_t>(s) * A_STAGE_BYTES) >> 4);
+          const uint64_t db = desc_b0 + ((static_cast<uint32_t>(s) * B_STAGE_BYTES) >> 4);
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);  // +32 bytes of K per step
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // block kb - 1's group is done: its stage may be overwritten
-      if (kb > 0 && lane == 0) mbar_arrive(empty_bar(prev_stage));
-      __syncwarp();
-      prev_stage = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    }
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    if (lane == 0) mbar_arrive(empty_bar(prev_stage));
-    __syncwarp();
+          for (int kk = 0; kk < BK / 16; ++kk) {
+            wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);  // +32 bytes of K per step
+          }
+        },
+        [&] { fence_accumulators(acc); });
 
     // ---- epilogue: bf16x2 stores straight from the accumulators ----
     const long long r0 = static_cast<long long>(c.m_blk) * BM + cw * WG_ROWS + warp * 16 + lane / 4;

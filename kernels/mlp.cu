@@ -49,6 +49,7 @@
 #include "common.cuh"
 #include "launch.cuh"
 #include "tma.cuh"
+#include "tma_gemm.cuh"  // the ring, roles and tile walk shared with fc.cu
 #include "wgmma.cuh"
 
 namespace mlp {
@@ -57,10 +58,8 @@ constexpr int BM = FC_BM;              // output rows per tile (2 consumer warpg
 constexpr int BN = MLP_BN;             // output columns per tile; 2 * BN GEMM columns
 constexpr int BK = FC_BK;              // K per stage: one 128-byte swizzle row
 constexpr int STAGES = FC_STAGES;
-constexpr int GROUP_M = 16;            // row blocks per raster group (L2 reuse, as fc.cu)
 constexpr int WG_ROWS = 64;
 constexpr int THREADS = FC_THREADS;    // producer warpgroup + 2 consumer warpgroups
-constexpr int CONSUMER_WARPS = 8;
 constexpr int NT = 2 * BN / 8;         // n8 accumulator blocks per thread: gate then up
 constexpr uint32_t A_STAGE_BYTES = BM * BK * 2;       // 16 KB
 constexpr uint32_t B_HALF_BYTES = BN * BK * 2;        // 16 KB: one W box (gate or up)
@@ -73,24 +72,6 @@ static_assert(SMEM_BYTES == STAGES * STAGE_TX_BYTES + 2 * STAGES * 8 + SWIZZLE_A
 static_assert(B_HALF_BYTES % SWIZZLE_ALIGN == 0 && A_STAGE_BYTES % SWIZZLE_ALIGN == 0,
               "every box must start on a swizzle atom");
 static_assert(BM == 2 * WG_ROWS && THREADS == 3 * 128 && 2 * BN == 256, "one m64n256 wgmma per k16 step");
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-  return r;
-}
-
-// Tile t of the persistent walk -> (row block, column block), row block fastest inside groups of
-// GROUP_M row blocks (consecutive tiles share W rows, nearby ones x rows).
-__device__ __forceinline__ void tile_coord(long long t, int num_m, int num_n, int& m_blk, int& n_blk) {
-  const long long per_group = static_cast<long long>(GROUP_M) * num_n;
-  const long long group = t / per_group;
-  const int first_m = static_cast<int>(group * GROUP_M);
-  const int group_m = min(num_m - first_m, GROUP_M);
-  const int in_group = static_cast<int>(t - group * per_group);
-  m_blk = first_m + in_group % group_m;
-  n_blk = in_group / group_m;
-}
 
 // swiglu.cu's forward on one (gate, up) pair already rounded to bf16: the same operations in the
 // same order, so the same bits.
@@ -107,32 +88,23 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
     mlp_swiglu_wgmma_bf16(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                           __nv_bfloat16* __restrict__ act, int rows, int inter, int k) {
   using namespace mlp;
+  using namespace tma_gemm;
   if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < SMEM_BYTES) {
     __trap();
   }
   if (rows <= 0 || inter <= 0 || k <= 0) return;
   extern __shared__ unsigned char mlp_smem[];
-  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(mlp_smem)) + (SWIZZLE_ALIGN - 1)) &
-                        ~(SWIZZLE_ALIGN - 1);
-  const uint32_t a_smem = base;                           // STAGES x 16 KB of x
-  const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;  // STAGES x (16 KB gate + 16 KB up)
-  const uint32_t bars = b_smem + STAGES * B_STAGE_BYTES;  // full[STAGES], empty[STAGES]
-  auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };
-  auto empty_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(STAGES + s); };
+  const uint32_t base = (smem_u32(mlp_smem) + (SWIZZLE_ALIGN - 1)) & ~(SWIZZLE_ALIGN - 1);
+  const uint32_t a_smem = base;                              // STAGES x 16 KB of x
+  const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;     // STAGES x (16 KB gate + 16 KB up)
+  const Ring<STAGES> ring{b_smem + STAGES * B_STAGE_BYTES};  // full[STAGES], empty[STAGES]
 
   const int num_m = static_cast<int>((static_cast<long long>(rows) + BM - 1) / BM);
   const int num_n = static_cast<int>((static_cast<long long>(inter) + BN - 1) / BN);
   const int num_k = static_cast<int>((static_cast<long long>(k) + BK - 1) / BK);
   const long long num_tiles = static_cast<long long>(num_m) * num_n;
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 1);
-      mbar_init(empty_bar(s), CONSUMER_WARPS);
-    }
-    fence_barrier_init();
-  }
+  ring.init();
   __syncthreads();  // the last block-wide barrier: the roles below never meet again
 
   const int warpgroup = attn::warpgroup_index();
@@ -141,27 +113,13 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
     if (threadIdx.x == 0) {
       prefetch_tensor_map(&map_x);
       prefetch_tensor_map(&map_w);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        int m_blk, n_blk;
-        tile_coord(t, num_m, num_n, m_blk, n_blk);
-        const int m0 = m_blk * BM;
-        const int n0 = n_blk * BN;
-        for (int kb = 0; kb < num_k; ++kb) {
-          mbar_wait(empty_bar(stage), phase ^ 1u);
-          mbar_arrive_expect_tx(full_bar(stage), STAGE_TX_BYTES);
-          const int k0 = kb * BK;
-          const uint32_t b = b_smem + stage * B_STAGE_BYTES;
-          tma_load_2d(a_smem + stage * A_STAGE_BYTES, &map_x, full_bar(stage), k0, m0);
-          tma_load_2d(b, &map_w, full_bar(stage), k0, n0);
-          tma_load_2d(b + B_HALF_BYTES, &map_w, full_bar(stage), k0, inter + n0);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1u;
-          }
-        }
-      }
+      produce<STAGES, BK>(ring, num_tiles, num_m, num_n, num_k, STAGE_TX_BYTES, [&](int stage, int k0, TileCoord c) {
+        const uint32_t b = b_smem + stage * B_STAGE_BYTES;
+        const int n0 = c.n_blk * BN;
+        tma_load_2d(a_smem + stage * A_STAGE_BYTES, &map_x, ring.full(stage), k0, c.m_blk * BM);
+        tma_load_2d(b, &map_w, ring.full(stage), k0, n0);
+        tma_load_2d(b + B_HALF_BYTES, &map_w, ring.full(stage), k0, inter + n0);
+      });
     }
     return;
   }
@@ -178,41 +136,27 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
   int stage = 0;
   uint32_t phase = 0;
   for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    int m_blk, n_blk;
-    tile_coord(t, num_m, num_n, m_blk, n_blk);
+    const TileCoord c = tile_coord(t, num_m, num_n);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
     }
-    int prev_stage = 0;
-    for (int kb = 0; kb < num_k; ++kb) {
-      mbar_wait(full_bar(stage), phase);
-      attn::wgmma_fence();  // orders the zeroing (and the last tile's epilogue reads) before the MMAs
-      const uint64_t da = attn::wg_desc_at(desc_a0, static_cast<uint32_t>(stage) * A_STAGE_BYTES);
-      const uint64_t db = attn::wg_desc_at(desc_b0, static_cast<uint32_t>(stage) * B_STAGE_BYTES);
+    consume_tile(
+        ring, num_k, lane, stage, phase,
+        [&](int s) {
+          const uint64_t da = attn::wg_desc_at(desc_a0, static_cast<uint32_t>(s) * A_STAGE_BYTES);
+          const uint64_t db = attn::wg_desc_at(desc_b0, static_cast<uint32_t>(s) * B_STAGE_BYTES);
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        attn::wg_abt<2 * BN>(acc, da + 2 * kk, db + 2 * kk, 1);  // +32 bytes of K per k16 step
-      }
-      attn::wgmma_commit();
-      attn::wgmma_wait<1>();  // block kb - 1's group is done: its stage may be overwritten
-      if (kb > 0 && lane == 0) mbar_arrive(empty_bar(prev_stage));
-      __syncwarp();
-      prev_stage = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    }
-    attn::wgmma_wait<0>();
-    attn::wg_fence_regs(acc);
-    if (lane == 0) mbar_arrive(empty_bar(prev_stage));
-    __syncwarp();
+          for (int kk = 0; kk < BK / 16; ++kk) {
+            attn::wg_abt<2 * BN>(acc, da + 2 * kk, db + 2 * kk, 1);  // +32 bytes of K per k16 step
+          }
+        },
+        [&] { attn::wg_fence_regs(acc); });
 
     // ---- epilogue: gate block j and up block j + NT / 2 hold the same output columns ----
-    const long long r0 = static_cast<long long>(m_blk) * BM + cw * WG_ROWS + warp * 16 + lane / 4;
-    const long long col0 = static_cast<long long>(n_blk) * BN + 2 * (lane % 4);
+    const long long r0 = static_cast<long long>(c.m_blk) * BM + cw * WG_ROWS + warp * 16 + lane / 4;
+    const long long col0 = static_cast<long long>(c.n_blk) * BN + 2 * (lane % 4);
     const bool row0_ok = r0 < rows;
     const bool row1_ok = r0 + 8 < rows;
     __nv_bfloat16* y0 = act + r0 * inter + col0;
