@@ -49,6 +49,7 @@
 #include "common.cuh"
 #include "launch.cuh"
 #include "tma.cuh"
+#include "swiglu.cuh"  // the formula swiglu.cu runs, so the same bits
 #include "tma_gemm.cuh"  // the ring, roles and tile walk shared with fc.cu
 #include "wgmma.cuh"
 
@@ -73,14 +74,13 @@ static_assert(B_HALF_BYTES % SWIZZLE_ALIGN == 0 && A_STAGE_BYTES % SWIZZLE_ALIGN
               "every box must start on a swizzle atom");
 static_assert(BM == 2 * WG_ROWS && THREADS == 3 * 128 && 2 * BN == 256, "one m64n256 wgmma per k16 step");
 
-// swiglu.cu's forward on one (gate, up) pair already rounded to bf16: the same operations in the
-// same order, so the same bits.
-__device__ __forceinline__ float swiglu1(float g, float u) {
-  const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-  return __fmul_rn(silu, u);
+// act for the output pair whose gate accumulators are g[e], g[e + 1] and up ones u[e], u[e + 1]:
+// g and u rounded to bf16 first (the GEMM's output), SwiGLU, one bf16x2 of the results.
+__device__ __forceinline__ uint32_t swiglu_pair(const float (&g)[4], const float (&u)[4], int e) {
+  auto round_bf16 = [](float f) { return bf16_to_f32(f32_to_bf16_rne(f)); };
+  return pack_bf16x2_rne(swiglu_fwd_f32(round_bf16(g[e]), round_bf16(u[e])),
+                         swiglu_fwd_f32(round_bf16(g[e + 1]), round_bf16(u[e + 1])));
 }
-
-__device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16_rne(f)); }
 
 }  // namespace mlp
 
@@ -165,16 +165,8 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
     for (int j = 0; j < NT / 2; ++j) {
       // inter % 8 == 0 and col0 even: a pair is wholly inside the row or wholly outside.
       if (col0 + 8 * j < inter) {
-        const float(&g)[4] = acc[j];
-        const float(&u)[4] = acc[j + NT / 2];
-        if (row0_ok) {
-          *reinterpret_cast<uint32_t*>(y0 + 8 * j) =
-              pack_bf16x2_rne(swiglu1(round_bf16(g[0]), round_bf16(u[0])), swiglu1(round_bf16(g[1]), round_bf16(u[1])));
-        }
-        if (row1_ok) {
-          *reinterpret_cast<uint32_t*>(y1 + 8 * j) =
-              pack_bf16x2_rne(swiglu1(round_bf16(g[2]), round_bf16(u[2])), swiglu1(round_bf16(g[3]), round_bf16(u[3])));
-        }
+        if (row0_ok) *reinterpret_cast<uint32_t*>(y0 + 8 * j) = swiglu_pair(acc[j], acc[j + NT / 2], 0);
+        if (row1_ok) *reinterpret_cast<uint32_t*>(y1 + 8 * j) = swiglu_pair(acc[j], acc[j + NT / 2], 2);
       }
     }
   }

@@ -51,23 +51,19 @@ fn fused_blocker(x: u64, w: u64, act: u64, w_off: usize, inter: usize, k: usize)
 }
 
 impl CudaBackend {
-    /// `Backend::mlp_gate_up_act` on CUDA: the form `DFLASH_MLP_KERNEL` picked at start-up, the
-    /// fused kernel falling back to the two steps (logged once) where it cannot run.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn mlp_gate_up_act_auto(
+    /// The form `Backend::mlp_gate_up_act` runs on these operands: the one `DFLASH_MLP_KERNEL`
+    /// picked at start-up, the fused kernel falling back to the two steps (logged once) where
+    /// it cannot run.
+    pub(super) fn mlp_form_for(
         &self,
-        s: &Stream,
         x: &CudaBuf,
         w: &CudaBuf,
         w_off: usize,
-        gu: &mut CudaBuf,
-        act: &mut CudaBuf,
-        rows: usize,
-        inter: usize,
-        h: usize,
-    ) -> Result<()> {
-        let mut form = self.mlp_form;
-        if form == MlpForm::Fused {
+        act: &CudaBuf,
+        shape: [usize; 3],
+    ) -> MlpForm {
+        let [rows, inter, h] = shape;
+        if self.mlp_form == MlpForm::Fused {
             let wp = w.ptr + (w_off * w.dtype.size_bytes()) as u64;
             if let Some(why) = fused_blocker(x.ptr, wp, act.ptr, w_off, inter, h) {
                 if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
@@ -76,10 +72,10 @@ impl CudaBackend {
                          (logged once)"
                     );
                 }
-                form = MlpForm::Gemm;
+                return MlpForm::Gemm;
             }
         }
-        self.mlp_gate_up_act_with(s, x, w, w_off, gu, act, rows, inter, h, form)
+        self.mlp_form
     }
 
     /// `act[rows, inter] = swiglu(x[rows, h] w[w_off..][2 * inter, h]^T)` in the form `form`

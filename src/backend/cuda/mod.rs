@@ -1812,7 +1812,8 @@ impl Backend for CudaBackend {
         inter: usize,
         h: usize,
     ) -> Result<()> {
-        self.mlp_gate_up_act_auto(s, x, w, w_off, gu, act, rows, inter, h)
+        let form = self.mlp_form_for(x, w, w_off, act, [rows, inter, h]);
+        self.mlp_gate_up_act_with(s, x, w, w_off, gu, act, rows, inter, h, form)
     }
 
     fn swiglu_bwd(&self, s: &Stream, dout: &CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
