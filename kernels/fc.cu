@@ -74,6 +74,7 @@
 #include "launch.cuh"
 #include "tma.cuh"  // CUtensorMap and the TMA wrappers
 #include "tma_gemm.cuh"  // the ring, roles and tile walk fc_wgmma_bf16 shares with mlp.cu
+#include "wgmma.cuh"     // descriptors and the m64n256 wgmma (kernels/wgmma_ops.cuh)
 
 namespace fc {
 
@@ -100,64 +101,6 @@ static_assert(BM == 2 * WG_ROWS && THREADS == 128 * 3 && tma_gemm::CONSUMER_WARP
 constexpr int S_TILE = FC_S_TILE; // output tile edge
 constexpr int S_BK = 32;       // K per shared-memory step
 constexpr int S_THREADS = FC_S_THREADS; // 16 x 16 threads, 4 x 4 outputs each
-
-// ---- PTX wrappers ----------------------------------------------------------------------------
-
-// wgmma shared-memory matrix descriptor for a K-major tile of 128-byte rows with the 128-byte
-// swizzle: start address >> 4 in bits 0-13, leading-dimension byte offset >> 4 in bits 16-29
-// (unused by swizzled K-major layouts; 1 as CUTLASS sets it), stride-dimension byte offset >> 4
-// in bits 32-45 (1024: from one 8-row group to the next), base offset 0 in bits 49-51 (tiles are
-// 1024-aligned), layout type 1 (128-byte swizzle) in bits 62-63.
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-// Tells the compiler every accumulator may have changed here, so no read of one is moved above
-// a wgmma.wait_group (the asm of the wait itself names no registers).
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d[64 x 256] += A[64 x 16] * B[16 x 256]^T-as-stored: A and B both K-major in shared memory
-// (imm-trans-a = imm-trans-b = 0), scale-d = 1 (accumulate; the caller zeroes d per tile).
-// Accumulator layout (per warp w of the warpgroup, lane l): d[4j + 2i + e] is row 16w + l/4 + 8i,
-// column 8j + 2(l%4) + e, for j < 32, i, e in {0, 1}.
-__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
 
 }  // namespace fc
 
@@ -205,16 +148,21 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
   const int lane = threadIdx.x % 32;
   // Descriptors of stage 0; stage s, k16 step kk adds (s * stage bytes + kk * 32) >> 4 to the
   // start-address field (no carry out of its 14 bits: shared addresses are < 2^18).
-  const uint64_t desc_a0 = smem_desc_sw128(a_smem + static_cast<uint32_t>(cw) * (WG_ROWS * BK * 2));
-  const uint64_t desc_b0 = smem_desc_sw128(b_smem);
+  // K-major tiles of 128-byte rows: SBO 1024 (8-row groups), LBO unused (16, as CUTLASS sets it).
+  const uint64_t desc_a0 = attn::wg_desc(a_smem + static_cast<uint32_t>(cw) * (WG_ROWS * BK * 2), 16, 1024);
+  const uint64_t desc_b0 = attn::wg_desc(b_smem, 16, 1024);
 
-  float acc[128];
+  // acc[j][e]: row 16 * warp + lane / 4 + 8 * (e / 2), column 8j + 2 * (lane % 4) + e % 2.
+  float acc[BN / 8][4];
   int stage = 0;
   uint32_t phase = 0;
   for (long long t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const TileCoord c = tile_coord(t, num_m, num_n);
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
     consume_tile(
         ring, num_k, lane, stage, phase,
         [&](int s) {
@@ -222,10 +170,10 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
           const uint64_t db = desc_b0 + ((static_cast<uint32_t>(s) * B_STAGE_BYTES) >> 4);
 #pragma unroll
           for (int kk = 0; kk < BK / 16; ++kk) {
-            wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);  // +32 bytes of K per step
+            attn::wg_abt<BN>(acc, da + 2 * kk, db + 2 * kk, 1);  // +32 bytes of K per step
           }
         },
-        [&] { fence_accumulators(acc); });
+        [&] { attn::wg_fence_regs(acc); });
 
     // ---- epilogue: bf16x2 stores straight from the accumulators ----
     const long long r0 = static_cast<long long>(c.m_blk) * BM + cw * WG_ROWS + warp * 16 + lane / 4;
@@ -239,10 +187,10 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
       // h % 8 == 0 and col0 even: a pair is either wholly inside the row or wholly outside.
       if (col0 + 8 * j < h) {
         if (row0_ok) {
-          *reinterpret_cast<uint32_t*>(y0 + 8 * j) = pack_bf16x2_rne(acc[4 * j], acc[4 * j + 1]);
+          *reinterpret_cast<uint32_t*>(y0 + 8 * j) = pack_bf16x2_rne(acc[j][0], acc[j][1]);
         }
         if (row1_ok) {
-          *reinterpret_cast<uint32_t*>(y1 + 8 * j) = pack_bf16x2_rne(acc[4 * j + 2], acc[4 * j + 3]);
+          *reinterpret_cast<uint32_t*>(y1 + 8 * j) = pack_bf16x2_rne(acc[j][2], acc[j][3]);
         }
       }
     }

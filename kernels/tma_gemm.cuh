@@ -8,28 +8,19 @@
 
 #include "common.cuh"
 #include "tma.cuh"
+#include "wgmma.cuh"
 
 namespace tma_gemm {
 
 constexpr int GROUP_M = 16;        // row blocks per raster group (L2 reuse)
 constexpr int CONSUMER_WARPS = 8;  // arrivals that free a stage: one per consumer warp
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-  return r;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
+// The PTX wrappers the kernels already share (mma.cuh, wgmma.cuh).
+using attn::dynamic_smem_bytes;
+using attn::smem_u32;
+using attn::wgmma_commit;
+using attn::wgmma_fence;
+using attn::wgmma_wait;
 
 // Tile t (in the persistent walk) -> (row block, column block): groups of GROUP_M row blocks,
 // row block fastest inside a group, so consecutive tiles share W rows and nearby ones x rows.
