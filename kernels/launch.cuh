@@ -142,11 +142,19 @@ constexpr int FC_S_TILE = 64;
 constexpr int FC_S_THREADS = 256;
 
 // ---- mlp.cu ----------------------------------------------------------------------------------
-// mlp_swiglu_wgmma_bf16: fc_wgmma_bf16's ring, roles and K stages (FC_BM rows, FC_BK, FC_STAGES,
-// FC_THREADS), with MLP_BN output columns per tile: their MLP_BN gate and MLP_BN up columns are one
-// 2 * MLP_BN-wide wgmma (the same shared-memory bytes per stage as fc's 256-wide tile).
+// mlp_swiglu_wgmma_bf16: fc_wgmma_bf16's roles and K stages (FC_BM rows, FC_BK, FC_THREADS) with
+// MLP_BN output columns per tile: their MLP_BN gate and MLP_BN up columns are one 2 * MLP_BN-wide
+// wgmma (the same shared-memory bytes per stage as fc's 256-wide tile).
 constexpr int MLP_BN = 128;
-constexpr int MLP_SMEM_BYTES = FC_STAGES * (FC_BM + 2 * MLP_BN) * FC_BK * 2 + 2 * FC_STAGES * 8 + FC_SWIZZLE_ALIGN;
+// The ring is one stage shorter than fc's: the fourth stage's 48 KB hold the staging tile below.
+constexpr int MLP_STAGES = 3;
+// The epilogue hands each finished tile to the producer warpgroup's three idle warps through a
+// staging tile of FC_BM rows x MLP_BN (gate, up) bf16 pairs, a row 512 bytes of pairs and 32 of
+// padding (so the consumers' 8-byte stores of 8 rows meet no bank conflict).
+constexpr int MLP_STAGING_PITCH = 2 * 2 * MLP_BN + 32;
+// The ring's stages, the staging tile, the ring's full and empty barriers and the staging tile's
+// full and empty barrier, and the alignment slack.
+constexpr int MLP_SMEM_BYTES = MLP_STAGES * (FC_BM + 2 * MLP_BN) * FC_BK * 2 + FC_BM * MLP_STAGING_PITCH + (2 * MLP_STAGES + 2) * 8 + FC_SWIZZLE_ALIGN;
 
 // ---- pack.cu ---------------------------------------------------------------------------------
 // Most tapped layers one call packs: TapPtrs stays at 128 bytes of kernel parameters.
