@@ -219,7 +219,7 @@ pub enum StartError {
     NoCublasLt,
     #[error("DFLASH_CE_KERNEL={value} names no cross-entropy kernel: use one of {known}, or unset it")]
     UnknownCeKernel { value: String, known: String },
-    #[error("DFLASH_MLP_KERNEL={value} names no MLP form: use gemm (cuBLASLt's GEMM, then swiglu_fwd) or fused (kernels/mlp.cu), or unset it")]
+    #[error("DFLASH_MLP_KERNEL={value} names no MLP form: use fused (kernels/mlp.cu, the default) or gemm (cuBLASLt's GEMM, then swiglu_fwd), or unset it")]
     UnknownMlpKernel { value: String },
     /// A start-up call failed (a driver, cuBLASLt or occupancy query).
     #[error("starting CUDA device {ordinal}: {source}")]

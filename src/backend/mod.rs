@@ -582,10 +582,10 @@ pub trait Backend: Send + Sync + 'static {
         inter: usize,
     ) -> Result<()>;
     /// A gated MLP's first half on `x` (`rows x h`): `act = swiglu(x [Wg; Wu]^T)`, the fused gate |
-    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). `gu` is the
-    /// `rows x 2 * inter` scratch the two-step form (the GEMM, then `swiglu_fwd`) writes; a backend
-    /// with a kernel that does both at once may leave it untouched (CUDA with
-    /// `DFLASH_MLP_KERNEL=fused`: kernels/mlp.cu). The two agree to the GEMM's summation order.
+    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). The two-step
+    /// form (the GEMM into a `rows x 2 * inter` scratch of its own, then `swiglu_fwd`) is the
+    /// default; a backend with a kernel that does both at once never holds that scratch (CUDA
+    /// by default: kernels/mlp.cu). The two agree to the GEMM's summation order.
     #[allow(clippy::too_many_arguments)]
     fn mlp_gate_up_act(
         &self,
@@ -593,14 +593,14 @@ pub trait Backend: Send + Sync + 'static {
         x: &Self::Buf,
         w: &Self::Buf,
         w_off: usize,
-        gu: &mut Self::Buf,
         act: &mut Self::Buf,
         rows: usize,
         inter: usize,
         h: usize,
     ) -> Result<()> {
-        self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, gu, 0)?;
-        self.swiglu_fwd(s, gu, act, rows, inter)
+        let mut gu = self.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
+        self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
+        self.swiglu_fwd(s, &gu, act, rows, inter)
     }
     /// The backward of `swiglu_fwd`, in place: `gu` (gate and up) is overwritten by its gradient
     /// (the drafter's backward needs gate|up no more once it has their gradient, so the largest

@@ -431,10 +431,18 @@ pub fn gemm_label(m: usize, n: usize, k: usize) -> String {
     format!("gemm {m}x{n}x{k}")
 }
 
-/// The FLOPs of a GEMM from its operation label ([`gemm_label`]).
+/// The label of a kernel of our own that is an `m x n x k` GEMM with more in its epilogue
+/// (kernels/mlp.cu): `<symbol> = gemm MxNxK`, its own row in the per-operation table, counted
+/// with the GEMMs by [`gemm_flops`].
+pub fn fused_gemm_label(symbol: &str, m: usize, n: usize, k: usize) -> String {
+    format!("{symbol} = {}", gemm_label(m, n, k))
+}
+
+/// The FLOPs of a GEMM from its operation label ([`gemm_label`], [`fused_gemm_label`]).
 pub fn gemm_flops(label: &str) -> Option<f64> {
+    let gemm = label.rsplit_once(" = ").map_or(label, |(_, g)| g);
     let dims: Vec<f64> =
-        label.strip_prefix("gemm ")?.split('x').map(|d| d.parse::<f64>().ok()).collect::<Option<_>>()?;
+        gemm.strip_prefix("gemm ")?.split('x').map(|d| d.parse::<f64>().ok()).collect::<Option<_>>()?;
     match dims[..] {
         [m, n, k] => Some(2.0 * m * n * k),
         _ => None,
@@ -678,6 +686,8 @@ mod tests {
         assert_eq!(gemm_flops("gemm 2x3"), None);
         assert_eq!(gemm_flops("gemm_like 2x3x4"), None);
         assert_eq!(gemm_flops("copy"), None);
+        assert_eq!(gemm_flops(&fused_gemm_label("mlp_swiglu_wgmma_bf16", 2, 3, 4)), Some(48.0));
+        assert_eq!(gemm_flops("mlp_swiglu_wgmma_bf16 = gemm 2x3"), None);
         // 12288 x 34816 x 5120 in 6.4 ms, twice a step: 684.6 TFLOP/s.
         let by_op = vec![(gemm_label(12288, 34816, 5120), 12.8e-3, 2), ("copy".to_string(), 1e-3, 1)];
         let step = || (StepPhases { by_op: by_op.clone(), ..StepPhases::default() }, 1.0);

@@ -248,9 +248,8 @@ fn mlp_gpu(
 ) -> Vec<f32> {
     let s = g.compute_stream();
     let (xb, wb) = (put(g, x, DType::BF16), put(g, wbuf, DType::BF16));
-    let mut gu = g.alloc(&s, DType::BF16, (rows * 2 * inter).max(1)).unwrap();
     let mut act = put(g, &vec![f32::NAN; rows * inter + FC_TAIL], DType::BF16);
-    g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k, form).unwrap();
+    g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, rows, inter, k, form).unwrap();
     let mut out = get(g, &act);
     let tail = out.split_off(rows * inter);
     assert!(tail.iter().all(|v| v.is_nan()), "mlp {rows}x{inter}x{k} ({form:?}) wrote past act[rows * inter]");
@@ -262,9 +261,8 @@ fn mlp_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, inter: usize, k: 
     let c = CpuBackend::new();
     let s = c.compute_stream();
     let (xb, wb) = (put(&c, x, DType::BF16), put(&c, wbuf, DType::BF16));
-    let mut gu = c.alloc(&s, DType::BF16, rows * 2 * inter).unwrap();
     let mut act = c.alloc(&s, DType::BF16, rows * inter).unwrap();
-    c.mlp_gate_up_act(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k).unwrap();
+    c.mlp_gate_up_act(&s, &xb, &wb, w_off, &mut act, rows, inter, k).unwrap();
     get(&c, &act)
 }
 
@@ -329,9 +327,8 @@ fn gpu_mlp_fused_kernel_matches_cpu() {
         } else {
             let s = g.compute_stream();
             let (xb, wb) = (put(&g, &x, DType::BF16), put(&g, &wbuf, DType::BF16));
-            let mut gu = g.alloc(&s, DType::BF16, rows * 2 * inter).unwrap();
             let mut act = g.alloc(&s, DType::BF16, rows * inter).unwrap();
-            let forced = g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut gu, &mut act, rows, inter, k, MlpForm::Fused);
+            let forced = g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, rows, inter, k, MlpForm::Fused);
             assert!(forced.is_err(), "{tag}: the fused kernel accepted operands it cannot take");
         }
     }

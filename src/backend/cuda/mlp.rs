@@ -1,11 +1,12 @@
 //! The gated MLP's gate | up projection and SwiGLU as one kernel (kernels/mlp.cu), or as
 //! cuBLASLt's GEMM followed by `swiglu_fwd`.
 //!
-//! `DFLASH_MLP_KERNEL` picks the form `Backend::mlp_gate_up_act` runs: unset or `gemm`, the two
-//! steps; `fused`, `mlp_swiglu_wgmma_bf16` wherever [`fused_blocker`] allows it (the two steps
-//! elsewhere, logged once). [`CudaBackend::mlp_gate_up_act_with`] forces either, for the tests
-//! and the bench. The two-step form is the default: on an H100 the fused kernel gave the same
-//! bits at 0.875x (8B shape) and 0.892x (27B shape) of its throughput (kernels/mlp.cu says why).
+//! `DFLASH_MLP_KERNEL` picks the form `Backend::mlp_gate_up_act` runs: unset or `fused`,
+//! `mlp_swiglu_wgmma_bf16` wherever [`fused_blocker`] allows it (the two steps elsewhere, logged
+//! once); `gemm`, the two steps. [`CudaBackend::mlp_gate_up_act_with`] forces either, for the
+//! tests and the bench. The fused kernel is the default: on an H100 it gave the same bits as the
+//! two steps at 1.075x (8B shape) and 1.071x (27B shape) of their throughput under sustained
+//! load (the bench's `mlp` group), and 1.12x inside the 8B step (kernels/mlp.cu).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -13,8 +14,10 @@ use super::fc::tma_gemm_blocker;
 use super::launch::{self, DevPtr};
 use super::tma::tensor_map_2d;
 use super::{CudaBackend, CudaBuf, Stream};
+use crate::backend::profile::{self, Work};
 use crate::backend::{check_len, Backend, BackendError, Gemm, Result};
 use crate::kernels::launch::{FC_BK, FC_BM, FC_THREADS, MLP_BN, MLP_SMEM_BYTES};
+use crate::tensor::DType;
 
 /// Which form computes `act = swiglu(x [Wg; Wu]^T)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +30,7 @@ pub enum MlpForm {
 }
 
 impl MlpForm {
-    /// The form `DFLASH_MLP_KERNEL` names (`None`: unset, the default two steps).
+    /// The form `DFLASH_MLP_KERNEL` names (`None`: a name of neither).
     pub fn from_env_value(v: &str) -> Option<MlpForm> {
         match v {
             "gemm" => Some(MlpForm::Gemm),
@@ -79,8 +82,9 @@ impl CudaBackend {
     }
 
     /// `act[rows, inter] = swiglu(x[rows, h] w[w_off..][2 * inter, h]^T)` in the form `form`
-    /// names. [`MlpForm::Fused`] leaves `gu` untouched; forcing it on operands it cannot take is
-    /// an error, not a silent fallback.
+    /// names ([`MlpForm::Gemm`] with a `rows x 2 * inter` scratch of its own for the GEMM's
+    /// output). Forcing [`MlpForm::Fused`] on operands it cannot take is an error, not a silent
+    /// fallback.
     #[allow(clippy::too_many_arguments)]
     pub fn mlp_gate_up_act_with(
         &self,
@@ -88,7 +92,6 @@ impl CudaBackend {
         x: &CudaBuf,
         w: &CudaBuf,
         w_off: usize,
-        gu: &mut CudaBuf,
         act: &mut CudaBuf,
         rows: usize,
         inter: usize,
@@ -98,8 +101,11 @@ impl CudaBackend {
         const OP: &str = "mlp_gate_up_act";
         match form {
             MlpForm::Gemm => {
-                self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, gu, 0)?;
-                self.swiglu_fwd(s, gu, act, rows, inter)
+                // Unfilled: the GEMM writes every element before swiglu_fwd reads it (initcheck,
+                // which does not see every cuBLASLt store, may say otherwise on this form).
+                let mut gu = self.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
+                self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
+                self.swiglu_fwd(s, &gu, act, rows, inter)
             }
             MlpForm::Fused => {
                 check_len(OP, "x", x.len, 0, rows * h)?;
@@ -119,10 +125,17 @@ impl CudaBackend {
                 let map_x = tensor_map_2d(OP, xp.addr(), h, rows, FC_BM)?;
                 let map_w = tensor_map_2d(OP, wp.addr(), h, 2 * inter, MLP_BN)?;
                 let tiles = rows.div_ceil(FC_BM) * inter.div_ceil(MLP_BN);
-                // Persistent: one CTA per SM at most (197 KB of shared memory each).
+                // Persistent: one CTA per SM at most (213 KB of shared memory each).
                 let grid = tiles.min(self.sm_count);
                 let args = launch::MlpSwigluWgmmaBf16 { map_x, map_w, act: ap, rows, inter, k: h };
-                self.launch(s, launch::MlpSwigluWgmmaBf16::KERNEL, (grid, FC_THREADS, MLP_SMEM_BYTES), args)
+                let kernel = launch::MlpSwigluWgmmaBf16::KERNEL;
+                // Profiled as the GEMM it is (its FLOPs count with the GEMMs') under its own name.
+                self.timed_as(
+                    s,
+                    Work::Kernel { family: kernel.family(), symbol: kernel.symbol() },
+                    || Some(profile::fused_gemm_label(kernel.symbol(), rows, 2 * inter, h)),
+                    || self.launch_untimed(s, kernel, (grid, FC_THREADS, MLP_SMEM_BYTES), args),
+                )
             }
         }
     }

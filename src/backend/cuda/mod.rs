@@ -297,10 +297,10 @@ impl CudaBackend {
                 n => ce_clusters.push((*ce, n)),
             }
         }
-        // DFLASH_MLP_KERNEL=fused runs the target's gate | up projection and SwiGLU as one
-        // kernel (kernels/mlp.cu); unset or gemm, as cuBLASLt's GEMM and swiglu_fwd.
+        // The target's gate | up projection and SwiGLU run as one kernel (kernels/mlp.cu) unless
+        // DFLASH_MLP_KERNEL=gemm asks for cuBLASLt's GEMM and swiglu_fwd.
         let mlp_form = match std::env::var("DFLASH_MLP_KERNEL") {
-            Err(_) => MlpForm::Gemm,
+            Err(_) => MlpForm::Fused,
             Ok(v) => MlpForm::from_env_value(&v).ok_or(StartError::UnknownMlpKernel { value: v })?,
         };
         let pool = Arc::new(Mutex::new(CachingAllocator::new(CudaMem::new(ctx.clone()), mode)));
@@ -1806,14 +1806,13 @@ impl Backend for CudaBackend {
         x: &CudaBuf,
         w: &CudaBuf,
         w_off: usize,
-        gu: &mut CudaBuf,
         act: &mut CudaBuf,
         rows: usize,
         inter: usize,
         h: usize,
     ) -> Result<()> {
         let form = self.mlp_form_for(x, w, w_off, act, [rows, inter, h]);
-        self.mlp_gate_up_act_with(s, x, w, w_off, gu, act, rows, inter, h, form)
+        self.mlp_gate_up_act_with(s, x, w, w_off, act, rows, inter, h, form)
     }
 
     fn swiglu_bwd(&self, s: &Stream, dout: &CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {

@@ -220,7 +220,7 @@ fn layer<B: Backend>(
     add_projection(be, s, (rows, h, qw), &sc.o, w, off("self_attn.o_proj.weight"), x, &mut sc.x2)?;
     let post = off("post_attention_layernorm.weight");
     be.rmsnorm_fwd(s, x, w, post, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
-    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.gu, &mut sc.act, rows, sh.inter, h)?;
+    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.act, rows, sh.inter, h)?;
     add_projection(be, s, (rows, h, sh.inter), &sc.act, w, off("mlp.down_proj.weight"), x, &mut sc.x2)?;
     match next_norm {
         Some(norm) => be.rmsnorm_fwd(s, x, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
@@ -240,7 +240,6 @@ struct Scratch<B: Backend> {
     v: B::Buf,
     o: B::Buf,
     lse: B::Buf,
-    gu: B::Buf,
     act: B::Buf,
     /// `[rows, hidden]`: the residual stream's second buffer ([`add_projection`]).
     x2: B::Buf,
@@ -250,7 +249,7 @@ impl<B: Backend> Scratch<B> {
     fn new(be: &B, s: &B::Stream, sh: &TargetShape, t: usize) -> Result<Self> {
         // Every buffer is written in full before it is read (the norms, GEMMs and kernels of
         // each layer write all rows). The kernels' outputs are left uninitialised; the GEMMs'
-        // (`gemm`: q | k | v, gate | up, the residual's second buffer) are zero-filled, because
+        // (`gemm`: q | k | v, the residual's second buffer) are zero-filled, because
         // compute-sanitizer's initcheck does not see every cuBLASLt store and reported the
         // q/k norm's reads of the fused projection's output (the tiny preset, `run.sh initrun`),
         // as it did the hybrid target's (qwen35.rs). The fill is one memset per forward.
@@ -266,7 +265,6 @@ impl<B: Backend> Scratch<B> {
             v: bf(t * sh.kv_width())?,
             o: bf(t * sh.q_width())?,
             lse: be.alloc_uninit(s, DType::F32, t * sh.heads)?,
-            gu: gemm(t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
             x2: gemm(t * sh.hidden)?,
         })

@@ -245,7 +245,7 @@ fn layer<B: Backend>(
     }
     let post = off("post_attention_layernorm.weight");
     be.rmsnorm1p_fwd(s, x, w, post, &mut sc.xn, rows, h, sh.eps)?;
-    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.gu, &mut sc.act, rows, sh.inter, h)?;
+    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.act, rows, sh.inter, h)?;
     add_projection(be, s, (rows, h, sh.inter), &sc.act, w, off("mlp.down_proj.weight"), x, &mut sc.x2)?;
     match next_norm {
         Some(norm) => be.rmsnorm1p_fwd(s, x, w, norm, &mut sc.xn, rows, h, sh.eps),
@@ -460,7 +460,6 @@ struct Scratch<B: Backend> {
     xn: B::Buf,
     /// `[rows, hidden]`: the residual stream's second buffer ([`add_projection`]).
     x2: B::Buf,
-    gu: B::Buf,
     act: B::Buf,
     // Gated attention.
     qg: B::Buf,
@@ -504,7 +503,6 @@ impl<B: Backend> Scratch<B> {
             rows: t,
             xn: bf(t * sh.hidden)?,
             x2: gemm(DType::BF16, t * sh.hidden)?,
-            gu: gemm(DType::BF16, t * 2 * sh.inter)?,
             act: bf(t * sh.inter)?,
             qg: gemm(DType::BF16, t * 2 * qw)?,
             q: bf(t * qw)?,
