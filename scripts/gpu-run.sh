@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|initrun|racehybrid]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|gemmk|initrun|racehybrid]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
 # hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2 and pipe27b run only when
@@ -10,7 +10,8 @@
 # attn (every attention test, the four sanitizers on the forms tests, the bench with peers), gdn
 # (what a change to kernels/gdn.cu or hybrid.cu needs: every gpu::hybrid / hybrid_fused test and the
 # hybrid training test, the sanitizers on the Gated DeltaNet and conv tests, the 27B-shaped bench
-# beside flash-linear-attention), initrun (initcheck over training runs at the async-vs-sync
+# beside flash-linear-attention), gemmk (what a change to kernels/fc.cu, mlp.cu or tma_gemm.cuh
+# needs: their tests, the four sanitizers on them, the fc and mlp bench groups), initrun (initcheck over training runs at the async-vs-sync
 # suite's shape, dense and hybrid, each report's kernel printed), racehybrid (racecheck over every
 # gpu::hybrid / hybrid_fused test, one process per test: RACE_PAR side by side, RACE_S each,
 # RACE_SPLIT's tests as RACE_CASES processes of a share of their cases each, RACE_ONLY a filter),
@@ -237,6 +238,27 @@ if named ncu; then
   PYTHONPATH=$fla_path${PYTHONPATH:+:$PYTHONPATH} $NCU -k regex:'chunk|solve_tril|recompute|cumsum' \
     python3 $B/bench_fla_gdn.py --reps 1 > "$OUT/ncu-fla.txt" 2>&1 || status=1
   tail -3 "$OUT"/ncu-*.txt
+fi
+if named gemmk; then
+  echo "== the TMA GEMM kernels (fc.cu, mlp.cu): their tests, the four sanitizers, the bench in sustained rounds"
+  # What a change to kernels/fc.cu, mlp.cu or tma_gemm.cuh needs before it merges. A sanitizer's
+  # reports count against the engine only where they name one of its kernels: the tests run
+  # cuBLASLt as their reference, and racecheck reports hazards inside its nvjet kernels.
+  $B/integration --include-ignored --test-threads=1 --nocapture gpu::gemm::gpu_fc_kernel gpu::gemm::gpu_mlp \
+    > "$OUT/gemmk-tests.log" 2>&1 || status=1
+  grep -E "test result|panicked|bit for bit" "$OUT/gemmk-tests.log" | tail -8
+  for t in gpu_fc_kernel_matches_cpu gpu_mlp_fused_kernel_matches_cpu; do
+    for tool in memcheck racecheck synccheck initcheck; do
+      compute-sanitizer --tool $tool $B/integration --include-ignored --exact gpu::gemm::$t --test-threads=1 \
+        > /tmp/gemmk-san.log 2>&1 || status=1
+      ours=$(bash $B/sanitize.sh --where /tmp/gemmk-san.log | grep -vc "cuBLASLt's kernel")
+      [ "$ours" -eq 0 ] || { status=1; { echo "== $tool $t"; head -c 6000 /tmp/gemmk-san.log; } >> "$OUT/gemmk-san-detail.txt"; }
+      echo "$tool $t: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gemmk-san.log | tail -1); kernels of this engine (or host calls) named: $ours" \
+        | tee -a "$OUT/gemmk-san.txt"
+      bash $B/sanitize.sh --where /tmp/gemmk-san.log | tee -a "$OUT/gemmk-san.txt"
+    done
+  done
+  DFLASH_BENCH_KERNELS="fc;mlp" $B/bench-kernels 2>&1 | tee "$OUT/gemmk-bench.log" | grep -E "peaks|fc |MLP|mlp kernel" || status=1
 fi
 if named gdn; then
   echo "== Gated DeltaNet and hybrid kernels: tests, sanitizers, the 27B-shaped rows beside fla"
