@@ -146,7 +146,7 @@ constexpr int FC_S_THREADS = 256;
 // MLP_BN output columns per tile: their MLP_BN gate and MLP_BN up columns are one 2 * MLP_BN-wide
 // wgmma (the same shared-memory bytes per stage as fc's 256-wide tile).
 constexpr int MLP_BN = 128;
-// The ring is one stage shorter than fc's: the fourth stage's 48 KB hold the staging tile below.
+// The ring is one stage shorter than fc's: the staging tile below takes its 48 KB and 20 KB more.
 constexpr int MLP_STAGES = 3;
 // The epilogue hands each finished tile to the producer warpgroup's three idle warps through a
 // staging tile of FC_BM rows x MLP_BN (gate, up) bf16 pairs, a row 512 bytes of pairs and 32 of

@@ -14,7 +14,8 @@
 //           of 16 bytes; whole bf16x2 stores), x and W 16-byte aligned, act 4-byte aligned. Any
 //           rows >= 1. src/backend/cuda/mlp.rs checks all of it and falls back to the GEMM + swiglu.
 //
-// In detail: fc.cu's fc_wgmma_bf16 (read its header first), with one change of tile.
+// In detail: fc.cu's fc_wgmma_bf16 (read its header first), with another tile, a shorter ring and
+// an epilogue in two parts.
 //   Tile: 128 rows x MLP_BN (128) output columns. Its stage holds x's 128 x 64 box and two W boxes
 //     of 128 x 64: gate rows n0 .. n0 + 127 and up rows inter + n0 .. inter + n0 + 127, one above
 //     the other. The two boxes make one 256-row K-major tile (each is a whole number of 8-row
@@ -25,7 +26,7 @@
 //     the up box past W's end (TMA reads those as zeros); both land only in columns >= inter, which
 //     the epilogue does not store. Ragged rows and K: zero-filled by TMA, masked in the epilogue.
 //   Producer, persistent walk in groups of 16 row blocks: as fc.cu; the ring is 3 stages of 48 KB
-//     (MLP_STAGES), the fourth stage's bytes holding the staging tile.
+//     (MLP_STAGES): the staging tile (68 KB) takes the fourth stage's bytes and 20 KB more.
 //   Epilogue, in two halves that run beside the next tile's main loop:
 //     consumers  wait until the staging tile is free (its "empty" barrier), round g and u to bf16
 //                (as the GEMM's output; the hardware's cvt, the same bits for every non-NaN value)
@@ -35,7 +36,7 @@
 //                for each of their rows (warp w: rows w - 1, w + 2, ...) and each half of 32
 //                slots, SwiGLU in f32 and one bf16x2 store per lane (128 contiguous bytes a warp
 //                store); arrive on "empty".
-//     So the consumers' epilogue is 32 conversions and 32 shared stores a thread, where the
+//     So the consumers' epilogue is 64 bf16x2 conversions and 32 shared stores a thread, where the
 //     in-register SwiGLU (64 expf and IEEE divisions a thread) held the tensor cores idle for
 //     about a tenth of each tile. rows * inter * 2 bytes are written instead of the GEMM's
 //     rows * inter * 4, with no second pass reading them back.
@@ -56,11 +57,12 @@
 //           8B shape (3.524 against 3.789 ms), 1.071x at the 27B shape (6.062 against 6.493 ms);
 //           Nsight Compute: SM (tensor pipe) throughput 95-96%. Inside the 8B step 3,477 us a
 //           layer against the GEMM's 3,431 + swiglu_fwd's 458 in the same call; inside the 27B
-//           forward 6,144 us (the two steps: 6,122 + 460 in an earlier call). Output equal to cuBLASLt + swiglu_fwd bit for bit on every test
-//           case. The first version ran SwiGLU and the stores in the consumers' registers before
-//           the next tile's MMAs: 0.875x and 0.892x. Single calls with the GPU idle between them
-//           run at boost clocks and favour cuBLASLt (0.910x at the 27B shape in one such run), so
-//           the bench times sustained rounds.
+//           forward 6,144 us (the two steps: 6,122 + 460 in an earlier call). Output equal to
+//           cuBLASLt + swiglu_fwd bit for bit on every test case. The first version ran SwiGLU
+//           and the stores in the consumers' registers before the next tile's MMAs: 0.875x and
+//           0.892x. Single calls with the GPU idle between them run at boost clocks and favour
+//           cuBLASLt (0.910x at the 27B shape in one such run), so the bench times sustained
+//           rounds.
 #include "common.cuh"
 #include "launch.cuh"
 #include "tma.cuh"

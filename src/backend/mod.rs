@@ -582,10 +582,10 @@ pub trait Backend: Send + Sync + 'static {
         inter: usize,
     ) -> Result<()>;
     /// A gated MLP's first half on `x` (`rows x h`): `act = swiglu(x [Wg; Wu]^T)`, the fused gate |
-    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). The two-step
-    /// form (the GEMM into a `rows x 2 * inter` scratch of its own, then `swiglu_fwd`) is the
-    /// default; a backend with a kernel that does both at once never holds that scratch (CUDA
-    /// by default: kernels/mlp.cu). The two agree to the GEMM's summation order.
+    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). This provided
+    /// implementation runs two steps (the GEMM into a `rows x 2 * inter` scratch of its own, then
+    /// `swiglu_fwd`); a backend with a kernel that does both at once never holds that scratch
+    /// (CUDA by default: kernels/mlp.cu). The two agree to the GEMM's summation order.
     #[allow(clippy::too_many_arguments)]
     fn mlp_gate_up_act(
         &self,

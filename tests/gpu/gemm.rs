@@ -332,7 +332,7 @@ fn gpu_mlp_fused_kernel_matches_cpu() {
             assert!(forced.is_err(), "{tag}: the fused kernel accepted operands it cannot take");
         }
     }
-    // A recipe-like K through the 4-stage ring with several tiles per CTA, against cuBLASLt + swiglu
+    // A recipe-like K through the 3-stage ring with several tiles per CTA, against cuBLASLt + swiglu
     // (the CPU on sampled rows). Smaller under compute-sanitizer (DFLASH_SANITIZE=1).
     let (rows, inter, k) =
         if std::env::var_os("DFLASH_SANITIZE").is_some() { (512, 512, 512) } else { (4096, 3072, 4096) };

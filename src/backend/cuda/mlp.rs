@@ -125,7 +125,7 @@ impl CudaBackend {
                 let map_x = tensor_map_2d(OP, xp.addr(), h, rows, FC_BM)?;
                 let map_w = tensor_map_2d(OP, wp.addr(), h, 2 * inter, MLP_BN)?;
                 let tiles = rows.div_ceil(FC_BM) * inter.div_ceil(MLP_BN);
-                // Persistent: one CTA per SM at most (213 KB of shared memory each).
+                // Persistent: one CTA per SM at most (MLP_SMEM_BYTES, 218,176 bytes of shared memory each).
                 let grid = tiles.min(self.sm_count);
                 let args = launch::MlpSwigluWgmmaBf16 { map_x, map_w, act: ap, rows, inter, k: h };
                 let kernel = launch::MlpSwigluWgmmaBf16::KERNEL;

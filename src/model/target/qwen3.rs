@@ -252,7 +252,10 @@ impl<B: Backend> Scratch<B> {
         // (`gemm`: q | k | v, the residual's second buffer) are zero-filled, because
         // compute-sanitizer's initcheck does not see every cuBLASLt store and reported the
         // q/k norm's reads of the fused projection's output (the tiny preset, `run.sh initrun`),
-        // as it did the hybrid target's (qwen35.rs). The fill is one memset per forward.
+        // as it did the hybrid target's (qwen35.rs). The fill is one memset per forward. The MLP's
+        // gate | up output is not among them: the fused kernel writes none, and the two-step form
+        // (`DFLASH_MLP_KERNEL=gemm`) allocates its own, unfilled, where initcheck may report
+        // swiglu_fwd's reads of it.
         let bf = |n: usize| be.alloc_uninit(s, DType::BF16, n);
         let gemm = |n: usize| be.alloc(s, DType::BF16, n);
         Ok(Scratch {

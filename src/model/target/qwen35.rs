@@ -494,7 +494,8 @@ impl<B: Backend> Scratch<B> {
         // all rows of what they produce). The kernels' outputs are left uninitialised; the GEMMs'
         // (`gemm`) are zero-filled, because compute-sanitizer's initcheck does not see every
         // cuBLASLt store (the f32-output GEMM's, scripts/sanitize.sh, and on the H200 the b | a
-        // projection's too) and would report their readers.
+        // projection's too) and would report their readers. The MLP's gate | up output is not
+        // among them (qwen3.rs says why).
         let bf = |n: usize| be.alloc_uninit(s, DType::BF16, n);
         let f32 = |n: usize| be.alloc_uninit(s, DType::F32, n);
         let gemm = |dt: DType, n: usize| be.alloc(s, dt, n);
