@@ -109,12 +109,9 @@ extern "C" __global__ void __launch_bounds__(fc::THREADS, 1)
                   __nv_bfloat16* __restrict__ y, int rows, int h, int k) {
   using namespace fc;
   using namespace tma_gemm;
-  if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < SMEM_BYTES) {
-    __trap();
-  }
-  if (rows <= 0 || h <= 0 || k <= 0) return;
   extern __shared__ unsigned char fc_smem[];
-  const uint32_t base = (smem_u32(fc_smem) + (SWIZZLE_ALIGN - 1)) & ~(SWIZZLE_ALIGN - 1);
+  const uint32_t base = checked_smem_base<THREADS>(fc_smem, SMEM_BYTES, SWIZZLE_ALIGN);
+  if (rows <= 0 || h <= 0 || k <= 0) return;
   const uint32_t a_smem = base;                                // STAGES x 16 KB
   const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;       // STAGES x 32 KB
   const Ring<STAGES> ring{b_smem + STAGES * B_STAGE_BYTES};    // full[STAGES], empty[STAGES]

@@ -131,12 +131,9 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
                           __nv_bfloat16* __restrict__ act, int rows, int inter, int k) {
   using namespace mlp;
   using namespace tma_gemm;
-  if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < SMEM_BYTES) {
-    __trap();
-  }
-  if (rows <= 0 || inter <= 0 || k <= 0) return;
   extern __shared__ unsigned char mlp_smem[];
-  const uint32_t base = (smem_u32(mlp_smem) + (SWIZZLE_ALIGN - 1)) & ~(SWIZZLE_ALIGN - 1);
+  const uint32_t base = checked_smem_base<THREADS>(mlp_smem, SMEM_BYTES, SWIZZLE_ALIGN);
+  if (rows <= 0 || inter <= 0 || k <= 0) return;
   const uint32_t a_smem = base;                              // STAGES x 16 KB of x
   const uint32_t b_smem = base + STAGES * A_STAGE_BYTES;     // STAGES x (16 KB gate + 16 KB up)
   const uint32_t staging = b_smem + STAGES * B_STAGE_BYTES;  // BM rows x PITCH

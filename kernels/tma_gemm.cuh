@@ -22,6 +22,19 @@ using attn::wgmma_commit;
 using attn::wgmma_fence;
 using attn::wgmma_wait;
 
+// Traps unless the kernel runs THREADS x 1 x 1 threads a block with at least smem_bytes of dynamic
+// shared memory (the launcher's contract); returns the first `align`-aligned shared address of
+// `smem` (the 128-byte swizzle pattern is a function of address bits 4-9: TMA and wgmma agree only
+// on 1024-aligned tiles).
+template <int THREADS>
+__device__ __forceinline__ uint32_t checked_smem_base(const unsigned char* smem, uint32_t smem_bytes,
+                                                      uint32_t align) {
+  if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || dynamic_smem_bytes() < smem_bytes) {
+    __trap();
+  }
+  return (smem_u32(smem) + (align - 1)) & ~(align - 1);
+}
+
 // Tile t (in the persistent walk) -> (row block, column block): groups of GROUP_M row blocks,
 // row block fastest inside a group, so consecutive tiles share W rows and nearby ones x rows.
 struct TileCoord {

@@ -278,6 +278,25 @@ pub struct AdamStep {
     pub grad_scale: f32,
 }
 
+/// `Backend::mlp_gate_up_act` in two steps: the GEMM into a `rows x 2 * inter` scratch of its own,
+/// then `swiglu_fwd` (`shape`: rows, inter, h). The scratch is left unfilled: the GEMM writes every
+/// element before `swiglu_fwd` reads it (initcheck, which does not see every cuBLASLt store, may
+/// say otherwise on CUDA).
+pub fn mlp_two_step<B: Backend + ?Sized>(
+    be: &B,
+    s: &B::Stream,
+    x: &B::Buf,
+    w: &B::Buf,
+    w_off: usize,
+    act: &mut B::Buf,
+    shape: [usize; 3],
+) -> Result<()> {
+    let [rows, inter, h] = shape;
+    let mut gu = be.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
+    be.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
+    be.swiglu_fwd(s, &gu, act, rows, inter)
+}
+
 /// Everything the target and drafter need from a device. Implemented by `cpu::CpuBackend` (the
 /// reference) and by the CUDA backend.
 pub trait Backend: Send + Sync + 'static {
@@ -598,9 +617,7 @@ pub trait Backend: Send + Sync + 'static {
         inter: usize,
         h: usize,
     ) -> Result<()> {
-        let mut gu = self.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
-        self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
-        self.swiglu_fwd(s, &gu, act, rows, inter)
+        mlp_two_step(self, s, x, w, w_off, act, [rows, inter, h])
     }
     /// The backward of `swiglu_fwd`, in place: `gu` (gate and up) is overwritten by its gradient
     /// (the drafter's backward needs gate|up no more once it has their gradient, so the largest

@@ -15,9 +15,8 @@ use super::launch::{self, DevPtr};
 use super::tma::tensor_map_2d;
 use super::{CudaBackend, CudaBuf, Stream};
 use crate::backend::profile::{self, Work};
-use crate::backend::{check_len, Backend, BackendError, Gemm, Result};
+use crate::backend::{check_len, mlp_two_step, BackendError, Result};
 use crate::kernels::launch::{FC_BK, FC_BM, FC_THREADS, MLP_BN, MLP_SMEM_BYTES};
-use crate::tensor::DType;
 
 /// Which form computes `act = swiglu(x [Wg; Wu]^T)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,13 +99,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "mlp_gate_up_act";
         match form {
-            MlpForm::Gemm => {
-                // Unfilled: the GEMM writes every element before swiglu_fwd reads it (initcheck,
-                // which does not see every cuBLASLt store, may say otherwise on this form).
-                let mut gu = self.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
-                self.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
-                self.swiglu_fwd(s, &gu, act, rows, inter)
-            }
+            MlpForm::Gemm => mlp_two_step(self, s, x, w, w_off, act, [rows, inter, h]),
             MlpForm::Fused => {
                 check_len(OP, "x", x.len, 0, rows * h)?;
                 check_len(OP, "w", w.len, w_off, 2 * inter * h)?;
