@@ -137,17 +137,28 @@ fn fc_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, h: usize, k: usize
 /// 1e-4 floor, and max |diff| / max |ref| must stay under BF16_TOL. A wrong, missing (NaN) or
 /// misplaced element fails the first check even when it is small.
 fn fc_close(what: &str, got: &[f32], want: &[f32]) {
+    elementwise_close(what, got, want, 1.0, 1e-4);
+}
+
+/// max |diff| / max |ref| under BF16_TOL, and every element within `ulps` bf16 ulps (2^-7
+/// relative) of the larger of the two values plus `floor` times the largest reference output.
+fn elementwise_close(what: &str, got: &[f32], want: &[f32], ulps: f32, floor: f32) {
     rel_err(what, got, want, BF16_TOL);
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     let ulp = 2f32.powi(-7);
     let bad: Vec<usize> = (0..want.len())
         .filter(|&i| {
             let diff = (got[i] - want[i]).abs(); // NaN when either side is NaN: counted as off
-            diff.is_nan() || diff > ulp * got[i].abs().max(want[i].abs()) + 1e-4 * scale
+            diff.is_nan() || diff > ulps * ulp * got[i].abs().max(want[i].abs()) + floor * scale
         })
         .collect();
     if let Some(&i) = bad.first() {
-        panic!("{what}: {} elements off by more than one bf16 ulp; first at {i}: {} vs {}", bad.len(), got[i], want[i]);
+        panic!(
+            "{what}: {} elements off by more than {ulps} bf16 ulps; first at {i}: {} vs {}",
+            bad.len(),
+            got[i],
+            want[i]
+        );
     }
 }
 
@@ -272,18 +283,7 @@ fn mlp_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, inter: usize, k: 
 /// largest output, and max |diff| / max |ref| under BF16_TOL. A missing (NaN), misplaced or
 /// wrong-half element (gate and up swapped, another column's up) fails the first check.
 fn mlp_close(what: &str, got: &[f32], want: &[f32]) {
-    rel_err(what, got, want, BF16_TOL);
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let ulp = 2f32.powi(-7);
-    let bad: Vec<usize> = (0..want.len())
-        .filter(|&i| {
-            let diff = (got[i] - want[i]).abs();
-            diff.is_nan() || diff > 16.0 * ulp * got[i].abs().max(want[i].abs()) + 1e-3 * scale
-        })
-        .collect();
-    if let Some(&i) = bad.first() {
-        panic!("{what}: {} elements off; first at {i}: {} vs {}", bad.len(), got[i], want[i]);
-    }
+    elementwise_close(what, got, want, 16.0, 1e-3);
 }
 
 /// The fused kernel against the CPU's GEMM + SwiGLU and cuBLASLt's GEMM + swiglu_fwd. Shapes:
