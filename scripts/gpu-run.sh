@@ -29,6 +29,30 @@ has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 # Modes only run when named (not part of all: each takes minutes of a whole H200).
 named() { [[ " $what " == *" $1 "* ]]; }
 status=0
+# san NAME LABEL SECONDS TOOL ARGS...: one compute-sanitizer run of TOOL over ARGS (the tool's own
+# options, then the program), given SECONDS. Appends "TOOL LABEL: verdict" to $OUT/NAME-san.txt
+# and, on any failure, the log's first 6 KB to $OUT/NAME-san-detail.txt (which instructions, which
+# hazard: located without another call). The verdict is the tool's summary line, or says why there
+# is none: the time ran out, or the tool itself failed (an "Internal Sanitizer Error").
+san() {
+  local name=$1 label=$2 secs=$3 tool=$4 log=/tmp/$1-san.log rc verdict
+  shift 4
+  timeout --foreground "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$log" 2>&1
+  rc=$?
+  verdict=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
+  if [ $rc -eq 124 ]; then
+    verdict="timed out after ${secs} s, no summary${verdict:+ ($verdict)}"
+  elif grep -q "Internal Sanitizer Error" "$log"; then
+    verdict="the tool failed: $(grep -m1 "Internal Sanitizer Error" "$log" | sed 's/^=* *//')${verdict:+; $verdict}"
+  elif [ -z "$verdict" ]; then
+    verdict="exit $rc, no summary"
+  fi
+  if [ $rc -ne 0 ]; then
+    status=1
+    { echo "== $tool $label (exit $rc)"; head -c 6000 "$log"; } >> "$OUT/$name-san-detail.txt"
+  fi
+  echo "$tool $label: $verdict" | tee -a "$OUT/$name-san.txt"
+}
 # flash-linear-attention from the wheels the bundle carries (scripts/fetch-wheels.sh), if any: on
 # the path of the fla bench and the transformers target bench only (the transformers oracles run
 # transformers' own code).
@@ -212,11 +236,7 @@ if named attn; then
   for t in gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma gpu_drafter_forward_forms_match_cpu \
     gpu_drafter_backward_forms_match_cpu; do
     for tool in racecheck synccheck memcheck initcheck; do
-      # A failing tool's report (its first 6 KB: which instructions, which kind of hazard) goes to
-      # attn-san-detail.txt, so a hazard can be located without another call.
-      compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --exact gpu::attention::$t \
-        --test-threads=1 > /tmp/attn-san.log 2>&1 || { status=1; { echo "== $tool $t"; head -c 6000 /tmp/attn-san.log; } >> "$OUT/attn-san-detail.txt"; }
-      echo "$tool $t: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/attn-san.log | tail -1)" | tee -a "$OUT/attn-san.txt"
+      san attn "$t" ${ATTN_S:-1200} $tool $B/integration --include-ignored --exact gpu::attention::$t --test-threads=1
     done
   done
   python3 tests/reference/bench_attention_peers.py --out "$OUT/peers.json" > /dev/null 2>&1 || status=1
@@ -252,11 +272,8 @@ if named gemmk; then
   for tk in gpu_fc_kernel_matches_cpu:fc_ gpu_mlp_fused_kernel_matches_cpu:mlp_swiglu; do
     t=${tk%%:*} k=${tk#*:}
     for tool in memcheck racecheck synccheck initcheck; do
-      DFLASH_SANITIZE=1 timeout --foreground ${GEMMK_S:-240} compute-sanitizer --tool $tool --error-exitcode 9 \
-        --kernel-name kns=$k $B/integration --include-ignored --exact gpu::gemm::$t --test-threads=1 \
-        > /tmp/gemmk-san.log 2>&1 || { status=1; { echo "== $tool $t"; head -c 6000 /tmp/gemmk-san.log; } >> "$OUT/gemmk-san-detail.txt"; }
-      echo "$tool $t (kernels named *$k*): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gemmk-san.log | tail -1)" \
-        | tee -a "$OUT/gemmk-san.txt"
+      DFLASH_SANITIZE=1 san gemmk "$t (kernels named *$k*)" ${GEMMK_S:-240} $tool --kernel-name kns=$k \
+        $B/integration --include-ignored --exact gpu::gemm::$t --test-threads=1
     done
   done
   DFLASH_BENCH_KERNELS="fc;mlp" $B/bench-kernels 2>&1 | tee "$OUT/gemmk-bench.log" | grep -E "peaks|fc |MLP|mlp kernel" || status=1
@@ -273,9 +290,7 @@ if named gdn; then
   gt="$gt gpu::hybrid::gpu_gdn_fused gpu::hybrid_fused::gpu_fused_gdn_conv"
   for tool in racecheck memcheck initcheck synccheck; do
     tests=$gt; [ $tool = racecheck ] && tests="gpu::hybrid::gpu_gdn_fast gpu::hybrid::gpu_gdn_fused"
-    timeout --foreground 300 compute-sanitizer --tool $tool --error-exitcode 9 $B/integration --include-ignored --test-threads=1 \
-      $tests > /tmp/gdn-san.log 2>&1 || { status=1; { echo "== $tool"; head -c 6000 /tmp/gdn-san.log; } >> "$OUT/gdn-san-detail.txt"; }
-    echo "$tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" /tmp/gdn-san.log | tail -1)" | tee -a "$OUT/gdn-san.txt"
+    san gdn "(the GDN tests)" 300 $tool $B/integration --include-ignored --test-threads=1 $tests
   done
   rm -f "$OUT/gdn_peers.json" "$OUT/gdn-fla.log"
   for run in 1 2; do  # fla's better time of two processes
