@@ -278,12 +278,13 @@ fn main() {
             time_per_call(&be, 10, MEM_CALLS, || be.swiglu_fwd(&s, &gu, &mut act, rs, inter).unwrap()),
             (rs * inter * 6) as f64,
         );
-        // In place: each call turns gate|up into its gradient (the values do not change the time).
+        // In place: each call turns gate|up into its gradient and dact into the activation (the
+        // values do not change the time).
         let mut gu = gu;
         mem(
             "swiglu bwd (8192 x 12288)",
-            time_per_call(&be, 10, MEM_CALLS, || be.swiglu_bwd(&s, &act, &mut gu, rs, inter).unwrap()),
-            (rs * inter * 10) as f64,
+            time_per_call(&be, 10, MEM_CALLS, || be.swiglu_bwd(&s, &mut act, &mut gu, rs, inter).unwrap()),
+            (rs * inter * 12) as f64,
         );
         drop((gu, act));
     }
@@ -653,7 +654,8 @@ fn main() {
     }
 
     if want("mlp") {
-        // The target's gate | up projection and SwiGLU at the two recipes' shapes (4 x 3072 rows):
+        // The target's gate | up projection and SwiGLU at the two recipes' shapes (4 x 3072 rows),
+        // and the 8B drafter's (2048 blocks of 16 rows), which keeps gate | up for its backward:
         // cuBLASLt's GEMM then swiglu_fwd, against kernels/mlp.cu's one kernel (forced, so a
         // fallback cannot hide in the number). Throughput counts the two projections' FLOPs.
         // Timed as in a model's forward: after the GPU reached its sustained (power-capped)
@@ -662,15 +664,17 @@ fn main() {
         // between them ran at boost clocks and moved by 6% from one run to the next.
         const MLP_CALLS: usize = 20;
         warm_to_sustained(&be, &random);
-        for (name, inter, k) in [("8B", 12288, 4096), ("27B", 17408, 5120)] {
+        let shapes = [("8B", t_rows, 12288, 4096, false), ("27B", t_rows, 17408, 5120, false), ("8B drafter", 32768, 12288, 4096, true)];
+        for (name, t_rows, inter, k, keep) in shapes {
             let x = random(t_rows * k, 5);
             let w = random(2 * inter * k, 6);
             let mut act = buf(DType::BF16, t_rows * inter);
+            let mut gu = keep.then(|| buf(DType::BF16, t_rows * 2 * inter));
             let f = 4.0 * (t_rows * inter * k) as f64;
             let mut round = |form| {
                 let t0 = Instant::now();
                 for _ in 0..MLP_CALLS {
-                    be.mlp_gate_up_act_with(&s, &x, &w, 0, &mut act, t_rows, inter, k, form).unwrap();
+                    be.mlp_gate_up_act_with(&s, &x, &w, 0, &mut act, gu.as_mut(), t_rows, inter, k, form).unwrap();
                 }
                 be.synchronize(&s).unwrap();
                 t0.elapsed().as_secs_f64() / MLP_CALLS as f64
@@ -696,8 +700,9 @@ fn main() {
                 t_fused,
                 f,
             );
+            let kept = if keep { ", gate | up kept" } else { "" };
             println!(
-                "mlp kernel / (cuBLASLt + swiglu_fwd) = {:.3} ({name} shape, throughput ratio, sustained: median of 6 rounds of {MLP_CALLS} calls)",
+                "mlp kernel / (cuBLASLt + swiglu_fwd) = {:.3} ({name} shape{kept}, throughput ratio, sustained: median of 6 rounds of {MLP_CALLS} calls)",
                 t_two / t_fused
             );
         }

@@ -1,5 +1,7 @@
-// mlp.cu: the first half of the target's gated MLP as one kernel: the gate | up projection and
-// SwiGLU, act = silu(x Wg^T) * (x Wu^T), without writing the [rows, 2 * inter] projection.
+// mlp.cu: the first half of a gated MLP as one kernel: the gate | up projection and SwiGLU,
+// act = silu(x Wg^T) * (x Wu^T). The target's forward (keep_gu 0) never writes the
+// [rows, 2 * inter] projection; the drafter's (keep_gu 1) keeps it for its backward, written by
+// the same helper warps that write act, so no second pass reads it back.
 // CPU reference: src/backend/cpu.rs gemm with Gemm::linear(rows, 2 * inter, k), then swiglu_fwd.
 //
 // Math:     g[r, n] = bf16(sum_c x[r, c] Wg[n, c]), u[r, n] = bf16(sum_c x[r, c] Wu[n, c]) (f32
@@ -9,10 +11,12 @@
 //           for bit; against cuBLASLt's GEMM + swiglu_fwd only the f32 summation order differs
 //           (g and u within a bf16 ulp).
 // Layouts:  x [rows, k]; W [2 * inter, k] = [Wg; Wu] (gate_proj's rows, then up_proj's, as the
-//           flat parameter buffer holds them); act [rows, inter]. bf16, row-major, contiguous.
+//           flat parameter buffer holds them); act [rows, inter]; gu [rows, 2 * inter] (g then u
+//           per row, the GEMM's output layout; written only when keep_gu != 0, and then exactly
+//           the g and u act was computed from). bf16, row-major, contiguous.
 // Symbol:   mlp_swiglu_wgmma_bf16. Needs k % 8 == 0 and inter % 8 == 0 (TMA row pitch a multiple
-//           of 16 bytes; whole bf16x2 stores), x and W 16-byte aligned, act 4-byte aligned. Any
-//           rows >= 1. src/backend/cuda/mlp.rs checks all of it and falls back to the GEMM + swiglu.
+//           of 16 bytes; whole bf16x2 stores), x and W 16-byte aligned, act (and gu) 4-byte
+//           aligned. Any rows >= 1. src/backend/cuda/mlp.rs checks all of it and falls back to the GEMM + swiglu.
 //
 // In detail: fc.cu's fc_wgmma_bf16 (read its header first), with another tile, a shorter ring and
 // an epilogue in two parts.
@@ -35,7 +39,8 @@
 //     helpers    the producer warpgroup's warps 1-3, idle in fc.cu: per tile, wait on "full", then
 //                for each of their rows (warp w: rows w - 1, w + 2, ...) and each half of 32
 //                slots, SwiGLU in f32 and one bf16x2 store per lane (128 contiguous bytes a warp
-//                store); arrive on "empty".
+//                store; with keep_gu, also the g pair and the u pair into gu, 128 contiguous
+//                bytes each); arrive on "empty".
 //     So the consumers' epilogue is 64 bf16x2 conversions and 32 shared stores a thread, where the
 //     in-register SwiGLU (64 expf and IEEE divisions a thread) held the tensor cores idle for
 //     about a tenth of each tile. rows * inter * 2 bytes are written instead of the GEMM's
@@ -45,8 +50,9 @@
 //           FC_THREADS (384, checked: traps otherwise), dynamic smem MLP_SMEM_BYTES (218,176,
 //           checked). Arguments: two CUtensorMap by value (__grid_constant__), built by mlp.rs:
 //           x as {k, rows} with box {64, 128}, W as {k, 2 * inter} with box {64, 128}; bf16,
-//           128-byte swizzle, OOB fill zero.
-// Bytes:    >= 2 * (rows * k + 2 * inter * k + rows * inter).
+//           128-byte swizzle, OOB fill zero. gu is a live pointer even with keep_gu 0 (mlp.rs
+//           passes act's then; never dereferenced).
+// Bytes:    >= 2 * (rows * k + 2 * inter * k + rows * inter) (+ 4 * rows * inter with keep_gu).
 // FLOPs:    4 * rows * inter * k (the two projections) + ~5 per output.
 // Bound:    tensor-core compute at the recipes' shapes (8B: 12288 x 2 * 12288 x 4096; 27B:
 //           12288 x 2 * 17408 x 5120). Target: the cuBLASLt GEMM's time alone, so the SwiGLU pass
@@ -128,7 +134,8 @@ __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
 
 extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
     mlp_swiglu_wgmma_bf16(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
-                          __nv_bfloat16* __restrict__ act, int rows, int inter, int k) {
+                          __nv_bfloat16* __restrict__ act, __nv_bfloat16* __restrict__ gu, int keep_gu, int rows,
+                          int inter, int k) {
   using namespace mlp;
   using namespace tma_gemm;
   extern __shared__ unsigned char mlp_smem[];
@@ -184,14 +191,22 @@ extern "C" __global__ void __launch_bounds__(mlp::THREADS, 1)
       const int rows_here = min(BM, rows - c.m_blk * BM);
 #pragma unroll 2
       for (int r = warp - 1; r < rows_here; r += HELPER_WARPS) {
-        __nv_bfloat16* y = act + (static_cast<long long>(c.m_blk) * BM + r) * inter;
+        const long long row = static_cast<long long>(c.m_blk) * BM + r;
+        __nv_bfloat16* y = act + row * inter;
+        __nv_bfloat16* p = gu + row * 2 * inter;  // dereferenced only with keep_gu
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int slot = 32 * h + lane;
           const long long col = static_cast<long long>(c.n_blk) * BN + 2 * slot;
-          const uint2 gu = ld_shared_v2(stg.base + r * PITCH + 8u * slot);
+          const uint2 pair = ld_shared_v2(stg.base + r * PITCH + 8u * slot);
           // inter % 8 == 0 and col even: a pair is wholly inside the row or wholly outside.
-          if (col < inter) *reinterpret_cast<uint32_t*>(y + col) = swiglu_staged(gu.x, gu.y);
+          if (col < inter) {
+            *reinterpret_cast<uint32_t*>(y + col) = swiglu_staged(pair.x, pair.y);
+            if (keep_gu) {
+              *reinterpret_cast<uint32_t*>(p + col) = pair.x;
+              *reinterpret_cast<uint32_t*>(p + inter + col) = pair.y;
+            }
+          }
         }
       }
       mbar_arrive(stg.empty());

@@ -3,22 +3,27 @@
 // Math (g = gate, u = up, d = dout; f32 math, each bf16 write one RNE rounding):
 //   fwd:  out = bf16(silu(g) * u), silu(g) = g / (1 + expf(-g))
 //   bwd:  sig = 1 / (1 + expf(-g)); silu = g * sig;
-//         dgate = bf16(((d * u) * sig) * (1 + g * (1 - sig))); dup = bf16(d * silu)
+//         dgate = bf16(((d * u) * sig) * (1 + g * (1 - sig))); dup = bf16(d * silu);
+//         and d's place takes the forward's out (its formula, the same bits), which the down
+//         projection's weight gradient needs: recomputed where g and u are in registers anyway
 //   Every operation is one IEEE rounding in cpu.rs's left-to-right order (__fmul_rn, __fadd_rn,
 //   __fsub_rn, __fdiv_rn: never an FMA); only expf differs from the CPU's libm (CUDA: <= 2 ulp),
 //   so compare with a bf16 tolerance. The 8-wide path rounds to bf16 with the hardware's
 //   cvt.rn.bf16x2.f32 (4 instructions per 8 outputs instead of ~56 integer ones; the same bits as
 //   half::bf16::from_f32 for every non-NaN value, a NaN stays a NaN without its payload).
 // Layouts:  gu, dgu: [rows, 2 * inter] bf16 row-major, each row = [gate(inter) | up(inter)].
-//           out, dout: [rows, inter] bf16 row-major. All contiguous.
-// Preconditions: rows, inter >= 0 (0: no-op); outputs do not overlap inputs.
+//           out, dout: [rows, inter] bf16 row-major. All contiguous. The backward runs in place:
+//           dgu over gu, out over dout.
+// Preconditions: rows, inter >= 0 (0: no-op); the forward's out does not overlap gu; the
+//           backward's two buffers do not overlap each other.
 // Work item: V consecutive columns of one row; V = 8 (16-byte accesses) when inter % 8 == 0 and
 //           every pointer is 16-byte aligned, else 1. Items walk (row, chunk) without division.
 // Launch:   blockDim.x any value up to 1024 (256 suggested); grid.x any >= 1 (grid-stride).
 //           Suggested grid.x = clamp(ceil(rows * inter / 8 / 256), 1, 16 * SM count). No shared
 //           memory, no scratch.
-// Bytes:    fwd rows * inter * 6 (read 4, write 2); bwd rows * inter * 10 (read 6, write 4).
-// FLOPs:    fwd ~4 + one expf per element; bwd ~10 + one expf per element.
+// Bytes:    fwd rows * inter * 6 (read 4, write 2); bwd rows * inter * 12 (read 6, write 6).
+// FLOPs:    fwd ~4 + one expf per element; bwd ~14 + one expf per element (the forward's expf
+//           is the same expression, computed once).
 // Bound:    memory (the expf and the IEEE division fit in the issue slots at HBM rate: the
 //           forward's 8-wide loop is ~260 instructions per 8 elements, ~55% of the issue slots a
 //           warp has at 80% of copy bandwidth). Target >= 80% of the measured device-to-device
@@ -62,11 +67,11 @@ extern "C" __global__ void swiglu_fwd_bf16(const __nv_bfloat16* __restrict__ gu,
   }
 }
 
-// In place: gate|up become their gradient. Each item reads its gate and up chunks before it
-// writes the same two chunks, and no other item touches them, so `gu` carries no __restrict__.
+// In place: gate|up become their gradient, dout the forward's out. Each item reads its gate, up
+// and dout chunks before it writes the same three chunks, and no other item touches them.
 template <int V>
-__device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict__ dout,
-                                                 __nv_bfloat16* gu, index_t rows, index_t inter) {
+__device__ __forceinline__ void swiglu_bwd_items(__nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ gu,
+                                                 index_t rows, index_t inter) {
   const index_t chunks_per_row = inter / V;
   const index_t total = rows * chunks_per_row;
   const index_t stride = grid_thread_count();
@@ -75,10 +80,11 @@ __device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict
   const RowCol d = rowcol_split(stride, chunks_per_row);
   for (; e < total; e += stride, rowcol_advance(pos, d, chunks_per_row)) {
     const index_t in_off = pos.row * 2 * inter + pos.col * V;
-    float g[V], u[V], dy[V], dg[V], du[V];
+    const index_t out_off = pos.row * inter + pos.col * V;
+    float g[V], u[V], dy[V], dg[V], du[V], act[V];
     bf16_chunk_load<V>(gu + in_off, g);
     bf16_chunk_load<V>(gu + in_off + inter, u);
-    bf16_chunk_load<V>(dout + pos.row * inter + pos.col * V, dy);
+    bf16_chunk_load<V>(dout + out_off, dy);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[j])));
@@ -86,13 +92,15 @@ __device__ __forceinline__ void swiglu_bwd_items(const __nv_bfloat16* __restrict
       const float dsig = __fadd_rn(1.0f, __fmul_rn(g[j], __fsub_rn(1.0f, sig)));
       dg[j] = __fmul_rn(__fmul_rn(__fmul_rn(dy[j], u[j]), sig), dsig);
       du[j] = __fmul_rn(dy[j], silu);
+      act[j] = swiglu_fwd_f32(g[j], u[j]);
     }
     bf16_chunk_store_rn_fast<V>(gu + in_off, dg);
     bf16_chunk_store_rn_fast<V>(gu + in_off + inter, du);
+    bf16_chunk_store_rn_fast<V>(dout + out_off, act);
   }
 }
 
-extern "C" __global__ void swiglu_bwd_bf16(const __nv_bfloat16* __restrict__ dout, __nv_bfloat16* gu,
+extern "C" __global__ void swiglu_bwd_bf16(__nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ gu,
                                            long long rows, int inter) {
   if (rows <= 0 || inter <= 0) return;
   if (inter % BF16_PER_VEC == 0 && is_vec_aligned(dout) && is_vec_aligned(gu)) {

@@ -142,14 +142,17 @@ fn swiglu() {
     let (rows, inter) = (4, 7);
     let gu = randn(rows * 2 * inter, 30, 2.0);
     let r = randn(rows * inter, 31, 1.0);
-    let fwd = |gu: &[f64]| {
+    let act = |gu: &[f64]| {
         let mut o = buf(vec![0.0; rows * inter]);
         be.swiglu_fwd(&S, &buf(gu.to_vec()), &mut o, rows, inter).unwrap();
-        dot(&o.data, &r)
+        o.data
     };
-    let mut dgu = buf(gu.clone());
-    be.swiglu_bwd(&S, &buf(r.clone()), &mut dgu, rows, inter).unwrap();
+    let fwd = |gu: &[f64]| dot(&act(gu), &r);
+    let (mut dgu, mut dact) = (buf(gu.clone()), buf(r.clone()));
+    be.swiglu_bwd(&S, &mut dact, &mut dgu, rows, inter).unwrap();
     assert_grad_close("swiglu dgu", &dgu.data, &numeric_grad(&gu, fwd));
+    // The backward leaves the forward's activation over dact, bit for bit.
+    assert_eq!(dact.data, act(&gu));
 }
 
 #[test]

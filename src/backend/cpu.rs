@@ -670,21 +670,24 @@ impl<F: Real> Backend for CpuBackend<F> {
     fn swiglu_bwd(
         &self,
         _s: &CpuStream,
-        dout: &CpuBuf<F>,
+        dact: &mut CpuBuf<F>,
         gu: &mut CpuBuf<F>,
         rows: usize,
         inter: usize,
     ) -> Result<()> {
-        check_len("swiglu_bwd", "dout", dout.data.len(), 0, rows * inter)?;
+        check_len("swiglu_bwd", "dact", dact.data.len(), 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.data.len(), 0, rows * 2 * inter)?;
-        let dt = gu.dtype;
-        gu.data[..rows * 2 * inter].par_chunks_mut(2 * inter).enumerate().for_each(|(r, dr)| {
+        let (dt, at) = (gu.dtype, dact.dtype);
+        let gu_rows = gu.data[..rows * 2 * inter].par_chunks_mut(2 * inter);
+        gu_rows.zip(dact.data[..rows * inter].par_chunks_mut(inter)).for_each(|(dr, ar)| {
             for c in 0..inter {
-                let (g, u, d) = (dr[c], dr[inter + c], dout.data[r * inter + c]);
+                let (g, u, d) = (dr[c], dr[inter + c], ar[c]);
                 let sig = F::ONE / (F::ONE + (-g).exp());
                 let silu = g * sig;
                 dr[c] = self.st(dt, d * u * sig * (F::ONE + g * (F::ONE - sig)));
                 dr[inter + c] = self.st(dt, d * silu);
+                // swiglu_fwd's own formula, so the same bits as the forward's act.
+                ar[c] = self.st(at, g / (F::ONE + (-g).exp()) * u);
             }
         });
         Ok(())

@@ -278,10 +278,11 @@ pub struct AdamStep {
     pub grad_scale: f32,
 }
 
-/// `Backend::mlp_gate_up_act` in two steps: the GEMM into a `rows x 2 * inter` scratch of its own,
-/// then `swiglu_fwd` (`shape`: rows, inter, h). The scratch is left unfilled: the GEMM writes every
-/// element before `swiglu_fwd` reads it (initcheck, which does not see every cuBLASLt store, may
-/// say otherwise on CUDA).
+/// `Backend::mlp_gate_up_act` in two steps: the GEMM into `gu` (or, without one, a `rows x 2 *
+/// inter` scratch of its own), then `swiglu_fwd` (`shape`: rows, inter, h). The scratch is left
+/// unfilled: the GEMM writes every element before `swiglu_fwd` reads it (initcheck, which does not
+/// see every cuBLASLt store, may say otherwise on CUDA).
+#[allow(clippy::too_many_arguments)]
 pub fn mlp_two_step<B: Backend + ?Sized>(
     be: &B,
     s: &B::Stream,
@@ -289,12 +290,17 @@ pub fn mlp_two_step<B: Backend + ?Sized>(
     w: &B::Buf,
     w_off: usize,
     act: &mut B::Buf,
+    gu: Option<&mut B::Buf>,
     shape: [usize; 3],
 ) -> Result<()> {
     let [rows, inter, h] = shape;
-    let mut gu = be.alloc_uninit(s, DType::BF16, rows * 2 * inter)?;
-    be.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, &mut gu, 0)?;
-    be.swiglu_fwd(s, &gu, act, rows, inter)
+    let mut scratch = None;
+    let gu = match gu {
+        Some(gu) => gu,
+        None => scratch.insert(be.alloc_uninit(s, DType::BF16, rows * 2 * inter)?),
+    };
+    be.gemm(s, &Gemm::linear(rows, 2 * inter, h), x, 0, w, w_off, gu, 0)?;
+    be.swiglu_fwd(s, gu, act, rows, inter)
 }
 
 /// Everything the target and drafter need from a device. Implemented by `cpu::CpuBackend` (the
@@ -601,10 +607,12 @@ pub trait Backend: Send + Sync + 'static {
         inter: usize,
     ) -> Result<()>;
     /// A gated MLP's first half on `x` (`rows x h`): `act = swiglu(x [Wg; Wu]^T)`, the fused gate |
-    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). This provided
-    /// implementation runs two steps (the GEMM into a `rows x 2 * inter` scratch of its own, then
-    /// `swiglu_fwd`); a backend with a kernel that does both at once never holds that scratch
-    /// (CUDA by default: kernels/mlp.cu). The two agree to the GEMM's summation order.
+    /// up weight at `w[w_off..]` (`2 * inter x h`, gate_proj's rows then up_proj's). With `gu`
+    /// (`rows x 2 * inter`), the projection `act` came from is kept there too (what a backward
+    /// needs); without, a backend that fuses the two never writes it. This provided
+    /// implementation runs two steps (the GEMM into `gu` or a scratch of its own, then
+    /// `swiglu_fwd`); CUDA runs one kernel by default (kernels/mlp.cu). The two agree to the GEMM's
+    /// summation order, and `act` is always `swiglu_fwd` of the kept `gu`, bit for bit.
     #[allow(clippy::too_many_arguments)]
     fn mlp_gate_up_act(
         &self,
@@ -613,19 +621,23 @@ pub trait Backend: Send + Sync + 'static {
         w: &Self::Buf,
         w_off: usize,
         act: &mut Self::Buf,
+        gu: Option<&mut Self::Buf>,
         rows: usize,
         inter: usize,
         h: usize,
     ) -> Result<()> {
-        mlp_two_step(self, s, x, w, w_off, act, [rows, inter, h])
+        mlp_two_step(self, s, x, w, w_off, act, gu, [rows, inter, h])
     }
-    /// The backward of `swiglu_fwd`, in place: `gu` (gate and up) is overwritten by its gradient
-    /// (the drafter's backward needs gate|up no more once it has their gradient, so the largest
-    /// activation of a layer is not held twice).
+    /// The backward of `swiglu_fwd`, in place on both buffers: `gu` (gate and up) is overwritten
+    /// by its gradient, and `dact` (the gradient of `act`) by `act = swiglu_fwd(gu)` itself, bit
+    /// for bit, from `gu`'s values before the call: the down projection's weight gradient needs
+    /// that activation, and this pass reads `gu` anyway, so the backward recomputes it without a
+    /// pass of its own. The drafter's backward needs neither `gu` nor `dact` afterwards, so the
+    /// largest activations of a layer are not held twice.
     fn swiglu_bwd(
         &self,
         s: &Self::Stream,
-        dout: &Self::Buf,
+        dact: &mut Self::Buf,
         gu: &mut Self::Buf,
         rows: usize,
         inter: usize,

@@ -663,11 +663,11 @@ impl<B: Backend> Drafter<B> {
                 h,
                 sh.eps,
             )?;
+            // gate | up and SwiGLU in one pass (one kernel on CUDA), gate | up kept for the backward.
             let mut gu = be.alloc_uninit(s, DType::BF16, sh.gate_up_len(tb))?;
-            be.gemm(s, &Gemm::linear(tb, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
-            drop(h2);
             let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
-            be.swiglu_fwd(s, &gu, &mut act, tb, inter)?;
+            be.mlp_gate_up_act(s, &h2, w, off("mlp.gate_proj.weight"), &mut act, Some(&mut gu), tb, inter, h)?;
+            drop(h2);
             x = be.alloc_uninit(s, DType::BF16, tb * h)?;
             be.gemm_residual(s, &Gemm::linear(tb, h, inter), &act, w, off("mlp.down_proj.weight"), &x_mid, &mut x)?;
             drop(act);
@@ -776,18 +776,17 @@ impl<B: Backend> Drafter<B> {
             let off = |part: &str| table.off(&format!("layers.{l}.{part}"));
             let shared = SharedRows::of(l, inp.num_blocks, sh.block_size);
             let in_rows = shared.as_ref().map_or(tb, SharedRows::rows);
-            // MLP: x_out = x_mid + act Wd^T. One [block rows, inter] buffer at a time (act, then
-            // dact), and gate|up turns into its own gradient in place: the MLP's backward adds
-            // one such buffer to what the forward kept, not three.
+            // MLP: x_out = x_mid + act Wd^T. One [block rows, inter] buffer (dact, then act), and
+            // gate|up turns into its own gradient in place: the MLP's backward adds one such
+            // buffer to what the forward kept, not three. swiglu_bwd recomputes act over dact in
+            // the same pass (the forward's bits), for the down projection's weight gradient.
             let wd = off("mlp.down_proj.weight");
-            let mut act = be.alloc_uninit(s, DType::BF16, tb * inter)?;
-            be.swiglu_fwd(s, &gu, &mut act, tb, inter)?;
-            be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
-            drop(act);
             let mut dact = be.alloc_uninit(s, DType::BF16, tb * inter)?;
             be.gemm(s, &Gemm::linear_dx(tb, h, inter, false), &dx, 0, w, wd, &mut dact, 0)?;
-            be.swiglu_bwd(s, &dact, &mut gu, tb, inter)?;
-            drop(dact);
+            be.swiglu_bwd(s, &mut dact, &mut gu, tb, inter)?;
+            let act = dact;
+            be.gemm(s, &Gemm::linear_dw(tb, h, inter), &dx, 0, &act, 0, wgrad, wd)?;
+            drop(act);
             let dgu = gu;
             let wg = off("mlp.gate_proj.weight");
             let mut dh2 = be.alloc_uninit(s, DType::BF16, tb * h)?;

@@ -221,7 +221,7 @@ impl<B: Backend> DraftWeights<'_, B> {
         be.embed(s, &self.embed.buf, self.embed.off, &block_ids, &mut x, bs, h)?;
         let (mut xn, mut q_pre, mut q, mut kb_pre, mut kb, mut vb) =
             (bf(bs * h)?, bf(bs * qw)?, bf(bs * qw)?, bf(bs * kw)?, bf(bs * kw)?, bf(bs * kw)?);
-        let (mut o, mut h2, mut gu, mut act) = (bf(bs * qw)?, bf(bs * h)?, bf(bs * 2 * inter)?, bf(bs * inter)?);
+        let (mut o, mut h2, mut act) = (bf(bs * qw)?, bf(bs * h)?, bf(bs * inter)?);
         // The residual stream's other buffer: each residual GEMM reads `x` and writes `x_next`
         // (as training's `gemm_residual` does; in place, cuBLASLt may round once more at these
         // few rows), then the two swap.
@@ -255,8 +255,7 @@ impl<B: Backend> DraftWeights<'_, B> {
             be.gemm_residual(s, &Gemm::linear(bs, h, qw), &o, w, off("self_attn.o_proj.weight"), &x, &mut x_next)?;
             std::mem::swap(&mut x, &mut x_next);
             be.rmsnorm_fwd(s, &x, w, off("post_attention_layernorm.weight"), &mut h2, &mut rstd, bs, h, sh.eps)?;
-            be.gemm(s, &Gemm::linear(bs, 2 * inter, h), &h2, 0, w, off("mlp.gate_proj.weight"), &mut gu, 0)?;
-            be.swiglu_fwd(s, &gu, &mut act, bs, inter)?;
+            be.mlp_gate_up_act(s, &h2, w, off("mlp.gate_proj.weight"), &mut act, None, bs, inter, h)?;
             be.gemm_residual(s, &Gemm::linear(bs, h, inter), &act, w, off("mlp.down_proj.weight"), &x, &mut x_next)?;
             std::mem::swap(&mut x, &mut x_next);
         }

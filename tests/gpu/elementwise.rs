@@ -33,7 +33,8 @@ fn gpu_rope_matches_cpu() {
 }
 
 /// SwiGLU forward/backward: a ragged width (scalar path), widths % 8 == 0 (8-wide path), and
-/// exact zeros in the gate (the division's slow path).
+/// exact zeros in the gate (the division's slow path). The backward's recomputed activation (over
+/// its dact) equals the forward's output bit for bit on each backend.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_swiglu_matches_cpu() {
@@ -51,23 +52,28 @@ fn gpu_swiglu_matches_cpu() {
         let (a, b) = (sw(&g), sw(&c));
         rel_err(&format!("swiglu fwd {rows}x{inter}"), &a[0], &b[0], BF16_TOL);
         rel_err(&format!("swiglu bwd {rows}x{inter}"), &a[1], &b[1], BF16_TOL);
+        for (name, r) in [("gpu", &a), ("cpu", &b)] {
+            let same = r[0].iter().zip(&r[2]).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
+            assert_eq!(same, rows * inter, "{name} {rows}x{inter}: swiglu_bwd's act differs from swiglu_fwd's out");
+        }
     }
 }
 
 /// Object-safe wrappers so one closure drives both backends.
 trait SwiTest {
-    fn run(&self, gu: &[f32], d: &[f32], rows: usize, inter: usize) -> [Vec<f32>; 2];
+    /// [swiglu_fwd's out, swiglu_bwd's dgu, swiglu_bwd's act (over its dact)].
+    fn run(&self, gu: &[f32], d: &[f32], rows: usize, inter: usize) -> [Vec<f32>; 3];
 }
 
 impl<B: Backend> SwiTest for B {
-    fn run(&self, gu: &[f32], d: &[f32], rows: usize, inter: usize) -> [Vec<f32>; 2] {
+    fn run(&self, gu: &[f32], d: &[f32], rows: usize, inter: usize) -> [Vec<f32>; 3] {
         let s = self.compute_stream();
         let gub = put(self, gu, DType::BF16);
         let mut out = self.alloc(&s, DType::BF16, rows * inter).unwrap();
         self.swiglu_fwd(&s, &gub, &mut out, rows, inter).unwrap();
-        let mut dgu = gub;
-        self.swiglu_bwd(&s, &put(self, d, DType::BF16), &mut dgu, rows, inter).unwrap();
-        [get(self, &out), get(self, &dgu)]
+        let (mut dgu, mut dact) = (gub, put(self, d, DType::BF16));
+        self.swiglu_bwd(&s, &mut dact, &mut dgu, rows, inter).unwrap();
+        [get(self, &out), get(self, &dgu), get(self, &dact)]
     }
 }
 

@@ -244,37 +244,52 @@ fn gpu_fc_kernel_matches_cpu() {
 
 // The gated MLP's gate | up projection with SwiGLU in one kernel (kernels/mlp.cu).
 
-/// `act = swiglu(x [Wg; Wu]^T)` in `form` on the GPU (NaN-filled output with a guard tail: an
-/// element the kernel forgets, or one past the end, shows).
+/// `act = swiglu(x [Wg; Wu]^T)` in `form` on the GPU, and with `keep` the gate | up projection it
+/// kept (else empty). NaN-filled outputs with guard tails: an element the kernel forgets, or one
+/// past the end, shows.
 #[allow(clippy::too_many_arguments)]
 fn mlp_gpu(
     g: &CudaBackend,
     x: &[f32],
     wbuf: &[f32],
     w_off: usize,
-    rows: usize,
-    inter: usize,
-    k: usize,
+    [rows, inter, k]: [usize; 3],
     form: dflash_engine::backend::cuda::MlpForm,
-) -> Vec<f32> {
+    keep: bool,
+) -> [Vec<f32>; 2] {
     let s = g.compute_stream();
     let (xb, wb) = (put(g, x, DType::BF16), put(g, wbuf, DType::BF16));
     let mut act = put(g, &vec![f32::NAN; rows * inter + FC_TAIL], DType::BF16);
-    g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, rows, inter, k, form).unwrap();
-    let mut out = get(g, &act);
-    let tail = out.split_off(rows * inter);
-    assert!(tail.iter().all(|v| v.is_nan()), "mlp {rows}x{inter}x{k} ({form:?}) wrote past act[rows * inter]");
-    out
+    let mut gu = keep.then(|| put(g, &vec![f32::NAN; rows * 2 * inter + FC_TAIL], DType::BF16));
+    g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, gu.as_mut(), rows, inter, k, form).unwrap();
+    let unpad = |b: &_, n: usize, what: &str| {
+        let mut out = get(g, b);
+        let tail = out.split_off(n);
+        assert!(tail.iter().all(|v| v.is_nan()), "mlp {rows}x{inter}x{k} ({form:?}) wrote past {what}");
+        out
+    };
+    let act = unpad(&act, rows * inter, "act[rows * inter]");
+    [act, gu.map_or_else(Vec::new, |gu| unpad(&gu, rows * 2 * inter, "gu[rows * 2 * inter]"))]
 }
 
-/// The CPU's GEMM then its swiglu_fwd (the reference the target's forward is tested against).
-fn mlp_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, inter: usize, k: usize) -> Vec<f32> {
+/// The CPU's GEMM then its swiglu_fwd (the reference the target's forward is tested against):
+/// [act, gate | up].
+fn mlp_cpu(x: &[f32], wbuf: &[f32], w_off: usize, rows: usize, inter: usize, k: usize) -> [Vec<f32>; 2] {
     let c = CpuBackend::new();
     let s = c.compute_stream();
     let (xb, wb) = (put(&c, x, DType::BF16), put(&c, wbuf, DType::BF16));
     let mut act = c.alloc(&s, DType::BF16, rows * inter).unwrap();
-    c.mlp_gate_up_act(&s, &xb, &wb, w_off, &mut act, rows, inter, k).unwrap();
-    get(&c, &act)
+    let mut gu = c.alloc(&s, DType::BF16, rows * 2 * inter).unwrap();
+    c.mlp_gate_up_act(&s, &xb, &wb, w_off, &mut act, Some(&mut gu), rows, inter, k).unwrap();
+    [get(&c, &act), get(&c, &gu)]
+}
+
+/// swiglu_fwd on the GPU of a kept gate | up (what the fused kernel's act must equal bit for bit).
+fn swiglu_gpu(g: &CudaBackend, gu: &[f32], rows: usize, inter: usize) -> Vec<f32> {
+    let s = g.compute_stream();
+    let mut act = g.alloc(&s, DType::BF16, rows * inter).unwrap();
+    g.swiglu_fwd(&s, &put(g, gu, DType::BF16), &mut act, rows, inter).unwrap();
+    get(g, &act)
 }
 
 /// g and u each within one bf16 ulp of the reference's (the GEMM's f32 summation order), and
@@ -290,7 +305,9 @@ fn mlp_close(what: &str, got: &[f32], want: &[f32]) {
 /// one row, ragged rows and K, an inter that ends inside a 128-column tile (the gate box runs on
 /// into W's up rows there, the up box past W's end), more tiles than SMs (persistent CTAs), an
 /// aligned nonzero weight offset inside a larger buffer, and operands the kernel must refuse
-/// (a misaligned weight offset, inter % 8 != 0).
+/// (a misaligned weight offset, inter % 8 != 0). With the projection kept (the drafter's
+/// forward), act is the same bits as without, the kept gate | up is within the GEMM's rounding of
+/// the CPU's, and swiglu_fwd of it gives act bit for bit; so does the two-step form's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_mlp_fused_kernel_matches_cpu() {
@@ -313,22 +330,31 @@ fn gpu_mlp_fused_kernel_matches_cpu() {
         let mut wbuf = rand(w_off + 2 * inter * k + 64, 52, 1.0);
         wbuf[w_off..w_off + 2 * inter * k].copy_from_slice(&rand(2 * inter * k, 53, 0.5));
         let tag = format!("mlp {rows}x{inter}x{k} w_off {w_off}");
+        let shape = [rows, inter, k];
         if fused_ok {
-            let want = mlp_cpu(&x, &wbuf, w_off, rows, inter, k);
-            let two_step = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Gemm);
+            let [want, want_gu] = mlp_cpu(&x, &wbuf, w_off, rows, inter, k);
+            let [two_step, _] = mlp_gpu(&g, &x, &wbuf, w_off, shape, MlpForm::Gemm, false);
             mlp_close(&format!("{tag} gemm + swiglu"), &two_step, &want);
-            let fused = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Fused);
+            let [fused, _] = mlp_gpu(&g, &x, &wbuf, w_off, shape, MlpForm::Fused, false);
             mlp_close(&format!("{tag} fused vs cpu"), &fused, &want);
             mlp_close(&format!("{tag} fused vs cuBLASLt + swiglu"), &fused, &two_step);
-            let again = mlp_gpu(&g, &x, &wbuf, w_off, rows, inter, k, MlpForm::Fused);
+            let [again, _] = mlp_gpu(&g, &x, &wbuf, w_off, shape, MlpForm::Fused, false);
             bits_equal(&format!("{tag} fused: rerun"), &again, &fused);
             let same = fused.iter().zip(&two_step).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
             eprintln!("{tag}: fused equals cuBLASLt + swiglu bit for bit in {same} of {} elements", fused.len());
+            for form in [MlpForm::Fused, MlpForm::Gemm] {
+                let [act, gu] = mlp_gpu(&g, &x, &wbuf, w_off, shape, form, true);
+                let plain = if form == MlpForm::Fused { &fused } else { &two_step };
+                bits_equal(&format!("{tag} {form:?} keeping gate | up: act"), &act, plain);
+                // Each of g and u is one bf16 rounding of its f32 sum: within a bf16 ulp of the CPU's.
+                elementwise_close(&format!("{tag} {form:?} kept gate | up vs cpu"), &gu, &want_gu, 1.0, 1e-3);
+                bits_equal(&format!("{tag} {form:?}: swiglu_fwd(kept gate | up)"), &swiglu_gpu(&g, &gu, rows, inter), &act);
+            }
         } else {
             let s = g.compute_stream();
             let (xb, wb) = (put(&g, &x, DType::BF16), put(&g, &wbuf, DType::BF16));
             let mut act = g.alloc(&s, DType::BF16, rows * inter).unwrap();
-            let forced = g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, rows, inter, k, MlpForm::Fused);
+            let forced = g.mlp_gate_up_act_with(&s, &xb, &wb, w_off, &mut act, None, rows, inter, k, MlpForm::Fused);
             assert!(forced.is_err(), "{tag}: the fused kernel accepted operands it cannot take");
         }
     }
@@ -339,12 +365,13 @@ fn gpu_mlp_fused_kernel_matches_cpu() {
     let x = rand(rows * k, 61, 1.0);
     let w = rand(2 * inter * k, 62, 0.05);
     let tag = format!("mlp {rows}x{inter}x{k}");
-    let fused = mlp_gpu(&g, &x, &w, 0, rows, inter, k, MlpForm::Fused);
-    let two_step = mlp_gpu(&g, &x, &w, 0, rows, inter, k, MlpForm::Gemm);
+    let [fused, gu] = mlp_gpu(&g, &x, &w, 0, [rows, inter, k], MlpForm::Fused, true);
+    let [two_step, _] = mlp_gpu(&g, &x, &w, 0, [rows, inter, k], MlpForm::Gemm, false);
     mlp_close(&format!("{tag} fused vs cuBLASLt + swiglu"), &fused, &two_step);
+    bits_equal(&format!("{tag} fused: swiglu_fwd(kept gate | up)"), &swiglu_gpu(&g, &gu, rows, inter), &fused);
     let picked: Vec<usize> = vec![0, 1, 127, 128, rows / 2, rows - 1];
     let xs: Vec<f32> = picked.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect();
-    let want = mlp_cpu(&xs, &w, 0, picked.len(), inter, k);
+    let [want, _] = mlp_cpu(&xs, &w, 0, picked.len(), inter, k);
     let got: Vec<f32> = picked.iter().flat_map(|&r| fused[r * inter..(r + 1) * inter].iter().copied()).collect();
     mlp_close(&format!("{tag} fused vs cpu (6 rows)"), &got, &want);
 }

@@ -43,9 +43,13 @@ impl MlpForm {
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 
 /// Why `mlp_swiglu_wgmma_bf16` cannot run on these operands (`None`: it can). Pointers are byte
-/// addresses of x, of W's first element (offset applied) and of act.
-fn fused_blocker(x: u64, w: u64, act: u64, w_off: usize, inter: usize, k: usize) -> Option<String> {
-    tma_gemm_blocker([("x", x), ("act", act)], w, w_off, ("inter", inter), k).or_else(|| {
+/// addresses of x, of W's first element (offset applied), of act and of the kept gu (act's
+/// when none is kept: the kernel then never touches it).
+fn fused_blocker(x: u64, w: u64, act: u64, gu: u64, w_off: usize, inter: usize, k: usize) -> Option<String> {
+    let blocker = tma_gemm_blocker([("x", x), ("act", act)], w, w_off, ("inter", inter), k);
+    // gu takes the same bf16x2 stores as act (its row pitch, 2 * inter, is a multiple of 16).
+    let gu_blocker = || (gu % 4 != 0).then(|| format!("gu at {gu:#x} is not 4-byte aligned"));
+    blocker.or_else(gu_blocker).or_else(|| {
         // The up box's row coordinate, inter + n0, is an i32 on the device.
         (i32::try_from(2 * inter).is_err() || i32::try_from(k).is_err())
             .then(|| format!("inter = {inter} or k = {k} is past the kernel's 32-bit coordinates"))
@@ -62,12 +66,14 @@ impl CudaBackend {
         w: &CudaBuf,
         w_off: usize,
         act: &CudaBuf,
+        gu: Option<&CudaBuf>,
         shape: [usize; 3],
     ) -> MlpForm {
         let [rows, inter, h] = shape;
         if self.mlp_form == MlpForm::Fused {
             let wp = w.ptr + (w_off * w.dtype.size_bytes()) as u64;
-            if let Some(why) = fused_blocker(x.ptr, wp, act.ptr, w_off, inter, h) {
+            let gp = gu.map_or(act.ptr, |gu| gu.ptr);
+            if let Some(why) = fused_blocker(x.ptr, wp, act.ptr, gp, w_off, inter, h) {
                 if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
                     eprintln!(
                         "note      mlp_gate_up_act ({rows} x {inter} x {h}): {why}; running the GEMM and swiglu_fwd \
@@ -81,9 +87,9 @@ impl CudaBackend {
     }
 
     /// `act[rows, inter] = swiglu(x[rows, h] w[w_off..][2 * inter, h]^T)` in the form `form`
-    /// names ([`MlpForm::Gemm`] with a `rows x 2 * inter` scratch of its own for the GEMM's
-    /// output). Forcing [`MlpForm::Fused`] on operands it cannot take is an error, not a silent
-    /// fallback.
+    /// names, the projection kept in `gu` when given ([`MlpForm::Gemm`] without one: a `rows x 2 *
+    /// inter` scratch of its own for the GEMM's output). Forcing [`MlpForm::Fused`] on operands it
+    /// cannot take is an error, not a silent fallback.
     #[allow(clippy::too_many_arguments)]
     pub fn mlp_gate_up_act_with(
         &self,
@@ -92,6 +98,7 @@ impl CudaBackend {
         w: &CudaBuf,
         w_off: usize,
         act: &mut CudaBuf,
+        gu: Option<&mut CudaBuf>,
         rows: usize,
         inter: usize,
         h: usize,
@@ -99,17 +106,25 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "mlp_gate_up_act";
         match form {
-            MlpForm::Gemm => mlp_two_step(self, s, x, w, w_off, act, [rows, inter, h]),
+            MlpForm::Gemm => mlp_two_step(self, s, x, w, w_off, act, gu, [rows, inter, h]),
             MlpForm::Fused => {
                 check_len(OP, "x", x.len, 0, rows * h)?;
                 check_len(OP, "w", w.len, w_off, 2 * inter * h)?;
                 check_len(OP, "act", act.len, 0, rows * inter)?;
+                if let Some(gu) = gu.as_deref() {
+                    check_len(OP, "gu", gu.len, 0, rows * 2 * inter)?;
+                }
                 let (xp, wp, ap): (DevPtr<half::bf16>, DevPtr<half::bf16>, DevPtr<half::bf16>) =
                     (x.at(OP, 0)?, w.at(OP, w_off)?, act.at(OP, 0)?);
+                // Without a gu to keep, act's address stands in (the kernel never touches it).
+                let gp: DevPtr<half::bf16> = match gu.as_deref() {
+                    Some(gu) => gu.at(OP, 0)?,
+                    None => ap,
+                };
                 if rows == 0 || inter == 0 {
                     return Ok(());
                 }
-                if let Some(why) = fused_blocker(xp.addr(), wp.addr(), ap.addr(), w_off, inter, h) {
+                if let Some(why) = fused_blocker(xp.addr(), wp.addr(), ap.addr(), gp.addr(), w_off, inter, h) {
                     return Err(BackendError::Shape {
                         op: OP,
                         what: format!("mlp_swiglu_wgmma_bf16 cannot run: {why}"),
@@ -120,7 +135,8 @@ impl CudaBackend {
                 let tiles = rows.div_ceil(FC_BM) * inter.div_ceil(MLP_BN);
                 // Persistent: one CTA per SM at most (MLP_SMEM_BYTES, 218,176 bytes of shared memory each).
                 let grid = tiles.min(self.sm_count);
-                let args = launch::MlpSwigluWgmmaBf16 { map_x, map_w, act: ap, rows, inter, k: h };
+                let keep_gu = usize::from(gu.is_some());
+                let args = launch::MlpSwigluWgmmaBf16 { map_x, map_w, act: ap, gu: gp, keep_gu, rows, inter, k: h };
                 let kernel = launch::MlpSwigluWgmmaBf16::KERNEL;
                 // Profiled as the GEMM it is (its FLOPs count with the GEMMs') under its own name.
                 self.timed_as(
@@ -142,15 +158,16 @@ mod tests {
 
     #[test]
     fn fused_form_takes_aligned_multiples_of_8_only() {
-        assert_eq!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 4096), None);
-        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 0).unwrap().contains("k = 0"));
-        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 12288, 4100).unwrap().contains("k = 4100"));
-        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 100, 4096).unwrap().contains("inter = 100"));
-        assert!(fused_blocker(0x1008, 0x2000, 0x3000, 0, 128, 64).unwrap().contains("x at 0x1008"));
-        assert!(fused_blocker(0x1000, 0x2008, 0x3000, 4, 128, 64).unwrap().contains("element offset 4"));
-        assert!(fused_blocker(0x1000, 0x2000, 0x3002, 0, 128, 64).unwrap().contains("act at 0x3002"));
+        assert_eq!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4000, 0, 12288, 4096), None);
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4000, 0, 12288, 0).unwrap().contains("k = 0"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4000, 0, 12288, 4100).unwrap().contains("k = 4100"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4000, 0, 100, 4096).unwrap().contains("inter = 100"));
+        assert!(fused_blocker(0x1008, 0x2000, 0x3000, 0x4000, 0, 128, 64).unwrap().contains("x at 0x1008"));
+        assert!(fused_blocker(0x1000, 0x2008, 0x3000, 0x4000, 4, 128, 64).unwrap().contains("element offset 4"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3002, 0x4000, 0, 128, 64).unwrap().contains("act at 0x3002"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4002, 0, 128, 64).unwrap().contains("gu at 0x4002"));
         // The second box's row coordinate, inter + n0, is an i32 on the device.
-        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0, 1 << 30, 64).unwrap().contains("32-bit"));
+        assert!(fused_blocker(0x1000, 0x2000, 0x3000, 0x4000, 0, 1 << 30, 64).unwrap().contains("32-bit"));
     }
 
     #[test]

@@ -1807,18 +1807,19 @@ impl Backend for CudaBackend {
         w: &CudaBuf,
         w_off: usize,
         act: &mut CudaBuf,
+        gu: Option<&mut CudaBuf>,
         rows: usize,
         inter: usize,
         h: usize,
     ) -> Result<()> {
-        let form = self.mlp_form_for(x, w, w_off, act, [rows, inter, h]);
-        self.mlp_gate_up_act_with(s, x, w, w_off, act, rows, inter, h, form)
+        let form = self.mlp_form_for(x, w, w_off, act, gu.as_deref(), [rows, inter, h]);
+        self.mlp_gate_up_act_with(s, x, w, w_off, act, gu, rows, inter, h, form)
     }
 
-    fn swiglu_bwd(&self, s: &Stream, dout: &CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
-        check_len("swiglu_bwd", "dout", dout.len, 0, rows * inter)?;
+    fn swiglu_bwd(&self, s: &Stream, dact: &mut CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
+        check_len("swiglu_bwd", "dact", dact.len, 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.len, 0, rows * 2 * inter)?;
-        let args = launch::SwigluBwdBf16 { dout: dout.at("swiglu_bwd", 0)?, gu: gu.at("swiglu_bwd", 0)?, rows, inter };
+        let args = launch::SwigluBwdBf16 { dout: dact.at("swiglu_bwd", 0)?, gu: gu.at("swiglu_bwd", 0)?, rows, inter };
         self.launch(s, launch::SwigluBwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 

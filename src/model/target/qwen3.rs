@@ -220,7 +220,7 @@ fn layer<B: Backend>(
     add_projection(be, s, (rows, h, qw), &sc.o, w, off("self_attn.o_proj.weight"), x, &mut sc.x2)?;
     let post = off("post_attention_layernorm.weight");
     be.rmsnorm_fwd(s, x, w, post, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps)?;
-    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.act, rows, sh.inter, h)?;
+    be.mlp_gate_up_act(s, &sc.xn, w, off("mlp.gate_proj.weight"), &mut sc.act, None, rows, sh.inter, h)?;
     add_projection(be, s, (rows, h, sh.inter), &sc.act, w, off("mlp.down_proj.weight"), x, &mut sc.x2)?;
     match next_norm {
         Some(norm) => be.rmsnorm_fwd(s, x, w, norm, &mut sc.xn, &mut sc.rstd, rows, h, sh.eps),
