@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/gpu-bundle.sh: runs what needs the GPU, logs under $OUT.
-# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|gemmk|initrun|racehybrid]...
+# Usage (from the repository root): bash gpu-bundle/run.sh [all|tests|sanitize|bench|hybridbench|run8b|prof8b|ab8b|acc8b|pipe8b|pipe8b2|eval8b|decode8b|run27b|run27b2|pipe27b|target27b|target8b|ncu|ncusrc|attn|gdn|gemmk|initrun|racehybrid]...
 # Env: T8B (the 8B-shaped target: a folder, or qwen3-8b-shape to generate it in memory), STEPS8B,
 # T27B (run27b's target: default the qwen3.6-27b-shape preset generated in memory; any folder with
-# hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2 and pipe27b run only when
+# hidden 5120, 64 layers and vocabulary 248320 works), STEPS27B; run27b, run27b2, pipe27b and ab8b (see below) run only when
 # named (not part of all), and so do ncu (Nsight Compute over the attention and GDN kernels), ncusrc
 # (Nsight Compute's full set with per-instruction samples over NCU_KERNELS, a kernel-name regex,
 # default the fast GDN kernels, in the bench group NCU_BENCH, default gdn, NCU_COUNT launches) and
@@ -138,6 +138,33 @@ if has prof8b; then
   make8b
   $B/dflash-engine run --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-5} --sync --profile --log-every 1 --no-checkpoint --out /tmp/q8b-prof \
     2>&1 | tee "$OUT/prof8b.log" || status=1
+fi
+# ab8b: prof8b's step with this bundle's engine and with each gpu-bundle/dflash-engine-REV that
+# `scripts/bench-at.sh --engine REV` built, in turn, AB8B_ROUNDS rounds (default 2; the second
+# runs them in reverse order): the step moves by a few ms from one call to the next with the
+# clocks, so a change's effect is measured against its base in one call. $OUT/ab8b.txt: each
+# run's step time and device peak; $OUT/ab8b-NAME-ROUND.log: its whole summary and phase table.
+if named ab8b; then
+  echo "== the 8B sync step: this build against the other engine builds in the bundle, in turn"
+  make8b
+  engines=($B/dflash-engine $(ls $B/dflash-engine-* 2>/dev/null))
+  if [ ${#engines[@]} -lt 2 ]; then
+    echo "ab8b: no gpu-bundle/dflash-engine-REV to compare with (scripts/bench-at.sh --engine REV builds one)"
+    status=1
+  fi
+  rm -f "$OUT"/ab8b*
+  for round in $(seq 1 ${AB8B_ROUNDS:-2}); do
+    order=("${engines[@]}")
+    [ $((round % 2)) -eq 1 ] || order=($(printf '%s\n' "${engines[@]}" | tac))
+    for e in "${order[@]}"; do
+      name=$(basename "$e") log="$OUT/ab8b-$(basename "$e")-$round.log"
+      $e run --device cuda $Q8B ${EXTRA8B:-} --steps ${STEPS8B:-5} --sync --profile --log-every 1 --no-checkpoint \
+        --out /tmp/q8b-ab > "$log" 2>&1 || status=1
+      step=$(grep -m1 '^step time' "$log" | sed 's/^step time *//')
+      peak=$(grep -m1 '^device memory' "$log" | sed 's/^device memory *//; s/,.*//')
+      echo "$name round $round: ${step:-no step time (see $log)}; ${peak:-no device peak}" | tee -a "$OUT/ab8b.txt"
+    done
+  done
 fi
 # The same recipe as two micro-batches of 2 sequences per optimizer step: the same samples per
 # step, the drafter's activations halved (device peak 38 GiB against 46 GiB at --batch-size 4, both measured
