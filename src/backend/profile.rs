@@ -155,7 +155,7 @@ impl Phase {
             (Region::Target, Work::Gemm | Work::Kernel { family: "mlp", .. }) => Phase::TargetGemm,
             (Region::Target, Work::Kernel { family, .. }) if attention(family) => Phase::TargetAttention,
             (Region::Target, Work::Kernel { .. }) => Phase::TargetElementwise,
-            (Region::Drafter, Work::Gemm) => Phase::DrafterGemm,
+            (Region::Drafter, Work::Gemm | Work::Kernel { family: "mlp", .. }) => Phase::DrafterGemm,
             (Region::Drafter, Work::Kernel { family, symbol }) if family.starts_with("attention") => {
                 if symbol.contains("bwd") {
                     Phase::DrafterAttentionBwd
@@ -659,6 +659,9 @@ mod tests {
         );
         assert_eq!(Phase::of(Region::Drafter, k("attention", "attn_draft_fwd_bf16_hd128")), Phase::DrafterAttentionFwd);
         assert_eq!(Phase::of(Region::Drafter, k("rmsnorm", "rmsnorm_fwd_bf16")), Phase::DrafterElementwise);
+        // The drafter's forward runs the fused gate | up kernel too (keeping gate | up).
+        assert_eq!(Phase::of(Region::Drafter, k("mlp", "mlp_swiglu_wgmma_bf16")), Phase::DrafterGemm);
+        assert_eq!(Phase::of(Region::Drafter, k("swiglu", "swiglu_bwd_bf16")), Phase::DrafterElementwise);
         assert_eq!(Phase::of(Region::Loss, Work::Gemm), Phase::LossHead);
         assert_eq!(Phase::of(Region::Drafter, k("fc", "fc_wgmma_bf16")), Phase::FcProjection);
         assert_eq!(Phase::of(Region::Optimizer, Work::Copy), Phase::Copies);
