@@ -664,7 +664,11 @@ fn main() {
         // between them ran at boost clocks and moved by 6% from one run to the next.
         const MLP_CALLS: usize = 20;
         warm_to_sustained(&be, &random);
-        let shapes = [("8B", t_rows, 12288, 4096, false), ("27B", t_rows, 17408, 5120, false), ("8B drafter", 32768, 12288, 4096, true)];
+        let shapes = [
+            ("8B", t_rows, 12288, 4096, false),
+            ("27B", t_rows, 17408, 5120, false),
+            ("8B drafter", 32768, 12288, 4096, true),
+        ];
         for (name, t_rows, inter, k, keep) in shapes {
             let x = random(t_rows * k, 5);
             let w = random(2 * inter * k, 6);

@@ -348,7 +348,11 @@ fn gpu_mlp_fused_kernel_matches_cpu() {
                 bits_equal(&format!("{tag} {form:?} keeping gate | up: act"), &act, plain);
                 // Each of g and u is one bf16 rounding of its f32 sum: within a bf16 ulp of the CPU's.
                 elementwise_close(&format!("{tag} {form:?} kept gate | up vs cpu"), &gu, &want_gu, 1.0, 1e-3);
-                bits_equal(&format!("{tag} {form:?}: swiglu_fwd(kept gate | up)"), &swiglu_gpu(&g, &gu, rows, inter), &act);
+                bits_equal(
+                    &format!("{tag} {form:?}: swiglu_fwd(kept gate | up)"),
+                    &swiglu_gpu(&g, &gu, rows, inter),
+                    &act,
+                );
             }
         } else {
             let s = g.compute_stream();
