@@ -16,7 +16,8 @@
 //           the g and u act was computed from). bf16, row-major, contiguous.
 // Symbol:   mlp_swiglu_wgmma_bf16. Needs k % 8 == 0 and inter % 8 == 0 (TMA row pitch a multiple
 //           of 16 bytes; whole bf16x2 stores), x and W 16-byte aligned, act (and gu) 4-byte
-//           aligned. Any rows >= 1. src/backend/cuda/mlp.rs checks all of it and falls back to the GEMM + swiglu.
+//           aligned. Any rows >= 1. src/backend/cuda/mlp.rs checks all of it and falls back to the
+//           GEMM + swiglu.
 //
 // In detail: fc.cu's fc_wgmma_bf16 (read its header first), with another tile, a shorter ring and
 // an epilogue in two parts.

@@ -1,6 +1,6 @@
 // swiglu.cu: the SwiGLU activation of the MLP, forward and backward.
 //
-// Math (g = gate, u = up, d = dout; f32 math, each bf16 write one RNE rounding):
+// Math (g = gate, u = up, d = dact; f32 math, each bf16 write one RNE rounding):
 //   fwd:  out = bf16(silu(g) * u), silu(g) = g / (1 + expf(-g))
 //   bwd:  sig = 1 / (1 + expf(-g)); silu = g * sig;
 //         dgate = bf16(((d * u) * sig) * (1 + g * (1 - sig))); dup = bf16(d * silu);
@@ -12,8 +12,8 @@
 //   cvt.rn.bf16x2.f32 (4 instructions per 8 outputs instead of ~56 integer ones; the same bits as
 //   half::bf16::from_f32 for every non-NaN value, a NaN stays a NaN without its payload).
 // Layouts:  gu, dgu: [rows, 2 * inter] bf16 row-major, each row = [gate(inter) | up(inter)].
-//           out, dout: [rows, inter] bf16 row-major. All contiguous. The backward runs in place:
-//           dgu over gu, out over dout.
+//           out, dact: [rows, inter] bf16 row-major. All contiguous. The backward runs in place:
+//           dgu over gu, out over dact.
 // Preconditions: rows, inter >= 0 (0: no-op); the forward's out does not overlap gu; the
 //           backward's two buffers do not overlap each other.
 // Work item: V consecutive columns of one row; V = 8 (16-byte accesses) when inter % 8 == 0 and
@@ -67,10 +67,10 @@ extern "C" __global__ void swiglu_fwd_bf16(const __nv_bfloat16* __restrict__ gu,
   }
 }
 
-// In place: gate|up become their gradient, dout the forward's out. Each item reads its gate, up
-// and dout chunks before it writes the same three chunks, and no other item touches them.
+// In place: gate|up become their gradient, dact the forward's out. Each item reads its gate, up
+// and dact chunks before it writes the same three chunks, and no other item touches them.
 template <int V>
-__device__ __forceinline__ void swiglu_bwd_items(__nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ gu,
+__device__ __forceinline__ void swiglu_bwd_items(__nv_bfloat16* __restrict__ dact, __nv_bfloat16* __restrict__ gu,
                                                  index_t rows, index_t inter) {
   const index_t chunks_per_row = inter / V;
   const index_t total = rows * chunks_per_row;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void swiglu_bwd_items(__nv_bfloat16* __restrict__ dou
     float g[V], u[V], dy[V], dg[V], du[V], act[V];
     bf16_chunk_load<V>(gu + in_off, g);
     bf16_chunk_load<V>(gu + in_off + inter, u);
-    bf16_chunk_load<V>(dout + out_off, dy);
+    bf16_chunk_load<V>(dact + out_off, dy);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[j])));
@@ -96,16 +96,16 @@ __device__ __forceinline__ void swiglu_bwd_items(__nv_bfloat16* __restrict__ dou
     }
     bf16_chunk_store_rn_fast<V>(gu + in_off, dg);
     bf16_chunk_store_rn_fast<V>(gu + in_off + inter, du);
-    bf16_chunk_store_rn_fast<V>(dout + out_off, act);
+    bf16_chunk_store_rn_fast<V>(dact + out_off, act);
   }
 }
 
-extern "C" __global__ void swiglu_bwd_bf16(__nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ gu,
+extern "C" __global__ void swiglu_bwd_bf16(__nv_bfloat16* __restrict__ dact, __nv_bfloat16* __restrict__ gu,
                                            long long rows, int inter) {
   if (rows <= 0 || inter <= 0) return;
-  if (inter % BF16_PER_VEC == 0 && is_vec_aligned(dout) && is_vec_aligned(gu)) {
-    swiglu_bwd_items<BF16_PER_VEC>(dout, gu, rows, inter);
+  if (inter % BF16_PER_VEC == 0 && is_vec_aligned(dact) && is_vec_aligned(gu)) {
+    swiglu_bwd_items<BF16_PER_VEC>(dact, gu, rows, inter);
   } else {
-    swiglu_bwd_items<1>(dout, gu, rows, inter);
+    swiglu_bwd_items<1>(dact, gu, rows, inter);
   }
 }

@@ -261,6 +261,14 @@ fn dot<F: Real>(a: &[F], b: &[F]) -> F {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// SwiGLU's forward on one (gate, up) pair, `silu(g) * u` with `silu(g) = g / (1 + exp(-g))`: the
+/// one formula `swiglu_fwd` and `swiglu_bwd`'s recomputed activation both run (kernels/swiglu.cuh
+/// is its CUDA twin), so the two give the same bits.
+#[inline]
+fn swiglu_act<F: Real>(g: F, u: F) -> F {
+    g / (F::ONE + (-g).exp()) * u
+}
+
 impl<F: Real> CpuBackend<F> {
     /// Rounds a value for storage in a buffer of `dt`.
     #[inline]
@@ -659,9 +667,7 @@ impl<F: Real> Backend for CpuBackend<F> {
         out.data[..rows * inter].par_chunks_mut(inter).enumerate().for_each(|(r, or)| {
             let row = &gu.data[r * 2 * inter..(r + 1) * 2 * inter];
             for c in 0..inter {
-                let g = row[c];
-                let silu = g / (F::ONE + (-g).exp());
-                or[c] = self.st(dt, silu * row[inter + c]);
+                or[c] = self.st(dt, swiglu_act(row[c], row[inter + c]));
             }
         });
         Ok(())
@@ -686,8 +692,7 @@ impl<F: Real> Backend for CpuBackend<F> {
                 let silu = g * sig;
                 dr[c] = self.st(dt, d * u * sig * (F::ONE + g * (F::ONE - sig)));
                 dr[inter + c] = self.st(dt, d * silu);
-                // swiglu_fwd's own formula, so the same bits as the forward's act.
-                ar[c] = self.st(at, g / (F::ONE + (-g).exp()) * u);
+                ar[c] = self.st(at, swiglu_act(g, u));
             }
         });
         Ok(())

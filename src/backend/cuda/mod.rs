@@ -1819,7 +1819,7 @@ impl Backend for CudaBackend {
     fn swiglu_bwd(&self, s: &Stream, dact: &mut CudaBuf, gu: &mut CudaBuf, rows: usize, inter: usize) -> Result<()> {
         check_len("swiglu_bwd", "dact", dact.len, 0, rows * inter)?;
         check_len("swiglu_bwd", "gu", gu.len, 0, rows * 2 * inter)?;
-        let args = launch::SwigluBwdBf16 { dout: dact.at("swiglu_bwd", 0)?, gu: gu.at("swiglu_bwd", 0)?, rows, inter };
+        let args = launch::SwigluBwdBf16 { dact: dact.at("swiglu_bwd", 0)?, gu: gu.at("swiglu_bwd", 0)?, rows, inter };
         self.launch(s, launch::SwigluBwdBf16::KERNEL, (self.ew_grid(rows * inter), 256, 0), args)
     }
 
