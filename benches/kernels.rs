@@ -263,7 +263,7 @@ fn main() {
         mem(
             "qk norm + rope (12288 x 32/8 x 128)",
             time_per_call(&be, 10, MEM_CALLS, || {
-                be.qk_norm_rope(&s, &sh, &qkv, &qkv, &wqk, &mut qo, &mut ko, &tpos).unwrap()
+                be.qk_norm_rope(&s, &sh, &qkv, &qkv, &wqk, &mut qo, &mut ko, &tpos, None).unwrap()
             }),
             (tr * (qh + kh) * hd * 4) as f64,
         );

@@ -117,7 +117,10 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, const int* __restrict__ p
 //           IEEE division; 0.088 ms (67%; 111 us in the step) as written.
 // Layouts:  q_in + r * q_in_stride, k_in + r * k_in_stride: the row's heads, each D contiguous
 //           bf16; q_out + r * q_out_stride, k_out + r * k_out_stride likewise. wq, wk: [D] bf16.
-//           pos: [rows] i32. inv_freq: [D / 2] f32.
+//           pos: [rows] i32. inv_freq: [D / 2] f32. With keep_rstd != 0, q_rstd [rows * heads] and
+//           k_rstd [rows * kv_heads] f32 receive each head's inv (row-major: r * heads + h), as
+//           rmsnorm_fwd's rstd for the norm's backward; with keep_rstd 0 they are never written
+//           (but must be live pointers, as every launch argument).
 // Work:     one warp per QKR_HEADS heads of a row (q heads first, then k heads, counted
 //           together): V = bf16_lane_dims(D) elements per lane; the partner of element c
 //           (c +- D/2) is the same slot of lane ^ (D / 2 / V). The warp issues its heads' loads
@@ -133,6 +136,7 @@ __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q
                                              const __nv_bfloat16* __restrict__ wk, __nv_bfloat16* q_out,
                                              long long q_out_stride, __nv_bfloat16* k_out, long long k_out_stride,
                                              const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                             float* __restrict__ q_rstd, float* __restrict__ k_rstd, int keep_rstd,
                                              long long rows, int heads, int kv_heads, float eps) {
   constexpr int V = bf16_lane_dims(D), G = QKR_HEADS;
   static_assert(D >= 16 && (D & (D - 1)) == 0, "head_dim a power of two (exports below)");
@@ -180,6 +184,10 @@ __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
     // As rmsnorm.cu; ss / D is ss * (1 / D) exactly (D a power of two).
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.0f / D), eps)));
+    if (keep_rstd && lane == 0) {
+      if (is_q) q_rstd[r * heads + hh] = inv;
+      else k_rstd[r * kv_heads + (hh - heads)] = inv;
+    }
     // x becomes the normed head, then its rotation.
 #pragma unroll
     for (int j = 0; j < V; ++j) x[j] = __fmul_rn(__fmul_rn(x[j], inv), is_q ? wqb.at(j) : wkb.at(j));
@@ -205,10 +213,10 @@ __device__ __forceinline__ void qk_norm_rope(const __nv_bfloat16* __restrict__ q
   extern "C" __global__ void __launch_bounds__(QKR_WARPS * 32) qk_norm_rope_bf16_hd##D(                        \
       const __nv_bfloat16* q_in, long long q_in_stride, const __nv_bfloat16* k_in, long long k_in_stride,     \
       const __nv_bfloat16* wq, const __nv_bfloat16* wk, __nv_bfloat16* q_out, long long q_out_stride,         \
-      __nv_bfloat16* k_out, long long k_out_stride, const int* pos, const float* inv_freq, long long rows,    \
-      int heads, int kv_heads, float eps) {                                                                    \
+      __nv_bfloat16* k_out, long long k_out_stride, const int* pos, const float* inv_freq, float* q_rstd,     \
+      float* k_rstd, int keep_rstd, long long rows, int heads, int kv_heads, float eps) {                      \
     qk_norm_rope<D>(q_in, q_in_stride, k_in, k_in_stride, wq, wk, q_out, q_out_stride, k_out, k_out_stride,    \
-                    pos, inv_freq, rows, heads, kv_heads, eps);                                                \
+                    pos, inv_freq, q_rstd, k_rstd, keep_rstd, rows, heads, kv_heads, eps);                     \
   }
 
 QKR_EXPORT(16)

@@ -389,3 +389,61 @@ fn attn_decode_equals_single_slot_draft_attention() {
         }
     }
 }
+
+/// `qk_norm_rope` with the rstd kept (the drafter's training: block queries and keys in one call,
+/// context keys alone with no query heads) is `rmsnorm_fwd` then `rope` bit for bit on the CPU
+/// backend that rounds as the GPU does, outputs and rstd alike.
+#[test]
+fn qk_norm_rope_keeps_rmsnorm_fwds_rstd() {
+    use dflash_engine::backend::cpu::CpuBackend;
+    use dflash_engine::backend::{QkNormRope, QkRstd, Rows};
+    use dflash_engine::tensor::DType;
+    let be = CpuBackend::new();
+    let s = be.compute_stream();
+    let (rows, hd, eps, theta) = (7, 16, 1e-6, 1e6);
+    let put = |v: Vec<f64>, dt| {
+        let mut b = be.alloc(&s, dt, v.len()).unwrap();
+        be.upload(&s, &v.iter().map(|&x| x as f32).collect::<Vec<_>>(), &mut b, 0).unwrap();
+        b
+    };
+    let w = put(randn(2 * hd, 30, 1.0), DType::BF16);
+    let pos: Vec<i32> = (0..rows as i32).map(|i| 3 * i + 5).collect();
+    for (heads, kvh) in [(4, 2), (0, 2)] {
+        let (qw, kw) = (heads * hd, kvh * hd);
+        let q_in = put(randn((rows * qw).max(1), 31, 2.0), DType::BF16);
+        let k_in = put(randn(rows * kw, 32, 2.0), DType::BF16);
+        let sh = QkNormRope {
+            rows,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            eps,
+            theta,
+            q_in: Rows { off: 0, stride: qw },
+            k_in: Rows { off: 0, stride: kw },
+            q_out: Rows { off: 0, stride: qw },
+            k_out: Rows { off: 0, stride: kw },
+            wq_off: 0,
+            wk_off: hd,
+        };
+        let f32s = |n: usize| be.alloc(&s, DType::F32, n.max(1)).unwrap();
+        let (mut q, mut k) =
+            (be.alloc(&s, DType::BF16, (rows * qw).max(1)).unwrap(), be.alloc(&s, DType::BF16, rows * kw).unwrap());
+        let (mut qr, mut kr) = (f32s(rows * heads), f32s(rows * kvh));
+        let rstd = QkRstd { q: (heads > 0).then_some(&mut qr), k: Some(&mut kr) };
+        be.qk_norm_rope(&s, &sh, &q_in, &k_in, &w, &mut q, &mut k, &pos, Some(rstd)).unwrap();
+        // The two separate ops.
+        for (n, x, out, r, w_off, nh) in [("q", &q_in, &q, &qr, 0, heads), ("k", &k_in, &k, &kr, hd, kvh)] {
+            if nh == 0 {
+                continue;
+            }
+            let mut y = be.alloc(&s, DType::BF16, rows * nh * hd).unwrap();
+            let mut rs = f32s(rows * nh);
+            be.rmsnorm_fwd(&s, x, &w, w_off, &mut y, &mut rs, rows * nh, hd, eps).unwrap();
+            be.rope(&s, &mut y, &pos, rows, nh, hd, theta, false).unwrap();
+            let bits = |b: &CpuBuf<f32>| b.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&y), bits(out)[..rows * nh * hd], "{heads}/{kvh} heads: {n} out");
+            assert_eq!(bits(&rs)[..rows * nh], bits(r)[..rows * nh], "{heads}/{kvh} heads: {n} rstd");
+        }
+    }
+}

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use super::slots::{SlotError, SlotMemory};
 use super::{
     check_causal_attn, check_len, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape, Gemm,
-    QkNormRope, Result, Rows, GDN_CHUNK,
+    QkNormRope, QkRstd, Result, Rows, GDN_CHUNK,
 };
 use crate::rng;
 use crate::tensor::{round_bf16, DType};
@@ -885,6 +885,7 @@ impl<F: Real> Backend for CpuBackend<F> {
         q_out: &mut CpuBuf<F>,
         k_out: &mut CpuBuf<F>,
         pos: &Vec<i32>,
+        rstd: Option<QkRstd<'_, CpuBuf<F>>>,
     ) -> Result<()> {
         const OP: &str = "qk_norm_rope";
         let hd = sh.head_dim;
@@ -901,10 +902,20 @@ impl<F: Real> Backend for CpuBackend<F> {
         check_len(OP, "k_out", k_out.data.len(), last(sh.k_out), sh.kv_heads * hd)?;
         check_len(OP, "w", w.data.len(), sh.wq_off.max(sh.wk_off), hd)?;
         check_len(OP, "pos", pos.len(), 0, sh.rows)?;
+        let (mut q_rstd, mut k_rstd) = match rstd {
+            Some(QkRstd { q, k }) => (q, k),
+            None => (None, None),
+        };
+        for (n, b, heads) in [("q rstd", &q_rstd, sh.heads), ("k rstd", &k_rstd, sh.kv_heads)] {
+            if let Some(b) = b {
+                check_len(OP, n, b.data.len(), 0, sh.rows * heads)?;
+                need_dtype(OP, b, DType::F32)?;
+            }
+        }
         let inv_freq = Self::rope_inv_freq(hd, sh.theta);
         let (half, eps) = (hd / 2, F::from_f32(sh.eps));
         // As rmsnorm_fwd then rope: the normalised head rounded to the output's dtype, then
-        // rotated and rounded again.
+        // rotated and rounded again. Returns the head's rstd.
         let one = |x: &[F], wt: &[F], p: i32, dt: DType, out: &mut [F]| {
             let ms = dot(x, x) / F::from_f64(hd as f64);
             let inv = self.st(DType::F32, F::ONE / (ms + eps).sqrt());
@@ -917,19 +928,23 @@ impl<F: Real> Backend for CpuBackend<F> {
                 out[i] = self.st(dt, a * c - b * sn);
                 out[i + half] = self.st(dt, b * c + a * sn);
             }
+            inv
         };
         let (wq, wk) = (&w.data[sh.wq_off..sh.wq_off + hd], &w.data[sh.wk_off..sh.wk_off + hd]);
         for (r, &p) in pos[..sh.rows].iter().enumerate() {
-            for (heads, inp, rin, out, rout, wt) in [
-                (sh.heads, q_in, sh.q_in, &mut *q_out, sh.q_out, wq),
-                (sh.kv_heads, k_in, sh.k_in, &mut *k_out, sh.k_out, wk),
+            for (heads, inp, rin, out, rout, wt, keep) in [
+                (sh.heads, q_in, sh.q_in, &mut *q_out, sh.q_out, wq, &mut q_rstd),
+                (sh.kv_heads, k_in, sh.k_in, &mut *k_out, sh.k_out, wk, &mut k_rstd),
             ] {
                 let dt = out.dtype;
                 for h in 0..heads {
                     let x = &inp.data[rin.off + r * rin.stride + h * hd..][..hd];
                     let mut o = vec![F::ZERO; hd];
-                    one(x, wt, p, dt, &mut o);
+                    let inv = one(x, wt, p, dt, &mut o);
                     out.data[rout.off + r * rout.stride + h * hd..][..hd].copy_from_slice(&o);
+                    if let Some(b) = keep.as_deref_mut() {
+                        b.data[r * heads + h] = inv;
+                    }
                 }
             }
         }

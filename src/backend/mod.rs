@@ -204,6 +204,12 @@ pub struct QkNormRope {
     pub wk_off: usize,
 }
 
+/// Where `Backend::qk_norm_rope` keeps each head's rstd (`None`: a side without heads).
+pub struct QkRstd<'a, T> {
+    pub q: Option<&'a mut T>,
+    pub k: Option<&'a mut T>,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct DraftAttnShape {
     pub num_blocks: usize,
@@ -745,7 +751,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Per head of q and k: `rmsnorm_fwd` (weight `w[wq_off..]` / `w[wk_off..]`, bf16 result)
     /// then `rope` at `pos[r]`, the same arithmetic as those two ops, in one pass over rows read
-    /// and written with strides ([`QkNormRope`]).
+    /// and written with strides ([`QkNormRope`]). `rstd`, where given, receives each head's
+    /// `rmsnorm_fwd` rstd (f32, `[rows * heads]` for q, `[rows * kv_heads]` for k, head-minor),
+    /// what the norm's backward reads; each side with heads needs its buffer.
     #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope(
         &self,
@@ -757,6 +765,7 @@ pub trait Backend: Send + Sync + 'static {
         q_out: &mut Self::Buf,
         k_out: &mut Self::Buf,
         pos: &Self::Ids,
+        rstd: Option<QkRstd<'_, Self::Buf>>,
     ) -> Result<()>;
 
     /// `o = softmax(scale q.k) v` and its log-sum-exp for query rows over a KV cache

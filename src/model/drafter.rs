@@ -14,7 +14,7 @@ use super::park::{Parked, Parking, Returning, RESTORE_LEAD, SETTLE_LAG};
 use super::target::push_layer;
 use super::ParamTable;
 use crate::backend::profile::{self, Region};
-use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, Result};
+use crate::backend::{AdamStep, Backend, DraftAttnShape, Gemm, QkNormRope, QkRstd, Result, Rows};
 use crate::model::moments::Moments;
 use crate::rng::{self, Philox};
 use crate::tensor::DType;
@@ -363,26 +363,49 @@ struct KeyProj<B: Backend> {
 }
 
 impl<B: Backend> KeyProj<B> {
-    /// The context and block keys: k-normed (with `k_norm` at `kn` in `w`; the rstd kept for the
-    /// norm's backward) and rotated. The forward and the backward both call it, so the backward's
-    /// keys are the forward's bit for bit without being kept.
+    /// The queries and the context and block keys, each head normed (`q_norm` at `qn`, `k_norm`
+    /// at `kn` in `w`; the rstd kept for the norms' backward) and rotated, in two passes: the
+    /// block rows' queries and keys share their positions, the context keys have their own. The
+    /// forward and the backward both call it, so the backward's queries and keys are the
+    /// forward's bit for bit without being kept.
+    #[allow(clippy::too_many_arguments)]
     fn rotated(
         &mut self,
         be: &B,
         s: &B::Stream,
         sh: &DrafterShape,
         w: &B::Buf,
-        kn: usize,
+        [qn, kn]: [usize; 2],
+        q_pre: &B::Buf,
+        q_rstd: &mut B::Buf,
         inp: &DraftInputs<'_, B>,
-    ) -> Result<[B::Buf; 2]> {
-        let (tc, tb, kw) = (inp.ctx_rows, inp.num_blocks * sh.block_size, sh.kv_width());
+    ) -> Result<[B::Buf; 3]> {
+        let (tc, tb, qw, kw) = (inp.ctx_rows, inp.num_blocks * sh.block_size, sh.q_width(), sh.kv_width());
+        let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
         let mut kc = be.alloc_uninit(s, DType::BF16, tc * kw)?;
         let mut kb = be.alloc_uninit(s, DType::BF16, tb * kw)?;
-        be.rmsnorm_fwd(s, &self.kc_pre, w, kn, &mut kc, &mut self.kc_rstd, tc * sh.kv_heads, sh.head_dim, sh.eps)?;
-        be.rmsnorm_fwd(s, &self.kb_pre, w, kn, &mut kb, &mut self.kb_rstd, tb * sh.kv_heads, sh.head_dim, sh.eps)?;
-        be.rope(s, &mut kc, inp.ctx_pos, tc, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
-        be.rope(s, &mut kb, inp.block_pos, tb, sh.kv_heads, sh.head_dim, sh.rope_theta, false)?;
-        Ok([kc, kb])
+        let rows = |stride| Rows { off: 0, stride };
+        let mut nr = QkNormRope {
+            rows: tb,
+            heads: sh.heads,
+            kv_heads: sh.kv_heads,
+            head_dim: sh.head_dim,
+            eps: sh.eps,
+            theta: sh.rope_theta,
+            q_in: rows(qw),
+            k_in: rows(kw),
+            q_out: rows(qw),
+            k_out: rows(kw),
+            wq_off: qn,
+            wk_off: kn,
+        };
+        let rstd = QkRstd { q: Some(q_rstd), k: Some(&mut self.kb_rstd) };
+        be.qk_norm_rope(s, &nr, q_pre, &self.kb_pre, w, &mut q, &mut kb, inp.block_pos, Some(rstd))?;
+        // The context rows: keys only (no query heads, so q is neither read nor written).
+        (nr.rows, nr.heads, nr.q_in, nr.q_out) = (tc, 0, rows(0), rows(0));
+        let rstd = QkRstd { q: None, k: Some(&mut self.kc_rstd) };
+        be.qk_norm_rope(s, &nr, &self.kc_pre, &self.kc_pre, w, &mut q, &mut kc, inp.ctx_pos, Some(rstd))?;
+        Ok([q, kc, kb])
     }
 }
 
@@ -617,22 +640,10 @@ impl<B: Backend> Drafter<B> {
             project(be, s, shared.as_ref(), &xn, tb, h, w, wk, &mut a.keys.kb_pre, kw)?;
             project(be, s, shared.as_ref(), &xn, tb, h, w, wv, &mut a.vb, kw)?;
             drop(xn);
-            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-            be.rmsnorm_fwd(
-                s,
-                &q_pre,
-                w,
-                off("self_attn.q_norm.weight"),
-                &mut q,
-                &mut a.q_rstd,
-                tb * sh.heads,
-                sh.head_dim,
-                sh.eps,
-            )?;
-            be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wk, &mut a.keys.kc_pre, 0)?;
             be.gemm(s, &Gemm::linear(tc, kw, h), &ctx, 0, w, wv, &mut a.vc, 0)?;
-            let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
+            let qk_norms = [off("self_attn.q_norm.weight"), off("self_attn.k_norm.weight")];
+            let [q, kc, kb] = a.keys.rotated(be, s, &sh, w, qk_norms, &q_pre, &mut a.q_rstd, inp)?;
             be.attn_draft_fwd(
                 s,
                 &ash[l],
@@ -834,10 +845,8 @@ impl<B: Backend> Drafter<B> {
                     q_pre
                 }
             };
-            let mut q = be.alloc_uninit(s, DType::BF16, tb * qw)?;
-            be.rmsnorm_fwd(s, &q_pre, w, qn, &mut q, &mut rstd, tb * sh.heads, sh.head_dim, sh.eps)?;
-            be.rope(s, &mut q, inp.block_pos, tb, sh.heads, sh.head_dim, sh.rope_theta, false)?;
-            let [kc, kb] = a.keys.rotated(be, s, &sh, w, off("self_attn.k_norm.weight"), inp)?;
+            // The recomputed rstd of q goes to scratch: the forward's, a.q_rstd, has the same bits.
+            let [q, kc, kb] = a.keys.rotated(be, s, &sh, w, [qn, kn], &q_pre, &mut rstd, inp)?;
             be.attn_draft_bwd(
                 s,
                 &ash[l],

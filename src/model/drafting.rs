@@ -13,7 +13,7 @@
 
 use super::drafter::{Drafter, DrafterShape, Frozen, ParamGroup};
 use super::ParamTable;
-use crate::backend::{Backend, BackendError, DraftAttnShape, Gemm, Result};
+use crate::backend::{Backend, BackendError, DraftAttnShape, Gemm, QkNormRope, Result, Rows};
 use crate::tensor::DType;
 
 /// The weights a drafter runs with, borrowed: the body (`hidden_norm`, layers, `norm`), the fc
@@ -161,22 +161,33 @@ impl<B: Backend> DraftWeights<'_, B> {
         let mut y = be.alloc(s, DType::BF16, rows * h)?;
         be.fc_project(s, &packed, self.fc, self.fc_off, &mut y, rows, h, sh.fc_in())?;
         let mut ctx = be.alloc(s, DType::BF16, rows * h)?;
-        let mut rstd = be.alloc(s, DType::F32, rows * kvh.max(1))?;
+        let mut rstd = be.alloc(s, DType::F32, rows)?;
         be.rmsnorm_fwd(s, &y, w, t.off("hidden_norm.weight"), &mut ctx, &mut rstd, rows, h, sh.eps)?;
         let pos: Vec<i32> = (cache.len..cache.len + rows).map(pos_i32).collect::<Result<_>>()?;
         let pos = ids(be, s, &pos)?;
-        let (mut k_pre, mut k, mut v) = (
-            be.alloc(s, DType::BF16, rows * kw)?,
-            be.alloc(s, DType::BF16, rows * kw)?,
-            be.alloc(s, DType::BF16, rows * kw)?,
-        );
+        let (mut k_pre, mut v) = (be.alloc(s, DType::BF16, rows * kw)?, be.alloc(s, DType::BF16, rows * kw)?);
+        // Keys only (no query heads: the query side is neither read nor written), normed and
+        // rotated straight into the cache, as training's context keys (KeyProj::rotated).
+        let mut unused_q = be.alloc(s, DType::BF16, 1)?;
         for l in 0..sh.layers {
             let off = |part: &str| t.off(&format!("layers.{l}.{part}"));
             be.gemm(s, &Gemm::linear(rows, kw, h), &ctx, 0, w, off("self_attn.k_proj.weight"), &mut k_pre, 0)?;
             be.gemm(s, &Gemm::linear(rows, kw, h), &ctx, 0, w, off("self_attn.v_proj.weight"), &mut v, 0)?;
-            be.rmsnorm_fwd(s, &k_pre, w, off("self_attn.k_norm.weight"), &mut k, &mut rstd, rows * kvh, hd, sh.eps)?;
-            be.rope(s, &mut k, &pos, rows, kvh, hd, sh.rope_theta, false)?;
-            be.copy(s, &k, 0, &mut cache.k[l], cache.len * kw, rows * kw)?;
+            let nr = QkNormRope {
+                rows,
+                heads: 0,
+                kv_heads: kvh,
+                head_dim: hd,
+                eps: sh.eps,
+                theta: sh.rope_theta,
+                q_in: Rows { off: 0, stride: 0 },
+                k_in: Rows { off: 0, stride: kw },
+                q_out: Rows { off: 0, stride: 0 },
+                k_out: Rows { off: cache.len * kw, stride: kw },
+                wq_off: off("self_attn.k_norm.weight"),
+                wk_off: off("self_attn.k_norm.weight"),
+            };
+            be.qk_norm_rope(s, &nr, &k_pre, &k_pre, w, &mut unused_q, &mut cache.k[l], &pos, None)?;
             be.copy(s, &v, 0, &mut cache.v[l], cache.len * kw, rows * kw)?;
         }
         cache.len += rows;
@@ -226,18 +237,30 @@ impl<B: Backend> DraftWeights<'_, B> {
         // (as training's `gemm_residual` does; in place, cuBLASLt may round once more at these
         // few rows), then the two swap.
         let mut x_next = bf(bs * h)?;
-        let mut rstd = be.alloc(s, DType::F32, bs * nh.max(1))?;
+        let mut rstd = be.alloc(s, DType::F32, bs)?;
         let mut lse = be.alloc(s, DType::F32, bs * nh)?;
         for l in 0..sh.layers {
             let off = |part: &str| t.off(&format!("layers.{l}.{part}"));
             be.rmsnorm_fwd(s, &x, w, off("input_layernorm.weight"), &mut xn, &mut rstd, bs, h, sh.eps)?;
             be.gemm(s, &Gemm::linear(bs, qw, h), &xn, 0, w, off("self_attn.q_proj.weight"), &mut q_pre, 0)?;
-            be.rmsnorm_fwd(s, &q_pre, w, off("self_attn.q_norm.weight"), &mut q, &mut rstd, bs * nh, hd, sh.eps)?;
-            be.rope(s, &mut q, &block_pos, bs, nh, hd, sh.rope_theta, false)?;
             be.gemm(s, &Gemm::linear(bs, kw, h), &xn, 0, w, off("self_attn.k_proj.weight"), &mut kb_pre, 0)?;
             be.gemm(s, &Gemm::linear(bs, kw, h), &xn, 0, w, off("self_attn.v_proj.weight"), &mut vb, 0)?;
-            be.rmsnorm_fwd(s, &kb_pre, w, off("self_attn.k_norm.weight"), &mut kb, &mut rstd, bs * kvh, hd, sh.eps)?;
-            be.rope(s, &mut kb, &block_pos, bs, kvh, hd, sh.rope_theta, false)?;
+            // The block's queries and keys, normed and rotated in one pass, as training's.
+            let nr = QkNormRope {
+                rows: bs,
+                heads: nh,
+                kv_heads: kvh,
+                head_dim: hd,
+                eps: sh.eps,
+                theta: sh.rope_theta,
+                q_in: Rows { off: 0, stride: qw },
+                k_in: Rows { off: 0, stride: kw },
+                q_out: Rows { off: 0, stride: qw },
+                k_out: Rows { off: 0, stride: kw },
+                wq_off: off("self_attn.q_norm.weight"),
+                wk_off: off("self_attn.k_norm.weight"),
+            };
+            be.qk_norm_rope(s, &nr, &q_pre, &kb_pre, w, &mut q, &mut kb, &block_pos, None)?;
             be.attn_draft_fwd(
                 s,
                 &ash(l),

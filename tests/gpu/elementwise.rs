@@ -2,7 +2,7 @@
 //! and SwiGLU forward and backward (kernels/swiglu.cu), against the CPU.
 
 use dflash_engine::backend::cpu::CpuBackend;
-use dflash_engine::backend::Backend;
+use dflash_engine::backend::{Backend, QkRstd};
 use dflash_engine::tensor::DType;
 
 use super::{bits_equal, get, gpu, ids, put, rand, rel_err, BF16_TOL};
@@ -109,11 +109,21 @@ fn gpu_qk_norm_rope_matches_cpu() {
             wq_off: 0,
             wk_off: hd + 8,
         };
-        let run = |be: &dyn QkTest| be.qk(&sh, &qkv, &w, &pos, rows * cache_stride + cache_off);
-        let ((gq, gk), (cq, ck)) = (run(&g), run(&c));
+        let run = |be: &dyn QkTest, keep| be.qk(&sh, &qkv, &w, &pos, rows * cache_stride + cache_off, keep);
+        let ((gq, gk, _), (cq, ck, _)) = (run(&g, false), run(&c, false));
         let what = format!("qk_norm_rope {rows} rows {heads}/{kvh} heads hd {hd}");
         rel_err(&format!("{what}: q"), &gq, &cq, BF16_TOL);
         rel_err(&format!("{what}: k (cache rows)"), &gk, &ck, BF16_TOL);
+        // Keeping the rstd (as the drafter's training does) changes no output bit, and the rstd
+        // is the CPU's up to the order of the sum of squares.
+        let ((gq2, gk2, gr), (cq2, ck2, cr)) = (run(&g, true), run(&c, true));
+        bits_equal(&format!("{what}: q with rstd kept"), &gq2, &gq);
+        bits_equal(&format!("{what}: k with rstd kept"), &gk2, &gk);
+        bits_equal(&format!("{what}: cpu q with rstd kept"), &cq2, &cq);
+        bits_equal(&format!("{what}: cpu k with rstd kept"), &ck2, &ck);
+        let ([gqr, gkr], [cqr, ckr]) = (gr.expect("kept"), cr.expect("kept"));
+        rel_err(&format!("{what}: q rstd"), &gqr, &cqr, 1e-6);
+        rel_err(&format!("{what}: k rstd"), &gkr, &ckr, 1e-6);
         // Cache rows outside the written ones stay untouched (zero).
         for r in 0..rows {
             let gap = &gk[cache_off + r * cache_stride + kw..][..cache_stride - kw];
@@ -131,6 +141,7 @@ fn gpu_qk_norm_rope_matches_cpu() {
         c.rmsnorm_fwd(&s, &qin, &put(&c, &w, DType::BF16), 0, &mut y, &mut rstd, rows * heads, hd, 1e-6).unwrap();
         c.rope(&s, &mut y, &ids(&c, &pos), rows, heads, hd, 1e6, false).unwrap();
         bits_equal(&format!("{what}: cpu fused == rmsnorm_fwd + rope"), &cq, &get(&c, &y));
+        bits_equal(&format!("{what}: cpu fused rstd == rmsnorm_fwd's"), &cqr, &get(&c, &rstd));
     }
 }
 
@@ -142,8 +153,12 @@ trait QkTest {
         w: &[f32],
         pos: &[i32],
         k_len: usize,
-    ) -> (Vec<f32>, Vec<f32>);
+        keep_rstd: bool,
+    ) -> QkOut;
 }
+
+/// q, k and (when kept) their rstd.
+type QkOut = (Vec<f32>, Vec<f32>, Option<[Vec<f32>; 2]>);
 
 impl<B: Backend> QkTest for B {
     fn qk(
@@ -153,12 +168,17 @@ impl<B: Backend> QkTest for B {
         w: &[f32],
         pos: &[i32],
         k_len: usize,
-    ) -> (Vec<f32>, Vec<f32>) {
+        keep_rstd: bool,
+    ) -> QkOut {
         let s = self.compute_stream();
         let qkv = put(self, qkv, DType::BF16);
         let mut q = self.alloc(&s, DType::BF16, sh.rows * sh.heads * sh.head_dim).unwrap();
         let mut k = self.alloc(&s, DType::BF16, k_len).unwrap();
-        self.qk_norm_rope(&s, sh, &qkv, &qkv, &put(self, w, DType::BF16), &mut q, &mut k, &ids(self, pos)).unwrap();
-        (get(self, &q), get(self, &k))
+        let mut qr = self.alloc(&s, DType::F32, sh.rows * sh.heads).unwrap();
+        let mut kr = self.alloc(&s, DType::F32, sh.rows * sh.kv_heads).unwrap();
+        let rstd = keep_rstd.then(|| QkRstd { q: Some(&mut qr), k: Some(&mut kr) });
+        let w = put(self, w, DType::BF16);
+        self.qk_norm_rope(&s, sh, &qkv, &qkv, &w, &mut q, &mut k, &ids(self, pos), rstd).unwrap();
+        (get(self, &q), get(self, &k), keep_rstd.then(|| [get(self, &qr), get(self, &kr)]))
     }
 }

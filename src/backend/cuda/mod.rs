@@ -27,7 +27,7 @@ use rayon::prelude::*;
 use super::profile::{self, Phase, StepPhases, Timed, Work};
 use super::{
     check_causal_attn, check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape,
-    Gemm, QkNormRope, Result, Rows, StartError,
+    Gemm, QkNormRope, QkRstd, Result, Rows, StartError,
 };
 use crate::kernels::launch::{
     ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
@@ -1950,6 +1950,7 @@ impl Backend for CudaBackend {
         q_out: &mut CudaBuf,
         k_out: &mut CudaBuf,
         pos: &CudaIds,
+        rstd: Option<QkRstd<'_, CudaBuf>>,
     ) -> Result<()> {
         const OP: &str = "qk_norm_rope";
         let hd = sh.head_dim;
@@ -1985,6 +1986,28 @@ impl Backend for CudaBackend {
             });
         }
         let inv = self.inv_freq(s, hd, sh.theta)?;
+        // The rstd outputs: with `rstd`, every side that has heads needs its buffer; a side
+        // without heads (or no `rstd`) gets a live pointer the kernel never writes.
+        let (q_rstd, k_rstd, keep_rstd) = match rstd {
+            None => (inv, inv, 0),
+            Some(QkRstd { q, k }) => {
+                let ptr = |n: &str, b: Option<&mut CudaBuf>, heads: usize| -> Result<DevPtr<f32>> {
+                    match b {
+                        Some(b) => {
+                            check_len(OP, n, b.len, 0, sh.rows * heads)?;
+                            Self::need_f32(OP, b)?;
+                            b.at(OP, 0)
+                        }
+                        None if heads == 0 => Ok(inv),
+                        None => Err(BackendError::Shape {
+                            op: OP,
+                            what: format!("{n}: {heads} heads whose rstd is asked for but given no buffer"),
+                        }),
+                    }
+                };
+                (ptr("q rstd", q, sh.heads)?, ptr("k rstd", k, sh.kv_heads)?, 1)
+            }
+        };
         let args = launch::QkNormRopeBf16Hd {
             q_in: q_in.at(OP, sh.q_in.off)?,
             q_in_stride: sh.q_in.stride,
@@ -1998,6 +2021,9 @@ impl Backend for CudaBackend {
             k_out_stride: sh.k_out.stride,
             pos: pos.at(OP, 0)?,
             inv_freq: inv,
+            q_rstd,
+            k_rstd,
+            keep_rstd,
             rows: sh.rows,
             heads: sh.heads,
             kv_heads: sh.kv_heads,

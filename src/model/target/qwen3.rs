@@ -207,11 +207,11 @@ fn layer<B: Backend>(
     match how.kv_dest(kw) {
         Some((kc, vc, at)) => {
             norm_rope.k_out = at;
-            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, kc, pos)?;
+            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, kc, pos, None)?;
             be.copy_strided(s, &sc.qkv, qw + kw, qkv_w, vc, at.off, at.stride, rows, kw)?;
         }
         None => {
-            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, &mut sc.k, pos)?;
+            be.qk_norm_rope(s, &norm_rope, &sc.qkv, &sc.qkv, w, &mut sc.q, &mut sc.k, pos, None)?;
             be.copy_strided(s, &sc.qkv, qw + kw, qkv_w, &mut sc.v, 0, kw, rows, kw)?;
         }
     }
