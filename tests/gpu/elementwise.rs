@@ -176,7 +176,7 @@ impl<B: Backend> QkTest for B {
         let mut k = self.alloc(&s, DType::BF16, k_len).unwrap();
         let mut qr = self.alloc(&s, DType::F32, sh.rows * sh.heads).unwrap();
         let mut kr = self.alloc(&s, DType::F32, sh.rows * sh.kv_heads).unwrap();
-        let rstd = keep_rstd.then(|| QkRstd { q: Some(&mut qr), k: Some(&mut kr) });
+        let rstd = keep_rstd.then_some(QkRstd { q: Some(&mut qr), k: Some(&mut kr) });
         let w = put(self, w, DType::BF16);
         self.qk_norm_rope(&s, sh, &qkv, &qkv, &w, &mut q, &mut k, &ids(self, pos), rstd).unwrap();
         (get(self, &q), get(self, &k), keep_rstd.then(|| [get(self, &qr), get(self, &kr)]))
