@@ -1394,6 +1394,11 @@ __device__ __forceinline__ void draft_bwd_kv_wg(const bf16* __restrict__ q, cons
 // numerics, output layout and preconditions, with the copies taken off the MMA warpgroups and done
 // by TMA. attn_causal_fwd_ws_bf16_hd* (the consumers run independently); head_dim 128 and 256.
 //
+// Output gate (the Qwen3.5 gated attention, QWEN35.md section 3): with gated != 0 each output
+// element is o = bf16(bf16(o) / (1 + expf(-gate[(r * heads + h) * gate_stride + c]))), hybrid.cu
+// sigmoid_mul_strided_bf16's formula and rounding on this kernel's bf16 output, so the result is
+// that pass's bit for bit without its read and write of o. With gated 0, gate is never read.
+//
 // CTA b = section 1's CTA b: (128-row query tile ntiles - 1 - b / heads, q head b % heads),
 // heaviest first, the same key range [lo, hi] and KEYS-row key tiles. A persistent launch (one CTA
 // per SM) was built on an earlier, cp.async-fed form of this kernel; racecheck reported
@@ -1522,6 +1527,7 @@ template <int HD>
 __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CUtensorMap* map_k,
                                               const CUtensorMap* map_v, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
+                                              const bf16* __restrict__ gate, index_t gate_stride, int gated,
                                               const int* __restrict__ seq_starts, int num_seqs, index_t rows,
                                               int heads, int kv_heads, float scale) {
   using G = WsGeo<HD>;
@@ -1757,8 +1763,17 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
       const int i = c / C, ch = c % C;
       const int rr = q0 + wr + i;
       if (rr < nrows) {
-        *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) =
-            *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+        uint4 out = *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+        if (gated) {
+          float x[8], g[8];
+          bf16x8_unpack(out, x);
+          bf16x8_unpack(*reinterpret_cast<const uint4*>(gate + ((index_t)rr * heads + h) * gate_stride + ch * 8), g);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[e] = x[e] / (1.f + expf(-g[e]));
+          out = make_uint4(pack_bf16x2_rne(x[0], x[1]), pack_bf16x2_rne(x[2], x[3]), pack_bf16x2_rne(x[4], x[5]),
+                           pack_bf16x2_rne(x[6], x[7]));
+        }
+        *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) = out;
       }
     }
   }
@@ -2810,15 +2825,16 @@ ATTN_WG_EXPORT(256)
 
 // The warp-specialised causal forward (section 5): section 1's arguments, with TMA descriptors of
 // q, k and v (bf16 [rows, heads * HD] and [rows, kv_heads * HD], boxes of 64 columns x 128 / KEYS
-// rows, 128-byte swizzle) in place of q; k and v also by pointer for cp.async-filled tiles.
+// rows, 128-byte swizzle) in place of q; k and v also by pointer for cp.async-filled tiles; the
+// optional output gate (gate, gate_stride, gated: section 5's header).
 #define ATTN_WS_EXPORT(D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(ATTN_WS_THREADS, 1) attn_causal_fwd_ws_bf16_hd##D(            \
       const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,                  \
       const __grid_constant__ CUtensorMap map_v, const __nv_bfloat16* k, const __nv_bfloat16* v,            \
-      __nv_bfloat16* o, const int* seq_starts, int num_seqs, long long rows, int heads, int kv_heads,         \
-      float scale) {                                                                                          \
-    attn::causal_fwd_ws<D>(&map_q, &map_k, &map_v, k, v, o, seq_starts, num_seqs, rows, heads, kv_heads,    \
-                           scale);                                                                            \
+      __nv_bfloat16* o, const __nv_bfloat16* gate, long long gate_stride, int gated, const int* seq_starts,  \
+      int num_seqs, long long rows, int heads, int kv_heads, float scale) {                                  \
+    attn::causal_fwd_ws<D>(&map_q, &map_k, &map_v, k, v, o, gate, gate_stride, gated, seq_starts, num_seqs, \
+                           rows, heads, kv_heads, scale);                                                     \
   }
 ATTN_WS_EXPORT(128)
 ATTN_WS_EXPORT(256)

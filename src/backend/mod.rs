@@ -204,6 +204,22 @@ pub struct QkNormRope {
     pub wk_off: usize,
 }
 
+/// The output gate of `Backend::attn_causal_gated_fwd`: head row `i` (row `r`, head `h`, `i = r
+/// * heads + h`) of the attention output is multiplied by the sigmoid of `buf[off + i * stride..]`.
+pub struct OutGate<'a, T> {
+    pub buf: &'a T,
+    pub off: usize,
+    pub stride: usize,
+}
+
+// By hand: derive would ask T: Copy, and only the reference is copied.
+impl<T> Clone for OutGate<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutGate<'_, T> {}
+
 /// Where `Backend::qk_norm_rope` keeps each head's rstd (`None`: a side without heads).
 pub struct QkRstd<'a, T> {
     pub q: Option<&'a mut T>,
@@ -1019,6 +1035,27 @@ pub trait Backend: Send + Sync + 'static {
         pos: &Self::Ids,
     ) -> Result<()> {
         fused::rmsnorm1p_rope_partial(self, s, sh, x, w, y, pos)
+    }
+    /// `attn_causal_fwd`, then `sigmoid_mul_strided` of its output's `rows * heads` head rows by
+    /// `gate` (the Qwen3.5 full-attention layer's output gate), in one pass where the backend
+    /// can (the same bits either way).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_causal_gated_fwd(
+        &self,
+        s: &Self::Stream,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        o: &mut Self::Buf,
+        seq_starts: &Self::Ids,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        gate: OutGate<'_, Self::Buf>,
+    ) -> Result<()> {
+        self.attn_causal_fwd(s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)?;
+        self.sigmoid_mul_strided(s, o, gate.buf, gate.off, gate.stride, rows * heads, head_dim)
     }
     /// `x[r, c] *= sigmoid(gate[gate_off + r * gate_stride + c])` over `x [rows, width]`
     /// (`sigmoid_mul` with the gate read in place from the head-major `q | gate` projection).

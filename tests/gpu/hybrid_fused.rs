@@ -9,7 +9,7 @@ use dflash_engine::backend::fused::{GdnConvQkv, NormRope};
 use dflash_engine::backend::{Backend, Gemm};
 use dflash_engine::tensor::DType;
 
-use super::{get, gpu, ids, positions, put, rand, rel_err, starts_of, BF16_TOL};
+use super::{bits_equal, get, gpu, ids, positions, put, rand, rel_err, starts_of, BF16_TOL};
 
 /// Sequence lengths around the 16-row runs of the convolution kernels and the 64-token chunk.
 const LENS: [usize; 6] = [1, 15, 16, 17, 63, 200];
@@ -217,5 +217,67 @@ fn gpu_fused_gdn_gates_ba_matches_cpu() {
         let y = gates_ba(&c, &ba, &w, rows, heads);
         rel_err(&format!("gdn_gates_ba beta {rows}x{heads}"), &x[0], &y[0], BF16_TOL);
         rel_err(&format!("gdn_gates_ba g (f32) {rows}x{heads}"), &x[1], &y[1], 1e-5);
+    }
+}
+
+/// The full-attention layer's output gate applied in the warp-specialised causal kernel's
+/// epilogue (`attn_causal_gated_fwd`) equals the attention followed by `sigmoid_mul_strided` bit
+/// for bit, at both head dims, on ragged packed batches, with the gate read in place from the
+/// head-major `q | gate` projection; a gate the epilogue cannot read 8 elements at a time (odd
+/// offset) and the other kernel forms take the two-pass path, with the same bits; the result is
+/// the CPU's within the attention tolerance.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gated_causal_attention_equals_attention_then_gate() {
+    use dflash_engine::backend::cuda::AttnForm;
+    use dflash_engine::backend::OutGate;
+    let (g, c) = (gpu(), CpuBackend::new());
+    let s = g.compute_stream();
+    for (hd, heads, kvh, lens) in
+        [(256, 24, 4, vec![70, 1, 64]), (256, 6, 2, LENS.to_vec()), (128, 8, 2, vec![300, 1, 129, 17])]
+    {
+        let rows: usize = lens.iter().sum();
+        let starts = starts_of(&lens);
+        let (q, k, v) =
+            (rand(rows * heads * hd, 120, 1.0), rand(rows * kvh * hd, 121, 1.0), rand(rows * kvh * hd, 122, 1.0));
+        // q | gate per head (the gate at offset hd), plus a spare element for the odd offset.
+        let qg = rand(rows * heads * 2 * hd + 1, 123, 3.0);
+        let (qb, kb, vb, gb) =
+            (put(&g, &q, DType::BF16), put(&g, &k, DType::BF16), put(&g, &v, DType::BF16), put(&g, &qg, DType::BF16));
+        let st = ids(&g, &starts);
+        for (form, off) in [
+            (AttnForm::WarpSpecialized, hd),
+            (AttnForm::WarpSpecialized, hd + 1),
+            (AttnForm::Wgmma, hd),
+            (AttnForm::Mma, hd),
+        ] {
+            if !form.takes_causal(hd) {
+                continue;
+            }
+            let gate = OutGate { buf: &gb, off, stride: 2 * hd };
+            let mut fused = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+            g.attn_causal_gated_fwd_with(form, &s, &qb, &kb, &vb, &mut fused, &st, rows, heads, kvh, hd, Some(gate))
+                .unwrap();
+            let mut two = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut two, &st, rows, heads, kvh, hd).unwrap();
+            g.sigmoid_mul_strided(&s, &mut two, &gb, off, 2 * hd, rows * heads, hd).unwrap();
+            let what = format!("{form:?} hd {hd} {heads}/{kvh} heads lens {lens:?} gate offset {off}");
+            let fused = get(&g, &fused);
+            bits_equal(&format!("{what}: gated == attention then sigmoid_mul_strided"), &fused, &get(&g, &two));
+            // The trait's default (the CPU's) is the two passes.
+            let cs = c.compute_stream();
+            let (cq, ck, cv, cg) = (
+                put(&c, &q, DType::BF16),
+                put(&c, &k, DType::BF16),
+                put(&c, &v, DType::BF16),
+                put(&c, &qg, DType::BF16),
+            );
+            let mut co = c.alloc(&cs, DType::BF16, rows * heads * hd).unwrap();
+            let cgate = OutGate { buf: &cg, off, stride: 2 * hd };
+            c.attn_causal_gated_fwd(&cs, &cq, &ck, &cv, &mut co, &ids(&c, &starts), rows, heads, kvh, hd, cgate)
+                .unwrap();
+            // The causal tests' attention tolerance (gpu/attention.rs ATTN_TOL).
+            rel_err(&format!("{what}: vs cpu"), &fused, &get(&c, &co), 1.5e-2);
+        }
     }
 }

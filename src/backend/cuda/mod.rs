@@ -27,7 +27,7 @@ use rayon::prelude::*;
 use super::profile::{self, Phase, StepPhases, Timed, Work};
 use super::{
     check_causal_attn, check_len, fused, AdamStep, Backend, BackendError, DecodeAttnShape, DraftAttnShape, GdnShape,
-    Gemm, QkNormRope, QkRstd, Result, Rows, StartError,
+    Gemm, OutGate, QkNormRope, QkRstd, Result, Rows, StartError,
 };
 use crate::kernels::launch::{
     ARGMAX_BLOCK, ATTN_CAUSAL_KEYS, ATTN_CAUSAL_ROWS, ATTN_CAUSAL_ROWS_HD256, ATTN_CAUSAL_WARPS, ATTN_DRAFT_MAX_ROWS,
@@ -535,7 +535,45 @@ impl CudaBackend {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
+        self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)
+    }
+
+    /// [`Self::attn_causal_fwd_with`] with the output gate of `Backend::attn_causal_gated_fwd`:
+    /// the warp-specialised kernel applies it in its epilogue where the gate's rows allow 16-byte
+    /// loads; the other forms (and other gates) run `sigmoid_mul_strided` after the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_causal_gated_fwd_with(
+        &self,
+        form: AttnForm,
+        s: &Stream,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        o: &mut CudaBuf,
+        seq_starts: &CudaIds,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        gate: Option<OutGate<'_, CudaBuf>>,
+    ) -> Result<()> {
         check_causal_attn(q.len, k.len, v.len, o.len, rows, heads, kv_heads, head_dim)?;
+        if let Some(g) = gate {
+            check_len(
+                "attn_causal_gated_fwd",
+                "gate",
+                g.buf.len,
+                g.off + (rows * heads).saturating_sub(1) * g.stride,
+                head_dim,
+            )?;
+            Self::need_bf16("attn_causal_gated_fwd", g.buf)?;
+        }
+        // The epilogue reads the gate 8 elements at a time.
+        let fused_gate = gate.filter(|g| form == AttnForm::WarpSpecialized && g.off % 8 == 0 && g.stride % 8 == 0);
+        if let (Some(g), None) = (gate, fused_gate) {
+            self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)?;
+            return self.sigmoid_mul_strided(s, o, g.buf, g.off, g.stride, rows * heads, head_dim);
+        }
         if rows == 0 {
             // Nothing to attend; the warp-specialised kernel's exact-grid check and its TMA
             // descriptors (dimensions >= 1) need at least one row.
@@ -611,6 +649,13 @@ impl CudaBackend {
                     k: kp,
                     v: vp,
                     o: o.at(OP, 0)?,
+                    // Without a gate, a live pointer the kernel never reads (gated 0).
+                    gate: match fused_gate {
+                        Some(g) => g.buf.at(OP, g.off)?,
+                        None => kp,
+                    },
+                    gate_stride: fused_gate.map_or(0, |g| g.stride),
+                    gated: usize::from(fused_gate.is_some()),
                     seq_starts: seq_starts.at(OP, 0)?,
                     num_seqs,
                     rows,
@@ -1920,6 +1965,24 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let form = AttnForm::pick_causal(head_dim);
         self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)
+    }
+
+    fn attn_causal_gated_fwd(
+        &self,
+        s: &Stream,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        o: &mut CudaBuf,
+        seq_starts: &CudaIds,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        gate: OutGate<'_, CudaBuf>,
+    ) -> Result<()> {
+        let form = AttnForm::pick_causal(head_dim);
+        self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, Some(gate))
     }
 
     fn attn_draft_fwd(

@@ -17,7 +17,7 @@ use super::{
     KvCache, LayerCache, LinearUndo, Target, TargetInputs, TargetShape,
 };
 use crate::backend::fused::{GdnConvQkv, GdnOutNorm, NormRope};
-use crate::backend::{Backend, GdnShape, Gemm, Result, GDN_CHUNK};
+use crate::backend::{Backend, GdnShape, Gemm, OutGate, Result, GDN_CHUNK};
 use crate::config::{Arch, HybridConfig, LayerType};
 use crate::model::ParamTable;
 use crate::tensor::DType;
@@ -300,8 +300,18 @@ fn gated_attention<B: Backend>(
         Run::Decode { .. } | Run::Extend { .. } => unreachable!("a full-attention layer has an attention cache"),
     };
     place_kv(be, s, &mut how, sh, rows, &sc.k, &sc.v)?;
-    attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
-    be.sigmoid_mul_strided(s, &mut sc.o, &sc.qg, hd, 2 * hd, rows * heads, hd)?;
+    // The output gate: head row i's gate half of q_proj, read in place.
+    let gate = OutGate { buf: &sc.qg, off: hd, stride: 2 * hd };
+    match how {
+        // A packed batch: the gate rides on the attention kernel's epilogue where it can.
+        Attend::Causal(seq_starts) => {
+            be.attn_causal_gated_fwd(s, &sc.q, &sc.k, &sc.v, &mut sc.o, seq_starts, rows, heads, kv_heads, hd, gate)?
+        }
+        how => {
+            attend(be, s, how, sh, rows, &sc.q, &sc.k, &sc.v, &mut sc.o, &mut sc.lse)?;
+            be.sigmoid_mul_strided(s, &mut sc.o, gate.buf, gate.off, gate.stride, rows * heads, hd)?;
+        }
+    }
     add_projection(be, s, (rows, h, qw), &sc.o, w, off("self_attn.o_proj.weight"), x, &mut sc.x2)
 }
 
