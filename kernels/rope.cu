@@ -119,8 +119,9 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, const int* __restrict__ p
 //           bf16; q_out + r * q_out_stride, k_out + r * k_out_stride likewise. wq, wk: [D] bf16.
 //           pos: [rows] i32. inv_freq: [D / 2] f32. With keep_rstd != 0, q_rstd [rows * heads] and
 //           k_rstd [rows * kv_heads] f32 receive each head's inv (row-major: r * heads + h), as
-//           rmsnorm_fwd's rstd for the norm's backward; with keep_rstd 0 they are never written
-//           (but must be live pointers, as every launch argument).
+//           rmsnorm_fwd's rstd for the norm's backward; with keep_rstd 0 (or no heads on that
+//           side) they are never written, but must be live pointers, as every launch argument:
+//           the launcher then passes inv_freq's, which this kernel only reads.
 // Work:     one warp per QKR_HEADS heads of a row (q heads first, then k heads, counted
 //           together): V = bf16_lane_dims(D) elements per lane; the partner of element c
 //           (c +- D/2) is the same slot of lane ^ (D / 2 / V). The warp issues its heads' loads

@@ -568,8 +568,12 @@ impl CudaBackend {
             )?;
             Self::need_bf16("attn_causal_gated_fwd", g.buf)?;
         }
-        // The epilogue reads the gate 8 elements at a time.
-        let fused_gate = gate.filter(|g| form == AttnForm::WarpSpecialized && g.off % 8 == 0 && g.stride % 8 == 0);
+        // The epilogue reads the gate 8 elements (16 bytes) at a time.
+        let aligned = |g: &OutGate<'_, CudaBuf>| {
+            g.stride % 8 == 0
+                && g.buf.at::<half::bf16>("attn_causal_gated_fwd", g.off).is_ok_and(|p| p.addr() % 16 == 0)
+        };
+        let fused_gate = gate.filter(|g| form == AttnForm::WarpSpecialized && aligned(g));
         if let (Some(g), None) = (gate, fused_gate) {
             self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)?;
             return self.sigmoid_mul_strided(s, o, g.buf, g.off, g.stride, rows * heads, head_dim);
