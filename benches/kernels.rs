@@ -467,7 +467,7 @@ fn main() {
         );
         for form in [AttnForm::WarpSpecialized, AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
-                be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd).unwrap()
+                be.attn_causal_fwd_with(form, &s, &qr, &kr, &vr, &mut o, &starts, t_rows, heads, kvh, hd, None).unwrap()
             });
             flops(&format!("causal attention fwd {form:?} (4 x 3072, 32/8, 128)"), t, causal_f);
         }
@@ -631,7 +631,7 @@ fn main() {
         // The three causal forms, as at head_dim 128.
         for form in [AttnForm::WarpSpecialized, AttnForm::Wgmma, AttnForm::Mma] {
             let t = time(&be, 10, || {
-                be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd).unwrap()
+                be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd, None).unwrap()
             });
             flops(&format!("causal attention fwd {form:?} (1 x 4096, 24/4, 256)"), t, f);
         }

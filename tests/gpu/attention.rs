@@ -143,7 +143,7 @@ fn gpu_causal_attention_forms_match_cpu() {
             assert!(form.takes_causal(hd), "{form:?} has no kernel for head_dim {hd}");
             let run = || {
                 let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
-                g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+                g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd, None).unwrap();
                 get(&g, &o)
             };
             let got = run();
@@ -195,7 +195,7 @@ fn gpu_causal_attention_warp_specialized_matches_cpu_and_wgmma() {
         let run = |form: AttnForm| {
             assert!(form.takes_causal(hd), "{form:?} has no kernel for head_dim {hd}");
             let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
-            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd, None).unwrap();
             get(&g, &o)
         };
         let wg = run(AttnForm::Wgmma);
@@ -241,7 +241,7 @@ fn gpu_causal_attention_keeps_non_finite_values_inside_their_sequence() {
                 continue;
             }
             let mut o = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
-            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut o, &st, rows, heads, kvh, hd, None).unwrap();
             let got = get(&g, &o);
             let what = format!("{form:?} hd {hd}, lens {lens:?}, sequence 0 non-finite: later tiles");
             rel_err(&what, &got[later.clone()], &want[later.clone()], ATTN_TOL);

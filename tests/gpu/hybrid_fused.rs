@@ -256,10 +256,9 @@ fn gpu_gated_causal_attention_equals_attention_then_gate() {
             }
             let gate = OutGate { buf: &gb, off, stride: 2 * hd };
             let mut fused = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
-            g.attn_causal_gated_fwd_with(form, &s, &qb, &kb, &vb, &mut fused, &st, rows, heads, kvh, hd, Some(gate))
-                .unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut fused, &st, rows, heads, kvh, hd, Some(gate)).unwrap();
             let mut two = g.alloc(&s, DType::BF16, rows * heads * hd).unwrap();
-            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut two, &st, rows, heads, kvh, hd).unwrap();
+            g.attn_causal_fwd_with(form, &s, &qb, &kb, &vb, &mut two, &st, rows, heads, kvh, hd, None).unwrap();
             g.sigmoid_mul_strided(&s, &mut two, &gb, off, 2 * hd, rows * heads, hd).unwrap();
             let what = format!("{form:?} hd {hd} {heads}/{kvh} heads lens {lens:?} gate offset {off}");
             let fused = get(&g, &fused);

@@ -518,31 +518,13 @@ impl CudaBackend {
         self.blas.describe(g, c_dtype, index)
     }
 
-    /// The causal forward with an explicit kernel form (the trait method takes
-    /// `AttnForm::pick`); benches and tests compare the forms with it.
+    /// The causal forward with an explicit kernel form (the trait methods take
+    /// `AttnForm::pick_causal`); benches and tests compare the forms with it. `gate`: the output
+    /// gate of `Backend::attn_causal_gated_fwd`, which the warp-specialised kernel applies in its
+    /// epilogue where the gate allows 16-byte loads; the other forms (and other gates) run
+    /// `sigmoid_mul_strided` after the kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_causal_fwd_with(
-        &self,
-        form: AttnForm,
-        s: &Stream,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        o: &mut CudaBuf,
-        seq_starts: &CudaIds,
-        rows: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) -> Result<()> {
-        self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)
-    }
-
-    /// [`Self::attn_causal_fwd_with`] with the output gate of `Backend::attn_causal_gated_fwd`:
-    /// the warp-specialised kernel applies it in its epilogue where the gate's rows allow 16-byte
-    /// loads; the other forms (and other gates) run `sigmoid_mul_strided` after the kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attn_causal_gated_fwd_with(
         &self,
         form: AttnForm,
         s: &Stream,
@@ -575,7 +557,7 @@ impl CudaBackend {
         };
         let fused_gate = gate.filter(|g| form == AttnForm::WarpSpecialized && aligned(g));
         if let (Some(g), None) = (gate, fused_gate) {
-            self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)?;
+            self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)?;
             return self.sigmoid_mul_strided(s, o, g.buf, g.off, g.stride, rows * heads, head_dim);
         }
         if rows == 0 {
@@ -1968,7 +1950,7 @@ impl Backend for CudaBackend {
         head_dim: usize,
     ) -> Result<()> {
         let form = AttnForm::pick_causal(head_dim);
-        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim)
+        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)
     }
 
     fn attn_causal_gated_fwd(
@@ -1986,7 +1968,7 @@ impl Backend for CudaBackend {
         gate: OutGate<'_, CudaBuf>,
     ) -> Result<()> {
         let form = AttnForm::pick_causal(head_dim);
-        self.attn_causal_gated_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, Some(gate))
+        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, Some(gate))
     }
 
     fn attn_draft_fwd(
