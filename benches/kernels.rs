@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use dflash_engine::backend::cuda::{alloc::Mode, AttnForm, CudaBackend, FcPath, GdnForm, MlpForm};
-use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm, QkNormRope, Rows};
+use dflash_engine::backend::{AdamStep, Backend, DraftAttnShape, Gemm, OutGate, QkNormRope, Rows};
 use dflash_engine::tensor::DType;
 
 /// Median seconds of `reps` runs of `f` (each synchronised), after 2 warm-ups.
@@ -123,8 +123,9 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     // DFLASH_BENCH_KERNELS="pat;pat": only the groups (pack, norm, swiglu, cross-entropy, adamw,
-    // decode, gdn-conv rmsnorm1p norm-rope, attention, gdn, fc, mlp, gemm-algos) whose name contains a
-    // pattern; the peaks are always measured. gemm-model runs only when named exactly.
+    // decode, gdn-conv rmsnorm1p norm-rope, attention, gated-attention, gdn, fc, mlp, gemm-algos)
+    // whose name contains a pattern; the peaks are always measured. gemm-model runs only when
+    // named exactly.
     let only: Vec<String> = std::env::var("DFLASH_BENCH_KERNELS")
         .map(|v| v.split(';').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
         .unwrap_or_default();
@@ -635,6 +636,35 @@ fn main() {
             });
             flops(&format!("causal attention fwd {form:?} (1 x 4096, 24/4, 256)"), t, f);
         }
+    }
+    if want("gated-attention") {
+        // The Qwen3.6-27B full-attention layer as the forward runs it (4 x 3072 tokens, 24/4
+        // heads, head_dim 256, the gate the second half of each head's q_proj row): the gate in
+        // the warp-specialised kernel's epilogue against the attention, then sigmoid_mul_strided.
+        let (n, heads, kvh, hd) = (4 * 3072usize, 24usize, 4usize, 256usize);
+        let q = normal_buf(DType::BF16, n * heads * hd, 44);
+        let k = normal_buf(DType::BF16, n * kvh * hd, 45);
+        let vv = normal_buf(DType::BF16, n * kvh * hd, 46);
+        let qg = normal_buf(DType::BF16, n * heads * 2 * hd, 47);
+        let mut o = buf(DType::BF16, n * heads * hd);
+        let starts = ids((0..=4).map(|i| i * 3072).collect());
+        let f = 4.0 * 4.0 * (3072.0 * 3073.0 / 2.0) * heads as f64 * hd as f64;
+        let gate = OutGate { buf: &qg, off: hd, stride: 2 * hd };
+        let form = AttnForm::WarpSpecialized;
+        let fused = time(&be, 10, || {
+            be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd, Some(gate)).unwrap()
+        });
+        let plain = time(&be, 10, || {
+            be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd, None).unwrap()
+        });
+        let two = time(&be, 10, || {
+            be.attn_causal_fwd_with(form, &s, &q, &k, &vv, &mut o, &starts, n, heads, kvh, hd, None).unwrap();
+            be.sigmoid_mul_strided(&s, &mut o, &qg, hd, 2 * hd, n * heads, hd).unwrap()
+        });
+        flops("gated attention, gate in the epilogue (4 x 3072, 24/4, 256)", fused, f);
+        flops("gated attention, then sigmoid_mul_strided (4 x 3072, 24/4, 256)", two, f);
+        flops("attention alone, no gate (4 x 3072, 24/4, 256)", plain, f);
+        println!("gated attention: epilogue / two passes = {:.3} (time ratio)", fused / two);
     }
     if want("fc") {
         // The FC projection at the recipe shape, random operands: cuBLASLt, then our kernel
