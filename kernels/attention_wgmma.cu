@@ -1758,42 +1758,22 @@ __device__ __forceinline__ void causal_fwd_ws(const CUtensorMap* map_q, const CU
           pack_bf16x2_rne(acc[n][2], acc[n][3]);
     }
     __syncwarp();
-    // Lane `lane` stores 16-byte chunks lane + 32 j (row (lane + 32 j) / C, chunk % C) of the
-    // warp's 16 rows. A gated epilogue first issues all of a lane's gate loads (HD / 16 of them,
-    // the accumulators are dead by now), then does the arithmetic: loaded one per chunk, each
-    // load's latency stood between the CTA and its exit (1.40 against 0.93 ms a call at the 27B
-    // shape, H100), as the SM's one CTA left it idle.
-    constexpr int C = HD / 8, J = 16 * C / 32;
-    static_assert(16 * C % 32 == 0, "a lane's chunks: a whole number");
-    if (gated) {
-      uint4 gv[J];
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int c = lane + 32 * j, i = c / C, ch = c % C, rr = q0 + wr + i;
-        gv[j] = rr < nrows ? *reinterpret_cast<const uint4*>(gate + ((index_t)rr * heads + h) * gate_stride + ch * 8)
-                           : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int c = lane + 32 * j, i = c / C, ch = c % C, rr = q0 + wr + i;
-        if (rr < nrows) {
+    constexpr int C = HD / 8;
+    for (int c = lane; c < 16 * C; c += 32) {
+      const int i = c / C, ch = c % C;
+      const int rr = q0 + wr + i;
+      if (rr < nrows) {
+        uint4 out = *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+        if (gated) {
           float x[8], g[8];
-          bf16x8_unpack(*reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch)), x);
-          bf16x8_unpack(gv[j], g);
+          bf16x8_unpack(out, x);
+          bf16x8_unpack(*reinterpret_cast<const uint4*>(gate + ((index_t)rr * heads + h) * gate_stride + ch * 8), g);
 #pragma unroll
           for (int e = 0; e < 8; ++e) x[e] = x[e] / (1.f + expf(-g[e]));
-          *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) =
-              make_uint4(pack_bf16x2_rne(x[0], x[1]), pack_bf16x2_rne(x[2], x[3]), pack_bf16x2_rne(x[4], x[5]),
-                         pack_bf16x2_rne(x[6], x[7]));
+          out = make_uint4(pack_bf16x2_rne(x[0], x[1]), pack_bf16x2_rne(x[2], x[3]), pack_bf16x2_rne(x[4], x[5]),
+                           pack_bf16x2_rne(x[6], x[7]));
         }
-      }
-    } else {
-      for (int c = lane; c < 16 * C; c += 32) {
-        const int i = c / C, ch = c % C;
-        const int rr = q0 + wr + i;
-        if (rr < nrows)
-          *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) =
-              *reinterpret_cast<const uint4*>(base_ptr + sw128_chunk<BM>(wr + i, ch));
+        *reinterpret_cast<uint4*>(o + (index_t)rr * qw + h * HD + ch * 8) = out;
       }
     }
   }

@@ -3058,10 +3058,10 @@ impl AttnForm {
     /// DFLASH_ATTN_GATE=epilogue applies the Qwen3.5 output gate in the warp-specialised causal
     /// kernel's epilogue (`attn_causal_fwd_with`'s `gate`); by default the attention runs, then
     /// `sigmoid_mul_strided`. The epilogue runs while its SM holds no other CTA, so its gate loads
-    /// and arithmetic are not hidden: on an H100 at the 27B shape its first form took the kernel
-    /// from 934 to 1,402 us a call against the separate pass's 157 us. The `gated-attention`
-    /// bench group times the two ways side by side; the epilogue becomes the default once it
-    /// measures faster there.
+    /// and arithmetic are not hidden: on an H100 at the 27B shape it took the kernel from 934 to
+    /// 1,402 us a call against the separate pass's 157 us (each lane loads its gate chunks one at
+    /// a time, each load's latency in the CTA's way out). The `gated-attention` bench group times
+    /// the two ways side by side; the epilogue becomes the default once it measures faster there.
     fn gate_in_epilogue() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| match std::env::var("DFLASH_ATTN_GATE").ok().as_deref() {
