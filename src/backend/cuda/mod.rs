@@ -1968,24 +1968,12 @@ impl Backend for CudaBackend {
         gate: OutGate<'_, CudaBuf>,
     ) -> Result<()> {
         let form = AttnForm::pick_causal(head_dim);
-        if AttnForm::gate_in_epilogue() {
-            return self.attn_causal_fwd_with(
-                form,
-                s,
-                q,
-                k,
-                v,
-                o,
-                seq_starts,
-                rows,
-                heads,
-                kv_heads,
-                head_dim,
-                Some(gate),
-            );
+        let in_epilogue = AttnForm::gate_in_epilogue().then_some(gate);
+        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, in_epilogue)?;
+        match in_epilogue {
+            Some(_) => Ok(()),
+            None => self.sigmoid_mul_strided(s, o, gate.buf, gate.off, gate.stride, rows * heads, head_dim),
         }
-        self.attn_causal_fwd_with(form, s, q, k, v, o, seq_starts, rows, heads, kv_heads, head_dim, None)?;
-        self.sigmoid_mul_strided(s, o, gate.buf, gate.off, gate.stride, rows * heads, head_dim)
     }
 
     fn attn_draft_fwd(
