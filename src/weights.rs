@@ -1083,13 +1083,48 @@ fn init_uniform(seed: u64, stream: u32, elem: u64) -> f64 {
 /// 1.0 for plain norms and `dt_bias`, and the fixed-scale draws of [`TensorRole`]'s other roles.
 #[inline]
 pub fn init_value_bf16(role: TensorRole, seed: u64, stream: u32, elem: u64, init_std: f32) -> bf16 {
-    let normal = |std: f64| bf16::from_f32((std * init_normal(seed, stream, elem)) as f32);
+    match (role, init_normal_scale(role, init_std)) {
+        (_, Some(scale)) => bf16::from_f32((scale * init_normal(seed, stream, elem)) as f32),
+        (TensorRole::ALog, None) => {
+            bf16::from_f32((0.01 + (16.0 - 0.01) * init_uniform(seed, stream, elem)).ln() as f32)
+        }
+        (_, None) => bf16::ONE,
+    }
+}
+
+/// The standard deviation of `role`'s normal draws (`init_value_bf16` is
+/// `bf16(f32(scale * init_normal(..)))`), or `None` for the roles that draw no normal (plain
+/// norms and `dt_bias` are 1, `A_log` a uniform's log).
+pub fn init_normal_scale(role: TensorRole, init_std: f32) -> Option<f64> {
     match role {
-        TensorRole::Norm | TensorRole::DtBias => bf16::ONE,
-        TensorRole::Embedding | TensorRole::Linear | TensorRole::NormOffset => normal(f64::from(init_std)),
-        TensorRole::Scaled { gain } => normal(f64::from(gain) * f64::from(init_std)),
-        TensorRole::Conv { kernel } => normal(1.0 / (3.0 * kernel.max(1) as f64).sqrt()),
-        TensorRole::ALog => bf16::from_f32((0.01 + (16.0 - 0.01) * init_uniform(seed, stream, elem)).ln() as f32),
+        TensorRole::Norm | TensorRole::DtBias | TensorRole::ALog => None,
+        TensorRole::Embedding | TensorRole::Linear | TensorRole::NormOffset => Some(f64::from(init_std)),
+        TensorRole::Scaled { gain } => Some(f64::from(gain) * f64::from(init_std)),
+        TensorRole::Conv { kernel } => Some(1.0 / (3.0 * kernel.max(1) as f64).sqrt()),
+    }
+}
+
+/// Elements `first..first + n` of one randomly initialised tensor (`init_value_bf16`), as a
+/// backend's `fill_init` writes them.
+#[derive(Clone, Copy, Debug)]
+pub struct InitDraw {
+    pub role: TensorRole,
+    pub seed: u64,
+    /// The tensor's Philox stream (its index in [`target_tensor_specs`]).
+    pub stream: u32,
+    pub std: f32,
+    pub first: u64,
+}
+
+impl InitDraw {
+    /// Element `i` of the draw (`first + i` of the tensor).
+    pub fn value(&self, i: usize) -> bf16 {
+        init_value_bf16(self.role, self.seed, self.stream, self.first + i as u64, self.std)
+    }
+
+    /// Elements `i0..i0 + len` as f32 (exact: they are bf16), drawn across cores.
+    pub fn values_f32(&self, i0: usize, len: usize) -> Vec<f32> {
+        (i0..i0 + len).into_par_iter().map(|i| self.value(i).to_f32()).collect()
     }
 }
 
@@ -1244,6 +1279,49 @@ mod tests {
         let dir = TempDir::new(tag);
         init_target(&tiny(), seed, DEFAULT_INIT_STD, &dir.0).unwrap();
         dir
+    }
+
+    /// The host path of `Backend::fill_init` (what the CPU backend, and CUDA for roles it cannot
+    /// draw on the device, run) writes `init_value_bf16` of the tensor's elements `first..`, at
+    /// the offset and nowhere else; each role's draw is its documented formula.
+    #[test]
+    fn fill_init_writes_the_draw() {
+        use crate::backend::{cpu::CpuBackend, Backend};
+        use crate::tensor::DType;
+        let be = CpuBackend::new();
+        let s = be.compute_stream();
+        let roles = [
+            TensorRole::Linear,
+            TensorRole::Scaled { gain: 4 },
+            TensorRole::Conv { kernel: 4 },
+            TensorRole::NormOffset,
+            TensorRole::ALog,
+            TensorRole::Norm,
+            TensorRole::DtBias,
+        ];
+        for (t, role) in roles.into_iter().enumerate() {
+            let draw = InitDraw { role, seed: 99, stream: t as u32, std: 0.02, first: 1 << 33 };
+            let (off, n) = (3, 1000);
+            let mut b = be.alloc(&s, DType::BF16, off + n + 2).unwrap();
+            be.fill(&s, &mut b, -7.0).unwrap();
+            be.fill_init(&s, &mut b, off, n, &draw).unwrap();
+            let got = be.download(&s, &b).unwrap();
+            for i in 0..n {
+                let e = draw.first + i as u64;
+                let normal = |sd: f64| bf16::from_f32((sd * init_normal(99, t as u32, e)) as f32);
+                let want = match role {
+                    TensorRole::Linear | TensorRole::NormOffset => normal(0.02f32.into()),
+                    TensorRole::Scaled { gain } => normal(f64::from(gain) * f64::from(0.02f32)),
+                    TensorRole::Conv { kernel } => normal(1.0 / (3.0 * kernel as f64).sqrt()),
+                    TensorRole::ALog => {
+                        bf16::from_f32((0.01 + (16.0 - 0.01) * init_uniform(99, t as u32, e)).ln() as f32)
+                    }
+                    _ => bf16::ONE,
+                };
+                assert_eq!(got[off + i].to_bits(), want.to_f32().to_bits(), "{role:?} element {i}");
+            }
+            assert!(got[..off].iter().chain(&got[off + n..]).all(|&v| v == -7.0), "{role:?}: wrote outside its range");
+        }
     }
 
     #[test]

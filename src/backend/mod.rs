@@ -515,6 +515,19 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
     ) -> Result<()>;
     fn fill(&self, s: &Self::Stream, dst: &mut Self::Buf, value: f32) -> Result<()>;
+    /// `dst[off..off + n]` = elements `0..n` of `draw` (`weights::init_value_bf16`, rounded to
+    /// the buffer's dtype): a random-init preset's tensor. Drawn on the host, a slice at a time,
+    /// and uploaded; CUDA draws the normal roles on the device, the same bits.
+    fn fill_init(
+        &self,
+        s: &Self::Stream,
+        dst: &mut Self::Buf,
+        off: usize,
+        n: usize,
+        draw: &crate::weights::InitDraw,
+    ) -> Result<()> {
+        fill_init_on_host(self, s, dst, off, n, draw)
+    }
 
     // ---- dense math ----
     #[allow(clippy::too_many_arguments)]
@@ -1163,4 +1176,22 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         fused::gdn_chunked_norm_fwd(self, s, sh, qkvgb, seq_starts, state, z, w, norm, core, y)
     }
+}
+
+/// `Backend::fill_init` drawn on the host, 2^24 elements at a time (the host holds one slice, not
+/// the tensor), each slice uploaded.
+pub fn fill_init_on_host<B: Backend + ?Sized>(
+    be: &B,
+    s: &B::Stream,
+    dst: &mut B::Buf,
+    off: usize,
+    n: usize,
+    draw: &crate::weights::InitDraw,
+) -> Result<()> {
+    const SLICE: usize = 1 << 24;
+    for i0 in (0..n).step_by(SLICE) {
+        let len = SLICE.min(n - i0);
+        be.upload(s, &draw.values_f32(i0, len), dst, off + i0)?;
+    }
+    Ok(())
 }

@@ -7,7 +7,6 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::options::RunOptions;
@@ -113,7 +112,8 @@ impl TargetSource {
         match self {
             TargetSource::Preset { cfg, seed, std, .. } => {
                 let specs = weights::target_tensor_specs(cfg);
-                Target::load(be, shape, taps, all_layers, |name, dims| -> Result<Vec<f32>> {
+                let s = be.compute_stream();
+                Target::load_with(be, shape, taps, all_layers, |name, dims, buf, off| -> Result<()> {
                     let (t, spec) = specs
                         .iter()
                         .enumerate()
@@ -124,11 +124,9 @@ impl TargetSource {
                         "preset tensor {name}: shape {:?}, expected {dims:?}",
                         spec.shape
                     );
-                    let n: usize = dims.iter().product();
-                    Ok((0..n as u64)
-                        .into_par_iter()
-                        .map(|e| weights::init_value_bf16(spec.role, *seed, t as u32, e, *std).to_f32())
-                        .collect())
+                    let draw =
+                        weights::InitDraw { role: spec.role, seed: *seed, stream: t as u32, std: *std, first: 0 };
+                    Ok(be.fill_init(&s, buf, off, dims.iter().product(), &draw)?)
                 })
             }
             TargetSource::Files(f) => Target::load(be, shape, taps, all_layers, |name, dims| -> Result<Vec<f32>> {

@@ -97,6 +97,10 @@ pub struct CudaIds {
     pool: Arc<Mutex<CachingAllocator<CudaMem>>>,
 }
 
+/// Set once a device-drawn random init differed from the host's (`fill_init`): presets are then
+/// drawn on the host for the rest of the process.
+static DEVICE_INIT_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl Drop for CudaBuf {
     fn drop(&mut self) {
         if let Ok(mut p) = self.pool.lock() {
@@ -411,6 +415,14 @@ impl CudaBackend {
         let cfg = LaunchCfg::new(kernel, cfg.0, cfg.1, cfg.2)?;
         self.bind()?;
         args.launch_raw(kernel, self.kernels.get(kernel), &cfg, s.raw())
+    }
+
+    /// Whether `fill_init` draws on the device: until a sampled element differs from the host's,
+    /// and not under `DFLASH_INIT=host`.
+    fn device_init_ok(&self) -> bool {
+        static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let host = *HOST.get_or_init(|| std::env::var("DFLASH_INIT").is_ok_and(|v| v == "host"));
+        !host && !DEVICE_INIT_OFF.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Grid for a grid-stride elementwise kernel over `n` elements, 8 per thread.
@@ -1650,6 +1662,83 @@ impl Backend for CudaBackend {
                 self.launch(s, launch::FillBf16::KERNEL, cfg, args)
             }
         }
+    }
+
+    fn fill_init(
+        &self,
+        s: &Stream,
+        dst: &mut CudaBuf,
+        off: usize,
+        n: usize,
+        draw: &crate::weights::InitDraw,
+    ) -> Result<()> {
+        const OP: &str = "fill_init";
+        check_len(OP, "dst", dst.len, off, n)?;
+        let host = |be: &Self, dst: &mut CudaBuf| crate::backend::fill_init_on_host(be, s, dst, off, n, draw);
+        let scale = crate::weights::init_normal_scale(draw.role, draw.std);
+        let (Some(scale), DType::BF16, true) = (scale, dst.dtype, n > 0 && self.device_init_ok()) else {
+            return host(self, dst);
+        };
+        // kernels/init.cu: the host's bits except for the few elements whose f32 rounding the
+        // two libms could decide differently, which it lists (`suspects`) for the host to redo.
+        const CAP: usize = 4096;
+        let words = |be: &Self, what: &'static str, n64: usize| -> Result<CudaIds> {
+            let (ptr, block) = be.raw_alloc(s, 8 * n64, || format!("{OP}: {what}"))?;
+            Ok(CudaIds { ptr, len: 2 * n64, block, pool: be.pool.clone() })
+        };
+        let (count, suspects) = (words(self, "its counter", 1)?, words(self, "its suspects", CAP)?);
+        // SAFETY: 8 bytes allocated.
+        unsafe { cu::memset_d8_async(count.ptr, 0, 8, s.raw()) }
+            .map_err(|e| drv("fill_init: zeroing its counter", e))?;
+        let args = launch::InitNormalBf16 {
+            x: dst.at(OP, off)?,
+            n,
+            first: draw.first,
+            seed: draw.seed,
+            philox_stream: draw.stream,
+            scale_bits: scale.to_bits(),
+            suspects: DevPtr::<u64>::new(suspects.ptr),
+            count: DevPtr::<u64>::new(count.ptr),
+            cap: CAP,
+        };
+        self.launch(s, launch::InitNormalBf16::KERNEL, (self.ew_grid(n), 256, 0), args)?;
+        let c = self.download_ids(s, &count)?;
+        let listed = (u64::from(c[0] as u32) | (u64::from(c[1] as u32) << 32)) as usize;
+        if listed > CAP {
+            return host(self, dst);
+        }
+        let mut redo: Vec<usize> = Vec::with_capacity(listed + 16);
+        if listed > 0 {
+            let w = self.download_ids(s, &suspects)?;
+            redo.extend(
+                w.chunks_exact(2)
+                    .take(listed)
+                    .map(|p| (u64::from(p[0] as u32) | (u64::from(p[1] as u32) << 32)) as usize),
+            );
+        }
+        for &i in &redo {
+            self.upload(s, &[draw.value(i).to_f32()], dst, off + i)?;
+        }
+        // A sample checked against the host: 16 elements spread over the tensor. A difference
+        // (a libm outside the bounds init.cu relies on) turns the device path off for the
+        // process, with a note, and this tensor is drawn again on the host.
+        let m = n.min(16);
+        let picks: Vec<usize> = (0..m).map(|j| if m == 1 { 0 } else { j * (n - 1) / (m - 1) }).collect();
+        let mut got = self.alloc(s, DType::BF16, picks.len())?;
+        for (j, &i) in picks.iter().enumerate() {
+            self.copy(s, dst, off + i, &mut got, j, 1)?;
+        }
+        let got = self.download(s, &got)?;
+        if let Some((&i, g)) = picks.iter().zip(&got).find(|(&i, &g)| g.to_bits() != draw.value(i).to_f32().to_bits()) {
+            eprintln!(
+                "note: the device's random init differs from the host's at element {} of a tensor ({g} against {}); drawing presets on the host from here on",
+                draw.first + i as u64,
+                draw.value(i)
+            );
+            DEVICE_INIT_OFF.store(true, std::sync::atomic::Ordering::Relaxed);
+            return host(self, dst);
+        }
+        Ok(())
     }
 
     fn gemm(

@@ -149,6 +149,24 @@ impl<B: Backend> Target<B> {
     where
         E: From<crate::backend::BackendError>,
     {
+        Self::load_with(be, shape, taps, all_layers, |name, dims, weights, off| {
+            let host = get(name, dims)?;
+            Ok(be.upload(&be.compute_stream(), &host, weights, off)?)
+        })
+    }
+
+    /// `load` with a source that writes each tensor into the weights itself (`name, shape,
+    /// weights, offset`): a preset draws its tensors there (`Backend::fill_init`).
+    pub fn load_with<E>(
+        be: &B,
+        shape: TargetShape,
+        taps: Vec<usize>,
+        all_layers: bool,
+        mut put: impl FnMut(&str, &[usize], &mut B::Buf, usize) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E>
+    where
+        E: From<crate::backend::BackendError>,
+    {
         let last_tap = *taps.iter().max().expect("at least one tap layer");
         let last = if all_layers { shape.layers - 1 } else { last_tap };
         let table = Self::param_table(&shape, last);
@@ -156,8 +174,7 @@ impl<B: Backend> Target<B> {
         let mut weights = be.alloc(&s, DType::BF16, table.total())?;
         for e in table.entries() {
             let src = if e.name == names::LM_HEAD && shape.tied_embeddings { names::EMBED } else { e.name.as_str() };
-            let host = get(src, &e.shape)?;
-            be.upload(&s, &host, &mut weights, e.offset)?;
+            put(src, &e.shape, &mut weights, e.offset)?;
         }
         Ok(Target { shape, taps, table, weights: std::sync::Arc::new(weights), loaded_layers: last + 1 })
     }
