@@ -11,10 +11,11 @@
 // CUDA C Programming Guide, double-precision functions), so the two y differ by a few f64 ulps at
 // most; with f32's 2^29-times coarser rounding that changes the f32 (and so the bf16) only where
 // y lies within those few ulps of a midpoint between two f32 values. Such elements (|y - m| <=
-// 2^-46 |y| for either midpoint m next to f32_rne(y), a margin of 64 f64 ulps against the ~8 the
-// two sides can differ by, and y == 0 or subnormal) are listed in `suspects` (their index i;
-// `count` is how many there were, which may pass `cap`) and the launcher rewrites them with the
-// host's value; the rest are the host's bits. About one element in 2.8 million is listed.
+// 2^-46 |y| for either midpoint m next to f32_rne(y), a margin of 64 to 128 f64 ulps against the
+// ~7 the two sides can differ by; and y zero, subnormal or at least FLT_MAX) are listed in
+// `suspects` (their index i; `count` is how many there were, which may pass `cap`) and the
+// launcher rewrites them with the host's value; the rest are the host's bits. About one element
+// in 2.8 million is listed.
 // Layout: x [n] bf16 contiguous. suspects [cap] u64, count [1] u64 (the launcher zeroes it).
 // Launch: blockDim.x any multiple of 32; grid.x any >= 1 (grid-stride loop).
 // Bound: Philox and the f64 log / cos (~2 x 10^9 elements a second on an H100, not memory).
@@ -48,7 +49,9 @@ extern "C" __global__ void init_normal_bf16(__nv_bfloat16* __restrict__ x, long 
     const double lo = 0.5 * (fd + (double)nextafterf(f, -INFINITY));
     const double hi = 0.5 * (fd + (double)nextafterf(f, INFINITY));
     const double margin = fabs(y) * 1.4210854715202004e-14;  // 2^-46 |y|
-    const bool suspect = !(fabs(y) >= 1.1754943508222875e-38) || fabs(y - lo) <= margin || fabs(y - hi) <= margin;
+    // Zero, subnormal, and at or past FLT_MAX (where a neighbour midpoint is infinite) are listed too.
+    const bool suspect = !(fabs(y) >= 1.1754943508222875e-38) || fabs(y) >= 3.4028234663852886e38 ||
+                         fabs(y - lo) <= margin || fabs(y - hi) <= margin;
     if (suspect) {
       const unsigned long long k = atomicAdd(count, 1ull);
       if (k < (unsigned long long)cap) suspects[k] = (unsigned long long)i;
