@@ -101,6 +101,11 @@ pub struct CudaIds {
 /// drawn on the host for the rest of the process.
 static DEVICE_INIT_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Little-endian u64 words downloaded as i32 pairs (`CudaBackend::u64_scratch`).
+fn u64_words(w: &[i32]) -> impl Iterator<Item = u64> + '_ {
+    w.chunks_exact(2).map(|p| u64::from(p[0] as u32) | (u64::from(p[1] as u32) << 32))
+}
+
 impl Drop for CudaBuf {
     fn drop(&mut self) {
         if let Ok(mut p) = self.pool.lock() {
@@ -415,6 +420,18 @@ impl CudaBackend {
         let cfg = LaunchCfg::new(kernel, cfg.0, cfg.1, cfg.2)?;
         self.bind()?;
         args.launch_raw(kernel, self.kernels.get(kernel), &cfg, s.raw())
+    }
+
+    /// `n` u64 words of device scratch (a kernel's counters or lists), read back with
+    /// [`u64_words`]; `zeroed` clears them on `s` first.
+    fn u64_scratch(&self, s: &Stream, n: usize, zeroed: bool, what: impl FnOnce() -> String) -> Result<CudaIds> {
+        let (ptr, block) = self.raw_alloc(s, 8 * n, what)?;
+        let ids = CudaIds { ptr, len: 2 * n, block, pool: self.pool.clone() };
+        if zeroed {
+            // SAFETY: 8 * n bytes allocated.
+            unsafe { cu::memset_d8_async(ptr, 0, 8 * n, s.raw()) }.map_err(|e| drv("zeroing u64 scratch", e))?;
+        }
+        Ok(ids)
     }
 
     /// Whether `fill_init` draws on the device: until a sampled element differs from the host's,
@@ -1682,14 +1699,8 @@ impl Backend for CudaBackend {
         // kernels/init.cu: the host's bits except for the few elements whose f32 rounding the
         // two libms could decide differently, which it lists (`suspects`) for the host to redo.
         const CAP: usize = 4096;
-        let words = |be: &Self, what: &'static str, n64: usize| -> Result<CudaIds> {
-            let (ptr, block) = be.raw_alloc(s, 8 * n64, || format!("{OP}: {what}"))?;
-            Ok(CudaIds { ptr, len: 2 * n64, block, pool: be.pool.clone() })
-        };
-        let (count, suspects) = (words(self, "its counter", 1)?, words(self, "its suspects", CAP)?);
-        // SAFETY: 8 bytes allocated.
-        unsafe { cu::memset_d8_async(count.ptr, 0, 8, s.raw()) }
-            .map_err(|e| drv("fill_init: zeroing its counter", e))?;
+        let count = self.u64_scratch(s, 1, true, || format!("{OP}: its counter"))?;
+        let suspects = self.u64_scratch(s, CAP, false, || format!("{OP}: its suspects"))?;
         let args = launch::InitNormalBf16 {
             x: dst.at(OP, off)?,
             n,
@@ -1702,22 +1713,15 @@ impl Backend for CudaBackend {
             cap: CAP,
         };
         self.launch(s, launch::InitNormalBf16::KERNEL, (self.ew_grid(n), 256, 0), args)?;
-        let c = self.download_ids(s, &count)?;
-        let listed = (u64::from(c[0] as u32) | (u64::from(c[1] as u32) << 32)) as usize;
+        let listed = u64_words(&self.download_ids(s, &count)?).next().unwrap_or(0) as usize;
         if listed > CAP {
             return host(self, dst);
         }
-        let mut redo: Vec<usize> = Vec::with_capacity(listed + 16);
         if listed > 0 {
-            let w = self.download_ids(s, &suspects)?;
-            redo.extend(
-                w.chunks_exact(2)
-                    .take(listed)
-                    .map(|p| (u64::from(p[0] as u32) | (u64::from(p[1] as u32) << 32)) as usize),
-            );
-        }
-        for &i in &redo {
-            self.upload(s, &[draw.value(i).to_f32()], dst, off + i)?;
+            for i in u64_words(&self.download_ids(s, &suspects)?).take(listed) {
+                let i = i as usize;
+                self.upload(s, &[draw.value(i).to_f32()], dst, off + i)?;
+            }
         }
         // A sample checked against the host: 16 elements spread over the tensor. A difference
         // (a libm outside the bounds init.cu relies on) turns the device path off for the
@@ -2403,11 +2407,7 @@ impl Backend for CudaBackend {
     }
 
     fn count_nonfinite(&self, s: &Stream, x: &CudaBuf) -> Result<u64> {
-        let (ptr, block) = self.raw_alloc(s, 8, || "count_nonfinite: its counter".into())?;
-        let counter = CudaIds { ptr, len: 2, block, pool: self.pool.clone() };
-        // SAFETY: 8 bytes allocated.
-        unsafe { cu::memset_d8_async(ptr, 0, 8, s.raw()) }
-            .map_err(|e| drv("count_nonfinite: zeroing its counter", e))?;
+        let counter = self.u64_scratch(s, 1, true, || "count_nonfinite: its counter".into())?;
         let (cfg, out) = ((self.ew_grid(x.len), 256, 0), DevPtr::<u64>::new(counter.ptr));
         match x.dtype {
             DType::F32 => {
@@ -2419,8 +2419,7 @@ impl Backend for CudaBackend {
                 self.launch(s, launch::CountNonfiniteBf16::KERNEL, cfg, args)?;
             }
         }
-        let words = self.download_ids(s, &counter)?;
-        Ok(u64::from(words[0] as u32) | (u64::from(words[1] as u32) << 32))
+        Ok(u64_words(&self.download_ids(s, &counter)?).next().unwrap_or(0))
     }
 
     fn rmsnorm1p_fwd(

@@ -149,9 +149,10 @@ impl<B: Backend> Target<B> {
     where
         E: From<crate::backend::BackendError>,
     {
+        let s = be.compute_stream();
         Self::load_with(be, shape, taps, all_layers, |name, dims, weights, off| {
             let host = get(name, dims)?;
-            Ok(be.upload(&be.compute_stream(), &host, weights, off)?)
+            Ok(be.upload(&s, &host, weights, off)?)
         })
     }
 
